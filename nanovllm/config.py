@@ -1,0 +1,161 @@
+"""Config: every engine knob, validated once at construction. Built by LLMEngine from LLM kwargs."""
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "torch", "flash", "triton")
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _load_hf_config(model: str):
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path to a checkpoint folder, got {type(model).__name__}")
+    model = str(model)
+    if not os.path.isdir(model):
+        raise ValueError(f"model folder {model!r} does not exist or is not a directory")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model folder {model!r} has no config.json")
+    if not any(f.endswith(".safetensors") for f in os.listdir(model)):
+        raise ValueError(f"model folder {model!r} has no *.safetensors weights "
+                         "(only safetensors checkpoints are loaded)")
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Config:
+    """Engine settings. Derived values (hf_config, torch_dtype, resolved device) are set once here."""
+
+    model: str
+    device: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_bytes: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    dist_port: int | None = None
+    # Derived, filled in __post_init__.
+    hf_config: object = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+    eos_token_ids: frozenset = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hf_config = _load_hf_config(self.model)
+        self.model = str(self.model)
+        from nanovllm.models import get_model_class
+        get_model_class(self.hf_config)  # unsupported architectures fail here, naming the supported ones
+        self._check_device()
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
+            _positive_int(name, getattr(self, name))
+        if self.kvcache_block_size is None:
+            # flash-attn's paged kernels want 256; small blocks share prefixes better on CPU.
+            self.kvcache_block_size = 256 if self.device == "cuda" else 16
+        _positive_int("kvcache_block_size", self.kvcache_block_size)
+        if self.kvcache_block_size % 16 != 0:
+            raise ValueError(f"kvcache_block_size must be a multiple of 16, got {self.kvcache_block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kvcache_bytes is not None:
+            _positive_int("cpu_kvcache_bytes", self.cpu_kvcache_bytes)
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        if max_pos is not None and self.max_model_len > max_pos:
+            logger.info("max_model_len %d capped to the model's max_position_embeddings %d",
+                        self.max_model_len, max_pos)
+            self.max_model_len = max_pos
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        self.torch_dtype = self._resolve_dtype()
+        self.eos_token_ids = self._collect_eos_ids()
+        if self.cpu_kvcache_bytes is None and self.device == "cpu":
+            # A safe share of free RAM: the model and activations need the rest.
+            self.cpu_kvcache_bytes = min(int(_available_ram_bytes() * 0.25), 8 << 30)
+
+    def _check_device(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            dtype = self.dtype
+        elif self.dtype == "auto":
+            dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            if isinstance(dtype, str):
+                dtype = _DTYPES.get(dtype, torch.float32)
+            dtype = dtype or torch.float32
+            if self.device == "cpu" and dtype == torch.float16:
+                dtype = torch.bfloat16  # fp16 matmuls are unusably slow on CPU
+        elif self.dtype in _DTYPES:
+            dtype = _DTYPES[self.dtype]
+        else:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {dtype} is not supported")
+        return dtype
+
+    def _collect_eos_ids(self) -> frozenset:
+        ids: set[int] = set()
+
+        def add(value) -> None:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+
+        add(getattr(self.hf_config, "eos_token_id", None))
+        gen_path = os.path.join(self.model, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                add(json.load(f).get("eos_token_id"))
+        return frozenset(ids)
+
+
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(Config) if f.init)

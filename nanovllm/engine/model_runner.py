@@ -1,0 +1,197 @@
+"""ModelRunner: loads the model, allocates the paged KV cache, builds each step's input tensors,
+runs the forward pass and samples. LLMEngine calls run() once per step."""
+import logging
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.backends import get_backend, pick_backend_name
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import get_model_class
+from nanovllm.utils.context import Context, forward_context
+from nanovllm.utils.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.block_size = config.kvcache_block_size
+        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.dtype = config.torch_dtype
+        hf_config = config.hf_config
+        with default_dtype(self.dtype), self.device:
+            self.model = get_model_class(hf_config)(hf_config)
+        load_model(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = get_backend(pick_backend_name(config.attention_backend, config.device))
+        self.backend.check_block_size(self.block_size)
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+        if rank == 0:
+            logger.info("attention backend: %s, device: %s, dtype: %s", self.backend.name, self.device, self.dtype)
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+
+    # ---- KV cache ---------------------------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        layer = self.attention_layers[0]
+        per_layer = self.block_size * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return 2 * len(self.attention_layers) * per_layer
+
+    def kv_cache_budget_bytes(self) -> int:
+        if self.device.type == "cpu":
+            return self.config.cpu_kvcache_bytes
+        self.warmup_model()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        return int(total * self.config.gpu_memory_utilization - used - peak + current)
+
+    def allocate_kv_cache(self) -> int:
+        block_bytes = self.kv_block_bytes()
+        num_blocks = self.kv_cache_budget_bytes() // block_bytes
+        blocks_per_seq = -(-self.config.max_model_len // self.block_size)
+        num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+        if num_blocks < 1:
+            raise ValueError(f"not even one KV cache block ({block_bytes} bytes) fits the memory budget; "
+                             "raise gpu_memory_utilization / cpu_kvcache_bytes or lower max_num_batched_tokens")
+        layer = self.attention_layers[0]
+        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
+                                    layer.num_kv_heads, layer.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    @torch.inference_mode()
+    def warmup_model(self) -> None:
+        """One forward at the largest prefill batch, without a KV cache, to measure peak memory."""
+        cfg = self.config
+        seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        seqs = [Sequence([0] * seq_len) for _ in range(num_seqs)]
+        input_ids, positions, context, _ = self.prepare_prefill(seqs, [seq_len] * num_seqs)
+        context.slot_mapping = None  # nothing to store: the cache does not exist yet
+        with forward_context(context):
+            self.model(input_ids, positions)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- step inputs ------------------------------------------------------------------------
+    def slots_of(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Cache slots of positions [start, end) of seq."""
+        if not seq.block_table:
+            return np.full(end - start, -1, dtype=np.int64)
+        pos = np.arange(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def block_tables_of(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.block_table)] = seq.block_table
+        return self.to_device(torch.from_numpy(table))
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        input_ids, positions, slots = [], [], []
+        seqlens_q, seqlens_k, logits_indices = [], [], []
+        for seq, n in zip(seqs, num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.uncomputed_token_ids(n))
+            positions.append(np.arange(start, start + n))
+            slots.append(self.slots_of(seq, start, start + n))
+            seqlens_q.append(n)
+            seqlens_k.append(start + n)
+            logits_indices.append(sum(seqlens_q) - 1)
+        cu_q = np.cumsum([0] + seqlens_q)
+        cu_k = np.cumsum([0] + seqlens_k)
+        has_cached_prefix = any(k > q for q, k in zip(seqlens_q, seqlens_k))
+        context = Context(
+            is_prefill=True,
+            cu_seqlens_q=self.to_device(torch.from_numpy(cu_q.astype(np.int32))),
+            cu_seqlens_k=self.to_device(torch.from_numpy(cu_k.astype(np.int32))),
+            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+            slot_mapping=self.to_device(torch.from_numpy(np.concatenate(slots))),
+            block_tables=self.block_tables_of(seqs) if has_cached_prefix else None,
+            has_cached_prefix=has_cached_prefix,
+            seqlens_q_host=seqlens_q, seqlens_k_host=seqlens_k,
+        )
+        input_ids = self.to_device(torch.tensor(input_ids, dtype=torch.int64))
+        positions = self.to_device(torch.from_numpy(np.concatenate(positions)))
+        return input_ids, positions, context, self.to_device(torch.tensor(logits_indices))
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        input_ids = torch.tensor([seq.last_token for seq in seqs], dtype=torch.int64)
+        positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
+        tables = [seq.block_table for seq in seqs]
+        slots = np.array([t[p // self.block_size] * self.block_size + p % self.block_size
+                          for t, p in zip(tables, positions)], dtype=np.int64)
+        context = Context(
+            is_prefill=False,
+            slot_mapping=self.to_device(torch.from_numpy(slots)),
+            context_lens=self.to_device(torch.from_numpy(positions + 1).to(torch.int32)),
+            block_tables=self.block_tables_of(seqs),
+            max_seqlen_k=int(positions.max()) + 1,
+        )
+        return self.to_device(input_ids), self.to_device(torch.from_numpy(positions)), context
+
+    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
+        return self.to_device(torch.tensor([seq.temperature for seq in seqs], dtype=torch.float32))
+
+    # ---- forward and sample -----------------------------------------------------------------
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
+                  logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+        with forward_context(context):
+            hidden_states = self.model(input_ids, positions)
+        if logits_indices is not None:
+            hidden_states = hidden_states[logits_indices]
+        return self.model.compute_logits(hidden_states)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> list[int]:
+        """One step: the token sampled for each scheduled sequence (rank 0; [] on other ranks)."""
+        if out.is_prefill:
+            input_ids, positions, context, logits_indices = self.prepare_prefill(out.seqs, out.num_new_tokens)
+        else:
+            input_ids, positions, context = self.prepare_decode(out.seqs)
+            logits_indices = None
+        logits = self.run_model(input_ids, positions, context, logits_indices)
+        if self.rank != 0:
+            return []
+        token_ids = self.sampler(logits, self.prepare_sample(out.seqs))
+        return token_ids.tolist()
+
+    def exit(self) -> None:
+        self.kv_cache = None
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])

@@ -1,0 +1,132 @@
+"""Scheduler: picks the sequences of each step (prefill first, then decode) and applies results.
+
+LLMEngine calls schedule() before a step and postprocess() after it.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens from seq.num_computed_tokens."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: Config, num_kvcache_blocks: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = config.eos_token_ids
+        self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._schedule_prefill()
+        if out.seqs:
+            return out
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> SchedulerOutput:
+        seqs, num_new = [], []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_table:  # not started yet (new, or preempted)
+                if len(self.running) + len(seqs) >= self.max_num_seqs:
+                    break
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+            if seq.num_computed_tokens + n < len(seq):
+                break  # chunked: this prompt continues next step, at the queue's head
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return SchedulerOutput(seqs, num_new, is_prefill=True)
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        seqs: list[Sequence] = []
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())  # the most recently added one
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))
+        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+        """Apply one step's sampled tokens; returns the sequences that finished."""
+        finished = []
+        for seq, n, token_id in zip(out.seqs, out.num_new_tokens, token_ids):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue  # mid-prompt chunk: its sampled token means nothing
+            seq.append_token(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if not seq.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is and free its blocks at once."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        else:
+            return
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"

@@ -1,0 +1,104 @@
+"""Sequence: one request's tokens and scheduling state. Owned by the Scheduler, read by ModelRunner."""
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids (prompt + completion) and KV bookkeeping of one request.
+
+    num_computed_tokens counts the tokens whose K/V are already in the paged cache (prefix-cache
+    hits and earlier prefill chunks included); num_cached_tokens counts the prefix-cache hits.
+    """
+
+    block_size = 16
+    _counter = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None):
+        sp = sampling_params or SamplingParams()
+        self.seq_id = next(Sequence._counter)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.last_token = self.token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = self.num_tokens
+        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.sampling_params = sp
+        self.temperature = sp.temperature
+        self.max_tokens = sp.max_tokens
+        self.ignore_eos = sp.ignore_eos
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        assert 0 <= i < self.num_blocks
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def uncomputed_token_ids(self, num_new_tokens: int) -> list[int]:
+        """The token ids a step computes: num_new_tokens of them from num_computed_tokens on."""
+        start = self.num_computed_tokens
+        if self.token_ids is None:  # a worker's copy carries only the last token
+            assert start == self.num_tokens - 1 and num_new_tokens == 1
+            return [self.last_token]
+        return self.token_ids[start: start + num_new_tokens]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    def reset_for_recompute(self) -> None:
+        """Preemption: forget the cache state; the whole sequence is prefilled again later."""
+        self.status = SequenceStatus.WAITING
+        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.block_table = []
+
+    def __getstate__(self):
+        # NOTE: workers only need the last token once the prompt is in their cache (TP pickling).
+        state = copy(self.__dict__)
+        if self.num_computed_tokens == self.num_tokens - 1:
+            state["token_ids"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)

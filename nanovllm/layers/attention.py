@@ -1,0 +1,28 @@
+"""Attention layer: stores this step's K/V into the paged cache, then attends with the backend
+picked once by ModelRunner (torch, flash or triton; see layers/backends)."""
+import torch
+from torch import nn
+
+from nanovllm.layers.backends import AttentionBackend
+from nanovllm.utils.context import get_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        # Set by ModelRunner: the paged caches of this layer and the backend.
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        context = get_context()
+        if self.k_cache.numel() > 0 and context.slot_mapping is not None:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        if context.is_prefill:
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)

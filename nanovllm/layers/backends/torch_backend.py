@@ -1,0 +1,78 @@
+"""Pure-PyTorch attention over the paged KV cache: the CPU path and the reference for the others."""
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.backends import AttentionBackend
+from nanovllm.utils.context import Context
+
+
+def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """Write each token's K/V row to its slot (block_id * block_size + offset); slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first num_tokens cached rows of one sequence: [num_tokens, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks]]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    return rows.flatten(0, 1)[:num_tokens]
+
+
+def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
+    """[q_len, k_len] bool: query i (at position k_len - q_len + i) sees keys 0..its position."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(1)
+    return torch.arange(k_len, device=device).unsqueeze(0) <= q_pos
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+         is_causal: bool) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D], grouped-query aware."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        has_cache = k_cache.numel() > 0
+        q_start = 0
+        for i, (q_len, k_len) in enumerate(zip(context.seqlens_q_host, context.seqlens_k_host)):
+            qi = q[q_start: q_start + q_len]
+            if k_len == q_len or not has_cache:  # no cached prefix: use the fresh K/V directly
+                ki, vi = k[q_start: q_start + q_len], v[q_start: q_start + q_len]
+                oi = sdpa(qi, ki, vi, scale, None, is_causal=q_len > 1)
+            else:
+                table = context.block_tables[i]
+                ki, vi = gather_kv(k_cache, table, k_len), gather_kv(v_cache, table, k_len)
+                oi = sdpa(qi, ki, vi, scale, causal_mask(q_len, k_len, q.device), is_causal=False)
+            out[q_start: q_start + q_len] = oi
+            q_start += q_len
+        return out
+
+    def decode(self, q, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+        # q: [num_seqs, num_heads, head_dim]; one query per sequence at position context_len - 1.
+        tables = context.block_tables.clamp(min=0)
+        num_seqs, max_blocks = tables.shape
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        k = k_cache[tables].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+        v = v_cache[tables].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+        positions = torch.arange(max_blocks * block_size, device=q.device)
+        mask = (positions.unsqueeze(0) < context.context_lens.unsqueeze(1))[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != num_kv_heads)  # [num_seqs, num_heads, 1, head_dim]
+        return out.squeeze(2)

@@ -1,0 +1,27 @@
+"""RMSNorm, optionally fused with the residual add that precedes it. Used by every decoder layer."""
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
+        orig_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        # NOTE: cast before scaling by the weight, as HF does, so bf16 results match it.
+        return self.weight * x.to(orig_dtype)
+
+    def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add happens in the model dtype, as in the HF reference.
+        x = x + residual
+        return self.rms_forward(x), x
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.rms_forward(x)
+        return self.add_rms_forward(x, residual)

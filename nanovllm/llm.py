@@ -1,0 +1,30 @@
+"""LLM: the user-facing facade. `LLM(model_dir, **engine_options).generate(prompts, params)`."""
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.sampling_params import SamplingParams
+
+
+class LLM(LLMEngine):
+    """Offline inference: construct once, call generate() or chat() as often as needed."""
+
+    def chat(self, messages: list[list[dict]] | list[dict],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[dict]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        prompts = [self.apply_chat_template(conv) for conv in messages]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; call generate() with plain prompts")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.exit()

@@ -1,0 +1,19 @@
+"""Model registry keyed by config.architectures[0]; model modules are imported lazily."""
+import importlib
+
+_MODELS = {
+    "Qwen3ForCausalLM": "nanovllm.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config):
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs or archs[0] not in _MODELS:
+        name = archs[0] if archs else "(none given in config.json)"
+        raise ValueError(f"unsupported model architecture {name}; supported: {supported_architectures()}")
+    module_name, cls_name = _MODELS[archs[0]].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)

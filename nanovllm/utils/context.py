@@ -1,0 +1,54 @@
+"""Per-step attention metadata. ModelRunner sets it before a forward pass; Attention layers read it."""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    """What the attention layers of one forward pass need to know about the batch.
+
+    Prefill: cu_seqlens_q / cu_seqlens_k are [num_seqs + 1] offsets of each sequence's new tokens
+    and of its whole key range (cached prefix + new tokens). Decode: context_lens is [num_seqs].
+    block_tables is [num_seqs, max_blocks] (padded with -1); slot_mapping is [num_tokens], -1 = skip.
+    """
+
+    is_prefill: bool = False
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    has_cached_prefix: bool = False
+    # Host copies for backends that loop over sequences on the CPU.
+    seqlens_q_host: list[int] | None = None
+    seqlens_k_host: list[int] | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(context: Context) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def reset_context() -> None:
+    set_context(Context())
+
+
+@contextmanager
+def forward_context(context: Context):
+    """Set the context for one forward pass and always clear it afterwards."""
+    set_context(context)
+    try:
+        yield context
+    finally:
+        reset_context()

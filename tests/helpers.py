@@ -1,0 +1,81 @@
+"""Test helpers: tiny random checkpoints made with transformers, and an offline tokenizer."""
+import os
+
+import torch
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars shine above "
+         "old quiet rivers and small green hills near the city of paris where people talk").split()
+
+
+def make_tokenizer(path: str, vocab_size: int = 256):
+    """A word-level tokenizer with a byte-free vocabulary and a tiny chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<eos>", "<bos>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab.setdefault(f"w{i}", len(vocab))
+        i += 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   bos_token="<bos>", pad_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant {% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+QWEN3_SHAPES = {
+    # GQA 4:2, head_dim (32) != hidden / heads (16), no qkv bias, untied head.
+    "gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, attention_bias=False, tie_word_embeddings=False),
+    # MHA with qkv bias and tied embeddings.
+    "bias_tied": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=24, attention_bias=True, tie_word_embeddings=True),
+}
+
+
+def make_qwen3(path: str, shape: str = "gqa", vocab_size: int = 256, seed: int = 0, **overrides) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    kwargs = dict(QWEN3_SHAPES[shape], vocab_size=vocab_size, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_id=1, bos_token_id=2,
+                  pad_token_id=0)
+    kwargs.update(overrides)
+    config = Qwen3Config(**kwargs)
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # larger-than-default weights give peaked, decisive next-token logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(path, vocab_size)
+    return path
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
+    """Greedy tokens and per-step logits from transformers, one prompt at a time (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logits = torch.stack(out.logits, 0)[:, 0]  # [num_new, vocab]
+        results.append((tokens, logits))
+    return results
