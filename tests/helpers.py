@@ -79,3 +79,22 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
         logits = torch.stack(out.logits, 0)[:, 0]  # [num_new, vocab]
         results.append((tokens, logits))
     return results
+
+
+def check_tokens_close(ours: list[list[int]], ref: list[tuple[list[int], "torch.Tensor"]],
+                       our_logprobs: list["torch.Tensor"] | None = None, k: int = 5) -> int:
+    """vLLM's rule: outputs equal, or at the first difference each side's token is in the other's
+    top-k. Our top-k needs our logits; without them only the reference side is checked.
+    Returns how many outputs matched exactly."""
+    exact = 0
+    for i, (tokens, (ref_tokens, ref_logits)) in enumerate(zip(ours, ref)):
+        if tokens == ref_tokens:
+            exact += 1
+            continue
+        pos = next(j for j, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b)
+        ref_top = ref_logits[pos].topk(k).indices.tolist()
+        assert tokens[pos] in ref_top, f"prompt {i}: token {tokens[pos]} at {pos} not in HF top-{k} {ref_top}"
+        if our_logprobs is not None:
+            our_top = our_logprobs[i][pos].topk(k).indices.tolist()
+            assert ref_tokens[pos] in our_top, f"prompt {i}: HF token not in our top-{k}"
+    return exact

@@ -50,14 +50,15 @@ class Scheduler:
     def _schedule_prefill(self) -> SchedulerOutput:
         seqs, num_new = [], []
         budget = self.max_num_batched_tokens
+        # Sequences holding blocks: running ones plus a partly prefilled one at the queue's head.
+        num_active = len(self.running) + int(bool(self.waiting and self.waiting[0].block_table))
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:  # not started yet (new, or preempted)
-                if len(self.running) + len(seqs) >= self.max_num_seqs:
-                    break
-                if not self.block_manager.can_allocate(seq):
+                if num_active >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
+                num_active += 1
             n = min(len(seq) - seq.num_computed_tokens, budget)
             seqs.append(seq)
             num_new.append(n)

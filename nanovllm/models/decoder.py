@@ -12,7 +12,7 @@ from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, use_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool):
         super().__init__()
         hidden_size = config.hidden_size
         self.total_num_heads = config.num_attention_heads
@@ -24,8 +24,7 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size,
-                                        bias=getattr(config, "o_proj_bias", False))
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias)
         theta, scaling = rope_settings(config)
         self.rotary_emb = get_rope(self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
@@ -63,9 +62,9 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, use_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, use_qk_norm)
+        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, use_qk_norm)
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -82,10 +81,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, use_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, use_qk_norm)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, use_qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -109,18 +108,20 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    qkv_bias = False
     use_qk_norm = False
 
     def __init__(self, config):
         super().__init__()
-        self.model = DecoderModel(config, self.qkv_bias_for(config), self.use_qk_norm)
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = DecoderModel(config, qkv_bias, o_bias, self.use_qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def qkv_bias_for(self, config) -> bool:
-        return self.qkv_bias
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        """(qkv_proj has bias, o_proj has bias): `attention_bias` covers all four by default."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

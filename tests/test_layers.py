@@ -1,0 +1,170 @@
+"""Each layer against an independent formula: RMSNorm and RoPE vs HF, attention backends vs naive
+attention over the same paged cache, SiLU-and-mul, linear weight loaders, and the sampler."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.backends.torch_backend import TorchBackend
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary_embedding import get_rope, rope_settings
+from nanovllm.layers.sampler import Sampler
+from nanovllm.utils.context import Context
+
+
+def test_rmsnorm_matches_hf_and_fused_add():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    torch.manual_seed(0)
+    x, res = torch.randn(5, 32), torch.randn(5, 32)
+    ours, ref = RMSNorm(32, eps=1e-6), Qwen3RMSNorm(32, eps=1e-6)
+    w = torch.randn(32)
+    ours.weight.data.copy_(w)
+    ref.weight.data.copy_(w)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    y, new_res = ours(x, res)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(y, ref(x + res))
+
+
+def test_rope_matches_hf():
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+    config = Qwen3Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         max_position_embeddings=128, rope_theta=5000.0)
+    theta, scaling = rope_settings(config)
+    assert theta == 5000.0
+    rope = get_rope(32, 32, 128, theta, scaling)
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 3, 17, 100, 127])
+    q, k = torch.randn(5, 2, 32), torch.randn(5, 1, 32)
+    q1, k1 = rope(positions, q, k)
+    cos, sin = Qwen3RotaryEmbedding(config)(q, positions.unsqueeze(0))
+    # HF layout: [batch, heads, seq, dim]
+    q2, k2 = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(q1, q2[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k1, k2[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_theta_from_legacy_field():
+    class Legacy:
+        rope_theta = 123.0
+    assert rope_settings(Legacy()) == (123.0, None)
+
+
+def test_silu_and_mul():
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :4]) * x[:, 4:])
+
+
+def test_packed_linear_loaders_place_shards():
+    qkv = QKVParallelLinear(8, head_size=2, total_num_heads=4, total_num_kv_heads=2, bias=False)
+    q, k, v = torch.randn(8, 8), torch.randn(4, 8), torch.randn(4, 8)
+    for shard_id, w in (("q", q), ("k", k), ("v", v)):
+        qkv.weight.weight_loader(qkv.weight, w, shard_id)
+    torch.testing.assert_close(qkv.weight.data, torch.cat([q, k, v]))
+    merged = MergedColumnParallelLinear(8, [6, 6])
+    g, u = torch.randn(6, 8), torch.randn(6, 8)
+    merged.weight.weight_loader(merged.weight, u, 1)
+    merged.weight.weight_loader(merged.weight, g, 0)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(merged(x), torch.cat([x @ g.T, x @ u.T], -1))
+    row = RowParallelLinear(8, 4, bias=True)
+    with pytest.raises(ValueError, match="shape"):
+        row.weight.weight_loader(row.weight, torch.randn(4, 9))
+
+
+# ---- attention over the paged cache -----------------------------------------------------------
+def naive_attention(q, k, v, scale, q_offset):
+    """q [Lq, H, D], k/v [Lk, Hkv, D]; query i sits at position q_offset + i."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    mask = torch.arange(k.shape[0])[None, :] > (q_offset + torch.arange(q.shape[0]))[:, None]
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def paged_setup(lens, block_size=4, num_kv_heads=2, head_dim=8, num_blocks=32):
+    """Random K/V for each sequence written into a paged cache via shuffled block tables."""
+    torch.manual_seed(0)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks).tolist()
+    tables, ks, vs = [], [], []
+    for n in lens:
+        nb = math.ceil(n / block_size)
+        table = [free.pop() for _ in range(nb)]
+        k, v = torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        TorchBackend().store_kvcache(k, v, k_cache, v_cache, slots)
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k_cache, v_cache, block_tables, ks, vs
+
+
+def test_store_skips_padding_slots():
+    k_cache = torch.zeros(2, 4, 1, 2)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.ones(3, 1, 2)
+    TorchBackend().store_kvcache(k, 2 * k, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    assert k_cache.view(-1, 2)[[0, 5]].eq(1).all() and k_cache.sum() == 4
+    assert v_cache.view(-1, 2)[[0, 5]].eq(2).all()
+
+
+@pytest.mark.parametrize("num_heads", [2, 4, 8])
+def test_decode_matches_naive(num_heads):
+    lens = [1, 5, 12, 9]
+    k_cache, v_cache, tables, ks, vs = paged_setup(lens)
+    q = torch.randn(len(lens), num_heads, 8)
+    ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables)
+    out = TorchBackend().decode(q, k_cache, v_cache, ctx, 0.3)
+    for i, n in enumerate(lens):
+        ref = naive_attention(q[i: i + 1], ks[i], vs[i], 0.3, n - 1)
+        torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads", [2, 4])
+def test_prefill_with_cached_prefix_matches_naive(num_heads):
+    k_lens, q_lens = [10, 7, 13], [3, 7, 5]  # the second has no cached prefix
+    k_cache, v_cache, tables, ks, vs = paged_setup(k_lens)
+    qs = [torch.randn(n, num_heads, 8) for n in q_lens]
+    new_k = torch.cat([k[-n:] for k, n in zip(ks, q_lens)])
+    new_v = torch.cat([v[-n:] for v, n in zip(vs, q_lens)])
+    ctx = Context(is_prefill=True, block_tables=tables, has_cached_prefix=True,
+                  seqlens_q_host=q_lens, seqlens_k_host=k_lens)
+    out = TorchBackend().prefill(torch.cat(qs), new_k, new_v, k_cache, v_cache, ctx, 0.5)
+    start = 0
+    for q, k, v, nq, nk in zip(qs, ks, vs, q_lens, k_lens):
+        ref = naive_attention(q, k, v, 0.5, nk - nq)
+        torch.testing.assert_close(out[start: start + nq], ref, rtol=1e-5, atol=1e-5)
+        start += nq
+
+
+# ---- sampler ----------------------------------------------------------------------------------
+def test_sampler_greedy_rows_take_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    temps = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.7, 0.0])
+    out = Sampler()(logits, temps)
+    greedy = temps == 0
+    assert torch.equal(out[greedy], logits.argmax(-1)[greedy])
+    assert torch.equal(Sampler()(logits, torch.zeros(6)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampler_follows_softmax_chi_square(temperature):
+    torch.manual_seed(1)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 20000
+    draws = Sampler()(logits.expand(n, -1).clone(), torch.full((n,), temperature))
+    observed = torch.bincount(draws, minlength=6).double()
+    expected = torch.softmax(logits.double() / temperature, -1) * n
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    # 5 degrees of freedom: P(chi2 > 20.5) = 0.001, so a correct sampler fails 1 run in 1000.
+    assert chi2 < 20.5, (chi2, observed, expected)

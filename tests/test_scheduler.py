@@ -1,0 +1,147 @@
+"""Scheduler: prefill budget, chunking, decode, preemption order, finishing. No model involved."""
+from types import SimpleNamespace
+
+import pytest
+
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+@pytest.fixture(autouse=True)
+def block_size():
+    old = Sequence.block_size
+    Sequence.block_size = BS
+    yield
+    Sequence.block_size = old
+
+
+def make_scheduler(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                   prefix_caching=True) -> Scheduler:
+    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, eos_token_ids=frozenset({0}),
+                             kvcache_block_size=BS, enable_prefix_caching=prefix_caching)
+    return Scheduler(config, num_blocks)
+
+
+def seq_of(n: int, start: int = 1, max_tokens: int = 8, ignore_eos: bool = True) -> Sequence:
+    return Sequence(list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+
+
+def run_step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    finished = s.postprocess(out, [token] * len(out.seqs))
+    return out, finished
+
+
+def test_prefill_respects_token_budget_and_chunks_the_overflow():
+    s = make_scheduler(max_num_batched_tokens=10)
+    a, b = seq_of(6), seq_of(8, start=20)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert out.is_prefill and out.seqs == [a, b] and out.num_new_tokens == [6, 4]
+    s.postprocess(out, [7, 7])
+    assert len(a) == 7 and len(b) == 8  # b was mid-prompt: no token appended
+    assert b.num_computed_tokens == 4 and s.waiting[0] is b
+    out = s.schedule()
+    assert out.is_prefill and out.seqs == [b] and out.num_new_tokens == [4]
+    s.postprocess(out, [9])
+    assert b.completion_token_ids == [9] and b.status == SequenceStatus.RUNNING
+
+
+def test_long_prompt_is_prefilled_in_chunks():
+    s = make_scheduler(max_num_batched_tokens=8, num_blocks=16)
+    seq = seq_of(20)
+    s.add(seq)
+    chunks = []
+    while seq.num_completion_tokens == 0:
+        out, _ = run_step(s)
+        chunks.append(out.num_new_tokens[0])
+    assert chunks == [8, 8, 4]
+
+
+def test_max_num_seqs_limits_running_sequences():
+    s = make_scheduler(max_num_seqs=2)
+    seqs = [seq_of(3, start=10 * i + 1) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    out = s.schedule()
+    assert out.seqs == seqs[:2]
+    s.postprocess(out, [7, 7])
+    out = s.schedule()
+    assert not out.is_prefill and out.seqs == seqs[:2]  # the third waits for a free slot
+
+
+def test_decode_after_prefill_one_token_each():
+    s = make_scheduler()
+    a, b = seq_of(3), seq_of(5, start=30)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    out = s.schedule()
+    assert not out.is_prefill and out.seqs == [a, b] and out.num_new_tokens == [1, 1]
+    assert a.num_computed_tokens == len(a) - 1
+
+
+def test_preemption_frees_the_latest_running_sequence():
+    # 4 blocks of 4 tokens; two sequences of 8 tokens fill the cache exactly.
+    s = make_scheduler(num_blocks=4, max_num_batched_tokens=64)
+    a, b = seq_of(8), seq_of(8, start=50)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    out = s.schedule()  # both need a 3rd block for position 8: only b can be evicted
+    assert out.seqs == [a] and s.num_preemptions == 1
+    assert list(s.waiting) == [b] and b.block_table == [] and b.status == SequenceStatus.WAITING
+    assert b.num_computed_tokens == 0 and len(b) == 9  # keeps its generated token
+    s.postprocess(out, [7])
+
+
+def test_preempted_sequence_is_recomputed_with_its_generated_tokens():
+    s = make_scheduler(num_blocks=4, max_num_batched_tokens=64, prefix_caching=False)
+    a, b = seq_of(8, max_tokens=2), seq_of(8, start=50, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)  # b preempted; a finishes (2 tokens)
+    assert a.is_finished and a.finish_reason == "length"
+    out = s.schedule()
+    assert out.is_prefill and out.seqs == [b] and out.num_new_tokens == [9]
+
+
+def test_finish_on_eos_unless_ignored_and_blocks_freed():
+    s = make_scheduler()
+    stops = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
+    ignores = Sequence([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    s.add(stops)
+    s.add(ignores)
+    out = s.schedule()
+    finished = s.postprocess(out, [0, 0])
+    assert finished == [stops] and stops.finish_reason == "stop"
+    assert not ignores.is_finished
+    s.finish(ignores, "length")
+    assert s.block_manager.num_free_blocks == 16 and s.is_finished()
+
+
+def test_max_model_len_ends_generation():
+    s = make_scheduler(max_model_len=6)
+    seq = seq_of(4, max_tokens=100)
+    s.add(seq)
+    while not seq.is_finished:
+        run_step(s)
+    assert len(seq) == 6 and seq.finish_reason == "length"
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    s = make_scheduler(max_num_batched_tokens=8)
+    running, partial = seq_of(4), seq_of(12, start=40)
+    s.add(running)
+    s.add(partial)
+    run_step(s)  # running prefilled; partial got a first chunk of 4 and holds blocks
+    assert partial.block_table
+    s.abort(partial)
+    s.abort(running)
+    assert s.is_finished() and s.block_manager.num_free_blocks == 16
