@@ -68,12 +68,12 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress EOS
     results = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
                                  pad_token_id=0)
         tokens = out.sequences[0, len(prompt):].tolist()
         logits = torch.stack(out.logits, 0)[:, 0]  # [num_new, vocab]
