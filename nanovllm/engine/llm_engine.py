@@ -1,5 +1,6 @@
 """LLMEngine: add_request / step / generate. Owns the tokenizer, the Scheduler and the ModelRunner."""
 import logging
+import os
 import time
 
 from tqdm.auto import tqdm
@@ -13,6 +14,18 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str):
+    """The folder's HF tokenizer, or None for a weights-only folder (then prompts must be token ids)."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files: prompts must be token ids and outputs carry no text", path)
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         unknown = sorted(set(kwargs) - CONFIG_FIELDS)
@@ -20,8 +33,7 @@ class LLMEngine:
             raise TypeError(f"unknown engine argument(s): {unknown}; known: {sorted(CONFIG_FIELDS - {'model'})}")
         self.config = config = Config(model, **kwargs)
         Sequence.block_size = config.kvcache_block_size
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.model_runner = ModelRunner(config)
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
@@ -32,6 +44,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is an empty string")
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -88,7 +102,7 @@ class LLMEngine:
     def output_of(self, seq: Sequence) -> dict:
         token_ids = seq.completion_token_ids
         return {
-            "text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
+            "text": self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else None,
             "token_ids": token_ids,
             "finish_reason": seq.finish_reason,
             "prompt_token_ids": seq.prompt_token_ids,
