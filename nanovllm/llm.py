@@ -1,5 +1,8 @@
 """LLM: the user-facing facade. `LLM(model_dir, **engine_options).generate(prompts, params)`."""
+from collections.abc import Iterator
+
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.streaming import OutputStreamer, StreamDelta
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -14,6 +17,32 @@ class LLM(LLMEngine):
             messages = [messages]
         prompts = [self.apply_chat_template(conv) for conv in messages]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def generate_stream(self, prompts: list[str] | list[list[int]],
+                        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                        ) -> Iterator[StreamDelta]:
+        """Like generate(), but yields each request's new tokens and text as they are produced.
+
+        A delta's request_id is its prompt's position in `prompts`. Closing the iterator early
+        (break, or garbage collection) aborts the unfinished requests and frees their KV blocks.
+        """
+        prompts, params = self._normalize(prompts, sampling_params)
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # validate all first
+        streamer = OutputStreamer(self)
+        for i, seq in enumerate(seqs):
+            self.scheduler.add(seq)
+            streamer.track(seq, request_id=i)
+        try:
+            while len(streamer):
+                _, num_tokens = self.step()
+                deltas = streamer.collect()
+                if not deltas and num_tokens == 0 and self.is_finished():
+                    raise RuntimeError("engine stopped with requests still pending")
+                yield from deltas
+        finally:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.abort_request(seq)
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:

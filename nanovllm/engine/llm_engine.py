@@ -38,6 +38,7 @@ class LLMEngine:
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
+        self.last_step_seqs: list[Sequence] = []
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -89,6 +90,7 @@ class LLMEngine:
         """Run one step; returns the finished sequences and the number of tokens computed
         (positive for a prefill step, minus the batch size for a decode step)."""
         out = self.scheduler.schedule()
+        self.last_step_seqs = out.seqs  # who to fail if this step raises (the async server's rule)
         if not out.seqs:
             return [], 0
         token_ids = self.model_runner.run(out)
@@ -108,9 +110,9 @@ class LLMEngine:
             "prompt_token_ids": seq.prompt_token_ids,
         }
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+    @staticmethod
+    def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        """One prompt or a list of them, and one SamplingParams or one per prompt -> two lists."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -122,6 +124,12 @@ class LLMEngine:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         else:
             sampling_params = [sampling_params] * len(prompts)
+        return list(prompts), list(sampling_params)
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        prompts, sampling_params = self._normalize(prompts, sampling_params)
         # Validate everything before queueing anything, so one bad prompt leaves the engine untouched.
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
         for seq in seqs:

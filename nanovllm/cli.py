@@ -1,0 +1,72 @@
+"""The `nanovllm` command (console script). `nanovllm serve MODEL [options]` runs the OpenAI server."""
+import argparse
+import logging
+import sys
+
+
+# Engine options: (flag, Config field, type, help). Defaults stay Config's own.
+_ENGINE_OPTIONS = [
+    ("--device", "device", str, "auto, cpu or cuda"),
+    ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16"),
+    ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "most tokens in one step"),
+    ("--max-model-len", "max_model_len", int, "longest prompt + completion"),
+    ("--kvcache-block-size", "kvcache_block_size", int, "tokens per KV cache block (multiple of 16)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float, "share of GPU memory to use"),
+    ("--cpu-kvcache-bytes", "cpu_kvcache_bytes", int, "KV cache size on CPU, in bytes"),
+    ("--tensor-parallel-size", "tensor_parallel_size", int, "number of GPUs (tensor parallel)"),
+    ("--attention-backend", "attention_backend", str, "auto, torch, flash or triton"),
+    ("--seed", "seed", int, "engine seed"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vLLM command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model", help="HuggingFace checkpoint folder (config.json, *.safetensors, tokenizer)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="model name clients ask for (default: MODEL)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    engine = serve.add_argument_group("engine options")
+    for flag, dest, type_, help_ in _ENGINE_OPTIONS:
+        engine.add_argument(flag, dest=dest, type=type_, default=None, help=help_)
+    engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=None, help="turn prefix caching off")
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line (unset ones keep Config's defaults)."""
+    names = [dest for _, dest, _, _ in _ENGINE_OPTIONS] + ["enforce_eager", "enable_prefix_caching"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            print("nanovllm serve needs the server extras: pip install 'nano-vllm[server]'", file=sys.stderr)
+            return 2
+        from nanovllm import LLM
+        from nanovllm.entrypoints.openai_server import serve as run_server
+
+        try:
+            llm = LLM(args.model, **engine_kwargs(args))
+        except (ValueError, TypeError) as e:
+            print(f"nanovllm serve: {e}", file=sys.stderr)
+            return 2
+        run_server(llm, args.served_model_name or args.model, host=args.host, port=args.port,
+                   api_key=args.api_key, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Streaming: turns the growth of live sequences into per-request deltas after each engine step.
+
+LLM.generate_stream and the async server front (entrypoints/async_engine.py) call track() for each
+new sequence and collect() after each LLMEngine.step().
+"""
+from dataclasses import dataclass, field
+
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass
+class StreamDelta:
+    """What one completion produced since its previous delta.
+
+    request_id is the caller's key; index tells the completions of one request apart (n > 1).
+    Concatenating a completion's `text` pieces gives the offline output's text, its `token_ids`
+    pieces the offline token ids. finish_reason is None until the completion's last delta.
+    """
+
+    request_id: object
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Tracked:
+    def __init__(self, seq: Sequence, request_id: object, index: int, tokenizer):
+        self.seq = seq
+        self.request_id = request_id
+        self.index = index
+        sp = seq.sampling_params
+        skip = getattr(sp, "skip_special_tokens", True)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip) if tokenizer is not None else None
+        stops = getattr(sp, "stop", None) or []
+        if getattr(sp, "include_stop_str_in_output", False):
+            stops = []  # a stop string stays in the output, so no text needs holding back
+        # NOTE: text that may be the start of a stop string is held back until it cannot be one,
+        # so a stream never sends text that the final output cuts off.
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+
+
+class OutputStreamer:
+    """Per-sequence stream state: how many tokens and characters were already handed out.
+
+    NOTE: a sequence's completion tokens only ever grow (preemption keeps them), so the new ones
+    of a step are completion_token_ids[num_sent_tokens:].
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tracked: dict[int, _Tracked] = {}
+
+    def __len__(self) -> int:
+        return len(self.tracked)
+
+    def track(self, seq: Sequence, request_id: object, index: int = 0) -> None:
+        self.tracked[seq.seq_id] = _Tracked(seq, request_id, index, self.engine.tokenizer)
+
+    def untrack(self, seq: Sequence) -> None:
+        self.tracked.pop(seq.seq_id, None)
+
+    def collect(self) -> list[StreamDelta]:
+        """Deltas of every tracked sequence that grew or finished since the last call; finished
+        sequences are untracked after their last delta."""
+        deltas = []
+        for seq_id, t in list(self.tracked.items()):
+            delta = self._delta(t)
+            if delta is None:
+                continue
+            deltas.append(delta)
+            if delta.is_finished:
+                del self.tracked[seq_id]
+        return deltas
+
+    def _delta(self, t: _Tracked) -> StreamDelta | None:
+        seq = t.seq
+        completion = seq.completion_token_ids
+        new_ids = completion[t.num_sent_tokens:]
+        if not new_ids and not seq.is_finished:
+            return None
+        if seq.is_finished:
+            output = self.engine.output_of(seq)
+            text = output["text"]
+            logprobs = output.get("logprobs")
+        else:
+            text = self._running_text(t, new_ids)
+            logprobs = None
+        piece = None
+        if text is not None:
+            piece = text[t.num_sent_chars:]
+            t.num_sent_chars = len(text)
+        new_logprobs = logprobs[t.num_sent_tokens:] if logprobs is not None else None
+        t.num_sent_tokens = len(completion)
+        return StreamDelta(t.request_id, t.index, new_ids, piece, seq.finish_reason,
+                           seq.num_prompt_tokens, len(completion),
+                           getattr(seq, "stop_reason", None), new_logprobs)
+
+    @staticmethod
+    def _running_text(t: _Tracked, new_ids: list[int]) -> str | None:
+        if t.detokenizer is None:
+            return None
+        for token_id in new_ids:
+            t.detokenizer.add_token(token_id)
+        text = t.detokenizer.text
+        visible = len(text) - t.holdback
+        return text[:max(visible, t.num_sent_chars)]

@@ -1,0 +1,212 @@
+"""AsyncEngine: one background thread keeps stepping an LLM while requests arrive and leave.
+
+The OpenAI server (entrypoints/openai_server.py) submits requests from its asyncio event loop and
+reads each request's deltas from an asyncio.Queue. NOTE: only the engine thread touches the LLM
+(scheduler, tokenizer, model), so nothing in the engine needs a lock.
+"""
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.streaming import OutputStreamer, StreamDelta
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine step that carried this request raised; the request was aborted."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    out: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class AsyncEngine:
+    """Continuous batching across callers: submit() returns at once; the engine thread adds the
+    request before its next step, so no request waits for another to finish.
+
+    Each delta (StreamDelta) goes to the request's queue; a failed step puts an EngineStepError.
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.streamer = OutputStreamer(llm)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._requests: dict[str, _Request] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
+        self.num_steps = 0
+        self.num_failed_steps = 0
+
+    # ---- event-loop side --------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def submit(self, request_id: str, prompt: str | list[int] | list[dict],
+                     sampling_params: SamplingParams, out: asyncio.Queue) -> list[int]:
+        """Queue one request (a chat conversation if prompt is a list of messages); returns its
+        prompt token ids once the engine thread accepted it, or raises the validation error."""
+        if not self.is_running:
+            raise RuntimeError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        self._post(("add", _Request(request_id, out, loop), prompt, sampling_params, accepted))
+        return await accepted
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op once it finished); its KV blocks are freed before the next step."""
+        self._post(("abort", request_id))
+
+    def call(self, fn) -> "asyncio.Future":
+        """Run fn(llm) on the engine thread between steps; await the returned future for its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._post(("call", fn, fut))
+        return fut
+
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wakeup.set()
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if self.llm.is_finished():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                self.llm.step()
+            except Exception as e:  # fail this step's requests; keep serving everyone else
+                self.num_failed_steps += 1
+                logger.exception("engine step failed")
+                self._fail_step(e)
+                continue
+            self.num_steps += 1
+            self._deliver(self.streamer.collect())
+        for request_id in list(self._requests):
+            self._abort(request_id)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "call":
+                _, fn, fut = command
+                try:
+                    _resolve(fut, result=fn(self.llm))
+                except Exception as e:
+                    _resolve(fut, error=e)
+
+    def _add(self, req: _Request, prompt, sampling_params: SamplingParams, accepted) -> None:
+        try:
+            if req.request_id in self._requests:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = self.llm.apply_chat_template(prompt)
+            seq = self.llm.add_request(prompt, sampling_params)
+        except Exception as e:  # validation errors go back to the caller, not to the loop
+            _resolve(accepted, error=e)
+            return
+        req.seqs = [seq]
+        self._requests[req.request_id] = req
+        for index, s in enumerate(req.seqs):
+            self.streamer.track(s, req.request_id, index)
+        _resolve(accepted, result=list(seq.prompt_token_ids))
+
+    def _abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            self.streamer.untrack(seq)
+            if not seq.is_finished:
+                self.llm.abort_request(seq)
+
+    def _fail_step(self, error: Exception) -> None:
+        seqs = self.llm.last_step_seqs
+        if seqs:
+            failed = {self.streamer.tracked[s.seq_id].request_id for s in seqs if s.seq_id in self.streamer.tracked}
+        else:  # the step failed before it picked its sequences: the engine state is unknown
+            failed = set(self._requests)
+        for request_id in failed:
+            req = self._requests.get(request_id)
+            self._abort(request_id)
+            if req is not None:
+                message = f"engine step failed: {type(error).__name__}: {error}"
+                _call_soon(req.loop, req.out.put_nowait, EngineStepError(message))
+
+    def _deliver(self, deltas: list[StreamDelta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        done = set()
+        for delta in deltas:
+            req = self._requests.get(delta.request_id)
+            if req is None:
+                continue
+            by_loop.setdefault(req.loop, []).append((req.out, delta))
+            if delta.is_finished and not any(s.seq_id in self.streamer.tracked for s in req.seqs):
+                done.add(delta.request_id)
+        for request_id in done:
+            del self._requests[request_id]
+        for loop, items in by_loop.items():
+            if not _call_soon(loop, _put_all, items):  # nobody listens any more
+                for request_id in {delta.request_id for _, delta in items}:
+                    self._abort(request_id)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Schedule fn(*args) on an event loop from the engine thread; False if that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
+    for out, delta in items:
+        out.put_nowait(delta)
+
+
+def _resolve(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    """Settle an event-loop future from the engine thread (unless its awaiter gave up)."""
+    def settle() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    _call_soon(fut.get_loop(), settle)

@@ -1,0 +1,147 @@
+"""Pydantic models of the OpenAI API requests the server accepts, and their SamplingParams mapping.
+
+openai_server.py validates each request body with these models. Unknown fields are an error (400).
+"""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanovllm.sampling_params import SamplingParams
+
+# Request fields handed to SamplingParams under the same (vLLM) name when the client sets them.
+# SamplingParams itself validates their values; one it does not know raises TypeError -> 400.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+    "skip_special_tokens", "include_stop_str_in_output", "n",
+)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields (the openai client sends them through `extra_body`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+
+    def sampling_kwargs(self) -> dict:
+        """The fields the client set, by SamplingParams' names (unset ones keep its defaults)."""
+        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS
+                  if name in self.model_fields_set and getattr(self, name) is not None}
+        if kwargs.get("n") == 1:
+            del kwargs["n"]  # n=1 is every engine's default; only n > 1 needs the engine's support
+        return kwargs
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) or be unset, got {self.best_of}")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (a string, token ids, or a list of either)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        kwargs = self.sampling_kwargs()
+        if self.max_tokens is not None:
+            kwargs["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            kwargs["logprobs"] = self.logprobs
+        return SamplingParams(**kwargs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. name, tool_calls: passed on to the template
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def to_template_dict(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def conversation(self) -> list[dict]:
+        return [m.to_template_dict() for m in self.messages]
+
+    def sampling_params(self) -> SamplingParams:
+        kwargs = self.sampling_kwargs()
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.logprobs:
+            kwargs["logprobs"] = self.top_logprobs or 0
+        return SamplingParams(**kwargs)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
