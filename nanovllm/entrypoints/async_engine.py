@@ -48,6 +48,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self.num_steps = 0
         self.num_failed_steps = 0
+        self.num_aborted = 0  # requests aborted before they finished (client gone, failed step)
 
     # ---- event-loop side --------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -150,10 +151,12 @@ class AsyncEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        unfinished = [seq for seq in req.seqs if not seq.is_finished]
         for seq in req.seqs:
             self.streamer.untrack(seq)
-            if not seq.is_finished:
-                self.llm.abort_request(seq)
+        for seq in unfinished:
+            self.llm.abort_request(seq)
+        self.num_aborted += bool(unfinished)
 
     def _fail_step(self, error: Exception) -> None:
         seqs = self.llm.last_step_seqs

@@ -150,14 +150,27 @@ def _validation_body(e: RequestValidationError) -> dict:
 
 def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log_level: str = "info") -> None:
-    """Run the server until interrupted (the `nanovllm serve` command)."""
+    """Run the server until SIGINT/SIGTERM (the `nanovllm serve` command); then stop the engine
+    loop and the LLM (its workers included) before returning."""
+    import signal
+    import threading
+
     import uvicorn
 
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn shuts down gracefully, then re-raises the signal: make SIGTERM's re-raise an
+        # exception like SIGINT's, so the cleanup below runs instead of the process just dying.
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     engine = AsyncEngine(llm).start()
     app = build_app(engine, served_model_name, api_key)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:
+        logger.info("stopping on signal")
     finally:
         engine.shutdown(timeout=10)
         llm.exit()
 
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt

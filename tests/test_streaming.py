@@ -1,0 +1,114 @@
+"""Library streaming: LLM.generate_stream deltas add up to generate()'s outputs; closing a stream
+aborts its requests; incremental text never shows a broken multi-byte character."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.streaming import OutputStreamer
+
+from helpers import WORDS
+
+PROMPTS = ["the quick brown fox", "seven bright stars shine", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
+           "paris"]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_gqa):
+    # A 5-block cache for requests needing 10 blocks in all: long decodes preempt, streams must survive that.
+    with LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=128, cpu_kvcache_bytes=5 * 16384) as engine:
+        yield engine
+
+
+def concat(deltas, n: int) -> tuple[list[str], list[list[int]], list[str | None]]:
+    texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+    for d in deltas:
+        assert reasons[d.request_id] is None, "a delta after the last one"
+        texts[d.request_id] += d.text
+        ids[d.request_id] += d.token_ids
+        reasons[d.request_id] = d.finish_reason
+        assert d.num_output_tokens == len(ids[d.request_id])
+    return texts, ids, reasons
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_stream_adds_up_to_generate(llm, ignore_eos):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in (30, 7, 25, 40)]
+    ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    preemptions = llm.scheduler.num_preemptions
+    deltas = list(llm.generate_stream(PROMPTS, params))
+    texts, ids, reasons = concat(deltas, len(PROMPTS))
+    assert texts == [r["text"] for r in ref]
+    assert ids == [r["token_ids"] for r in ref]
+    assert reasons == [r["finish_reason"] for r in ref]
+    assert len(deltas) > len(PROMPTS)  # tokens came one step at a time, not all at the end
+    if ignore_eos:
+        assert llm.scheduler.num_preemptions > preemptions  # the streams lived through preemption
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(llm):
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    stream = llm.generate_stream(PROMPTS[:2], params)
+    seen = 0
+    for delta in stream:
+        seen += len(delta.token_ids)
+        if seen >= 6:
+            break
+    assert llm.scheduler.block_manager.num_free_blocks < llm.num_kvcache_blocks
+    stream.close()
+    assert llm.is_finished()
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    ref = llm.generate(["paris"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    texts, _, _ = concat(llm.generate_stream(["paris"], SamplingParams(temperature=0, max_tokens=5)), 1)
+    assert texts == [ref["text"]]
+
+
+def test_bad_prompt_queues_nothing(llm):
+    with pytest.raises(ValueError, match="empty string"):
+        next(llm.generate_stream(["the fox", ""], SamplingParams(max_tokens=3)))
+    assert llm.is_finished()
+
+
+def _byte_level_tokenizer():
+    """One token per UTF-8 byte: a multi-byte character always spans several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+class _FakeEngine:
+    """What OutputStreamer reads from the engine: its tokenizer and a finished request's output."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def output_of(self, seq: Sequence) -> dict:
+        return {"text": self.tokenizer.decode(seq.completion_token_ids)}
+
+
+def test_incremental_text_never_splits_a_character():
+    tokenizer = _byte_level_tokenizer()
+    text = "héllo wörld, 世界 " + WORDS[0] + " 🦊!"
+    token_ids = tokenizer.encode(text)
+    assert len(token_ids) == len(text.encode())  # byte-level, so characters do span tokens
+    streamer = OutputStreamer(_FakeEngine(tokenizer))
+    seq = Sequence([0], SamplingParams(max_tokens=len(token_ids)))
+    streamer.track(seq, request_id="r")
+    pieces = []
+    for i, token_id in enumerate(token_ids):
+        seq.append_token(token_id)
+        if i == len(token_ids) - 1:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+        (delta,) = streamer.collect()
+        assert "\ufffd" not in delta.text
+        pieces.append(delta.text)
+    assert "".join(pieces) == text
+    assert pieces[1] == ""  # "é" waits for its second byte ...
+    assert pieces[2] == "é"  # ... and comes out whole
+    assert len(streamer) == 0
