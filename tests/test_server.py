@@ -179,8 +179,20 @@ def test_32_concurrent_streams_equal_their_offline_results(served, ref_llm):
     wait_all_blocks_free(engine)
 
 
-def test_disconnected_streams_are_aborted_and_others_unaffected(served, ref_llm):
+def slow_down_steps(monkeypatch, llm, seconds: float) -> None:
+    """Each model step takes at least `seconds`: long requests surely outlive the client."""
+    real_run = llm.model_runner.run
+
+    def run(out):
+        time.sleep(seconds)
+        return real_run(out)
+
+    monkeypatch.setattr(llm.model_runner, "run", run)
+
+
+def test_disconnected_streams_are_aborted_and_others_unaffected(served, ref_llm, monkeypatch):
     engine, url, _ = served
+    slow_down_steps(monkeypatch, engine.llm, 0.01)
     keep = [prompt_of(i) for i in range(3)]
     refs = ref_llm.generate(keep, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     aborted_before = engine.num_aborted
@@ -212,6 +224,20 @@ def test_disconnected_streams_are_aborted_and_others_unaffected(served, ref_llm)
     assert results[4:] == [r["text"] for r in refs]
     wait_all_blocks_free(engine)
     assert engine.num_aborted - aborted_before == 4
+
+
+def test_non_streaming_client_that_leaves_is_aborted(served, client, monkeypatch):
+    engine, url, _ = served
+    slow_down_steps(monkeypatch, engine.llm, 0.02)
+    aborted_before = engine.num_aborted
+    impatient = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "fox"}],
+                                          max_tokens=240, extra_body={"ignore_eos": True})
+    wait_all_blocks_free(engine)
+    assert engine.num_aborted - aborted_before == 1
+    monkeypatch.undo()
+    assert client.completions.create(model=MODEL, prompt="fox", max_tokens=2).usage.completion_tokens == 2
 
 
 def post(url: str, body, headers: dict | None = None) -> httpx.Response:

@@ -5,10 +5,10 @@ reads each request's deltas from an asyncio.Queue. NOTE: only the engine thread 
 (scheduler, tokenizer, model), so nothing in the engine needs a lock.
 """
 import asyncio
-import itertools
 import logging
 import queue
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 from nanovllm.engine.sequence import Sequence
@@ -19,7 +19,11 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
-    """The engine step that carried this request raised; the request was aborted."""
+    """The engine step that carried this request raised (or the loop stopped); it was aborted."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is not running: it accepts no request."""
 
 
 @dataclass
@@ -43,8 +47,9 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
+        self._closed = False  # set by the engine thread as it exits; _post refuses from then on
+        self._post_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}  # engine thread only
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self.num_steps = 0
         self.num_failed_steps = 0
@@ -65,15 +70,14 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
+    @staticmethod
+    def new_request_id(prefix: str = "req") -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     async def submit(self, request_id: str, prompt: str | list[int] | list[dict],
                      sampling_params: SamplingParams, out: asyncio.Queue) -> list[int]:
         """Queue one request (a chat conversation if prompt is a list of messages); returns its
         prompt token ids once the engine thread accepted it, or raises the validation error."""
-        if not self.is_running:
-            raise RuntimeError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         self._post(("add", _Request(request_id, out, loop), prompt, sampling_params, accepted))
@@ -90,7 +94,12 @@ class AsyncEngine:
         return fut
 
     def _post(self, command: tuple) -> None:
-        self._inbox.put(command)
+        with self._post_lock:
+            if self._closed or self._stopping:
+                if command[0] == "abort":
+                    return  # the loop already aborted everything on its way out
+                raise EngineStoppedError("the engine loop is not running")
+            self._inbox.put(command)
         self._wakeup.set()
 
     # ---- engine thread ----------------------------------------------------------------------
@@ -110,8 +119,11 @@ class AsyncEngine:
                 continue
             self.num_steps += 1
             self._deliver(self.streamer.collect())
+        with self._post_lock:
+            self._closed = True
+        self._drain_inbox()  # adds posted before closing are refused below
         for request_id in list(self._requests):
-            self._abort(request_id)
+            self._fail(request_id, "the engine loop stopped")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -133,10 +145,12 @@ class AsyncEngine:
 
     def _add(self, req: _Request, prompt, sampling_params: SamplingParams, accepted) -> None:
         try:
+            if self._closed:
+                raise EngineStoppedError("the engine loop is not running")
             if req.request_id in self._requests:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                prompt = self.llm.apply_chat_template(prompt)
+                prompt = self._apply_chat_template(prompt)
             seq = self.llm.add_request(prompt, sampling_params)
         except Exception as e:  # validation errors go back to the caller, not to the loop
             _resolve(accepted, error=e)
@@ -146,6 +160,14 @@ class AsyncEngine:
         for index, s in enumerate(req.seqs):
             self.streamer.track(s, req.request_id, index)
         _resolve(accepted, result=list(seq.prompt_token_ids))
+
+    def _apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            return self.llm.apply_chat_template(conversation)
+        except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
+            raise ValueError(f"chat template failed on these messages: {e}") from e
 
     def _abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -165,11 +187,14 @@ class AsyncEngine:
         else:  # the step failed before it picked its sequences: the engine state is unknown
             failed = set(self._requests)
         for request_id in failed:
-            req = self._requests.get(request_id)
-            self._abort(request_id)
-            if req is not None:
-                message = f"engine step failed: {type(error).__name__}: {error}"
-                _call_soon(req.loop, req.out.put_nowait, EngineStepError(message))
+            self._fail(request_id, f"engine step failed: {type(error).__name__}: {error}")
+
+    def _fail(self, request_id: str, message: str) -> None:
+        """Abort a request and tell its caller why."""
+        req = self._requests.get(request_id)
+        self._abort(request_id)
+        if req is not None:
+            _call_soon(req.loop, req.out.put_nowait, EngineStepError(message))
 
     def _deliver(self, deltas: list[StreamDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

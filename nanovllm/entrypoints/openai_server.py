@@ -4,6 +4,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}.
 """
+import asyncio
 import hmac
 import logging
 import time
@@ -13,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError
+from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
 from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
 
@@ -78,40 +79,66 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, served_model_name)
         with _as_bad_request():
             body.check_supported()
             prompts, params = body.prompts(), body.sampling_params()
         gen = Generation(engine, engine.new_request_id("cmpl"), served_model_name, getattr(params, "n", 1))
-        return await _respond(gen, body, prompts, params, "completion")
+        return await _respond(gen, request, body, prompts, params, "completion")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, served_model_name)
         with _as_bad_request():
             body.check_supported()
             params = body.sampling_params()
         gen = Generation(engine, engine.new_request_id("chatcmpl"), served_model_name, getattr(params, "n", 1))
-        return await _respond(gen, body, [body.conversation()], params, "chat")
+        return await _respond(gen, request, body, [body.conversation()], params, "chat")
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
     return app
 
 
-async def _respond(gen: Generation, body, prompts: list, params, kind: str):
+async def _respond(gen: Generation, request: Request, body, prompts: list, params, kind: str):
     try:
         await gen.submit(prompts, params)
     except (ValueError, TypeError) as e:
         raise ApiError(400, str(e)) from e
+    except EngineStoppedError as e:
+        raise ApiError(503, str(e), "server_error") from e
     if body.stream:
+        # StreamingResponse cancels the stream when the client hangs up; that aborts the requests.
         chunks = sse_chunks(gen, kind, body.include_usage)
         return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
-        await gen.run_to_end()
+        if not await _finish_unless_disconnected(gen, request):
+            return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
     except EngineStepError as e:
         raise ApiError(500, str(e), "server_error") from e
     return completion_response(gen) if kind == "completion" else chat_response(gen)
+
+
+async def _finish_unless_disconnected(gen: Generation, request: Request) -> bool:
+    """Wait for the whole generation; False (and the requests aborted) if the client left first.
+
+    NOTE: the body is already read, so the next ASGI message can only be http.disconnect."""
+    work = asyncio.ensure_future(gen.run_to_end())
+    hang_up = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({work, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, hang_up):
+            task.cancel()  # cancelling the work runs Generation.deltas' abort
+    if work.cancelled() or not work.done():
+        return False
+    work.result()  # re-raises an EngineStepError
+    return True
 
 
 def _check_model(name: str, served_model_name: str) -> None:
