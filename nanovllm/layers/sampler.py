@@ -1,19 +1,140 @@
-"""Sampler: one token per row from final logits; greedy rows take argmax, others Gumbel-max."""
+"""Sampler: one token per row from the final logits, for the whole batch at once.
+
+ModelRunner calls it with a SamplingMetadata (layers/sampling_metadata.py). Order, as in vLLM:
+raw logprobs, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and
+an exponential-race draw (argmax p / E, E ~ Exp(1), which picks token i with probability p_i).
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from nanovllm.layers.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class SampledTokens:
+    """One step's result on the host, per scheduled row: the token (meaningless on rows that
+    are mid-prompt chunks, is_sampled False) and its logprobs entry (None unless asked)."""
+
+    token_ids: list[int]
+    is_sampled: list[bool]
+    logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class SamplerOutput:
+    """token_ids [num_rows]; with logprobs: chosen token's logprob [num_rows] and the top-N
+    token ids / logprobs [num_rows, N] of each row (N = the most any row asked for)."""
+
+    token_ids: torch.Tensor
+    chosen_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def to_host(self, metadata: SamplingMetadata) -> SampledTokens:
+        token_ids = self.token_ids.tolist()
+        return SampledTokens(token_ids, metadata.is_sampled, self.logprobs_per_row(token_ids, metadata))
+
+    def logprobs_per_row(self, token_ids: list[int], metadata: SamplingMetadata) -> list[dict[int, float] | None]:
+        """{token_id: logprob} per row, the chosen token first, then the row's top-N."""
+        if self.chosen_logprobs is None:
+            return [None] * len(metadata.num_logprobs)
+        chosen = self.chosen_logprobs.tolist()
+        top_ids, top_lps = self.top_token_ids.tolist(), self.top_logprobs.tolist()
+        rows: list[dict[int, float] | None] = []
+        for i, n in enumerate(metadata.num_logprobs):
+            if n is None:
+                rows.append(None)
+                continue
+            entry = {token_ids[i]: chosen[i]}
+            for t, lp in zip(top_ids[i][:n], top_lps[i][:n]):
+                entry.setdefault(t, lp)
+            rows.append(entry)
+        return rows
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """vLLM/HF penalties. repetition: over prompt + output tokens; presence/frequency: output only."""
+    num_rows, vocab = logits.shape
+    # [num_rows, vocab + 1]: the extra column swallows the padding id (vocab_size).
+    output_counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    output_counts.scatter_add_(1, md.output_token_ids, torch.ones_like(md.output_token_ids, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab]
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, md.prompt_token_ids, True)
+    seen = seen[:, :vocab] | (output_counts > 0)
+    rep = md.repetition_penalties.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - md.frequency_penalties.unsqueeze(1) * output_counts
+    return logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """top_k [num_rows] (vocab_size = off), top_p [num_rows] (inf = off); either may be None."""
+    if top_k is None and top_p is None:
+        return logits
+    if top_p is None:
+        # Only top-k: mask below each row's k-th largest value, no full sort needed.
+        k_max = int(top_k.max())
+        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep a token while the mass of the more likely ones is still below p: the token that
+    # crosses p stays. The top token always stays.
+    drop = mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from probs [num_rows, vocab]; seeded rows use their own generator."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, g in generators.items():  # few rows: per-request reproducibility needs their own stream
+        noise[row].exponential_(generator=g)
+    return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """logits [num_seqs, vocab], temperatures [num_seqs] (0 = greedy) -> token ids [num_seqs]."""
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits [num_rows, vocab] -> SamplerOutput with token_ids [num_rows]."""
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        is_greedy = temperatures == 0
-        if bool(is_greedy.all()):
-            return greedy
-        t = torch.where(is_greedy, torch.ones_like(temperatures), temperatures)
-        probs = torch.softmax(logits / t.unsqueeze(-1), dim=-1)
-        # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = torch.empty_like(probs).exponential_(1.0).clamp_min_(1e-10)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+        # Raw logprobs: of the model's distribution, before penalties and temperature (vLLM's default).
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+        if md.banned_rows is not None:
+            logits = logits.index_put((md.banned_rows, md.banned_token_ids),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        if md.repetition_penalties is not None:
+            logits = apply_penalties(logits, md)
+        token_ids = logits.argmax(dim=-1)
+        if not md.all_greedy:
+            token_ids = torch.where(md.is_greedy, token_ids, self.sample(logits, md))
+        out = SamplerOutput(token_ids)
+        if raw_logprobs is not None:
+            out.chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            k = min(md.max_num_logprobs, logits.shape[1])
+            out.top_logprobs, out.top_token_ids = raw_logprobs.topk(k, dim=-1)
+        return out
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        logits = logits / md.temperatures.unsqueeze(1)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        return random_sample(torch.softmax(logits, dim=-1), md.generators)
