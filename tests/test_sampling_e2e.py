@@ -138,7 +138,8 @@ def test_earliest_stop_string_wins_and_min_tokens_delays_it(llm, greedy):
     late, early = words[5], " " + words[1]
     out = gen(llm, [P4], SamplingParams(temperature=0, max_tokens=10, stop=[late, early]))[0]
     k, text = first_prefix_containing(llm, tokens, early)
-    assert out["stop_reason"] == early and out["token_ids"] == tokens[:k] and out["text"] == text[: text.find(early)]
+    assert out["stop_reason"] == early and out["token_ids"] == tokens[:k]
+    assert out["text"] == text[: text.find(early)]
     out = gen(llm, [P4], SamplingParams(temperature=0, max_tokens=10, stop=[early], min_tokens=k))[0]
     assert out["token_ids"] == tokens and out["finish_reason"] == "length" and out["stop_reason"] is None
 
@@ -147,11 +148,22 @@ def test_stop_token_ids_end_the_output(llm, greedy):
     tokens = greedy[2][0]
     i = next(i for i in range(2, 10) if tokens[i] not in tokens[:i])
     for include in (False, True):
-        sp = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[tokens[i]], include_stop_str_in_output=include)
+        sp = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[tokens[i]],
+                            include_stop_str_in_output=include)
         out = gen(llm, [P4], sp)[0]
         assert out["token_ids"] == tokens[: i + 1]
         assert out["finish_reason"] == "stop" and out["stop_reason"] == tokens[i]
         assert out["text"] == llm.tokenizer.decode(tokens[: i + include], skip_special_tokens=True)
+
+
+def test_incremental_text_equals_full_decode_with_special_tokens(llm, greedy):
+    tokens = greedy[2][0]
+    assert {0, 2} & set(tokens)  # the output holds special tokens (<unk>, <bos>)
+    for skip in (True, False):
+        expected = llm.tokenizer.decode(tokens, skip_special_tokens=skip)
+        for stop in (None, ["no such text"]):  # full decode at the end / per-token detokenizing
+            sp = SamplingParams(temperature=0, max_tokens=10, skip_special_tokens=skip, stop=stop)
+            assert gen(llm, [P4], sp)[0]["text"] == expected
 
 
 def test_min_tokens_holds_off_eos_like_hf(model_dir, hf_model, greedy, tmp_path):

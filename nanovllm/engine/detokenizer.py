@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
     def _pending_piece(self) -> str:
         before = self._decode(self.token_ids[self.prefix_offset: self.read_offset])
         after = self._decode(self.token_ids[self.prefix_offset:])
-        return after[len(before):] if after.startswith(before) else after
+        return after[len(before):]
 
     def add_token(self, token_id: int) -> int:
         """Append one token; returns the text length before it (where new text starts)."""

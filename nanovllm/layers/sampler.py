@@ -79,13 +79,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """top_k [num_rows] (vocab_size = off), top_p [num_rows] (inf = off); either may be None."""
+                      top_p: torch.Tensor | None, k_max: int | None = None) -> torch.Tensor:
+    """top_k [num_rows] (vocab_size = off), top_p [num_rows] (inf = off); either may be None.
+    k_max: top_k.max() when the caller knows it on the host."""
     if top_k is None and top_p is None:
         return logits
     if top_p is None:
         # Only top-k: mask below each row's k-th largest value, no full sort needed.
-        k_max = int(top_k.max())
+        k_max = int(top_k.max()) if k_max is None else k_max
         kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
         return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
@@ -136,5 +137,5 @@ class Sampler(nn.Module):
         logits = logits / md.temperatures.unsqueeze(1)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         return random_sample(torch.softmax(logits, dim=-1), md.generators)
