@@ -217,6 +217,17 @@ def test_n_completions_share_the_prompt_blocks(llm):
     assert single["token_ids"] == completions[1]
 
 
+def test_aborting_part_of_a_group_leaves_the_rest_running(llm):
+    first, held, other = llm.add_request_group(P2, SamplingParams(n=3, seed=1, max_tokens=4))
+    llm.abort_request(held)  # still held back: never scheduled
+    llm.abort_request(first)  # its remaining sibling no longer waits for it
+    assert held.finish_reason == first.finish_reason == "abort"
+    while not llm.is_finished():
+        llm.step()
+    assert other.finish_reason == "length" and len(llm.output_of(other)["token_ids"]) == 4
+    assert llm.output_of(held)["token_ids"] == [] and not llm.output_processor.states
+
+
 def test_max_tokens_none_runs_to_max_model_len(model_dir):
     engine = LLM(model_dir, **dict(ENGINE, max_model_len=20))
     try:
