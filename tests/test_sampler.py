@@ -116,6 +116,19 @@ def test_masks_match_hf_warpers_row_by_row():
         assert torch.equal(got_min[i], MinPLogitsWarper(mins[i])(None, row.clone())[0])
 
 
+def test_top_k_only_batch_with_rows_off_uses_a_partial_top_k():
+    torch.manual_seed(9)
+    vocab = 100
+    logits = torch.randn(4, vocab)
+    params = [SamplingParams(top_k=3), SamplingParams(), SamplingParams(top_k=500), SamplingParams(top_k=10)]
+    md = metadata(params, vocab)
+    assert md.top_p is None and md.max_top_k == 10
+    for k_max in (md.max_top_k, None):  # from the metadata, or found on the device
+        got = apply_top_k_top_p(logits, md.top_k, None, k_max)
+        for i, k in enumerate([3, vocab, vocab, 10]):
+            assert torch.equal(got[i], TopKLogitsWarper(k)(None, logits[i: i + 1].clone())[0])
+
+
 def test_top_p_keeps_the_token_that_crosses_p():
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
     kept = lambda p: (apply_top_k_top_p(logits, None, torch.tensor([p]))[0] > float("-inf")).tolist()

@@ -65,12 +65,12 @@ class OutputProcessor:
         state = self.states.pop(seq.seq_id, None)
         if state is None:
             return
-        seq.output_text = self._text(seq, state)
+        seq.output_text = self._text(seq, state.matcher)
         seq.output_logprobs = state.logprobs
 
-    def _text(self, seq: Sequence, state: RequestState) -> str:
-        if state.matcher is not None:
-            return state.matcher.text
+    def _text(self, seq: Sequence, matcher: StopStringMatcher | None) -> str:
+        if matcher is not None:
+            return matcher.text
         sp = seq.sampling_params
         token_ids = seq.completion_token_ids
         if seq.finish_reason == "stop" and (seq.stop_reason is None or isinstance(seq.stop_reason, int)):
@@ -86,11 +86,13 @@ class OutputProcessor:
         token first, then the `logprobs` most likely ones (N or N + 1 entries); logprobs are of
         the raw model distribution. cumulative_logprob sums the chosen tokens' logprobs.
         """
-        if seq.seq_id in self.states:  # still running: a snapshot
-            state = self.states[seq.seq_id]
-            text, logprobs = self._text(seq, state), state.logprobs
-        else:
+        state = self.states.get(seq.seq_id)
+        if state is not None:  # still running: a snapshot
+            text, logprobs = self._text(seq, state.matcher), state.logprobs
+        elif seq.output_text is not None:
             text, logprobs = seq.output_text, seq.output_logprobs
+        else:  # queued straight into the Scheduler, bypassing the engine's bookkeeping
+            text, logprobs = self._text(seq, None), None
         token_ids = seq.completion_token_ids
         out = {
             "text": text,

@@ -80,18 +80,24 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None, k_max: int | None = None) -> torch.Tensor:
-    """top_k [num_rows] (vocab_size = off), top_p [num_rows] (inf = off); either may be None.
-    k_max: top_k.max() when the caller knows it on the host."""
+    """top_k [num_rows] (>= vocab_size = off), top_p [num_rows] (inf = off); either may be None.
+    k_max: the largest top_k below vocab_size, when the caller knows it on the host."""
     if top_k is None and top_p is None:
         return logits
+    vocab = logits.shape[1]
     if top_p is None:
-        # Only top-k: mask below each row's k-th largest value, no full sort needed.
-        k_max = int(top_k.max()) if k_max is None else k_max
-        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
+        # Only top-k: mask below each row's k-th largest value; a partial top-k, not a full sort.
+        is_off = top_k >= vocab
+        if k_max is None:
+            k_max = int(top_k.masked_fill(is_off, 0).max())
+        if k_max == 0:
+            return logits
+        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))
+        kth = kth.masked_fill(is_off.unsqueeze(1), float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
     if top_k is not None:
-        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs

@@ -34,7 +34,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor | None = None        # bool
     temperatures: torch.Tensor | None = None     # fp32, 1.0 on greedy rows
     top_k: torch.Tensor | None = None            # int64, vocab_size when off
-    max_top_k: int = 0                           # host copy of top_k.max(): no device sync to read it
+    max_top_k: int = 0                           # largest top_k in use, on the host: no device sync
     top_p: torch.Tensor | None = None            # fp32, inf when off
     min_p: torch.Tensor | None = None            # fp32, 0 when off
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> this step's draw
@@ -69,9 +69,9 @@ class SamplingMetadata:
             md.is_greedy = put(greedy, torch.bool)
             md.temperatures = put([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32)
             live = [p for p in params if p is not None and not p.is_greedy]
-            if any(p.top_k > 0 for p in live):
-                top_k = [p.top_k if p is not None and p.top_k > 0 else vocab_size for p in params]
-                md.top_k, md.max_top_k = put(top_k, torch.int64), min(max(top_k), vocab_size)
+            if any(0 < p.top_k < vocab_size for p in live):
+                top_k = [p.top_k if p is not None and 0 < p.top_k < vocab_size else vocab_size for p in params]
+                md.top_k, md.max_top_k = put(top_k, torch.int64), max(k for k in top_k if k < vocab_size)
             if any(p.top_p < 1.0 for p in live):
                 md.top_p = put([p.top_p if p is not None and p.top_p < 1.0 else float("inf") for p in params],
                                torch.float32)
