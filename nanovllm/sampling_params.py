@@ -91,9 +91,10 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
 
     def _check_sampling(self) -> None:
-        _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            _check_number("temperature", self.temperature)  # raises the TypeError
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         _check_number("top_p", self.top_p)
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_number("top_k", self.top_k, integer=True)
@@ -116,7 +117,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_number("max_tokens", self.max_tokens, integer=True)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens} (None: no limit)")
         _check_number("min_tokens", self.min_tokens, integer=True)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")

@@ -91,6 +91,17 @@ def test_all_greedy_batch_takes_argmax_without_sampling_tensors():
     assert torch.equal(Sampler()(logits, md).token_ids, logits.argmax(-1))
 
 
+def test_metadata_from_temperatures_alone():
+    torch.manual_seed(10)
+    logits = torch.randn(6, 50)
+    temps = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.7, 0.0])
+    md = SamplingMetadata.from_temperatures(temps)
+    out = Sampler()(logits, md).token_ids
+    assert torch.equal(out[temps == 0], logits.argmax(-1)[temps == 0])
+    assert md.temperatures.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.7, 1.0])
+    assert SamplingMetadata.from_temperatures(torch.zeros(3)).all_greedy
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy_in_a_mixed_batch():
     torch.manual_seed(1)
     logits = torch.randn(9, 300) * 3

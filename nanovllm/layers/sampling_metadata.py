@@ -9,6 +9,7 @@ import torch
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SAMPLING_EPS
 
 
 def rows_to_sample(seqs: list[Sequence], num_new_tokens: list[int]) -> list[bool]:
@@ -47,6 +48,18 @@ class SamplingMetadata:
     banned_token_ids: torch.Tensor | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+
+    @classmethod
+    def from_temperatures(cls, temperatures: torch.Tensor) -> "SamplingMetadata":
+        """Plain temperature sampling per row (0 = greedy), no other option: for benchmarks and
+        for tests that feed the Sampler without sequences."""
+        is_greedy = temperatures < SAMPLING_EPS
+        md = cls(is_sampled=[True] * len(temperatures), all_greedy=bool(is_greedy.all()))
+        md.num_logprobs = [None] * len(temperatures)
+        if not md.all_greedy:
+            md.is_greedy = is_greedy
+            md.temperatures = torch.where(is_greedy, torch.ones_like(temperatures), temperatures).float()
+        return md
 
     @classmethod
     def build(cls, seqs: list[Sequence], num_new_tokens: list[int], vocab_size: int,
