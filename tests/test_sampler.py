@@ -9,7 +9,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from nanovllm import SamplingParams
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
 from nanovllm.layers.sampling_metadata import SamplingMetadata, step_seed
 
 CPU = torch.device("cpu")
@@ -117,8 +118,8 @@ def test_masks_match_hf_warpers_row_by_row():
     vocab = 200
     logits = torch.randn(4, vocab) * 2
     ks, ps, mins = [1, 7, 50, vocab], [0.05, 0.5, 0.9, 0.999], [0.01, 0.1, 0.5, 0.9]
-    got_k = apply_top_k_top_p(logits, torch.tensor(ks), None)
-    got_p = apply_top_k_top_p(logits, None, torch.tensor(ps))
+    got_k = apply_top_k(logits, torch.tensor(ks))
+    got_p = apply_top_p(logits, torch.tensor(ps))
     got_min = apply_min_p(logits, torch.tensor(mins))
     for i in range(4):
         row = logits[i: i + 1]
@@ -135,28 +136,44 @@ def test_top_k_only_batch_with_rows_off_uses_a_partial_top_k():
     md = metadata(params, vocab)
     assert md.top_p is None and md.max_top_k == 10
     for k_max in (md.max_top_k, None):  # from the metadata, or found on the device
-        got = apply_top_k_top_p(logits, md.top_k, None, k_max)
+        got = apply_top_k(logits, md.top_k, k_max)
         for i, k in enumerate([3, vocab, vocab, 10]):
             assert torch.equal(got[i], TopKLogitsWarper(k)(None, logits[i: i + 1].clone())[0])
 
 
 def test_top_p_keeps_the_token_that_crosses_p():
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
-    kept = lambda p: (apply_top_k_top_p(logits, None, torch.tensor([p]))[0] > float("-inf")).tolist()
+    kept = lambda p: (apply_top_p(logits, torch.tensor([p]))[0] > float("-inf")).tolist()
     assert kept(0.6) == [True, True, False]    # 0.5 < 0.6, so 0.3 joins and crosses it
     assert kept(0.75) == [True, True, False]   # 0.8 reaches 0.75
     assert kept(0.85) == [True, True, True]
     assert kept(0.1) == [True, False, False]
 
 
-def test_top_k_with_top_p_sorts_once_and_matches_the_reference():
+def test_top_k_then_top_p_matches_the_reference():
     torch.manual_seed(3)
     logits = torch.randn(3, 40)
-    ks, ps = [5, 40, 12], [0.7, 0.3, 2.0]  # 2.0: top_p off for that row (the metadata uses inf)
-    got = apply_top_k_top_p(logits, torch.tensor(ks), torch.tensor(ps))
+    ks, ps = [5, 40, 12], [0.7, 0.3, float("inf")]  # 40: top_k off; inf: top_p off
+    got = apply_top_p(apply_top_k(logits, torch.tensor(ks)), torch.tensor(ps))
     for i in range(3):
         ref = reference_probs(logits[i], top_k=ks[i] % 40, top_p=min(ps[i], 1.0))
         assert torch.equal(got[i] > float("-inf"), ref > 0)
+
+
+@pytest.mark.parametrize("candidates", [1024, 8])
+def test_top_p_falls_back_to_a_full_sort_when_the_candidates_hold_too_little(monkeypatch, candidates):
+    """A flat row needs more than the candidate tokens to reach p; a peaked one does not."""
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", candidates)
+    torch.manual_seed(11)
+    vocab = 3000
+    logits = torch.randn(4, vocab) * 0.1
+    logits[1, :5] += 12.0  # peaked: five tokens hold almost everything
+    ps = [0.9, 0.95, float("inf"), 0.5]
+    got = apply_top_p(logits, torch.tensor(ps))
+    assert torch.equal(got[2], logits[2])
+    for i in (0, 1, 3):
+        assert torch.equal(got[i], TopPLogitsWarper(ps[i])(None, logits[i: i + 1].clone())[0])
+    assert int((got[0] > float("-inf")).sum()) > 1024  # the flat row really needed the fallback
 
 
 # ---- penalties ---------------------------------------------------------------------------

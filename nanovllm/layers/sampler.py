@@ -11,6 +11,8 @@ from torch import nn
 
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 
+TOP_P_CANDIDATES = 1024  # tokens searched for the top-p cut before falling back to a full sort
+
 
 @dataclass
 class SampledTokens:
@@ -78,43 +80,56 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None, k_max: int | None = None) -> torch.Tensor:
-    """top_k [num_rows] (>= vocab_size = off), top_p [num_rows] (inf = off); either may be None.
-    k_max: the largest top_k below vocab_size, when the caller knows it on the host."""
-    if top_k is None and top_p is None:
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
+    """Mask all but each row's top_k [num_rows] tokens (top_k >= vocab_size: off). k_max: the
+    largest top_k below vocab_size, when the caller knows it on the host (saves a device sync)."""
+    is_off = top_k >= logits.shape[1]
+    if k_max is None:
+        k_max = int(top_k.masked_fill(is_off, 0).max())
+    if k_max == 0:
         return logits
+    # A partial top-k (not a full sort): below the k-th largest value goes.
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))
+    kth = kth.masked_fill(is_off.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p [num_rows]
+    (inf: off), the token that crosses it included; the top token always stays.
+
+    NOTE: sorting the whole vocabulary is slow on CPU, so the cut is first looked for among the
+    TOP_P_CANDIDATES most likely tokens; only rows whose candidates hold less than p are sorted.
+    """
     vocab = logits.shape[1]
-    if top_p is None:
-        # Only top-k: mask below each row's k-th largest value; a partial top-k, not a full sort.
-        is_off = top_k >= vocab
-        if k_max is None:
-            k_max = int(top_k.masked_fill(is_off, 0).max())
-        if k_max == 0:
-            return logits
-        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))
-        kth = kth.masked_fill(is_off.unsqueeze(1), float("-inf"))
-        return logits.masked_fill(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
-    if top_k is not None:
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # Keep a token while the mass of the more likely ones is still below p: the token that
-    # crosses p stays. The top token always stays.
-    drop = mass_before >= top_p.unsqueeze(1)
+    values, order = logits.topk(min(vocab, TOP_P_CANDIDATES), dim=-1)  # [num_rows, K], descending
+    probs = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+    cumulative = probs.cumsum(dim=-1)
+    drop = cumulative - probs >= top_p.unsqueeze(1)  # the mass of the more likely tokens reached p
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order, values.masked_fill(drop, float("-inf")))
+    is_off = torch.isinf(top_p)
+    out = torch.where(is_off.unsqueeze(1), logits, out)
+    unresolved = (cumulative[:, -1] < top_p) & ~is_off
+    if values.shape[1] < vocab and bool(unresolved.any()):
+        rows = unresolved.nonzero().squeeze(1)
+        sorted_logits, full_order = logits[rows].sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        full_drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[rows].unsqueeze(1)
+        full_drop[:, 0] = False
+        out[rows] = torch.empty_like(sorted_logits).scatter_(
+            1, full_order, sorted_logits.masked_fill(full_drop, float("-inf")))
+    return out
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One draw per row from probs [num_rows, vocab]; seeded rows use their own generator."""
-    noise = torch.empty_like(probs).exponential_()
+    # Exp(1) noise as -log(U): several times faster on CPU than exponential_().
+    uniform = torch.rand_like(probs)
     for row, g in generators.items():  # few rows: per-request reproducibility needs their own stream
-        noise[row].exponential_(generator=g)
-    return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+        uniform[row] = torch.rand(probs.shape[1], generator=g, device=probs.device)
+    noise = uniform.log_().neg_()  # U in [0, 1): noise in (0, inf]
+    return (probs / noise).argmax(dim=-1)
 
 
 class Sampler(nn.Module):
@@ -143,5 +158,8 @@ class Sampler(nn.Module):
         logits = logits / md.temperatures.unsqueeze(1)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+        if md.top_k is not None:
+            logits = apply_top_k(logits, md.top_k, md.max_top_k)
+        if md.top_p is not None:
+            logits = apply_top_p(logits, md.top_p)
         return random_sample(torch.softmax(logits, dim=-1), md.generators)
