@@ -23,15 +23,18 @@ class LLM(LLMEngine):
                         ) -> Iterator[StreamDelta]:
         """Like generate(), but yields each request's new tokens and text as they are produced.
 
-        A delta's request_id is its prompt's position in `prompts`. Closing the iterator early
-        (break, or garbage collection) aborts the unfinished requests and frees their KV blocks.
+        A delta's request_id is its prompt's position in `prompts`, its index the completion's
+        number among that prompt's n. Closing the iterator early (break, or garbage collection)
+        aborts the unfinished requests and frees their KV blocks.
         """
         prompts, params = self._normalize(prompts, sampling_params)
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # validate all first
+        groups = [self.make_group(p, sp) for p, sp in zip(prompts, params)]  # validate all first
         streamer = OutputStreamer(self)
-        for i, seq in enumerate(seqs):
-            self.scheduler.add(seq)
-            streamer.track(seq, request_id=i)
+        for i, group in enumerate(groups):
+            self.queue_group(group)
+            for index, seq in enumerate(group):
+                streamer.track(seq, request_id=i, index=index)
+        seqs = [seq for group in groups for seq in group]
         try:
             while len(streamer):
                 _, num_tokens = self.step()

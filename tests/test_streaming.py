@@ -46,6 +46,32 @@ def test_stream_adds_up_to_generate(llm, ignore_eos):
     assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
 
 
+def test_stream_with_stop_strings_n_and_logprobs(llm):
+    prompt = "old quiet rivers"
+    words = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0]["text"].split(" ")
+    spanning = words[2][-2:] + " " + words[3][:2]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=spanning),
+              SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=5, n=2, logprobs=2)]
+    prompts = [prompt, "the lazy dog"]
+    refs = llm.generate(prompts, params, use_tqdm=False)
+    assert refs[0]["finish_reason"] == "stop"
+    got: dict[tuple, dict] = {}
+    for d in llm.generate_stream(prompts, params):
+        out = got.setdefault((d.request_id, d.index), {"text": "", "token_ids": [], "logprobs": []})
+        out["text"] += d.text
+        out["token_ids"] += d.token_ids
+        out["logprobs"] += d.logprobs or []
+        if d.logprobs is not None:
+            assert len(d.logprobs) == len(d.token_ids) and set(d.token_texts) >= set(d.token_ids)
+    assert sorted(got) == [(0, 0), (1, 0), (1, 1)]
+    for (i, j), out in got.items():
+        ref = refs[i]["outputs"][j]
+        assert (out["text"], out["token_ids"]) == (ref["text"], ref["token_ids"])
+        if i == 1:
+            assert out["logprobs"] == ref["logprobs"]
+
+
 def test_closing_a_stream_aborts_and_frees_blocks(llm):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     stream = llm.generate_stream(PROMPTS[:2], params)
@@ -83,10 +109,15 @@ def _byte_level_tokenizer():
 
 
 class _FakeEngine:
-    """What OutputStreamer reads from the engine: its tokenizer and a finished request's output."""
+    """What OutputStreamer reads from the engine: its tokenizer, a finished request's output and
+    a running one's logprobs (none asked here)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.output_processor = self
+
+    def logprobs_so_far(self, seq: Sequence) -> None:
+        return None
 
     def output_of(self, seq: Sequence) -> dict:
         return {"text": self.tokenizer.decode(seq.completion_token_ids)}

@@ -46,11 +46,11 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return start
 
-    def flush(self) -> None:
-        """At the end: keep whatever is left, even an unfinished character."""
+    def full_text(self) -> str:
+        """The text with whatever is still held back (an unfinished character); changes nothing."""
         if self.read_offset < len(self.token_ids):
-            self.text += self._pending_piece()
-            self.prefix_offset = self.read_offset = len(self.token_ids)
+            return self.text + self._pending_piece()
+        return self.text
 
 
 class StopStringMatcher:
@@ -81,5 +81,4 @@ class StopStringMatcher:
     def text(self) -> str:
         if self.final_text is not None:
             return self.final_text
-        self.detokenizer.flush()
-        return self.detokenizer.text
+        return self.detokenizer.full_text()

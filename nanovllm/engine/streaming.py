@@ -26,7 +26,9 @@ class StreamDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     stop_reason: int | str | None = None
+    # With SamplingParams.logprobs: one {token_id: logprob} per new token, and each such id's text.
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    token_texts: dict[int, str] | None = field(default=None, repr=False)
 
     @property
     def is_finished(self) -> bool:
@@ -39,11 +41,10 @@ class _Tracked:
         self.request_id = request_id
         self.index = index
         sp = seq.sampling_params
-        skip = getattr(sp, "skip_special_tokens", True)
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip) if tokenizer is not None else None
-        stops = getattr(sp, "stop", None) or []
-        if getattr(sp, "include_stop_str_in_output", False):
-            stops = []  # a stop string stays in the output, so no text needs holding back
+        has_text = tokenizer is not None
+        self.detokenizer = IncrementalDetokenizer(tokenizer, sp.skip_special_tokens) if has_text else None
+        # A stop string kept in the output needs no holding back: nothing after it is ever sent.
+        stops = [] if sp.include_stop_str_in_output else sp.stop
         # NOTE: text that may be the start of a stop string is held back until it cannot be one,
         # so a stream never sends text that the final output cuts off.
         self.holdback = max((len(s) for s in stops), default=1) - 1
@@ -96,16 +97,26 @@ class OutputStreamer:
             logprobs = output.get("logprobs")
         else:
             text = self._running_text(t, new_ids)
-            logprobs = None
+            logprobs = self.engine.output_processor.logprobs_so_far(seq)
         piece = None
         if text is not None:
             piece = text[t.num_sent_chars:]
             t.num_sent_chars = len(text)
-        new_logprobs = logprobs[t.num_sent_tokens:] if logprobs is not None else None
+        new_logprobs = token_texts = None
+        if logprobs is not None:
+            new_logprobs = logprobs[t.num_sent_tokens:]
+            token_texts = self._token_texts(new_ids, new_logprobs)
         t.num_sent_tokens = len(completion)
-        return StreamDelta(t.request_id, t.index, new_ids, piece, seq.finish_reason,
-                           seq.num_prompt_tokens, len(completion),
-                           getattr(seq, "stop_reason", None), new_logprobs)
+        return StreamDelta(t.request_id, t.index, new_ids, piece, seq.finish_reason, seq.num_prompt_tokens,
+                           len(completion), seq.stop_reason, new_logprobs, token_texts)
+
+    def _token_texts(self, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> dict[int, str]:
+        """Each token's own text, decoded here on the engine's thread (tokenizers are not shared)."""
+        tokenizer = self.engine.tokenizer
+        ids = set(token_ids).union(*(d for d in logprobs if d))
+        if tokenizer is None:
+            return {i: "" for i in ids}
+        return {i: tokenizer.decode([i]) for i in ids}
 
     @staticmethod
     def _running_text(t: _Tracked, new_ids: list[int]) -> str | None:

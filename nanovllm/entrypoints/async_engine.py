@@ -151,15 +151,14 @@ class AsyncEngine:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 prompt = self._apply_chat_template(prompt)
-            seq = self.llm.add_request(prompt, sampling_params)
+            req.seqs = self.llm.add_request_group(prompt, sampling_params)
         except Exception as e:  # validation errors go back to the caller, not to the loop
             _resolve(accepted, error=e)
             return
-        req.seqs = [seq]
         self._requests[req.request_id] = req
         for index, s in enumerate(req.seqs):
             self.streamer.track(s, req.request_id, index)
-        _resolve(accepted, result=list(seq.prompt_token_ids))
+        _resolve(accepted, result=list(req.seqs[0].prompt_token_ids))
 
     def _apply_chat_template(self, conversation: list[dict]) -> list[int]:
         from jinja2 import TemplateError

@@ -84,7 +84,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         with _as_bad_request():
             body.check_supported()
             prompts, params = body.prompts(), body.sampling_params()
-        gen = Generation(engine, engine.new_request_id("cmpl"), served_model_name, getattr(params, "n", 1))
+        gen = Generation(engine, engine.new_request_id("cmpl"), served_model_name, params.n, params.logprobs)
         return await _respond(gen, request, body, prompts, params, "completion")
 
     @app.post("/v1/chat/completions")
@@ -93,7 +93,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         with _as_bad_request():
             body.check_supported()
             params = body.sampling_params()
-        gen = Generation(engine, engine.new_request_id("chatcmpl"), served_model_name, getattr(params, "n", 1))
+        gen = Generation(engine, engine.new_request_id("chatcmpl"), served_model_name, params.n,
+                         params.logprobs)
         return await _respond(gen, request, body, [body.conversation()], params, "chat")
 
     @app.exception_handler(Exception)

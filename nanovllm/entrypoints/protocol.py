@@ -56,11 +56,8 @@ class _SamplingRequest(BaseModel):
 
     def sampling_kwargs(self) -> dict:
         """The fields the client set, by SamplingParams' names (unset ones keep its defaults)."""
-        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS
-                  if name in self.model_fields_set and getattr(self, name) is not None}
-        if kwargs.get("n") == 1:
-            del kwargs["n"]  # n=1 is every engine's default; only n > 1 needs the engine's support
-        return kwargs
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS
+                if name in self.model_fields_set and getattr(self, name) is not None}
 
     @property
     def include_usage(self) -> bool:
@@ -131,9 +128,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         kwargs = self.sampling_kwargs()
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
+        # Unset: as many as fit in max_model_len (OpenAI's chat default).
+        kwargs["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.logprobs:

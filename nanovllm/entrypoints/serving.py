@@ -20,20 +20,59 @@ class Choice:
     pieces: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    # With logprobs: (token text, its logprob, [(text, logprob)] of the top ones) per token.
+    logprobs: list[tuple[str, float | None, list[tuple[str, float]]]] = field(default_factory=list)
+    num_logprob_chars: int = 0  # text_offset of the next token (completions' logprobs format)
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
 
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -Infinity
+
+
+def token_logprobs(delta: StreamDelta, top_n: int) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+    """The delta's tokens as (text, logprob, top_n most likely (text, logprob)), best first."""
+    entries = []
+    for token_id, d in zip(delta.token_ids, delta.logprobs or []):
+        text = delta.token_texts[token_id]
+        if not d:
+            entries.append((text, None, []))
+            continue
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+        entries.append((text, _clamp(d[token_id]),
+                        [(delta.token_texts[t], _clamp(lp)) for t, lp in top]))
+    return entries
+
+
+def completion_logprobs(choice: Choice, entries: list) -> dict:
+    """OpenAI's legacy completions format: parallel lists, top_logprobs keyed by token text."""
+    offsets = []
+    for text, _, _ in entries:
+        offsets.append(choice.num_logprob_chars)
+        choice.num_logprob_chars += len(text)
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [dict(e[2]) for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list) -> dict:
+    def item(text: str, logprob: float | None) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [dict(item(text, lp), top_logprobs=[item(t, l) for t, l in top])
+                        for text, lp, top in entries], "refusal": None}
+
+
 class Generation:
     """The engine requests of one HTTP request: prompt i's completion j is choice i * n + j."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, model: str, n: int):
+    def __init__(self, engine: AsyncEngine, request_id: str, model: str, n: int, top_logprobs: int | None):
         self.engine = engine
         self.id = request_id
         self.model = model
         self.n = n
+        self.top_logprobs = top_logprobs  # None: no logprobs asked
         self.created = int(time.time())
         self.out: asyncio.Queue = asyncio.Queue()
         self.prompt_index: dict[str, int] = {}  # engine request id -> prompt position
@@ -59,9 +98,9 @@ class Generation:
         for rid in self.prompt_index:
             self.engine.abort(rid)
 
-    async def deltas(self) -> AsyncIterator[tuple[Choice, StreamDelta]]:
-        """Each choice's deltas as the engine makes them, recorded into self.choices on the way.
-        Leaving early (client gone, task cancelled) aborts the engine requests."""
+    async def deltas(self) -> AsyncIterator[tuple[Choice, StreamDelta, list]]:
+        """Each choice's deltas as the engine makes them (with their logprob entries), recorded
+        into self.choices on the way. Leaving early (client gone, cancelled) aborts the requests."""
         try:
             while self.num_unfinished:
                 item = await self.out.get()
@@ -70,11 +109,13 @@ class Generation:
                 choice = self.choices[self.prompt_index[item.request_id] * self.n + item.index]
                 if item.text:
                     choice.pieces.append(item.text)
+                entries = token_logprobs(item, self.top_logprobs) if self.top_logprobs is not None else []
+                choice.logprobs += entries
                 choice.num_tokens = item.num_output_tokens
                 if item.is_finished:
                     choice.finish_reason = item.finish_reason
                     self.num_unfinished -= 1
-                yield choice, item
+                yield choice, item, entries
         finally:
             if self.num_unfinished:
                 self.abort()
@@ -94,14 +135,18 @@ class Generation:
 
 
 def completion_response(gen: Generation) -> dict:
-    choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+    has_logprobs = gen.top_logprobs is not None
+    choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                "logprobs": completion_logprobs(c, c.logprobs) if has_logprobs else None}
                for c in gen.choices]
     return {**gen.header("text_completion"), "choices": choices, "usage": gen.usage()}
 
 
 def chat_response(gen: Generation) -> dict:
+    has_logprobs = gen.top_logprobs is not None
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": None, "finish_reason": c.finish_reason} for c in gen.choices]
+                "logprobs": chat_logprobs(c.logprobs) if has_logprobs else None,
+                "finish_reason": c.finish_reason} for c in gen.choices]
     return {**gen.header("chat.completion"), "choices": choices, "usage": gen.usage()}
 
 
@@ -120,8 +165,11 @@ async def sse_chunks(gen: Generation, kind: str, include_usage: bool) -> AsyncIt
                 yield _sse({**gen.header(obj), "choices": [
                     {"index": c.index, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}]})
-        async for choice, delta in gen.deltas():
-            for entry in _chunk_choices(choice, delta, is_chat):
+        async for choice, delta, entries in gen.deltas():
+            logprobs = None
+            if gen.top_logprobs is not None and entries:
+                logprobs = chat_logprobs(entries) if is_chat else completion_logprobs(choice, entries)
+            for entry in _chunk_choices(choice, delta, is_chat, logprobs):
                 yield _sse({**gen.header(obj), "choices": [entry]})
         if include_usage:
             yield _sse({**gen.header(obj), "choices": [], "usage": gen.usage()})
@@ -130,16 +178,17 @@ async def sse_chunks(gen: Generation, kind: str, include_usage: bool) -> AsyncIt
     yield _sse("[DONE]")
 
 
-def _chunk_choices(choice: Choice, delta: StreamDelta, is_chat: bool) -> list[dict]:
+def _chunk_choices(choice: Choice, delta: StreamDelta, is_chat: bool, logprobs: dict | None) -> list[dict]:
+    """The chunk entries of one delta; a delta with neither text, logprobs nor finish has none."""
     finish = delta.finish_reason
     text = delta.text or ""
     if not is_chat:
-        if not text and finish is None:
+        if not text and finish is None and logprobs is None:
             return []
-        return [{"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish}]
+        return [{"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     entries = []
-    if text:
-        entries.append({"index": choice.index, "delta": {"content": text}, "logprobs": None,
+    if text or logprobs is not None:
+        entries.append({"index": choice.index, "delta": {"content": text}, "logprobs": logprobs,
                         "finish_reason": None})
     if finish is not None:
         entries.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": finish})
