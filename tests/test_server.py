@@ -303,6 +303,7 @@ def test_api_key(served):
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/openapi.json").status_code == 401
     assert post(url + "/v1/completions", b"{broken", {}).status_code == 401  # auth comes first
     assert httpx.get(url + "/health").status_code == 200
     keyed = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)

@@ -111,7 +111,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
-                self.llm.step()
+                _, num_tokens = self.llm.step()
             except Exception as e:  # fail this step's requests; keep serving everyone else
                 self.num_failed_steps += 1
                 logger.exception("engine step failed")
@@ -119,6 +119,9 @@ class AsyncEngine:
                 continue
             self.num_steps += 1
             self._deliver(self.streamer.collect())
+            if num_tokens == 0:  # nothing could be scheduled yet: don't spin, wait for news
+                self._wakeup.wait(0.01)
+                self._wakeup.clear()
         with self._post_lock:
             self._closed = True
         self._drain_inbox()  # adds posted before closing are refused below

@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import logging
 import time
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,14 +30,15 @@ class ApiError(Exception):
 
 
 class ApiKeyMiddleware:
-    """Plain ASGI middleware (streams pass through untouched): /v1/* needs `Bearer <api_key>`."""
+    """Plain ASGI middleware (streams pass through untouched): every path but /health needs
+    `Authorization: Bearer <api_key>`."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 body = error_body("missing or incorrect API key", "authentication_error", code="invalid_api_key")
@@ -148,16 +150,13 @@ def _check_model(name: str, served_model_name: str) -> None:
                        param="model", code="model_not_found")
 
 
-class _as_bad_request:
+@contextmanager
+def _as_bad_request():
     """Turns the ValueError/TypeError of request validation into a 400."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None and issubclass(exc_type, (ValueError, TypeError)):
-            raise ApiError(400, str(exc)) from exc
-        return False
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e)) from e
 
 
 def _validation_body(e: RequestValidationError) -> dict:

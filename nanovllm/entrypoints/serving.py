@@ -81,16 +81,21 @@ class Generation:
         self.num_unfinished = 0
 
     async def submit(self, prompts: list, sampling_params) -> None:
-        """Queue every prompt; on a bad one (ValueError/TypeError) abort the others and re-raise."""
+        """Queue every prompt at once (they can share a step); if one is refused, abort the others
+        and raise its error (ValueError/TypeError: a bad request)."""
+        for i in range(len(prompts)):
+            self.prompt_index[f"{self.id}-{i}"] = i
         try:
-            for i, prompt in enumerate(prompts):
-                rid = f"{self.id}-{i}"
-                self.prompt_index[rid] = i
-                prompt_ids = await self.engine.submit(rid, prompt, sampling_params, self.out)
-                self.prompt_lens.append(len(prompt_ids))
+            accepted = await asyncio.gather(*(self.engine.submit(rid, prompt, sampling_params, self.out)
+                                              for rid, prompt in zip(self.prompt_index, prompts)),
+                                            return_exceptions=True)
+            errors = [r for r in accepted if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
         except BaseException:
             self.abort()
             raise
+        self.prompt_lens = [len(prompt_ids) for prompt_ids in accepted]
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.num_unfinished = len(self.choices)
 
