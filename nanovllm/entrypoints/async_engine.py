@@ -105,28 +105,38 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
-            self._drain_inbox()
-            if self.llm.is_finished():
-                self._wakeup.wait()
-                self._wakeup.clear()
-                continue
             try:
-                _, num_tokens = self.llm.step()
-            except Exception as e:  # fail this step's requests; keep serving everyone else
-                self.num_failed_steps += 1
-                logger.exception("engine step failed")
-                self._fail_step(e)
-                continue
-            self.num_steps += 1
-            self._deliver(self.streamer.collect())
-            if num_tokens == 0:  # nothing could be scheduled yet: don't spin, wait for news
-                self._wakeup.wait(0.01)
-                self._wakeup.clear()
+                self._run_once()
+            except Exception as e:  # a bug outside the step: the engine state is unknown
+                logger.exception("engine loop error")
+                for request_id in list(self._requests):
+                    self._fail(request_id, f"engine loop error: {type(e).__name__}: {e}")
         with self._post_lock:
             self._closed = True
         self._drain_inbox()  # adds posted before closing are refused below
         for request_id in list(self._requests):
             self._fail(request_id, "the engine loop stopped")
+
+    def _run_once(self) -> None:
+        self._drain_inbox()
+        if self.llm.is_finished():
+            self._wakeup.wait()
+            self._wakeup.clear()
+            return
+        self.llm.last_step_seqs = []  # stays empty if the step fails before picking its sequences
+        try:
+            _, num_tokens = self.llm.step()
+            deltas = self.streamer.collect()
+        except Exception as e:  # fail this step's requests; keep serving everyone else
+            self.num_failed_steps += 1
+            logger.exception("engine step failed")
+            self._fail_step(e)
+            return
+        self.num_steps += 1
+        self._deliver(deltas)
+        if num_tokens == 0:  # nothing could be scheduled yet: don't spin, wait for news
+            self._wakeup.wait(0.01)
+            self._wakeup.clear()
 
     def _drain_inbox(self) -> None:
         while True:
