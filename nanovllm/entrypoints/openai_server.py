@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
@@ -115,10 +116,11 @@ async def _respond(gen: Generation, request: Request, body, prompts: list, param
     except EngineStoppedError as e:
         raise ApiError(503, str(e), "server_error") from e
     if body.stream:
-        # StreamingResponse cancels the stream when the client hangs up; that aborts the requests.
+        # StreamingResponse cancels the stream when the client hangs up, which aborts the requests;
+        # the background task catches a hang-up before the stream even started.
         chunks = sse_chunks(gen, kind, body.include_usage)
-        return StreamingResponse(chunks, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(gen.abort_unfinished))
     try:
         if not await _finish_unless_disconnected(gen, request):
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)

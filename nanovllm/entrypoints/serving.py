@@ -103,6 +103,10 @@ class Generation:
         for rid in self.prompt_index:
             self.engine.abort(rid)
 
+    def abort_unfinished(self) -> None:
+        if self.num_unfinished:
+            self.abort()
+
     async def deltas(self) -> AsyncIterator[tuple[Choice, StreamDelta, list]]:
         """Each choice's deltas as the engine makes them (with their logprob entries), recorded
         into self.choices on the way. Leaving early (client gone, cancelled) aborts the requests."""
@@ -122,8 +126,7 @@ class Generation:
                     self.num_unfinished -= 1
                 yield choice, item, entries
         finally:
-            if self.num_unfinished:
-                self.abort()
+            self.abort_unfinished()
 
     async def run_to_end(self) -> None:
         async for _ in self.deltas():
