@@ -469,3 +469,27 @@ def test_logprobs(client, ref_llm):
         [d[t] for d, t in zip(ref_chat["logprobs"], ref_chat["token_ids"])], abs=1e-4)
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
     assert all(bytes(c.bytes) == c.token.encode() for c in content)
+
+
+def test_another_engine_in_the_process_steps_alongside(served, ref_llm):
+    """The attention context is per thread: an offline LLM used while the server's engine thread
+    steps (here: the references, computed during the streams) sees only its own batches."""
+    _, url, _ = served
+    prompts = [prompt_of(i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def stream(ac, prompt):
+        s = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        return "".join([chunk.choices[0].text async for chunk in s])
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as ac:
+            streams = asyncio.gather(*(stream(ac, p) for p in prompts))
+            # Offline generation on this thread while the engine thread serves the streams.
+            refs = [await asyncio.to_thread(ref_llm.generate, prompts, params, use_tqdm=False) for _ in range(3)]
+            return await streams, refs
+
+    texts, refs = asyncio.run(run())
+    assert refs[0] == refs[1] == refs[2]
+    assert texts == [r["text"] for r in refs[0]]

@@ -34,6 +34,18 @@ class StreamDelta:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, later: "StreamDelta") -> "StreamDelta":
+        """This delta followed by a later one of the same completion, as one delta."""
+        assert (later.request_id, later.index) == (self.request_id, self.index) and not self.is_finished
+        text = None if self.text is None else self.text + later.text
+        logprobs = token_texts = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs + later.logprobs
+            token_texts = {**self.token_texts, **later.token_texts}
+        return StreamDelta(self.request_id, self.index, self.token_ids + later.token_ids, text,
+                           later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
+                           later.stop_reason, logprobs, token_texts)
+
 
 class _Tracked:
     def __init__(self, seq: Sequence, request_id: object, index: int, tokenizer):

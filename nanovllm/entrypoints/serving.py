@@ -112,21 +112,33 @@ class Generation:
         into self.choices on the way. Leaving early (client gone, cancelled) aborts the requests."""
         try:
             while self.num_unfinished:
-                item = await self.out.get()
-                if isinstance(item, EngineStepError):
-                    raise item
-                choice = self.choices[self.prompt_index[item.request_id] * self.n + item.index]
-                if item.text:
-                    choice.pieces.append(item.text)
-                entries = token_logprobs(item, self.top_logprobs) if self.top_logprobs is not None else []
-                choice.logprobs += entries
-                choice.num_tokens = item.num_output_tokens
-                if item.is_finished:
-                    choice.finish_reason = item.finish_reason
-                    self.num_unfinished -= 1
-                yield choice, item, entries
+                for delta in await self._next_deltas():
+                    choice = self.choices[self.prompt_index[delta.request_id] * self.n + delta.index]
+                    if delta.text:
+                        choice.pieces.append(delta.text)
+                    entries = token_logprobs(delta, self.top_logprobs) if self.top_logprobs is not None else []
+                    choice.logprobs += entries
+                    choice.num_tokens = delta.num_output_tokens
+                    if delta.is_finished:
+                        choice.finish_reason = delta.finish_reason
+                        self.num_unfinished -= 1
+                    yield choice, delta, entries
         finally:
             self.abort_unfinished()
+
+    async def _next_deltas(self) -> list[StreamDelta]:
+        """The next delta, merged with every one already waiting behind it: when the client
+        reads slower than the engine steps, it gets fewer, larger chunks instead of a backlog."""
+        items = [await self.out.get()]
+        while not self.out.empty():
+            items.append(self.out.get_nowait())
+        merged: dict[tuple, StreamDelta] = {}
+        for item in items:
+            if isinstance(item, EngineStepError):
+                raise item
+            key = (item.request_id, item.index)
+            merged[key] = merged[key].merge(item) if key in merged else item
+        return list(merged.values())
 
     async def run_to_end(self) -> None:
         async for _ in self.deltas():

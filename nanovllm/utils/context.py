@@ -1,4 +1,5 @@
 """Per-step attention metadata. ModelRunner sets it before a forward pass; Attention layers read it."""
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,20 +29,22 @@ class Context:
     seqlens_k_host: list[int] | None = None
 
 
-_CONTEXT = Context()
+# NOTE: one context per thread: the server steps its engine in a background thread, and another
+# engine in the same process (a second LLM, a test's reference) must never see that step's context.
+_LOCAL = threading.local()
 
 
 def get_context() -> Context:
-    return _CONTEXT
+    context = getattr(_LOCAL, "context", None)
+    return context if context is not None else Context()
 
 
 def set_context(context: Context) -> None:
-    global _CONTEXT
-    _CONTEXT = context
+    _LOCAL.context = context
 
 
 def reset_context() -> None:
-    set_context(Context())
+    _LOCAL.context = None
 
 
 @contextmanager
