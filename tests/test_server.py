@@ -148,6 +148,8 @@ def test_chat_equals_offline_chat(client, ref_llm):
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(served[1] + "/health").status_code == 200
+    missing = httpx.get(served[1] + "/v1/engines")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 
 
 def test_32_concurrent_streams_equal_their_offline_results(served, ref_llm):

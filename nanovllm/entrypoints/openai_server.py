@@ -55,19 +55,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     created = int(time.time())
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-
-    @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body, status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_body(e), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -100,12 +88,29 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                          params.logprobs)
         return await _respond(gen, request, body, [body.conversation()], params, "chat")
 
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's error body."""
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(e), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code)
+
     @app.exception_handler(Exception)
     async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving a request")
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
-
-    return app
 
 
 async def _respond(gen: Generation, request: Request, body, prompts: list, params, kind: str):
