@@ -143,3 +143,21 @@ def test_incremental_text_never_splits_a_character():
     assert pieces[1] == ""  # "é" waits for its second byte ...
     assert pieces[2] == "é"  # ... and comes out whole
     assert len(streamer) == 0
+
+
+def test_weights_only_folder_streams_token_ids(qwen3_gqa, tmp_path):
+    import shutil
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{qwen3_gqa}/{name}", tmp_path)
+    prompts = [[5, 6, 7], [9, 8]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tmp_path), kvcache_block_size=16, max_model_len=64, cpu_kvcache_bytes=8 * 16384) as bare:
+        assert bare.tokenizer is None
+        ref = bare.generate(prompts, params, use_tqdm=False)
+        deltas = list(bare.generate_stream(prompts, params))
+        with pytest.raises(ValueError, match="stop strings need"):
+            bare.generate(prompts, SamplingParams(stop="x"), use_tqdm=False)
+    assert all(d.text is None for d in deltas) and all(r["text"] is None for r in ref)
+    for i, r in enumerate(ref):
+        assert sum((d.token_ids for d in deltas if d.request_id == i), []) == r["token_ids"]
