@@ -3,6 +3,7 @@
 References come from a second, offline LLM on the same checkpoint (LLM.generate / LLM.chat).
 """
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -111,6 +112,18 @@ def test_completion_equals_offline_generate(client, ref_llm):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref["finish_reason"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+
+
+def test_raw_event_stream_format(served, client):
+    body = {"model": MODEL, "prompt": "the fox", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served[1] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    expected = client.completions.create(model=MODEL, prompt="the fox", max_tokens=5, temperature=0)
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]) == expected.choices[0].text
 
 
 @pytest.mark.parametrize("prompts", [["seven bright stars", "the city of paris"], [[5, 9, 14, 3], [7, 7]]])
