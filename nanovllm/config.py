@@ -54,6 +54,16 @@ def _available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has native bf16 matmul instructions (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @dataclass
 class Config:
     """Engine settings. Derived values (hf_config, torch_dtype, resolved device) are set once here."""
@@ -131,8 +141,10 @@ class Config:
             if isinstance(dtype, str):
                 dtype = _DTYPES.get(dtype, torch.float32)
             dtype = dtype or torch.float32
-            if self.device == "cpu" and dtype == torch.float16:
-                dtype = torch.bfloat16  # fp16 matmuls are unusably slow on CPU
+            if self.device == "cpu" and dtype != torch.float32 and not cpu_has_fast_bf16():
+                # Without AVX512-BF16/AMX, bf16 matmuls run ~5x slower than fp32 here (bench.py
+                # prints both); fp16 is unusable on any CPU.
+                dtype = torch.float32
         elif self.dtype in _DTYPES:
             dtype = _DTYPES[self.dtype]
         else:
