@@ -12,6 +12,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.utils.context import Context
 
 
@@ -147,14 +148,18 @@ def test_prefill_with_cached_prefix_matches_naive(num_heads):
 
 
 # ---- sampler ----------------------------------------------------------------------------------
+def sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    return Sampler()(logits, SamplingMetadata.from_temperatures(temperatures)).token_ids
+
+
 def test_sampler_greedy_rows_take_argmax():
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
     temps = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.7, 0.0])
-    out = Sampler()(logits, temps)
+    out = sample(logits, temps)
     greedy = temps == 0
     assert torch.equal(out[greedy], logits.argmax(-1)[greedy])
-    assert torch.equal(Sampler()(logits, torch.zeros(6)), logits.argmax(-1))
+    assert torch.equal(sample(logits, torch.zeros(6)), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
@@ -162,7 +167,7 @@ def test_sampler_follows_softmax_chi_square(temperature):
     torch.manual_seed(1)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 20000
-    draws = Sampler()(logits.expand(n, -1).clone(), torch.full((n,), temperature))
+    draws = sample(logits.expand(n, -1).clone(), torch.full((n,), temperature))
     observed = torch.bincount(draws, minlength=6).double()
     expected = torch.softmax(logits.double() / temperature, -1) * n
     chi2 = ((observed - expected) ** 2 / expected).sum().item()

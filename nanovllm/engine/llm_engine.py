@@ -7,8 +7,10 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import CONFIG_FIELDS, Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.parallel_sampling import PendingSiblings, child_params
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ class LLMEngine:
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.pending_siblings = PendingSiblings()
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -68,8 +72,13 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {max_len} "
                              "(the prompt plus at least one new token must fit)")
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
+        bad_stops = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids {bad_stops[:4]} are outside the vocabulary [0, {self.vocab_size})")
         block_size = self.config.kvcache_block_size
-        longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
+        longest = min(len(token_ids) + (sampling_params.max_tokens or max_len), max_len)
         blocks_needed = -(-longest // block_size)
         if blocks_needed > self.num_kvcache_blocks:
             raise ValueError(f"request needs {blocks_needed} KV cache blocks ({longest} tokens) but the whole "
@@ -77,12 +86,37 @@ class LLMEngine:
         return Sequence(token_ids, sampling_params)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
-        seq = self.make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq
+        if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
+            raise ValueError(f"sampling_params.n={sampling_params.n} makes several sequences; "
+                             "use add_request_group()")
+        return self.add_request_group(prompt, sampling_params)[0]
+
+    def add_request_group(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[Sequence]:
+        """Queue one prompt's sampling_params.n completions; returns their sequences."""
+        seqs = self.make_group(prompt, sampling_params)
+        self.queue_group(seqs)
+        return seqs
+
+    def make_group(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[Sequence]:
+        first = self.make_sequence(prompt, sampling_params)
+        params = child_params(sampling_params)
+        first.sampling_params = params[0]
+        return [first] + [Sequence(first.prompt_token_ids, p) for p in params[1:]]
+
+    def queue_group(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.output_processor.add(seq)
+        self.scheduler.add(seqs[0])
+        self.pending_siblings.hold(seqs[0], seqs[1:])
 
     def abort_request(self, seq: Sequence) -> None:
+        was_held, siblings = self.pending_siblings.forget(seq)
+        if was_held:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.scheduler.abort(seq)
+        self.output_processor.finalize(seq)
+        for sibling in siblings:  # they no longer wait for this one's prompt
+            self.scheduler.add(sibling)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
@@ -91,22 +125,30 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return [], 0
-        token_ids = self.model_runner.run(out)
-        finished = self.scheduler.postprocess(out, token_ids)
+        sampled = self.model_runner.run(out)
+        finished = self.scheduler.postprocess(out, sampled.token_ids)
+        for seq in self.output_processor.process(out.seqs, sampled.is_sampled, sampled.logprobs):
+            self.scheduler.finish(seq, "stop")  # a stop string matched
+            self.output_processor.finalize(seq)
+            finished.append(seq)
+        for seq in self.pending_siblings.release(out.seqs):
+            self.scheduler.add(seq)
         num_tokens = out.num_tokens if out.is_prefill else -len(out.seqs)
         return finished, num_tokens
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and not self.pending_siblings
 
     def output_of(self, seq: Sequence) -> dict:
-        token_ids = seq.completion_token_ids
-        return {
-            "text": self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else None,
-            "token_ids": token_ids,
-            "finish_reason": seq.finish_reason,
-            "prompt_token_ids": seq.prompt_token_ids,
-        }
+        """text, token_ids, finish_reason ("stop" / "length" / "abort"), stop_reason (the stop
+        string or stop token id, None for EOS), prompt_token_ids; logprobs when asked."""
+        return self.output_processor.output_of(seq)
+
+    def group_output(self, seqs: list[Sequence]) -> dict:
+        """One prompt's result: the first completion's fields at the top level (as with n=1),
+        and "outputs", every completion's fields plus its "index"."""
+        outputs = [dict(self.output_of(seq), index=i) for i, seq in enumerate(seqs)]
+        return dict(outputs[0], outputs=outputs)
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -123,16 +165,17 @@ class LLMEngine:
         else:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so one bad prompt leaves the engine untouched.
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        groups = [self.make_group(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for group in groups:
+            self.queue_group(group)
+        seqs = [seq for group in groups for seq in group]
         try:
             self._run_until_done(seqs, use_tqdm)
         except BaseException:
             for seq in seqs:
-                self.scheduler.abort(seq)
+                self.abort_request(seq)
             raise
-        return [self.output_of(seq) for seq in seqs]
+        return [self.group_output(group) for group in groups]
 
     def _run_until_done(self, seqs: list[Sequence], use_tqdm: bool) -> None:
         pending = {seq.seq_id for seq in seqs}

@@ -11,7 +11,8 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend, pick_backend_name
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import SampledTokens, Sampler
+from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_model
@@ -164,8 +165,9 @@ class ModelRunner:
         )
         return self.to_device(input_ids), self.to_device(torch.from_numpy(positions)), context
 
-    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self.to_device(torch.tensor([seq.temperature for seq in seqs], dtype=torch.float32))
+    def prepare_sample(self, out: SchedulerOutput) -> SamplingMetadata:
+        return SamplingMetadata.build(out.seqs, out.num_new_tokens, self.config.hf_config.vocab_size,
+                                      self.config.eos_token_ids, self.device)
 
     # ---- forward and sample -----------------------------------------------------------------
     @torch.inference_mode()
@@ -178,8 +180,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden_states)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[int]:
-        """One step: the token sampled for each scheduled sequence (rank 0; [] on other ranks)."""
+    def run(self, out: SchedulerOutput) -> SampledTokens | None:
+        """One step: the token sampled for each scheduled sequence (rank 0; None on other ranks)."""
+        metadata = self.prepare_sample(out) if self.rank == 0 else None
         if out.is_prefill:
             input_ids, positions, context, logits_indices = self.prepare_prefill(out.seqs, out.num_new_tokens)
         else:
@@ -187,9 +190,8 @@ class ModelRunner:
             logits_indices = None
         logits = self.run_model(input_ids, positions, context, logits_indices)
         if self.rank != 0:
-            return []
-        token_ids = self.sampler(logits, self.prepare_sample(out.seqs))
-        return token_ids.tolist()
+            return None
+        return self.sampler(logits, metadata).to_host(metadata)
 
     def exit(self) -> None:
         self.kv_cache = None

@@ -108,8 +108,13 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if not seq.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
+        sp = seq.sampling_params
+        if seq.num_completion_tokens >= sp.min_tokens:
+            if not seq.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in sp.stop_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
         if seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None

@@ -1,4 +1,5 @@
 """Sequence: one request's tokens and scheduling state. Owned by the Scheduler, read by ModelRunner."""
+import sys
 from copy import copy
 from enum import Enum, auto
 from itertools import count
@@ -35,9 +36,14 @@ class Sequence:
         self.block_table: list[int] = []
         self.sampling_params = sp
         self.temperature = sp.temperature
-        self.max_tokens = sp.max_tokens
+        # max_tokens None: bounded by max_model_len only (the scheduler checks that).
+        self.max_tokens = sp.max_tokens if sp.max_tokens is not None else sys.maxsize
         self.ignore_eos = sp.ignore_eos
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Set by the engine's OutputProcessor once the sequence finishes.
+        self.output_text: str | None = None
+        self.output_logprobs: list[dict[int, float]] | None = None
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -1,19 +1,165 @@
-"""Sampler: one token per row from final logits; greedy rows take argmax, others Gumbel-max."""
+"""Sampler: one token per row from the final logits, for the whole batch at once.
+
+ModelRunner calls it with a SamplingMetadata (layers/sampling_metadata.py). Order, as in vLLM:
+raw logprobs, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and
+an exponential-race draw (argmax p / E, E ~ Exp(1), which picks token i with probability p_i).
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from nanovllm.layers.sampling_metadata import SamplingMetadata
+
+TOP_P_CANDIDATES = 1024  # tokens searched for the top-p cut before falling back to a full sort
+
+
+@dataclass
+class SampledTokens:
+    """One step's result on the host, per scheduled row: the token (meaningless on rows that
+    are mid-prompt chunks, is_sampled False) and its logprobs entry (None unless asked)."""
+
+    token_ids: list[int]
+    is_sampled: list[bool]
+    logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class SamplerOutput:
+    """token_ids [num_rows]; with logprobs: chosen token's logprob [num_rows] and the top-N
+    token ids / logprobs [num_rows, N] of each row (N = the most any row asked for)."""
+
+    token_ids: torch.Tensor
+    chosen_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def to_host(self, metadata: SamplingMetadata) -> SampledTokens:
+        token_ids = self.token_ids.tolist()
+        return SampledTokens(token_ids, metadata.is_sampled, self.logprobs_per_row(token_ids, metadata))
+
+    def logprobs_per_row(self, token_ids: list[int], metadata: SamplingMetadata) -> list[dict[int, float] | None]:
+        """{token_id: logprob} per row, the chosen token first, then the row's top-N."""
+        if self.chosen_logprobs is None:
+            return [None] * len(metadata.num_logprobs)
+        chosen = self.chosen_logprobs.tolist()
+        top_ids, top_lps = self.top_token_ids.tolist(), self.top_logprobs.tolist()
+        rows: list[dict[int, float] | None] = []
+        for i, n in enumerate(metadata.num_logprobs):
+            if n is None:
+                rows.append(None)
+                continue
+            entry = {token_ids[i]: chosen[i]}
+            for t, lp in zip(top_ids[i][:n], top_lps[i][:n]):
+                entry.setdefault(t, lp)
+            rows.append(entry)
+        return rows
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """vLLM/HF penalties. repetition: over prompt + output tokens; presence/frequency: output only."""
+    num_rows, vocab = logits.shape
+    # [num_rows, vocab + 1]: the extra column swallows the padding id (vocab_size).
+    output_counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    output_counts.scatter_add_(1, md.output_token_ids, torch.ones_like(md.output_token_ids, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab]
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, md.prompt_token_ids, True)
+    seen = seen[:, :vocab] | (output_counts > 0)
+    rep = md.repetition_penalties.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - md.frequency_penalties.unsqueeze(1) * output_counts
+    return logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
+    """Mask all but each row's top_k [num_rows] tokens (top_k >= vocab_size: off). k_max: the
+    largest top_k below vocab_size, when the caller knows it on the host (saves a device sync)."""
+    is_off = top_k >= logits.shape[1]
+    if k_max is None:
+        k_max = int(top_k.masked_fill(is_off, 0).max())
+    if k_max == 0:
+        return logits
+    # A partial top-k (not a full sort): below the k-th largest value goes.
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))
+    kth = kth.masked_fill(is_off.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p [num_rows]
+    (inf: off), the token that crosses it included; the top token always stays.
+
+    NOTE: sorting the whole vocabulary is slow on CPU, so the cut is first looked for among the
+    TOP_P_CANDIDATES most likely tokens; only rows whose candidates hold less than p are sorted.
+    """
+    vocab = logits.shape[1]
+    values, order = logits.topk(min(vocab, TOP_P_CANDIDATES), dim=-1)  # [num_rows, K], descending
+    probs = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+    cumulative = probs.cumsum(dim=-1)
+    drop = cumulative - probs >= top_p.unsqueeze(1)  # the mass of the more likely tokens reached p
+    drop[:, 0] = False
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order, values.masked_fill(drop, float("-inf")))
+    is_off = torch.isinf(top_p)
+    out = torch.where(is_off.unsqueeze(1), logits, out)
+    unresolved = (cumulative[:, -1] < top_p) & ~is_off
+    if values.shape[1] < vocab and bool(unresolved.any()):
+        rows = unresolved.nonzero().squeeze(1)
+        sorted_logits, full_order = logits[rows].sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        full_drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[rows].unsqueeze(1)
+        full_drop[:, 0] = False
+        out[rows] = torch.empty_like(sorted_logits).scatter_(
+            1, full_order, sorted_logits.masked_fill(full_drop, float("-inf")))
+    return out
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from probs [num_rows, vocab]; seeded rows use their own generator."""
+    # Exp(1) noise as -log(U): several times faster on CPU than exponential_().
+    uniform = torch.rand_like(probs)
+    for row, g in generators.items():  # few rows: per-request reproducibility needs their own stream
+        uniform[row] = torch.rand(probs.shape[1], generator=g, device=probs.device)
+    noise = uniform.log_().neg_()  # U in [0, 1): noise in (0, inf]
+    return (probs / noise).argmax(dim=-1)
+
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """logits [num_seqs, vocab], temperatures [num_seqs] (0 = greedy) -> token ids [num_seqs]."""
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits [num_rows, vocab] -> SamplerOutput with token_ids [num_rows]."""
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        is_greedy = temperatures == 0
-        if bool(is_greedy.all()):
-            return greedy
-        t = torch.where(is_greedy, torch.ones_like(temperatures), temperatures)
-        probs = torch.softmax(logits / t.unsqueeze(-1), dim=-1)
-        # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = torch.empty_like(probs).exponential_(1.0).clamp_min_(1e-10)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+        # Raw logprobs: of the model's distribution, before penalties and temperature (vLLM's default).
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+        if md.banned_rows is not None:
+            logits = logits.index_put((md.banned_rows, md.banned_token_ids),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        if md.repetition_penalties is not None:
+            logits = apply_penalties(logits, md)
+        token_ids = logits.argmax(dim=-1)
+        if not md.all_greedy:
+            token_ids = torch.where(md.is_greedy, token_ids, self.sample(logits, md))
+        out = SamplerOutput(token_ids)
+        if raw_logprobs is not None:
+            out.chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            k = min(md.max_num_logprobs, logits.shape[1])
+            out.top_logprobs, out.top_token_ids = raw_logprobs.topk(k, dim=-1)
+        return out
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        logits = logits / md.temperatures.unsqueeze(1)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        if md.top_k is not None:
+            logits = apply_top_k(logits, md.top_k, md.max_top_k)
+        if md.top_p is not None:
+            logits = apply_top_p(logits, md.top_p)
+        return random_sample(torch.softmax(logits, dim=-1), md.generators)

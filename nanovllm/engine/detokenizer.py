@@ -1,0 +1,84 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+OutputProcessor (engine/output_processor.py) feeds each new token; the text grows by the decoded
+difference of a small sliding token window, so a step costs O(window), not O(output length).
+"""
+
+
+def find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string that ends at or after text[start:], as (index, stop)."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, start - len(stop) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
+
+
+class IncrementalDetokenizer:
+    """The completion's text so far. NOTE: its text equals tokenizer.decode(all tokens) for
+    tokenizers whose decode of a window is a suffix-consistent piece of the whole (BPE, WordPiece,
+    SentencePiece); a piece ending in an unfinished UTF-8 character waits for the next token."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0  # window start: decoding from here gives context for the next piece
+        self.read_offset = 0    # tokens before this are already in self.text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _pending_piece(self) -> str:
+        before = self._decode(self.token_ids[self.prefix_offset: self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset:])
+        return after[len(before):]
+
+    def add_token(self, token_id: int) -> int:
+        """Append one token; returns the text length before it (where new text starts)."""
+        start = len(self.text)
+        self.token_ids.append(token_id)
+        piece = self._pending_piece()
+        if piece and not piece.endswith("\ufffd"):
+            self.text += piece
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return start
+
+    def full_text(self) -> str:
+        """The text with whatever is still held back (an unfinished character); changes nothing."""
+        if self.read_offset < len(self.token_ids):
+            return self.text + self._pending_piece()
+        return self.text
+
+
+class StopStringMatcher:
+    """Detokenizes one request's output and reports the first stop string it contains."""
+
+    def __init__(self, tokenizer, stops: list[str], skip_special_tokens: bool,
+                 include_stop_str_in_output: bool, min_tokens: int):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stops = stops
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.final_text: str | None = None
+
+    def add_token(self, token_id: int, num_output_tokens: int) -> str | None:
+        """Feed one output token; returns the stop string it completes, if any."""
+        start = self.detokenizer.add_token(token_id)
+        if num_output_tokens <= self.min_tokens:  # vLLM: no stop strings until past min_tokens
+            return None
+        hit = find_stop(self.detokenizer.text, start, self.stops)
+        if hit is None:
+            return None
+        index, stop = hit
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.final_text = self.detokenizer.text[:end]
+        return stop
+
+    @property
+    def text(self) -> str:
+        if self.final_text is not None:
+            return self.final_text
+        return self.detokenizer.full_text()

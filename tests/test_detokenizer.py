@@ -1,0 +1,80 @@
+"""Incremental detokenizer and stop strings, on a byte-level BPE tokenizer that splits multi-byte
+characters across tokens; the reference is the tokenizer's own decode of all tokens."""
+import pytest
+
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, find_stop
+
+TEXT = "the café 日本 🙂 fox jumps"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20 + ["naïve café"] * 3, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def test_text_grows_by_whole_characters_and_ends_as_the_full_decode(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some characters span tokens
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    for i, token_id in enumerate(ids):
+        detok.add_token(token_id)
+        assert "\ufffd" not in detok.text and TEXT.startswith(detok.text)
+        assert detok.full_text() == tokenizer.decode(ids[: i + 1])  # a snapshot changes nothing
+    assert detok.text == detok.full_text() == tokenizer.decode(ids) == TEXT
+
+
+def test_special_tokens_are_skipped_or_kept(tokenizer):
+    ids = tokenizer.encode("the fox") + [tokenizer.eos_token_id] + tokenizer.encode(" jumps")
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        for t in ids:
+            detok.add_token(t)
+        assert detok.full_text() == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def feed(tokenizer, stops, include=False, min_tokens=0):
+    """Feed TEXT's tokens until a stop string; returns (tokens fed, stop, final text)."""
+    matcher = StopStringMatcher(tokenizer, stops, True, include, min_tokens)
+    ids = tokenizer.encode(TEXT)
+    for n, token_id in enumerate(ids, start=1):
+        stop = matcher.add_token(token_id, n)
+        if stop is not None:
+            return n, stop, matcher.text
+    return len(ids), None, matcher.text
+
+
+def tokens_until(tokenizer, needle: str) -> int:
+    ids = tokenizer.encode(TEXT)
+    return next(k for k in range(1, len(ids) + 1) if needle in tokenizer.decode(ids[:k]))
+
+
+@pytest.mark.parametrize("stop", ["本", "é 日", "🙂 f", "jumps"])
+def test_stop_strings_across_tokens_and_characters(tokenizer, stop):
+    n, found, text = feed(tokenizer, [stop])
+    assert found == stop and n == tokens_until(tokenizer, stop)
+    assert text == TEXT[: TEXT.index(stop)]
+    assert feed(tokenizer, [stop], include=True)[2] == TEXT[: TEXT.index(stop) + len(stop)]
+
+
+def test_earliest_stop_wins_and_min_tokens_defers_matching(tokenizer):
+    n, found, text = feed(tokenizer, ["fox", "café"])
+    assert found == "café" and text == "the "
+    late = tokens_until(tokenizer, "fox")
+    n, found, text = feed(tokenizer, ["fox", "café"], min_tokens=late - 1)
+    assert found == "fox" and n == late  # café was passed while matching was off
+    assert feed(tokenizer, ["café"], min_tokens=late)[1] is None
+
+
+def test_find_stop_searches_back_over_the_previous_text():
+    assert find_stop("abcdef", 4, ["cde"]) == (2, "cde")
+    assert find_stop("abcdef", 5, ["bc"]) is None  # ended before the new text
+    assert find_stop("hello world", 9, ["ld", "world"]) == (6, "world")  # the earliest start wins
