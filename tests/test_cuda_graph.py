@@ -81,7 +81,7 @@ def test_padded_static_forward_matches_eager_decode(tmp_path):
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.sampling_params import SamplingParams
 
-    engine = LLMEngine(make_qwen3(str(tmp_path / "m")), dtype="float32", max_model_len=128,
+    engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", max_model_len=128,
                        kvcache_block_size=16, cpu_kvcache_bytes=1 << 22)
     runner = engine.model_runner
     assert runner.graphs is None and not engine.config.compile_ops  # CPU: eager, not compiled
