@@ -18,7 +18,8 @@ from tests.helpers import make_qwen3
 @pytest.mark.slow
 def test_compiled_fused_ops_equal_eager(tmp_path):
     path = make_qwen3(str(tmp_path / "m"))  # 2 layers, qk-norm
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 45))]
+    # 27 prefill tokens: no size coincides with a model dim (dynamo would specialize on it).
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 40))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     eager = LLMEngine(path, device="cpu", dtype="float32", cpu_kvcache_bytes=1 << 22)
     assert eager.config.compile_ops is False  # off by default on CPU

@@ -137,7 +137,7 @@ def test_kv_cache_fills_gpu_memory_utilization(model_path):
     # A long max_model_len and many seqs, so the cache is sized by memory, not by the request cap.
     path = make_qwen3(model_path + "_long", max_position_embeddings=1 << 20)
     total = torch.cuda.mem_get_info()[1]
-    util = 0.2
+    util = min(0.2, 16 * 2**30 / total)  # at most 16 GiB: the cap below is 32 GiB
     engine = LLMEngine(path, dtype="bfloat16", gpu_memory_utilization=util, enforce_eager=True,
                        max_model_len=1 << 20, max_num_seqs=64, max_num_batched_tokens=4096)
     runner = engine.model_runner
