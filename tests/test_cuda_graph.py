@@ -1,10 +1,15 @@
-"""Decode CUDA-graph logic that needs no GPU: bucket sizes, bucket choice, static-buffer padding, and
-a padded static-buffer forward on CPU giving the eager decode's logits."""
+"""Decode CUDA-graph logic that needs no GPU: bucket sizes, bucket choice, static-buffer padding, a
+padded static-buffer forward giving the eager decode's logits, and capture order / replay dispatch
+with torch.cuda's graph API faked on CPU."""
+import contextlib
+
 import pytest
 import torch
 
-from nanovllm.engine.cuda_graph import DecodeBuffers, graph_batch_sizes, pick_graph_batch_size
-from nanovllm.utils.context import Context, forward_context
+from nanovllm.engine.cuda_graph import DecodeBuffers, DecodeGraphs, graph_batch_sizes, pick_graph_batch_size
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import Context, forward_context, get_context
 from tests.helpers import make_qwen3
 
 
@@ -78,9 +83,6 @@ def test_buffers_context_views_share_storage():
 def test_padded_static_forward_matches_eager_decode(tmp_path):
     """What a graph replay computes (the model over padded static buffers with a fixed-width block
     table), run eagerly on CPU, gives the eager decode's logits and stores the same K/V."""
-    from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.sampling_params import SamplingParams
-
     engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", max_model_len=128,
                        kvcache_block_size=16, cpu_kvcache_bytes=1 << 22)
     runner = engine.model_runner
@@ -114,4 +116,66 @@ def test_padded_static_forward_matches_eager_decode(tmp_path):
     untouched[written] = False
     assert torch.equal(slots[:, :, untouched], slots_eager[:, :, untouched])
     torch.testing.assert_close(slots[:, :, written], slots_eager[:, :, written], rtol=1e-5, atol=1e-6)
+    engine.exit()
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: replay re-runs the model over the static buffers
+    with the Context seen at capture, which is what a real graph replays."""
+
+    def __init__(self):
+        self.replays = 0
+        self.pool = self.model = self.buffers = self.context = self.graph_bs = None
+
+    def replay(self):
+        self.replays += 1
+        buf = self.buffers
+        with torch.inference_mode(), forward_context(self.context):
+            buf.outputs[:self.graph_bs] = self.model(buf.input_ids[:self.graph_bs], buf.positions[:self.graph_bs])
+
+
+def test_decode_graphs_capture_order_and_replay_dispatch(tmp_path, monkeypatch):
+    engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", max_model_len=128,
+                       max_num_seqs=20, kvcache_block_size=16, cpu_kvcache_bytes=1 << 22)
+    runner = engine.model_runner
+    captures = []
+
+    @contextlib.contextmanager
+    def fake_capture(graph, pool=None):
+        graph.pool, graph.context = pool, get_context()
+        graph.graph_bs = graph.context.slot_mapping.shape[0]
+        captures.append(graph)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    graphs = DecodeGraphs(runner.model, 20, 128, 16, engine.config.hf_config.hidden_size,
+                          torch.float32, torch.device("cpu"))
+    graphs.capture()
+    assert [g.graph_bs for g in captures] == [20, 16, 8, 4, 2, 1]  # largest first
+    assert {g.pool for g in captures} == {"the-pool"}  # one shared pool
+    for g in captures:
+        g.model, g.buffers = runner.model, graphs.buffers
+        assert g.context.block_tables.shape == (g.graph_bs, 8) and g.context.max_seqlen_k == 128
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for prompt in ([5, 6, 7], list(range(10, 40)), list(range(50, 67))):
+        engine.add_request(prompt, params)
+    engine.step()
+    out = engine.scheduler.schedule()
+    input_ids, positions, context = runner.prepare_decode(out.seqs)
+    eager = runner.run_model(input_ids, positions, context, None)
+    assert graphs.can_replay(3, context.block_tables.shape[1]) and not graphs.can_replay(21, 1)
+    assert not graphs.can_replay(3, 9)  # a block table wider than the buffers: eager
+    with torch.inference_mode():
+        hidden = graphs.replay(input_ids, positions, context)
+        replayed = runner.model.compute_logits(hidden)
+    assert [g.replays for g in captures] == [0, 0, 0, 1, 0, 0]  # the bucket of 4 served 3 rows
+    assert hidden.shape[0] == 3 and hidden.data_ptr() == graphs.buffers.outputs.data_ptr()
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    graphs.free()
+    assert graphs.graphs == {} and graphs.buffers is None
     engine.exit()

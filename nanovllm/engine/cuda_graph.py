@@ -95,6 +95,7 @@ class DecodeGraphs:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.model = model
+        self.device = device
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         max_blocks_per_seq = -(-max_model_len // block_size)
@@ -106,16 +107,19 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Largest bucket first: later (smaller) graphs reuse its memory from the one shared pool."""
         buf = self.buffers
-        self.pool = torch.cuda.graph_pool_handle()
-        for graph_bs in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with forward_context(buf.context(graph_bs, self.max_model_len)):
-                # Warm-up outside the graph: lazy inits (cuBLAS handles, Triton/inductor compiles).
-                buf.outputs[:graph_bs] = self.model(buf.input_ids[:graph_bs], buf.positions[:graph_bs])
-                with torch.cuda.graph(graph, pool=self.pool):
+        # NOTE: replays and Triton launches use the current device, so TP workers must set it
+        # (torch.cuda.set_device); capture selects it here.
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.graph_pool_handle()
+            for graph_bs in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with forward_context(buf.context(graph_bs, self.max_model_len)):
+                    # Warm-up outside the graph: lazy inits (cuBLAS handles, Triton/inductor compiles).
                     buf.outputs[:graph_bs] = self.model(buf.input_ids[:graph_bs], buf.positions[:graph_bs])
-            self.graphs[graph_bs] = graph
-            torch.cuda.synchronize()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        buf.outputs[:graph_bs] = self.model(buf.input_ids[:graph_bs], buf.positions[:graph_bs])
+                self.graphs[graph_bs] = graph
+                torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def can_replay(self, batch_size: int, table_width: int) -> bool:

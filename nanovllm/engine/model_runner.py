@@ -53,11 +53,13 @@ class ModelRunner:
         self.backend.check_dtype(self.dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if rank == 0:
-            logger.info("attention backend: %s, device: %s, dtype: %s", self.backend.name, self.device, self.dtype)
+            logger.info("attention backend: %s, device: %s, dtype: %s, CUDA graphs: %s, compiled ops: %s",
+                        self.backend.name, self.device, self.dtype, use_graphs, config.compile_ops)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if use_graphs:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
                                        hf_config.hidden_size, self.dtype, self.device)
             self.graphs.capture()
