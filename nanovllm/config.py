@@ -78,6 +78,7 @@ class Config:
     cpu_kvcache_bytes: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    compile_ops: bool | None = None
     kvcache_block_size: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -111,6 +112,12 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.compile_ops is None:
+            # CUDA: fused kernels pay off at once. CPU: compiling takes tens of seconds, more than
+            # short runs save; opt in for long bf16 runs (eager bf16 RMSNorm is slow there).
+            self.compile_ops = self.device == "cuda" and not self.enforce_eager
+        elif not isinstance(self.compile_ops, bool):
+            raise TypeError(f"compile_ops must be a bool or None (auto), got {self.compile_ops!r}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos is not None and self.max_model_len > max_pos:
             logger.info("max_model_len %d capped to the model's max_position_embeddings %d",
