@@ -51,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
 
 
