@@ -62,9 +62,13 @@ def default_model_path(cache_dir: str | os.PathLike | None = None,
     except OSError as e:
         raise DefaultModelError(f"cannot create the cache folder {root}: {e}. Set {CACHE_ENV} to a "
                                 f"writable folder. {_HOW_TO_AVOID}") from e
-    gguf = Path(gguf_file) if gguf_file is not None else fetch_gguf(root)
-    check_sha256(gguf, GGUF_SHA256)
+    if gguf_file is not None:
+        gguf = Path(gguf_file)
+        check_sha256(gguf, GGUF_SHA256)
+    else:
+        gguf = fetch_gguf(root)  # verified there
     build_model_dir(gguf, target)
+    logger.info("default model ready at %s", target)
     return str(target)
 
 
@@ -138,6 +142,7 @@ def build_model_dir(gguf: Path, target: Path) -> None:
     try:
         convert_gguf(gguf, tmp)
         write_manifest(tmp, source_sha256=GGUF_SHA256)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is a plain readable folder
         if target.exists():
             trash = Path(tempfile.mkdtemp(dir=target.parent, prefix=".trash-"))
             os.replace(target, trash / target.name)
