@@ -128,6 +128,19 @@ def test_missing_pip_gives_a_clear_error(tmp_path, monkeypatch):
     assert "--model" in str(info.value)
 
 
+def test_missing_gguf_package_says_what_to_install(smollm2, cache_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` fail
+    with pytest.raises(dm.DefaultModelError, match=r"nano-vllm\[gguf\]"):
+        dm.default_model_path(tmp_path / "cache", gguf_file=cache_dir / "downloads" / dm.GGUF_NAME)
+    assert not (tmp_path / "cache" / dm.MODEL_DIRNAME).exists()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # the temporary folder is gone
+
+
+def test_bad_arguments_are_type_errors():
+    with pytest.raises(TypeError, match="cache_dir"):
+        dm.default_model_path(cache_dir=3)
+
+
 def test_cache_root_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(dm.CACHE_ENV, raising=False)

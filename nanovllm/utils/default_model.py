@@ -49,6 +49,9 @@ def default_model_path(cache_dir: str | os.PathLike | None = None,
     gguf_file: a local copy of the GGUF (checked against the pinned sha256) to convert instead of
     downloading one. Raises DefaultModelError when the model cannot be obtained.
     """
+    for name, value in (("cache_dir", cache_dir), ("gguf_file", gguf_file)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"{name} must be a path, got {type(value).__name__} {value!r}")
     root = cache_root(cache_dir)
     target = root / MODEL_DIRNAME
     if target.exists():
@@ -175,13 +178,19 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:
         pass
-    logger.info("converting %s to a safetensors folder (once; takes about half a minute) ...", gguf.name)
+    logger.info("converting %s to an fp32 safetensors folder (once: about half a minute, 540 MB) ...",
+                gguf.name)
     start = time.perf_counter()
-    # fp32 keeps the dequantized Q4_1 values exact (bf16 would round them).
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs)
-    model.save_pretrained(out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.save_pretrained(out_dir)
+    try:
+        # fp32 keeps the dequantized Q4_1 values exact (bf16 would round them).
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     **kwargs)
+        model.save_pretrained(out_dir)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(out_dir)
+    except Exception as e:  # transformers, gguf or disk: say what failed and what to do instead
+        raise DefaultModelError(f"converting {gguf.name} failed: {type(e).__name__}: {e}. "
+                                f"{_HOW_TO_AVOID}") from e
     logger.info("converted in %.1f s", time.perf_counter() - start)
 
 
