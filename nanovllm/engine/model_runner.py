@@ -1,6 +1,7 @@
 """ModelRunner: loads the model, allocates the paged KV cache, builds each step's input tensors,
 runs the forward pass and samples. LLMEngine calls run() once per step."""
 import logging
+import mmap
 from contextlib import contextmanager
 
 import numpy as np
@@ -99,11 +100,23 @@ class ModelRunner:
                              "cpu_kvcache_bytes or lower max_num_batched_tokens / max_num_seqs")
         layer = self.attention_layers[0]
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
-                                    layer.num_kv_heads, layer.head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self._kv_mmap = None
+        self.kv_cache = self.zeroed_tensor(shape)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
+
+    def zeroed_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero-filled tensor. On CPU it is backed by an anonymous mmap, whose pages the OS zeroes
+        lazily on first touch: a multi-GB cache costs nothing at start-up.
+        NOTE: it must be zeros, not garbage: attention reads (masked) unwritten slots, and a NaN
+        there would poison the masked-out product."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        nbytes = int(np.prod(shape)) * self.dtype.itemsize
+        self._kv_mmap = mmap.mmap(-1, nbytes)
+        return torch.frombuffer(self._kv_mmap, dtype=self.dtype).view(shape)
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
@@ -228,3 +241,4 @@ class ModelRunner:
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
+        self._kv_mmap = None  # unmapped once the last view of it is gone
