@@ -54,6 +54,16 @@ def _available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has native bf16 matmul instructions (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @dataclass
 class Config:
     """Engine settings. Derived values (hf_config, torch_dtype, resolved device) are set once here."""
@@ -68,6 +78,7 @@ class Config:
     cpu_kvcache_bytes: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    compile_ops: bool | None = None
     kvcache_block_size: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -101,6 +112,12 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.compile_ops is None:
+            # CUDA: fused kernels pay off at once. CPU: compiling takes tens of seconds, more than
+            # short runs save; opt in for long bf16 runs (eager bf16 RMSNorm is slow there).
+            self.compile_ops = self.device == "cuda" and not self.enforce_eager
+        elif not isinstance(self.compile_ops, bool):
+            raise TypeError(f"compile_ops must be a bool or None (auto), got {self.compile_ops!r}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos is not None and self.max_model_len > max_pos:
             logger.info("max_model_len %d capped to the model's max_position_embeddings %d",
@@ -131,8 +148,10 @@ class Config:
             if isinstance(dtype, str):
                 dtype = _DTYPES.get(dtype, torch.float32)
             dtype = dtype or torch.float32
-            if self.device == "cpu" and dtype == torch.float16:
-                dtype = torch.bfloat16  # fp16 matmuls are unusably slow on CPU
+            if self.device == "cpu" and dtype != torch.float32 and not cpu_has_fast_bf16():
+                # Without AVX512-BF16/AMX, bf16 matmuls run ~5x slower than fp32 here (bench.py
+                # prints both); fp16 is unusable on any CPU.
+                dtype = torch.float32
         elif self.dtype in _DTYPES:
             dtype = _DTYPES[self.dtype]
         else:

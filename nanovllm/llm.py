@@ -9,6 +9,13 @@ from nanovllm.sampling_params import SamplingParams
 class LLM(LLMEngine):
     """Offline inference: construct once, call generate() or chat() as often as needed."""
 
+    @classmethod
+    def default(cls, cache_dir: str | None = None, **kwargs) -> "LLM":
+        """An engine over the default model, SmolLM2-135M-Instruct, downloaded and converted on
+        first use (see utils/default_model.py); kwargs are the usual engine options."""
+        from nanovllm.utils.default_model import default_model_path
+        return cls(default_model_path(cache_dir), **kwargs)
+
     def chat(self, messages: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[dict]:

@@ -1,11 +1,29 @@
-"""Shared fixtures: tiny random checkpoints (made once per session) and engines over them."""
+"""Shared pytest setup: tiny random checkpoints (made once per session); `gpu` tests are skipped
+without CUDA; Triton kernels run in the interpreter on CPU-only machines."""
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from helpers import make_qwen3  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA:
+    # NOTE: triton reads this when a kernel is defined (module import), so it must be set before
+    # any test imports a kernel module; conftest is imported before every test module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")

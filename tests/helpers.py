@@ -62,19 +62,22 @@ def make_qwen3(path: str, shape: str = "gqa", vocab_size: int = 256, seed: int =
     return path
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
-    """Greedy tokens and per-step logits from transformers, one prompt at a time (fp32)."""
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, mask_eos: bool = False):
+    """Greedy tokens and per-step logits from transformers, one prompt at a time (fp32).
+
+    mask_eos=True forces max_new_tokens with min_new_tokens, which masks EOS out of the choice;
+    mask_eos=False takes the plain argmax and runs on past EOS, as the engine's ignore_eos does."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress EOS
+    length = {"min_new_tokens": max_new_tokens} if mask_eos else {"eos_token_id": None}
     results = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=0)
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0, **length)
         tokens = out.sequences[0, len(prompt):].tolist()
         logits = torch.stack(out.logits, 0)[:, 0]  # [num_new, vocab]
         results.append((tokens, logits))
@@ -91,7 +94,8 @@ def check_tokens_close(ours: list[list[int]], ref: list[tuple[list[int], "torch.
         if tokens == ref_tokens:
             exact += 1
             continue
-        pos = next(j for j, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b)
+        pos = next((j for j, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+        assert pos is not None, f"prompt {i}: {len(tokens)} tokens vs the reference's {len(ref_tokens)}"
         ref_top = ref_logits[pos].topk(k).indices.tolist()
         assert tokens[pos] in ref_top, f"prompt {i}: token {tokens[pos]} at {pos} not in HF top-{k} {ref_top}"
         if our_logprobs is not None:

@@ -74,7 +74,7 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {max_len} "
                              "(the prompt plus at least one new token must fit)")
         if sampling_params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the model's tokenizer; this folder has none (use stop_token_ids)")
+            raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
         bad_stops = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_token_ids {bad_stops[:4]} are outside the vocabulary [0, {self.vocab_size})")

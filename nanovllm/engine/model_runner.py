@@ -1,12 +1,14 @@
 """ModelRunner: loads the model, allocates the paged KV cache, builds each step's input tensors,
 runs the forward pass and samples. LLMEngine calls run() once per step."""
 import logging
+import mmap
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
@@ -14,6 +16,7 @@ from nanovllm.layers.backends import get_backend, pick_backend_name
 from nanovllm.layers.sampler import SampledTokens, Sampler
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
+from nanovllm.utils.compile import compile_fused_ops
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_model
 
@@ -42,15 +45,26 @@ class ModelRunner:
             self.model = get_model_class(hf_config)(hf_config)
         load_model(self.model, config.model)
         self.model.eval()
+        if config.compile_ops:
+            compile_fused_ops(self.model)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = get_backend(pick_backend_name(config.attention_backend, config.device))
+        backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype)
+        self.backend = get_backend(backend_name, config.device)
         self.backend.check_block_size(self.block_size)
+        self.backend.check_dtype(self.dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if rank == 0:
-            logger.info("attention backend: %s, device: %s, dtype: %s", self.backend.name, self.device, self.dtype)
+            logger.info("attention backend: %s, device: %s, dtype: %s, CUDA graphs: %s, compiled ops: %s",
+                        self.backend.name, self.device, self.dtype, use_graphs, config.compile_ops)
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
+                                       hf_config.hidden_size, self.dtype, self.device)
+            self.graphs.capture()
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -62,27 +76,47 @@ class ModelRunner:
         if self.device.type == "cpu":
             return self.config.cpu_kvcache_bytes
         self.warmup_model()
+        # Return the warm-up's cached blocks first, so `used` holds the weights but not the
+        # activations; those are counted once, as peak - current.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         stats = torch.cuda.memory_stats(self.device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        return int(total * self.config.gpu_memory_utilization - used - peak + current)
+        budget = int(total * self.config.gpu_memory_utilization - used - peak + current)
+        logger.info("KV cache budget %.2f GiB (device total %.2f GiB, used %.2f GiB, activation peak %.2f GiB)",
+                    budget / 2**30, total / 2**30, used / 2**30, (peak - current) / 2**30)
+        return budget
 
     def allocate_kv_cache(self) -> int:
         block_bytes = self.kv_block_bytes()
-        num_blocks = self.kv_cache_budget_bytes() // block_bytes
+        budget = self.kv_cache_budget_bytes()
+        num_blocks = max(budget, 0) // block_bytes
         blocks_per_seq = -(-self.config.max_model_len // self.block_size)
         num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
-            raise ValueError(f"not even one KV cache block ({block_bytes} bytes) fits the memory budget; "
-                             "raise gpu_memory_utilization / cpu_kvcache_bytes or lower max_num_batched_tokens")
+            raise ValueError(f"not even one KV cache block ({block_bytes} bytes) fits the memory budget "
+                             f"({budget} bytes); raise gpu_memory_utilization / "
+                             "cpu_kvcache_bytes or lower max_num_batched_tokens / max_num_seqs")
         layer = self.attention_layers[0]
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
-                                    layer.num_kv_heads, layer.head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self._kv_mmap = None
+        self.kv_cache = self.zeroed_tensor(shape)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
+
+    def zeroed_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero-filled tensor. On CPU it is backed by an anonymous mmap, whose pages the OS zeroes
+        lazily on first touch: a multi-GB cache costs nothing at start-up.
+        NOTE: it must be zeros, not garbage: attention reads (masked) unwritten slots, and a NaN
+        there would poison the masked-out product."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        nbytes = int(np.prod(shape)) * self.dtype.itemsize
+        self._kv_mmap = mmap.mmap(-1, nbytes)
+        return torch.frombuffer(self._kv_mmap, dtype=self.dtype).view(shape)
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
@@ -97,7 +131,9 @@ class ModelRunner:
         input_ids, positions, context, _ = self.prepare_prefill(seqs, [seq_len] * num_seqs)
         context.slot_mapping = None  # nothing to store: the cache does not exist yet
         with forward_context(context):
-            self.model(input_ids, positions)
+            hidden_states = self.model(input_ids, positions)
+        # Logits of the largest decode batch ([max_num_seqs, vocab]) are part of the peak too.
+        self.model.compute_logits(hidden_states[-1:].expand(cfg.max_num_seqs, -1))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -173,8 +209,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
                   logits_indices: torch.Tensor | None) -> torch.Tensor | None:
-        with forward_context(context):
-            hidden_states = self.model(input_ids, positions)
+        use_graph = (self.graphs is not None and not context.is_prefill
+                     and self.graphs.can_replay(input_ids.shape[0], context.block_tables.shape[1]))
+        if use_graph:
+            hidden_states = self.graphs.replay(input_ids, positions, context)
+        else:
+            with forward_context(context):
+                hidden_states = self.model(input_ids, positions)
         if logits_indices is not None:
             hidden_states = hidden_states[logits_indices]
         return self.model.compute_logits(hidden_states)
@@ -194,6 +235,10 @@ class ModelRunner:
         return self.sampler(logits, metadata).to_host(metadata)
 
     def exit(self) -> None:
+        if self.graphs is not None:
+            self.graphs.free()
+            self.graphs = None
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
+        self._kv_mmap = None  # unmapped once the last view of it is gone

@@ -74,8 +74,8 @@ class OutputProcessor:
         seq.output_logprobs = state.logprobs
 
     def _text(self, seq: Sequence, matcher: StopStringMatcher | None) -> str | None:
-        if self.tokenizer is None:  # a weights-only folder: outputs carry token ids only
-            return None
+        if self.tokenizer is None:
+            return None  # a weights-only folder: token ids only
         if matcher is not None:
             return matcher.text
         sp = seq.sampling_params

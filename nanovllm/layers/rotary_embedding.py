@@ -13,12 +13,16 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat((y1, y2), dim=-1).to(x.dtype)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama-3.x frequency scaling: long wavelengths slowed by `factor`, short ones kept."""
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_position: int) -> torch.Tensor:
+    """Llama-3.x frequency scaling: long wavelengths slowed by `factor`, short ones kept, the band
+    between blended smoothly. Missing original_max_position_embeddings falls back to the model's
+    max_position_embeddings, as transformers does."""
+    if "factor" not in scaling:
+        raise ValueError(f"llama3 rope scaling needs a 'factor', got {scaling!r}")
     factor = scaling["factor"]
     low_freq_factor = scaling.get("low_freq_factor", 1.0)
     high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
+    old_len = scaling.get("original_max_position_embeddings") or max_position
     low_wavelen = old_len / low_freq_factor
     high_wavelen = old_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -40,7 +44,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
         if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling, max_position)
         elif rope_type not in ("default", None):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported "
                              "(supported: default, llama3)")
@@ -51,7 +55,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
 
 

@@ -3,6 +3,8 @@ import importlib
 
 _MODELS = {
     "Qwen3ForCausalLM": "nanovllm.models.qwen3:Qwen3ForCausalLM",
+    "Qwen2ForCausalLM": "nanovllm.models.qwen2:Qwen2ForCausalLM",
+    "LlamaForCausalLM": "nanovllm.models.llama:LlamaForCausalLM",
 }
 
 

@@ -8,16 +8,27 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import get_rope, rope_settings
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_settings
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def build_rope(config) -> RotaryEmbedding:
+    theta, scaling = rope_settings(config)
+    head_dim = head_dim_of(config)
+    return get_rope(head_dim, head_dim, config.max_position_embeddings, theta, scaling)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
+                 rotary_emb: RotaryEmbedding | None = None):
         super().__init__()
         hidden_size = config.hidden_size
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden_size // self.total_num_heads
+        self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, self.total_num_heads,
                                           self.total_num_kv_heads, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_heads
@@ -25,8 +36,7 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias)
-        theta, scaling = rope_settings(config)
-        self.rotary_emb = get_rope(self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary_emb if rotary_emb is not None else build_rope(config)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.use_qk_norm = use_qk_norm
         if use_qk_norm:
@@ -62,9 +72,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
+                 rotary_emb: RotaryEmbedding | None = None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, use_qk_norm)
+        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, use_qk_norm, rotary_emb)
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -84,7 +95,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, use_qk_norm)
+        # NOTE: one cos/sin cache shared by all layers; per-layer copies of a 128k-position cache
+        # (Llama 3.1) would cost gigabytes.
+        rotary_emb = build_rope(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, use_qk_norm, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -1,0 +1,94 @@
+"""Hardware limits measured in-process, and how close the engine's decode gets to them.
+
+Used by `bench.py --efficiency`: a matmul peak (GFLOP/s of large GEMMs in the engine dtype) and a
+memory-copy bandwidth, then large-batch decode FLOP/s over that peak and batch-1 decode time over
+the memory floor (bytes of weights read per token / copy bandwidth).
+"""
+import time
+
+import torch
+from torch import nn
+
+from nanovllm import SamplingParams
+
+
+def _best_time(fn, repeat: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_peak_flops(dtype: torch.dtype, device: torch.device) -> float:
+    """Best FLOP/s over GEMMs shaped like a large decode batch through the model's projections."""
+    best = 0.0
+    for m, k, n in ((512, 1024, 3072), (1024, 1024, 4096), (512, 3072, 1024)):
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        w = torch.randn(n, k, dtype=dtype, device=device)
+        t = _best_time(lambda: torch.nn.functional.linear(a, w))
+        best = max(best, 2 * m * k * n / t)
+    return best
+
+
+def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20) -> float:
+    """Bytes/s of a large tensor copy, counting the read and the write."""
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t = _best_time(lambda: dst.copy_(src))
+    return 2 * size_bytes / t
+
+
+def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
+    """Weights multiplied every step: every linear projection plus the LM head."""
+    weights = [m.weight for name, m in model.named_modules()
+               if hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
+               and "embed_tokens" not in name]
+    return weights
+
+
+def time_decode_steps(llm, batch: int, prompt_len: int, steps: int) -> float:
+    """Seconds per decode step with `batch` running sequences (prefill excluded)."""
+    params = SamplingParams(temperature=0.6, max_tokens=steps + 4, ignore_eos=True)
+    seqs = [llm.add_request([(7 * i + j) % 1000 + 1 for j in range(prompt_len)], params) for i in range(batch)]
+    while llm.scheduler.waiting:
+        llm.step()
+    llm.step()  # first decode step: warm
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    elapsed = (time.perf_counter() - start) / steps
+    for seq in seqs:
+        llm.abort_request(seq)
+    return elapsed
+
+
+def measure_efficiency(llm, large_batch: int = 64, steps: int = 8) -> dict:
+    runner = llm.model_runner
+    dtype, device = runner.dtype, runner.device
+    peak = matmul_peak_flops(dtype, device)
+    bandwidth = copy_bandwidth(device)
+    weights = matmul_weights(runner.model)
+    params = sum(w.numel() for w in weights)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    batch = min(large_batch, llm.config.max_num_seqs)
+    t_large = time_decode_steps(llm, batch, 32, steps)
+    achieved = 2 * params * batch / t_large
+    t_one = time_decode_steps(llm, 1, 32, steps)
+    floor = weight_bytes / bandwidth
+    out = {
+        "matmul_peak_gflops": peak / 1e9, "copy_bandwidth_gbs": bandwidth / 1e9,
+        "large_batch": batch, "large_batch_step_ms": t_large * 1e3,
+        "large_batch_decode_gflops": achieved / 1e9, "large_batch_fraction_of_peak": achieved / peak,
+        "batch1_step_ms": t_one * 1e3, "batch1_floor_ms": floor * 1e3, "batch1_over_floor": t_one / floor,
+    }
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s ({dtype})")
+    print(f"decode batch {batch}: {t_large * 1e3:.1f} ms/step, {achieved / 1e9:.1f} GFLOP/s "
+          f"= {achieved / peak:.0%} of matmul peak")
+    print(f"decode batch 1: {t_one * 1e3:.1f} ms/token, memory floor {floor * 1e3:.1f} ms "
+          f"({weight_bytes / 1e6:.0f} MB weights) -> {t_one / floor:.2f}x the floor")
+    return out

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU check, for a machine with a CUDA GPU, torch, triton and transformers (flash-attn optional, no
+# network): runs the GPU tests (marker `gpu`, plus the Triton store and graph-logic tests, on CUDA),
+# then a short throughput bench, and prints one table. Finishes within 10 minutes.
+#   usage: scripts/gpu_check.sh            (PYTHON=/path/to/python to pick the interpreter)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
+if $PY -c "import pytest" 2>/dev/null; then
+    echo "running GPU tests (log: pytest tail below)"
+    timeout 330 $PY -m pytest -q -p no:cacheprovider --junitxml="$work/junit.xml" \
+        tests/test_gpu.py tests/test_store_kvcache.py tests/test_cuda_graph.py >"$work/pytest.log" 2>&1
+    tests_rc=$?
+    tail -n 25 "$work/pytest.log"
+    [ $tests_rc -eq 124 ] && echo "pytest stopped by its 330 s timeout"
+else
+    echo "pytest is not installed: GPU tests not run (pip install pytest)"
+    tests_rc=1
+fi
+
+timeout 240 $PY scripts/gpu_bench.py --junit "$work/junit.xml" \
+    --num-seqs 64 --max-input-len 512 --max-output-len 256
+bench_rc=$?
+[ $bench_rc -eq 124 ] && echo "bench stopped by its 240 s timeout"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -1,0 +1,157 @@
+"""CUDA-only checks (marker `gpu`, skipped without a GPU): flash backend vs torch backend, decode
+graph replay vs eager, bf16 parity with HF by vLLM's top-5 rule, KV cache sizing."""
+import importlib.util
+
+import pytest
+import torch
+
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.backends import available_backends, get_backend
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import Context
+from tests.helpers import hf_greedy, make_qwen3
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [3] * 17, list(range(60, 61)), list(range(100, 190))]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_qwen3(str(tmp_path_factory.mktemp("qwen3")))
+
+
+def i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+# ---- flash backend vs torch backend ---------------------------------------------------------
+def test_flash_backend_matches_torch_backend():
+    pytest.importorskip("flash_attn")
+    flash, ref = get_backend("flash", "cuda"), get_backend("torch", "cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 256
+    rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    k_cache, v_cache = rand(6, block_size, num_kv_heads, head_dim), rand(6, block_size, num_kv_heads, head_dim)
+    scale = head_dim ** -0.5
+
+    def slots(table, start, end):
+        return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+    # Prefill with a cached prefix: seq 0 has 260 cached tokens + 10 new, seq 1 is fresh (7 tokens).
+    tables = [[2, 5], [0]]
+    q, k, v = rand(17, num_heads, head_dim), rand(17, num_kv_heads, head_dim), rand(17, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor(slots(tables[0], 260, 270) + slots(tables[1], 0, 7), device="cuda")
+    ctx = Context(is_prefill=True, cu_seqlens_q=i32([0, 10, 17]), cu_seqlens_k=i32([0, 270, 277]),
+                  max_seqlen_q=10, max_seqlen_k=270, slot_mapping=slot_mapping,
+                  block_tables=i32([[2, 5], [0, -1]]), has_cached_prefix=True,
+                  seqlens_q_host=[10, 7], seqlens_k_host=[270, 7])
+    flash.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    out_flash = flash.prefill(q, k, v, k_cache, v_cache, ctx, scale)
+    out_ref = ref.prefill(q, k, v, k_cache, v_cache, ctx, scale)
+    torch.testing.assert_close(out_flash, out_ref, rtol=2e-2, atol=2e-2)
+
+    # Prefill without a prefix (fresh K/V only, varlen).
+    q, k, v = rand(305, num_heads, head_dim), rand(305, num_kv_heads, head_dim), rand(305, num_kv_heads, head_dim)
+    ctx = Context(is_prefill=True, cu_seqlens_q=i32([0, 5, 305]), cu_seqlens_k=i32([0, 5, 305]),
+                  max_seqlen_q=300, max_seqlen_k=300, seqlens_q_host=[5, 300], seqlens_k_host=[5, 300])
+    empty = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(flash.prefill(q, k, v, empty, empty, ctx, scale),
+                               ref.prefill(q, k, v, empty, empty, ctx, scale), rtol=2e-2, atol=2e-2)
+
+    # Decode over the paged cache: context lengths 1, 257 and 512, tables padded with -1.
+    q = rand(3, num_heads, head_dim)
+    ctx = Context(is_prefill=False, context_lens=i32([1, 257, 512]), max_seqlen_k=512,
+                  block_tables=i32([[4, -1], [1, 3], [5, 2]]))
+    torch.testing.assert_close(flash.decode(q, k_cache, v_cache, ctx, scale),
+                               ref.decode(q, k_cache, v_cache, ctx, scale), rtol=2e-2, atol=2e-2)
+
+
+def test_flash_backend_rejects_small_blocks():
+    pytest.importorskip("flash_attn")
+    with pytest.raises(ValueError, match="kvcache_block_size"):
+        get_backend("flash", "cuda").check_block_size(16)
+
+
+# ---- CUDA graphs ----------------------------------------------------------------------------
+def test_graph_replay_matches_eager_and_hf(model_path, monkeypatch):
+    # 17 prompts, max_num_seqs 20: buckets 1, 2, 4, 8, 16, 20. Staggered max_tokens shrink the
+    # decode batch step by step through several buckets.
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + i)] for i in range(17)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + i % 9, ignore_eos=True) for i in range(17)]
+    graphed = LLMEngine(model_path, dtype="float32", max_num_seqs=20)
+    assert graphed.model_runner.graphs.sizes == [1, 2, 4, 8, 16, 20]
+    replayed, replay = [], graphed.model_runner.graphs.replay
+
+    def counting_replay(input_ids, positions, context):
+        replayed.append(input_ids.shape[0])
+        return replay(input_ids, positions, context)
+
+    monkeypatch.setattr(graphed.model_runner.graphs, "replay", counting_replay)
+    out_graph = [o["token_ids"] for o in graphed.generate(prompts, params, use_tqdm=False)]
+    graphed.exit()
+    assert graphed.model_runner is None
+    assert 17 in replayed and 1 in replayed and len(set(replayed)) >= 5
+
+    eager = LLMEngine(model_path, dtype="float32", max_num_seqs=20, enforce_eager=True)
+    assert eager.model_runner.graphs is None
+    out_eager = [o["token_ids"] for o in eager.generate(prompts, params, use_tqdm=False)]
+    eager.exit()
+    assert out_graph == out_eager
+    for ours, (ref, _) in zip(out_graph[:4], hf_greedy(model_path, prompts[:4], max_new_tokens=5)):
+        assert ours == ref[:len(ours)]  # max_tokens 2..5, greedy, fp32: HF's tokens exactly
+
+
+# ---- bf16 parity with HF (vLLM's top-5 rule) -------------------------------------------------
+def engine_top5(engine: LLMEngine, token_ids: list[int]) -> list[int]:
+    """The engine's 5 most likely next tokens after token_ids (one eager prefill, no cache)."""
+    runner = engine.model_runner
+    input_ids, positions, context, logits_indices = runner.prepare_prefill([Sequence(token_ids)], [len(token_ids)])
+    logits = runner.run_model(input_ids, positions, context, logits_indices)
+    return logits[0].float().topk(5).indices.tolist()
+
+
+def cuda_backends() -> list[str]:
+    needs = {"flash": "flash_attn", "triton": "triton"}
+    return [b for b in available_backends() if importlib.util.find_spec(needs.get(b, "torch")) is not None]
+
+
+@pytest.mark.parametrize("backend", cuda_backends())
+def test_bf16_parity_with_hf_top5(model_path, backend):
+    engine = LLMEngine(model_path, dtype="bfloat16", attention_backend=backend)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = [o["token_ids"] for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+    hf = hf_greedy(model_path, PROMPTS, max_new_tokens=12)
+    for prompt, our_tokens, (hf_tokens, hf_logits) in zip(PROMPTS, ours, hf):
+        for i, (a, b) in enumerate(zip(our_tokens, hf_tokens)):
+            if a != b:  # first divergence: each side's token is in the other's top 5
+                assert a in hf_logits[i].topk(5).indices.tolist(), (prompt, i)
+                assert b in engine_top5(engine, prompt + our_tokens[:i]), (prompt, i)
+                break
+    engine.exit()
+
+
+# ---- KV cache sizing ------------------------------------------------------------------------
+def test_kv_cache_fills_gpu_memory_utilization(model_path):
+    # A long max_model_len and many seqs, so the cache is sized by memory, not by the request cap.
+    path = make_qwen3(model_path + "_long", max_position_embeddings=1 << 20)
+    total = torch.cuda.mem_get_info()[1]
+    util = min(0.2, 16 * 2**30 / total)  # at most 16 GiB: the cap below is 32 GiB
+    engine = LLMEngine(path, dtype="bfloat16", gpu_memory_utilization=util, enforce_eager=True,
+                       max_model_len=1 << 20, max_num_seqs=64, max_num_batched_tokens=4096)
+    runner = engine.model_runner
+    cache_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    assert cache_bytes == engine.num_kvcache_blocks * runner.kv_block_bytes()
+    assert cache_bytes < 64 * (1 << 20) * runner.kv_block_bytes() // runner.block_size  # not capped
+    free, _ = torch.cuda.mem_get_info()
+    used = total - free
+    # Everything on the device now (context, weights, cache) is util * total, less the activation
+    # headroom kept free; the tiny model's headroom is well under 2% of any GPU.
+    assert total * (util - 0.02) <= used <= total * util
+    engine.exit()
+
+
+def test_no_kv_block_fits_is_a_clear_error(model_path):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLMEngine(model_path, dtype="bfloat16", gpu_memory_utilization=1e-4, enforce_eager=True)
