@@ -37,7 +37,7 @@ class LLMEngine:
         Sequence.block_size = config.kvcache_block_size
         self.tokenizer = load_tokenizer(config.model)
         if config.tensor_parallel_size > 1:
-            from nanovllm.engine.tp_worker import TensorParallelRunner
+            from nanovllm.engine.tp_runner import TensorParallelRunner
             self.model_runner = TensorParallelRunner(config)
         else:
             self.model_runner = ModelRunner(config)
