@@ -15,6 +15,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.layers.sampler import SampledTokens
 from nanovllm.engine.tp_worker import (ALLOWED_METHODS, HOST, CallChannel, channel_bytes, init_process_group,
                                        worker_main)
 
@@ -195,8 +196,16 @@ class TensorParallelRunner:
                 self.pool.check_alive()
             raise
 
-    def run(self, out: SchedulerOutput) -> list[int]:
+    def run(self, out: SchedulerOutput) -> SampledTokens | None:
         return self.call("run", out)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device  # rank 0's
+
+    @property
+    def backend(self):
+        return self.runner.backend
 
     def exit(self) -> None:
         """End the workers, destroy the process group and unlink the shared memory. Idempotent."""
