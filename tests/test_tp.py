@@ -143,6 +143,15 @@ def test_tp_size_is_validated(gqa, monkeypatch):
         Config(gqa, device="cuda", tensor_parallel_size=2)
 
 
+def test_tp1_engine_refuses_to_share_a_process_with_a_running_group(gqa, monkeypatch):
+    from nanovllm.engine import model_runner
+
+    monkeypatch.setattr(model_runner.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(model_runner.dist, "get_world_size", lambda: 2)
+    with pytest.raises(RuntimeError, match="group of 2 ranks is already running"):
+        LLM(gqa)
+
+
 def test_channel_refuses_unlisted_methods_and_oversized_calls():
     name = f"nanovllm-test-{uuid.uuid4().hex[:12]}"
     owner = CallChannel(name, 4096)
@@ -248,22 +257,38 @@ def test_engines_in_sequence_and_a_killed_worker(bias_tied):
     assert_cleaned_up(pids, shm_name)
 
 
-def test_interpreter_exit_ends_workers(gqa, tmp_path):
-    """A script that never calls exit() still leaves no worker and no shared memory behind."""
+def test_garbage_collection_and_interpreter_exit_end_workers(gqa, tmp_path):
+    """A script that drops one engine without exit(), then ends with another still open, leaves no
+    worker and no shared memory behind."""
     script = tmp_path / "no_exit.py"
     script.write_text(textwrap.dedent(f"""
+        import gc, os
+        from multiprocessing import active_children
         from nanovllm import LLM, SamplingParams
-        if __name__ == "__main__":
+
+        def start():
             llm = LLM({gqa!r}, tensor_parallel_size=2, dtype="float32")
             out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-            pool = llm.model_runner.pool
-            print(pool.workers[0].pid, pool.channel.name, len(out[0]["token_ids"]), flush=True)
+            assert len(out[0]["token_ids"]) == 4
+            return llm, llm.model_runner.pool.workers[0].pid, llm.model_runner.pool.channel.name
+
+        if __name__ == "__main__":
+            llm, pid, name = start()
+            del llm
+            gc.collect()
+            print("collected", pid, name, len(active_children()), os.path.exists("/dev/shm/" + name))
+            llm, pid, name = start()
+            print("open", pid, name, flush=True)
     """))
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    pid, shm_name, num_tokens = proc.stdout.split()
-    assert num_tokens == "4"
-    assert not pid_exists(int(pid))
-    assert not shm_exists(shm_name)
+    collected, still_open = proc.stdout.splitlines()
+    _, pid1, shm1, num_children, shm_left = collected.split()
+    assert (num_children, shm_left) == ("0", "False")
+    _, pid2, shm2 = still_open.split()
+    assert shm1 != shm2
+    for pid, shm in ((pid1, shm1), (pid2, shm2)):
+        assert not pid_exists(int(pid))
+        assert not shm_exists(shm)
     assert "leaked" not in proc.stderr

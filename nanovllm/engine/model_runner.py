@@ -36,6 +36,11 @@ def default_dtype(dtype: torch.dtype):
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0):
+        if dist.is_initialized() and dist.get_world_size() != config.tensor_parallel_size:
+            # The layers shard themselves by the process group's size, whoever started it.
+            raise RuntimeError(f"a torch.distributed group of {dist.get_world_size()} ranks is already running "
+                               f"(another engine?); exit() it before building a tensor_parallel_size="
+                               f"{config.tensor_parallel_size} engine in this process")
         self.config = config
         self.rank = rank
         self.block_size = config.kvcache_block_size
