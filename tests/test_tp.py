@@ -176,6 +176,47 @@ def kv_block_bytes(path: str, tp: int) -> int:
     return 2 * cfg.num_hidden_layers * BLOCK * (cfg.num_key_value_heads // tp) * cfg.head_dim * 4
 
 
+def build_runner_rank(config: Config, rank: int, port: int, results) -> None:
+    """One rank of a 2-rank gloo group started by the test itself (spawned; module-level to pickle)."""
+    import torch.distributed as dist
+    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine.tp_worker import HOST, init_process_group
+
+    store = dist.TCPStore(HOST, port, 2, is_master=False)
+    init_process_group(config, rank, store)
+    runner = ModelRunner(config, rank)
+    results.put((rank, runner.num_kvcache_blocks, runner.kv_cache.shape[2]))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_smallest_kv_block_count(gqa):
+    """Rank 1's budget fits 7 blocks, rank 0's 10: both must allocate 7 (rank 0 schedules for all)."""
+    import copy
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    for rank, num_blocks in ((0, 10), (1, 7)):
+        config = copy.copy(Config(gqa, dtype="float32", tensor_parallel_size=2, kvcache_block_size=BLOCK))
+        config.cpu_kvcache_bytes = num_blocks * kv_block_bytes(gqa, tp=2)
+        procs.append(ctx.Process(target=build_runner_rank, args=(config, rank, store.port, results)))
+    try:
+        for p in procs:
+            p.start()
+        got = sorted(results.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert got == [(0, 7, 7), (1, 7, 7)]
+
+
 def spy_on_schedule(llm: LLM) -> list:
     """Record (is_prefill, [(num_cached, num_computed, num_new, len)]) of every scheduled step."""
     steps, schedule = [], llm.scheduler.schedule

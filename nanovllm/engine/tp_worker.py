@@ -32,7 +32,8 @@ def channel_bytes(config: Config) -> int:
 
 def threads_per_rank(tp_size: int) -> int:
     """CPU threads for one rank, so that N ranks together do not oversubscribe the cores."""
-    return max(1, len(os.sched_getaffinity(0)) // tp_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // tp_size)
 
 
 class CallChannel:
@@ -91,7 +92,7 @@ def worker_main(config: Config, rank: int, port: int, shm_name: str, conn: Conne
     channel = CallChannel(shm_name)
     try:
         serve(ModelRunner(config, rank), channel, conn)
-    except (Exception, EOFError):
+    except Exception:
         parent = mp.parent_process()
         if parent is not None and not parent.is_alive():
             logger.warning("tensor-parallel rank %d: rank 0 is gone, exiting", rank)
