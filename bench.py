@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256 if on_cuda else 64)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--compare-hf", action="store_true", help="also run transformers generate on the same requests")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--efficiency", action="store_true",
@@ -101,7 +102,8 @@ def main() -> None:
     from nanovllm import LLM
     path = args.model or random_qwen3_checkpoint()
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
     cfg = llm.config
     prompts, max_tokens = make_requests(args, llm.vocab_size)
     total = sum(max_tokens)

@@ -83,7 +83,9 @@ class Config:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
-    dist_port: int | None = None
+    dist_port: int | None = None  # TP rendezvous port on 127.0.0.1; None picks a free one per engine
+    dist_shm_name: str | None = None  # TP call channel's shared-memory name; None makes a unique one
+    dist_timeout_s: float = 600.0  # TP collectives and startup give up after this long
     # Derived, filled in __post_init__.
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -128,9 +130,12 @@ class Config:
                              f"max_num_seqs ({self.max_num_seqs})")
         self.torch_dtype = self._resolve_dtype()
         self.eos_token_ids = self._collect_eos_ids()
+        self._check_tensor_parallel()
         if self.cpu_kvcache_bytes is None and self.device == "cpu":
             # A safe share of free RAM: the model and activations need the rest.
-            self.cpu_kvcache_bytes = min(int(_available_ram_bytes() * 0.25), 8 << 30)
+            # NOTE: the budget is per rank; N ranks share the machine's RAM.
+            share = min(int(_available_ram_bytes() * 0.25), 8 << 30)
+            self.cpu_kvcache_bytes = max(1, share // self.tensor_parallel_size)
 
     def _check_device(self) -> None:
         if self.device not in _DEVICES:
@@ -139,6 +144,36 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         elif self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {torch.cuda.device_count()} "
+                             "visible CUDA device(s): each rank needs its own GPU")
+        if self.dist_port is not None:
+            _positive_int("dist_port", self.dist_port)
+            if self.dist_port > 65535:
+                raise ValueError(f"dist_port must be in [1, 65535], got {self.dist_port}")
+        if self.dist_shm_name is not None:
+            if not isinstance(self.dist_shm_name, str):
+                raise TypeError(f"dist_shm_name must be a str, got {type(self.dist_shm_name).__name__}")
+            if not self.dist_shm_name or "/" in self.dist_shm_name:
+                raise ValueError(f"dist_shm_name must be a non-empty name without '/', got {self.dist_shm_name!r}")
+        if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
+                or not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
+        hf = self.hf_config
+        # Each rank holds whole heads, an equal slice of the MLP and of the vocabulary.
+        sizes = {
+            "num_attention_heads": hf.num_attention_heads,
+            "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            "intermediate_size": hf.intermediate_size,
+            "vocab_size": hf.vocab_size,
+        }
+        for name, size in sizes.items():
+            if size % tp != 0:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} ({size}): "
+                                 "each rank holds an equal share of it")
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

@@ -36,7 +36,11 @@ class LLMEngine:
         self.config = config = Config(model, **kwargs)
         Sequence.block_size = config.kvcache_block_size
         self.tokenizer = load_tokenizer(config.model)
-        self.model_runner = ModelRunner(config)
+        if config.tensor_parallel_size > 1:
+            from nanovllm.engine.tp_runner import TensorParallelRunner
+            self.model_runner = TensorParallelRunner(config)
+        else:
+            self.model_runner = ModelRunner(config)
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
