@@ -54,6 +54,10 @@ def _available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
 @dataclass
 class Config:
     """Engine settings. Derived values (hf_config, torch_dtype, resolved device) are set once here."""
@@ -98,6 +102,9 @@ class Config:
             _positive_int("cpu_kvcache_bytes", self.cpu_kvcache_bytes)
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and self.device == "cpu" and not _triton_interpreter_on():
+            raise ValueError("attention_backend='triton' on device='cpu' needs the Triton interpreter: set "
+                             "TRITON_INTERPRET=1 before starting (slow; meant for tests)")
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -11,6 +11,7 @@ logger = logging.getLogger(__name__)
 
 _BACKENDS = {
     "torch": "nanovllm.layers.backends.torch_backend:TorchBackend",
+    "triton": "nanovllm.layers.backends.triton_backend:TritonBackend",
 }
 
 

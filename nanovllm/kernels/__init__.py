@@ -1,0 +1,1 @@
+"""Triton kernels of the engine (attention, KV store). Imported lazily by the backends that use them."""
