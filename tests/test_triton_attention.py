@@ -4,6 +4,8 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTE
 set before the kernels are first imported); with CUDA the same tests run the compiled kernels.
 """
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,15 +95,15 @@ def check_prefill(lens, group, block_size, dtype, tiles=(None, None), head_dim=3
 DECODE_LENS = [1, 16, 37, 150]
 
 
-@pytest.mark.parametrize("group, block_size, dtype, num_splits, head_dim", [
-    (1, 16, torch.float32, 1, 32),
-    (2, 16, torch.float32, 3, 32),  # split-K with a split count that is not a power of two
-    (4, 256, torch.float32, 1, 64),
-    (4, 16, torch.bfloat16, 2, 32),
-    (2, 256, torch.bfloat16, 1, 24),  # head_dim not a power of two: padded and masked
+@pytest.mark.parametrize("group, num_kv_heads, block_size, dtype, num_splits, head_dim", [
+    (1, 2, 16, torch.float32, 1, 32),
+    (2, 2, 16, torch.float32, 3, 32),  # split-K with a split count that is not a power of two
+    (4, 2, 256, torch.float32, 1, 64),
+    (4, 1, 16, torch.bfloat16, 2, 32),
+    (2, 2, 256, torch.bfloat16, 1, 24),  # head_dim not a power of two: padded and masked
 ])
-def test_decode_matches_torch(group, block_size, dtype, num_splits, head_dim):
-    check_decode(DECODE_LENS, group, block_size, dtype, num_splits, head_dim)
+def test_decode_matches_torch(group, num_kv_heads, block_size, dtype, num_splits, head_dim):
+    check_decode(DECODE_LENS, group, block_size, dtype, num_splits, head_dim, num_kv_heads)
 
 
 def test_decode_split_count_larger_than_context():
@@ -114,15 +116,15 @@ def test_decode_split_count_larger_than_context():
 PREFILL_LENS = [(1, 1), (6, 29), (5, 37), (3, 150), (70, 70)]
 
 
-@pytest.mark.parametrize("group, block_size, dtype, tiles, head_dim", [
-    (1, 16, torch.float32, (None, None), 32),
-    (2, 16, torch.float32, (16, 16), 32),  # small tiles: many causal diagonal tiles
-    (4, 256, torch.float32, (None, None), 32),
-    (2, 256, torch.bfloat16, (None, None), 24),
-    (4, 16, torch.bfloat16, (16, 32), 32),
+@pytest.mark.parametrize("group, num_kv_heads, block_size, dtype, tiles, head_dim", [
+    (1, 2, 16, torch.float32, (None, None), 32),
+    (2, 2, 16, torch.float32, (16, 16), 32),  # small tiles: many causal diagonal tiles
+    (4, 2, 256, torch.float32, (None, None), 32),
+    (2, 2, 256, torch.bfloat16, (None, None), 24),
+    (4, 1, 16, torch.bfloat16, (16, 32), 32),  # query tile narrower than the key tile
 ])
-def test_prefill_matches_torch(group, block_size, dtype, tiles, head_dim):
-    check_prefill(PREFILL_LENS, group, block_size, dtype, tiles, head_dim)
+def test_prefill_matches_torch(group, num_kv_heads, block_size, dtype, tiles, head_dim):
+    check_prefill(PREFILL_LENS, group, block_size, dtype, tiles, head_dim, num_kv_heads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -142,6 +144,10 @@ def test_bad_head_counts_raise():
     lens = torch.tensor([5], dtype=torch.int32, device=q.device)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+    k = k_cache[0, :1]  # [1, 2, 16]
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ta.paged_prefill_attention(q, k, k, k_cache, v_cache, cu, cu, 1, SCALE)
 
 
 def test_num_splits_heuristic(monkeypatch):
@@ -195,6 +201,19 @@ def test_triton_on_cpu_needs_interpreter(model_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         Config(model_path, device="cpu", attention_backend="triton")
+
+
+@pytest.mark.slow
+def test_kernels_build_for_hopper_without_spills():
+    # The interpreter never compiles; this does, for sm_90, with the launchers' own tile table,
+    # and fails on a build error, a register spill or a shared-memory overflow. No GPU needed.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root
+    result = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_triton_build.py"), "--quick"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert result.stdout.count(" ok") == 3  # prefill, decode (split-K) and the merge kernel
 
 
 # ---- GPU: realistic sizes ---------------------------------------------------------------------

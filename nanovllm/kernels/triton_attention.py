@@ -121,7 +121,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
                     DOT_DTYPE: tl.constexpr):
     # One program: BLOCK_M new tokens of one sequence, one query head. Keys are the cached prefix
     # (paged, all visible) followed by this step's new tokens (packed k/v, causal).
-    tile_m = tl.program_id(0)
+    tile_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal tiles start first
     head = tl.program_id(1)
     seq = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
@@ -220,6 +220,19 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     return 1 << (splits.bit_length() - 1)  # round down to a power of two: few compiled variants
 
 
+# Tiles per (fp32?, head_dim tile <= 64 / 128 / 256), picked so that sm_90 builds neither spill
+# registers nor overflow shared memory (scripts/check_triton_build.py). Prefill: (BLOCK_M, BLOCK_N, warps,
+# stages); decode: (BLOCK_N, warps, stages).
+_PREFILL_TILES = {False: ((128, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2)),
+                  True: ((64, 32, 8, 1), (64, 32, 8, 2), (32, 16, 8, 2))}
+_DECODE_TILES = {False: ((64, 4, 3), (32, 4, 3), (32, 8, 2)),
+                 True: ((32, 4, 2), (32, 8, 2), (16, 8, 2))}
+
+
+def _tiles(table: dict, block_d: int, dtype: torch.dtype) -> tuple:
+    return table[dtype == torch.float32][0 if block_d <= 64 else 1 if block_d <= 128 else 2]
+
+
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
@@ -248,8 +261,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
-    wide = q.element_size() >= 4 or block_d > 128
-    block_n = block_n or (32 if wide else 64)
+    tile_n, num_warps, num_stages = _tiles(_DECODE_TILES, block_d, q.dtype)
+    block_n = block_n or tile_n
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -266,25 +279,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, **_dot_options(q),
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_acc, part_m, part_l, out, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(max(2, num_splits)), BLOCK_D=block_d, num_warps=4)
+            part_acc, part_m, part_l, out, num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(max(2, num_splits)), BLOCK_D=block_d, num_warps=4)
     return out
-
-
-def _prefill_tiles(block_d: int, element_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head_dim tile; fp32 halves the tiles to fit SMEM."""
-    if block_d <= 64:
-        m, n, warps, stages = 128, 64, 4, 3
-    elif block_d <= 128:
-        m, n, warps, stages = 128, 64, 8, 3
-    else:
-        m, n, warps, stages = 64, 32, 8, 2
-    if element_size >= 4:
-        m, n, stages = m // 2, n // 2, 2
-    return m, n, warps, stages
 
 
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -300,12 +300,15 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     has_prefix = block_tables is not None
     if has_prefix:
         _check_layout(q, k_cache, v_cache)
+    if q.shape[1] % k.shape[1] != 0 or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} do not fit: num_heads "
+                         "must be a multiple of num_kv_heads and head_dim must agree")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.numel() - 1
     group = num_heads // k.shape[1]
     block_d = _block_d(head_dim)
-    tile_m, tile_n, num_warps, num_stages = _prefill_tiles(block_d, q.element_size())
+    tile_m, tile_n, num_warps, num_stages = _tiles(_PREFILL_TILES, block_d, q.dtype)
     block_m, block_n = block_m or tile_m, block_n or tile_n
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
