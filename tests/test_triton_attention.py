@@ -101,6 +101,7 @@ DECODE_LENS = [1, 16, 37, 150]
     (4, 2, 256, torch.float32, 1, 64),
     (4, 1, 16, torch.bfloat16, 2, 32),
     (2, 2, 256, torch.bfloat16, 1, 24),  # head_dim not a power of two: padded and masked
+    (3, 2, 16, torch.float32, 2, 16),  # a group size that is not a power of two (e.g. 28 / 4 heads)
 ])
 def test_decode_matches_torch(group, num_kv_heads, block_size, dtype, num_splits, head_dim):
     check_decode(DECODE_LENS, group, block_size, dtype, num_splits, head_dim, num_kv_heads)
