@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from nanovllm.kernels.triton_attention import choose_num_splits, paged_decode_attention, paged_prefill_attention
+from nanovllm.kernels.attention_tuning import choose_num_splits
+from nanovllm.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
 from nanovllm.layers.backends.torch_backend import TorchBackend
 from nanovllm.utils.context import Context
 

@@ -19,7 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
 import torch  # noqa: E402
-from nanovllm.kernels import triton_attention as ta  # noqa: E402
+from nanovllm.kernels import attention_tuning as tuning, triton_attention as ta  # noqa: E402
 
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # opt-in bytes per block
 DTYPES = {"bf16": (torch.bfloat16, tl.bfloat16), "fp16": (torch.float16, tl.float16),
@@ -55,7 +55,7 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(fields["REG"]), int(fields["STACK"]) + int(fields.get("LOCAL", 0))
 
 
-def configs(quick: bool):
+def configs(quick: bool, arch: int):
     """(label, kernel, dtype, constexprs, num_warps, num_stages) for each build the launchers make."""
     dtypes = ("bf16",) if quick else ("bf16", "fp16", "fp32")
     head_dims = (128,) if quick else (64, 128, 256)
@@ -64,12 +64,12 @@ def configs(quick: bool):
         precision = "ieee" if dtype == "fp32" else "tf32"
         for head_dim in head_dims:
             block_d = ta._block_d(head_dim)
-            m, n, warps, stages = ta._tiles(ta._PREFILL_TILES, block_d, torch_dtype)
+            m, n, warps, stages = tuning.prefill_tiles(block_d, torch_dtype, is_hopper=arch >= 90)
             for has_prefix in (True,) if quick else (True, False):
                 consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=256, BLOCK_M=m, BLOCK_N=n, BLOCK_D=block_d,
                               HAS_PREFIX=has_prefix, PRECISION=precision, DOT_DTYPE=tl_dtype)
                 yield f"prefill {dtype} d{head_dim} prefix={has_prefix}", ta._prefill_kernel, dtype, consts, warps, stages
-            n, warps, stages = ta._tiles(ta._DECODE_TILES, block_d, torch_dtype)
+            n, warps, stages = tuning.decode_tiles(block_d, torch_dtype)
             for splits in (8,) if quick else (1, 8):
                 consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=block_d, BLOCK_N=n,
                               NUM_SPLITS=splits, PRECISION=precision, DOT_DTYPE=tl_dtype)
@@ -86,7 +86,7 @@ def main() -> int:
     target = GPUTarget("cuda", args.arch, 32)
     limit = SHARED_LIMIT.get(args.arch, 101376)
     failures = 0
-    for label, kernel, dtype, consts, warps, stages in configs(args.quick):
+    for label, kernel, dtype, consts, warps, stages in configs(args.quick, args.arch):
         source = ASTSource(kernel, signature(kernel, dtype, consts), constexprs=consts)
         try:
             compiled = triton_compile(source, target=target, options=dict(num_warps=warps, num_stages=stages))

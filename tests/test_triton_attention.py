@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from helpers import make_qwen3  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
-from nanovllm.kernels import triton_attention as ta  # noqa: E402
+from nanovllm.kernels import attention_tuning, triton_attention as ta  # noqa: E402
 from nanovllm.layers.backends.torch_backend import TorchBackend, store_kvcache_torch  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
 
@@ -152,14 +152,15 @@ def test_bad_head_counts_raise():
 
 
 def test_num_splits_heuristic(monkeypatch):
-    monkeypatch.setattr(ta, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention_tuning, "_num_sms", lambda index: 132)
+    choose_num_splits = attention_tuning.choose_num_splits
     cuda = torch.device("cuda", 0)
     # 1 seq x 8 KV heads = 8 programs: 2 * 132 / 8 = 33 by occupancy, 4096 / 256 = 16 by length.
-    assert ta.choose_num_splits(1, 8, 4096, cuda) == 16
-    assert ta.choose_num_splits(1, 8, 512, cuda) == 2  # short context: few splits
-    assert ta.choose_num_splits(4, 8, 0, cuda) == 8  # unknown length: 264 / 32 = 8.25 -> 8
-    assert ta.choose_num_splits(32, 8, 4096, cuda) == 1  # 256 programs fill 132 SMs
-    assert ta.choose_num_splits(1, 8, 4096, torch.device("cpu")) == 1
+    assert choose_num_splits(1, 8, 4096, cuda) == 16
+    assert choose_num_splits(1, 8, 512, cuda) == 2  # short context: few splits
+    assert choose_num_splits(4, 8, 0, cuda) == 8  # unknown length: 264 / 32 = 8.25 -> 8
+    assert choose_num_splits(32, 8, 4096, cuda) == 1  # 256 programs fill 132 SMs
+    assert choose_num_splits(1, 8, 4096, torch.device("cpu")) == 1
 
 
 # ---- engine -------------------------------------------------------------------------------------

@@ -4,11 +4,11 @@ variable-length causal prefill whose keys may start in the cache. Called by the 
 Both kernels keep fp32 running max / sum / accumulator (online softmax in base 2) and read the
 cache through the block table row by row, so any block size works and no K/V is gathered in Python.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.attention_tuning import choose_num_splits, decode_tiles, is_hopper, prefill_tiles
 
 _LOG2E = 1.4426950408889634
 
@@ -179,10 +179,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
 
 
 # ---- launchers ----------------------------------------------------------------------------------
-_MAX_SPLITS = 64
-_MIN_SPLIT_TOKENS = 256  # below this many keys per split, the merge costs more than it saves
-
-
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -196,41 +192,6 @@ def _dot_options(q: torch.Tensor) -> dict:
     upcast = q.dtype == torch.bfloat16 and q.device.type != "cuda"
     return dict(PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 DOT_DTYPE=tl.float32 if upcast else _TL_DTYPES[q.dtype])
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """Split-K factor (a power of two) so that small batches with long contexts still fill the GPU.
-
-    Depends only on host-side sizes, so a captured CUDA graph keeps one value; 1 off CUDA.
-    """
-    if device.type != "cuda":
-        return 1
-    programs = num_seqs * num_kv_heads
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= num_sms:
-        return 1
-    splits = min(-(-2 * num_sms // programs), _MAX_SPLITS)
-    if max_context_len > 0:
-        splits = min(splits, max(1, max_context_len // _MIN_SPLIT_TOKENS))
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two: few compiled variants
-
-
-# Tiles per (fp32?, head_dim tile <= 64 / 128 / 256), picked so that sm_90 builds neither spill
-# registers nor overflow shared memory (scripts/check_triton_build.py). Prefill: (BLOCK_M, BLOCK_N, warps,
-# stages); decode: (BLOCK_N, warps, stages).
-_PREFILL_TILES = {False: ((128, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2)),
-                  True: ((64, 32, 8, 1), (64, 32, 8, 2), (32, 16, 8, 2))}
-_DECODE_TILES = {False: ((64, 4, 3), (32, 4, 3), (32, 8, 2)),
-                 True: ((32, 4, 2), (32, 8, 2), (16, 8, 2))}
-
-
-def _tiles(table: dict, block_d: int, dtype: torch.dtype) -> tuple:
-    return table[dtype == torch.float32][0 if block_d <= 64 else 1 if block_d <= 128 else 2]
 
 
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -261,7 +222,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
-    tile_n, num_warps, num_stages = _tiles(_DECODE_TILES, block_d, q.dtype)
+    tile_n, num_warps, num_stages = decode_tiles(block_d, q.dtype)
     block_n = block_n or tile_n
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
@@ -308,7 +269,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     num_seqs = cu_seqlens_q.numel() - 1
     group = num_heads // k.shape[1]
     block_d = _block_d(head_dim)
-    tile_m, tile_n, num_warps, num_stages = _tiles(_PREFILL_TILES, block_d, q.dtype)
+    tile_m, tile_n, num_warps, num_stages = prefill_tiles(block_d, q.dtype, is_hopper(q.device))
     block_m, block_n = block_m or tile_m, block_n or tile_n
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
