@@ -36,7 +36,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 _PREFILL_TILES = {(True, False): ((128, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2)),
                   (True, True): ((64, 32, 8, 1), (64, 32, 8, 2), (32, 16, 8, 2)),
                   (False, False): ((128, 64, 8, 3), (64, 32, 8, 3), (64, 16, 8, 2)),
-                  (False, True): ((64, 32, 4, 2), (32, 32, 8, 2), (16, 16, 4, 2))}
+                  (False, True): ((32, 32, 4, 2), (32, 32, 8, 2), (16, 16, 4, 2))}
 _DECODE_TILES = {False: ((64, 4, 3), (32, 4, 3), (32, 8, 2)),
                  True: ((32, 8, 2), (32, 8, 2), (16, 8, 2))}
 
