@@ -122,7 +122,7 @@ PREFILL_LENS = [(1, 1), (6, 29), (5, 37), (3, 150), (70, 70)]
     (2, 2, 16, torch.float32, (16, 16), 32),  # small tiles: many causal diagonal tiles
     (4, 2, 256, torch.float32, (None, None), 32),
     (2, 2, 256, torch.bfloat16, (None, None), 24),
-    (4, 1, 16, torch.bfloat16, (16, 32), 32),  # query tile narrower than the key tile
+    (4, 1, 16, torch.bfloat16, (32, 16), 32),  # two key tiles per diagonal
 ])
 def test_prefill_matches_torch(group, num_kv_heads, block_size, dtype, tiles, head_dim):
     check_prefill(PREFILL_LENS, group, block_size, dtype, tiles, head_dim, num_kv_heads)

@@ -117,7 +117,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
                     stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+                    HAS_PREFIX: tl.constexpr, DIAG_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                     DOT_DTYPE: tl.constexpr):
     # One program: BLOCK_M new tokens of one sequence, one query head. Keys are the cached prefix
     # (paged, all visible) followed by this step's new tokens (packed k/v, causal).
@@ -157,21 +157,26 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
-    # New tokens: key j is visible to query i iff j <= i; tiles past this query tile are skipped.
-    hi = tl.minimum((tile_m + 1) * BLOCK_M, q_len)
-    for start_n in range(0, hi, BLOCK_N):
-        pos = start_n + offs_n
-        mask_n = pos < q_len
-        tokens_n = (q_start + pos).to(tl.int64)
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + tokens_n[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=mask_nd,
-                    other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_ptr + tokens_n[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=mask_nd,
-                    other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (pos[None, :] <= offs_m[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    # New tokens: key j is visible to query i iff j <= i. Stage 0 walks the key tiles wholly before
+    # this query tile (nothing to mask), stage 1 the diagonal ones; later tiles are never visited.
+    # Without DIAG_SPLIT (fp32: two loops of exact fp32 dots spill registers) stage 1 does all.
+    diag = tile_m * BLOCK_M if DIAG_SPLIT else 0  # a multiple of BLOCK_N (checked by the launcher)
+    for stage in tl.static_range(0 if DIAG_SPLIT else 1, 2):
+        lo = 0 if stage == 0 else diag
+        hi = diag if stage == 0 else tl.minimum((tile_m + 1) * BLOCK_M, q_len)
+        for start_n in range(lo, hi, BLOCK_N):
+            pos = start_n + offs_n
+            mask_n = pos < q_len
+            tokens_n = (q_start + pos).to(tl.int64)
+            mask_nd = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_ptr + tokens_n[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                        mask=mask_nd, other=0.0).to(DOT_DTYPE)
+            v = tl.load(v_ptr + tokens_n[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=mask_nd, other=0.0).to(DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if stage == 1:
+                s = tl.where((pos[None, :] <= offs_m[:, None]) & mask_n[None, :], s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     out = acc / l_i[:, None]  # every row sees at least key 0 of the new tokens, so l_i > 0
     tl.store(out_ptr + tokens_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -271,6 +276,8 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     block_d = _block_d(head_dim)
     tile_m, tile_n, num_warps, num_stages = prefill_tiles(block_d, q.dtype, is_hopper(q.device))
     block_m, block_n = block_m or tile_m, block_n or tile_n
+    if block_m % block_n != 0:
+        raise ValueError(f"block_m must be a multiple of block_n, got {block_m} and {block_n}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -285,5 +292,6 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         *cache_strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if has_prefix else 16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_PREFIX=has_prefix,
+        DIAG_SPLIT=q.dtype != torch.float32,
         **_dot_options(q), num_warps=num_warps, num_stages=num_stages)
     return out
