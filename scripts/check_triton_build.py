@@ -69,7 +69,8 @@ def configs(quick: bool, arch: int):
                 consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=256, BLOCK_M=m, BLOCK_N=n, BLOCK_D=block_d,
                               HAS_PREFIX=has_prefix, DIAG_SPLIT=dtype != "fp32", PRECISION=precision,
                               DOT_DTYPE=tl_dtype)
-                yield f"prefill {dtype} d{head_dim} prefix={has_prefix}", ta._prefill_kernel, dtype, consts, warps, stages
+                label = f"prefill {dtype} d{head_dim} prefix={has_prefix}"
+                yield label, ta._prefill_kernel, dtype, consts, warps, stages
             n, warps, stages = tuning.decode_tiles(block_d, torch_dtype)
             for splits in (8,) if quick else (1, 8):
                 consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=block_d, BLOCK_N=n,

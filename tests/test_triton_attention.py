@@ -39,13 +39,13 @@ def build_case(lens: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     Returns q / k / v of the new tokens (packed), the caches, block tables padded with -1, and the
     cumulative lengths.
     """
-    gen = torch.Generator().manual_seed(seed)
-    randn = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    gen = torch.Generator(device).manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=device).to(dtype)  # noqa: E731
     blocks_per_seq = [-(-k_len // block_size) for _, k_len in lens]
     num_blocks = sum(blocks_per_seq) + 2
     k_cache, v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim), randn(num_blocks, block_size,
                                                                                      num_kv_heads, head_dim)
-    free = torch.randperm(num_blocks, generator=gen).tolist()
+    free = torch.randperm(num_blocks, generator=gen, device=device).tolist()
     tables, qs, ks, vs = [], [], [], []
     for (q_len, k_len), n in zip(lens, blocks_per_seq):
         table = [free.pop() for _ in range(n)]
