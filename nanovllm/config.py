@@ -64,6 +64,10 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
 @dataclass
 class Config:
     """Engine settings. Derived values (hf_config, torch_dtype, resolved device) are set once here."""
@@ -111,6 +115,9 @@ class Config:
             _positive_int("cpu_kvcache_bytes", self.cpu_kvcache_bytes)
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and self.device == "cpu" and not _triton_interpreter_on():
+            raise ValueError("attention_backend='triton' on device='cpu' needs the Triton interpreter: set "
+                             "TRITON_INTERPRET=1 before starting (slow; meant for tests)")
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,1 +1,1 @@
-"""The project's own Triton kernels. Each module imports triton itself, so import them lazily."""
+"""Triton kernels of the engine (attention, KV store). Imported lazily by the backends that use them."""

@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 _BACKENDS = {
     "torch": "nanovllm.layers.backends.torch_backend:TorchBackend",
     "flash": "nanovllm.layers.backends.flash_backend:FlashBackend",
+    "triton": "nanovllm.layers.backends.triton_backend:TritonBackend",
 }
 # flash-attn's paged KV kernels address the cache in pages of a multiple of this many tokens.
 FLASH_BLOCK_MULTIPLE = 256
