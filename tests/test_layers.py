@@ -11,7 +11,7 @@ from nanovllm.layers.backends.torch_backend import TorchBackend
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.utils.context import Context
 
@@ -173,3 +173,18 @@ def test_sampler_follows_softmax_chi_square(temperature):
     chi2 = ((observed - expected) ** 2 / expected).sum().item()
     # 5 degrees of freedom: P(chi2 > 20.5) = 0.001, so a correct sampler fails 1 run in 1000.
     assert chi2 < 20.5, (chi2, observed, expected)
+
+
+@pytest.mark.parametrize("draw", [exponential_race_sample, inverse_cdf_sample])
+def test_both_random_draws_follow_probs_chi_square(draw):
+    """Each device's draw picks token i with probability p_i, zero-probability tokens never."""
+    torch.manual_seed(2)
+    probs = torch.tensor([0.0, 0.4, 0.25, 0.0, 0.2, 0.1, 0.05, 0.0])
+    n = 20000
+    draws = draw(probs.expand(n, -1).clone(), {})
+    observed = torch.bincount(draws, minlength=8).double()
+    assert observed[probs == 0].sum() == 0
+    keep = probs > 0
+    expected = probs.double()[keep] * n
+    chi2 = ((observed[keep] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5, (chi2, observed)  # 5 degrees of freedom, P = 0.001

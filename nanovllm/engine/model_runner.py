@@ -53,7 +53,7 @@ class ModelRunner:
         self.model.eval()
         if config.compile_ops:
             compile_fused_ops(self.model)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype)
         self.backend = get_backend(backend_name, config.device)

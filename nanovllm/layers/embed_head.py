@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import copy_checked
+from nanovllm.layers.linear import copy_checked, pick_linear
 from nanovllm.utils.parallel import divide, get_tp_rank, get_tp_size
 
 
@@ -43,9 +43,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("an LM head bias is not supported")
         super().__init__(num_embeddings, embedding_dim)
+        self.matmul = pick_linear(self.num_embeddings_per_partition, embedding_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight)  # [num_seqs, vocab / tp]
+        logits = self.matmul(x, self.weight)  # [num_seqs, vocab / tp]
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
