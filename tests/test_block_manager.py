@@ -5,14 +5,7 @@ from nanovllm.engine.block_manager import BlockManager, compute_block_hash
 from nanovllm.engine.sequence import Sequence
 
 BS = 4
-
-
-@pytest.fixture(autouse=True)
-def block_size():
-    old = Sequence.block_size
-    Sequence.block_size = BS
-    yield
-    Sequence.block_size = old
+pytestmark = pytest.mark.usefixtures("tiny_blocks")  # Sequence.block_size == BS
 
 
 def computed(bm: BlockManager, seq: Sequence) -> None:

@@ -8,14 +8,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4
-
-
-@pytest.fixture(autouse=True)
-def block_size():
-    old = Sequence.block_size
-    Sequence.block_size = BS
-    yield
-    Sequence.block_size = old
+pytestmark = pytest.mark.usefixtures("tiny_blocks")  # Sequence.block_size == BS
 
 
 def make_scheduler(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
