@@ -130,6 +130,21 @@ def test_decode_matches_naive(num_heads):
         torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_decode_matches_naive():
+    """The CPU path groups sequences by length (8 per group) and pads each group only to its own
+    longest context: 19 sequences of scattered lengths give 3 groups, one partial."""
+    lens = [(7 * i) % 61 + 1 for i in range(19)]
+    k_cache, v_cache, tables, ks, vs = paged_setup(lens, num_blocks=160)
+    q = torch.randn(len(lens), 4, 8)
+    ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                  seqlens_k_host=lens)
+    out = TorchBackend("cpu").decode(q, k_cache, v_cache, ctx, 0.3)
+    assert len(ctx.backend_cache["decode_groups"]) == 3
+    for i, n in enumerate(lens):
+        ref = naive_attention(q[i: i + 1], ks[i], vs[i], 0.3, n - 1)
+        torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_heads", [2, 4])
 def test_prefill_with_cached_prefix_matches_naive(num_heads):
     k_lens, q_lens = [10, 7, 13], [3, 7, 5]  # the second has no cached prefix

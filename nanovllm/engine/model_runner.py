@@ -209,6 +209,7 @@ class ModelRunner:
             context_lens=self.to_device(torch.from_numpy(positions + 1).to(torch.int32)),
             block_tables=self.block_tables_of(seqs),
             max_seqlen_k=int(positions.max()) + 1,
+            seqlens_k_host=(positions + 1).tolist(),
         )
         return self.to_device(input_ids), self.to_device(torch.from_numpy(positions)), context
 

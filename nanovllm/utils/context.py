@@ -1,7 +1,7 @@
 """Per-step attention metadata. ModelRunner sets it before a forward pass; Attention layers read it."""
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class Context:
     # Host copies for backends that loop over sequences on the CPU.
     seqlens_q_host: list[int] | None = None
     seqlens_k_host: list[int] | None = None
+    # Per-step memo a backend may fill on the first layer and reuse in the others.
+    backend_cache: dict = field(default_factory=dict)
 
 
 # NOTE: one context per thread: the server steps its engine in a background thread, and another

@@ -79,15 +79,53 @@ class TorchBackend(AttentionBackend):
 
     def decode(self, q, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
         # q: [num_seqs, num_heads, head_dim]; one query per sequence at position context_len - 1.
-        tables = context.block_tables.clamp(min=0)
-        num_seqs, max_blocks = tables.shape
-        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        flat = tables.flatten()
-        k = k_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-        positions = torch.arange(max_blocks * block_size, device=q.device)
-        mask = (positions.unsqueeze(0) < context.context_lens.unsqueeze(1))[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
-            enable_gqa=q.shape[1] != num_kv_heads)  # [num_seqs, num_heads, 1, head_dim]
-        return out.squeeze(2)
+        if self.device == "cpu" and context.seqlens_k_host is not None:
+            return self.decode_grouped(q, k_cache, v_cache, context, scale)
+        return decode_padded(q, k_cache, v_cache, context.block_tables, context.context_lens, scale)
+
+    def decode_grouped(self, q, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+        """CPU decode in groups of sequences of similar length, each padded only to its own
+        longest context: padding every sequence to the batch's longest one made attention 2.5x
+        slower at batch 64 with contexts of 64..512 (docs/performance.md)."""
+        groups = context.backend_cache.get("decode_groups")
+        if groups is None:
+            groups = context.backend_cache["decode_groups"] = length_groups(
+                context.seqlens_k_host, context.block_tables, context.context_lens, k_cache.shape[1])
+        out = torch.empty_like(q)
+        for rows, tables, lens in groups:
+            out[rows] = decode_padded(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale)
+        return out
+
+
+DECODE_GROUP_SIZE = 8  # sequences per group: more groups pad less but call SDPA more often
+
+
+def length_groups(context_lens: list[int], block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+                  group_size: int = DECODE_GROUP_SIZE) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(row indices, block tables cut to the group's longest context, context lengths) per group of
+    sequences sorted by context length."""
+    order = sorted(range(len(context_lens)), key=context_lens.__getitem__)
+    groups = []
+    for start in range(0, len(order), group_size):
+        members = order[start: start + group_size]
+        rows = torch.tensor(members)
+        num_blocks = -(-context_lens[members[-1]] // block_size)  # the group's longest context
+        groups.append((rows, block_tables.index_select(0, rows)[:, :num_blocks], lens.index_select(0, rows)))
+    return groups
+
+
+def decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every sequence's K/V gathered and padded to the widest block table, masked past its length."""
+    tables = block_tables.clamp(min=0)
+    num_seqs, max_blocks = tables.shape
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    flat = tables.flatten()
+    k = k_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    positions = torch.arange(max_blocks * block_size, device=q.device)
+    mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads)  # [num_seqs, num_heads, 1, head_dim]
+    return out.squeeze(2)
