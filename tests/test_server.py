@@ -5,96 +5,17 @@ References come from a second, offline LLM on the same checkpoint (LLM.generate 
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import pytest
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.entrypoints.async_engine import AsyncEngine  # noqa: E402
-from nanovllm.entrypoints.openai_server import build_app  # noqa: E402
+from nanovllm import SamplingParams  # noqa: E402
 
-from helpers import WORDS  # noqa: E402
-
-MODEL = "tiny-qwen3"
-API_KEY = "sekret"
-ENGINE_OPTIONS = dict(kvcache_block_size=16, max_model_len=256, cpu_kvcache_bytes=128 * 16384)
-
-
-class Server:
-    """uvicorn in a thread on a free loopback port (the socket is bound here, so no race)."""
-
-    def __init__(self, app):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def ref_llm(qwen3_gqa):
-    with LLM(qwen3_gqa, **ENGINE_OPTIONS) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def served(qwen3_gqa):
-    """One engine behind two servers: an open one and one that wants API_KEY."""
-    llm = LLM(qwen3_gqa, **ENGINE_OPTIONS)
-    engine = AsyncEngine(llm).start()
-    open_server = Server(build_app(engine, MODEL))
-    keyed_server = Server(build_app(engine, MODEL, api_key=API_KEY))
-    yield engine, open_server.url, keyed_server.url
-    open_server.stop()
-    keyed_server.stop()
-    engine.shutdown(timeout=10)
-    llm.exit()
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def probe(engine: AsyncEngine, fn):
-    """fn(llm), run on the engine thread between steps."""
-    async def ask():
-        return await engine.call(fn)
-    return asyncio.run(ask())
-
-
-def num_free_blocks(engine: AsyncEngine) -> tuple[int, int]:
-    return probe(engine, lambda llm: (llm.scheduler.block_manager.num_free_blocks, llm.num_kvcache_blocks))
-
-
-def wait_all_blocks_free(engine: AsyncEngine, timeout: float = 20.0) -> None:
-    """Aborts reach the engine a moment after the client hangs up: wait, bounded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        free, total = num_free_blocks(engine)
-        if free == total or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    assert (free, total) == (total, total)
-    assert probe(engine, lambda llm: llm.is_finished())
-
-
-def prompt_of(i: int) -> str:
-    return " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(3 + i % 5))
+from server_fixtures import (  # noqa: E402,F401  (client, ref_llm, served are fixtures)
+    API_KEY, MODEL, client, prompt_of, ref_llm, served, wait_all_blocks_free)
 
 
 def test_completion_equals_offline_generate(client, ref_llm):
@@ -405,85 +326,6 @@ def test_serve_command_line(qwen3_gqa, ref_llm):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
-
-
-# ---- sampling options over HTTP: each response equals the offline engine's for the same params ----
-
-def stream_text(chunks) -> tuple[str, str | None]:
-    chunks = list(chunks)
-    return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].choices[0].finish_reason
-
-
-def test_stop_strings(client, ref_llm):
-    prompt = "old quiet rivers and"
-    greedy = ref_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                              use_tqdm=False)[0]
-    words = greedy["text"].split(" ")
-    spanning = words[3][-2:] + " " + words[4][:2]  # starts in one token, ends in the next
-    for stop, include in ((spanning, False), (spanning, True), ([words[6], "never there"], False)):
-        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=stop,
-                            include_stop_str_in_output=include)
-        ref = ref_llm.generate([prompt], sp, use_tqdm=False)[0]
-        assert ref["finish_reason"] == "stop" and len(ref["text"]) < len(greedy["text"])
-        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=stop,
-                      extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
-        out = client.completions.create(**kwargs)
-        assert (out.choices[0].text, out.choices[0].finish_reason) == (ref["text"], "stop")
-        assert out.usage.completion_tokens == len(ref["token_ids"])
-        # The stream never sends text that the stop string later cuts off.
-        assert stream_text(client.completions.create(stream=True, **kwargs)) == (ref["text"], "stop")
-
-
-def test_seeded_sampling_and_n(client, ref_llm):
-    prompt = "seven bright stars"
-    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, n=3, ignore_eos=True)
-    ref = ref_llm.generate([prompt], sp, use_tqdm=False)[0]["outputs"]
-    assert len({r["text"] for r in ref}) > 1  # completions of one seeded request differ
-    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, n=3,
-                  extra_body={"ignore_eos": True})
-    out = client.completions.create(**kwargs)
-    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [r["text"] for r in ref]
-    assert out.usage.completion_tokens == 36
-    texts = ["", "", ""]
-    for chunk in client.completions.create(stream=True, **kwargs):
-        texts[chunk.choices[0].index] += chunk.choices[0].text
-    assert texts == [r["text"] for r in ref]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], n=2,
-                                          max_tokens=12, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
-    ref_chat = ref_llm.chat([{"role": "user", "content": prompt}],
-                            SamplingParams(temperature=1.0, max_tokens=12, seed=7, n=2, ignore_eos=True),
-                            use_tqdm=False)[0]["outputs"]
-    assert [c.message.content for c in chat.choices] == [r["text"] for r in ref_chat]
-
-
-def test_logprobs(client, ref_llm):
-    prompt = "the city of paris"
-    ref = ref_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
-                           use_tqdm=False)[0]
-    chosen = [d[t] for d, t in zip(ref["logprobs"], ref["token_ids"])]
-    token_texts = [ref_llm.tokenizer.decode([t]) for t in ref["token_ids"]]
-    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
-                  extra_body={"ignore_eos": True})
-    lp = client.completions.create(**kwargs).choices[0].logprobs
-    assert lp.tokens == token_texts
-    assert lp.token_logprobs == pytest.approx(chosen, abs=1e-4)
-    assert all(len(top) == 3 and max(top.values()) == pytest.approx(lp_, abs=1e-4)  # greedy: chosen is best
-               for top, lp_ in zip(lp.top_logprobs, lp.token_logprobs))
-    assert lp.text_offset == [sum(len(t) for t in token_texts[:i]) for i in range(len(token_texts))]
-    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)
-                if c.choices[0].logprobs]
-    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(chosen, abs=1e-4)
-    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
-
-    messages = [{"role": "user", "content": prompt}]
-    ref_chat = ref_llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False)[0]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
-                                          logprobs=True, top_logprobs=2)
-    content = chat.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx(
-        [d[t] for d, t in zip(ref_chat["logprobs"], ref_chat["token_ids"])], abs=1e-4)
-    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
-    assert all(bytes(c.bytes) == c.token.encode() for c in content)
 
 
 def test_another_engine_in_the_process_steps_alongside(served, ref_llm):
