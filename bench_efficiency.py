@@ -44,10 +44,16 @@ def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20) -> float:
 
 
 def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
-    """Weights multiplied every step: every linear projection plus the LM head."""
-    weights = [m.weight for name, m in model.named_modules()
-               if hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
-               and "embed_tokens" not in name]
+    """Weights multiplied every step: every linear projection plus the LM head (the oneDNN-packed
+    copy where the runner packed them, since the dense one is then empty)."""
+    weights = []
+    for name, m in model.named_modules():
+        packed = getattr(m, "packed_weight", None)
+        if packed is not None:
+            weights.append(packed)
+        elif (hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
+              and "embed_tokens" not in name):
+            weights.append(m.weight)
     return weights
 
 

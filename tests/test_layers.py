@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.backends.torch_backend import TorchBackend
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                    can_pack_weights, pack_linear_weights)
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.layers.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
 from nanovllm.layers.sampling_metadata import SamplingMetadata
@@ -75,6 +77,32 @@ def test_packed_linear_loaders_place_shards():
     row = RowParallelLinear(8, 4, bias=True)
     with pytest.raises(ValueError, match="shape"):
         row.weight.weight_loader(row.weight, torch.randn(4, 9))
+
+
+@pytest.mark.skipif(not can_pack_weights(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+def test_onednn_packed_weights_match_plain_matmul():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.qkv = QKVParallelLinear(32, head_size=8, total_num_heads=4, total_num_kv_heads=2, bias=True)
+    model.down = RowParallelLinear(48, 32, bias=True)
+    model.embed = VocabParallelEmbedding(100, 32)
+    model.head = ParallelLMHead(100, 32)
+    model.head.weight = model.embed.weight  # tied
+    model.untied_head = ParallelLMHead(100, 32)
+    for p in model.parameters():
+        p.data.normal_()
+    dense = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    assert pack_linear_weights(model) == 4
+    for rows in (1, 3, 70):
+        x, h = torch.randn(rows, 32), torch.randn(rows, 48)
+        torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])
+        torch.testing.assert_close(model.down(h), h @ dense["down.weight"].T + dense["down.bias"])
+        torch.testing.assert_close(model.head(x), x @ dense["embed.weight"].T)
+        torch.testing.assert_close(model.untied_head(x), x @ dense["untied_head.weight"].T)
+    # The tied table still embeds; the dense copies only the packed layers used are freed.
+    torch.testing.assert_close(model.embed(torch.tensor([3, 97])), dense["embed.weight"][[3, 97]])
+    assert model.qkv.weight.numel() == model.down.weight.numel() == model.untied_head.weight.numel() == 0
+    assert model.qkv.packed_weight.shape == dense["qkv.weight"].shape
 
 
 # ---- attention over the paged cache -----------------------------------------------------------

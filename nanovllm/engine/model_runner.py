@@ -14,6 +14,7 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend, pick_backend_name
+from nanovllm.layers.linear import can_pack_weights, pack_linear_weights
 from nanovllm.layers.sampler import SampledTokens, Sampler
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
@@ -51,6 +52,9 @@ class ModelRunner:
             self.model = get_model_class(hf_config)(hf_config)
         load_model(self.model, config.model)
         self.model.eval()
+        self.packed_weights = can_pack_weights(self.device, self.dtype)
+        if self.packed_weights:
+            pack_linear_weights(self.model)
         if config.compile_ops:
             compile_fused_ops(self.model)
         self.sampler = Sampler(config.device)
@@ -63,8 +67,9 @@ class ModelRunner:
             layer.backend = self.backend
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if rank == 0:
-            logger.info("attention backend: %s, device: %s, dtype: %s, CUDA graphs: %s, compiled ops: %s",
-                        self.backend.name, self.device, self.dtype, use_graphs, config.compile_ops)
+            logger.info("attention backend: %s, device: %s, dtype: %s, CUDA graphs: %s, compiled ops: %s, "
+                        "oneDNN-packed weights: %s", self.backend.name, self.device, self.dtype, use_graphs,
+                        config.compile_ops, self.packed_weights)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:

@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import copy_checked, pick_linear
+from nanovllm.layers.linear import copy_checked, pack_weight, packed_linear, pick_linear
 from nanovllm.utils.parallel import divide, get_tp_rank, get_tp_size
 
 
@@ -44,9 +44,18 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("an LM head bias is not supported")
         super().__init__(num_embeddings, embedding_dim)
         self.matmul = pick_linear(self.num_embeddings_per_partition, embedding_dim)
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_weight(self, keep_dense: bool = False) -> None:
+        """Multiply by a oneDNN-packed copy of the weight from now on; keep_dense when the weight is
+        also the (tied) embedding table."""
+        self.packed_weight = pack_weight(self.weight)
+        if not keep_dense:
+            self.weight.data = self.weight.data.new_empty(0)
+        self.matmul = packed_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = self.matmul(x, self.weight)  # [num_seqs, vocab / tp]
+        logits = self.matmul(x, self.weight if self.packed_weight is None else self.packed_weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
