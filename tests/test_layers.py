@@ -231,3 +231,25 @@ def test_both_random_draws_follow_probs_chi_square(draw):
     expected = probs.double()[keep] * n
     chi2 = ((observed[keep] - expected) ** 2 / expected).sum().item()
     assert chi2 < 20.5, (chi2, observed)  # 5 degrees of freedom, P = 0.001
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 1024])
+def test_inverse_cdf_chunks_follow_probs_chi_square(chunk, monkeypatch):
+    """The two-level draw (chunk, then token in it) over chunk sizes that split the vocabulary
+    unevenly (a short last chunk, empty chunks) and a 152k-sized vocabulary with mass spread over
+    chunk boundaries and the tail."""
+    import nanovllm.layers.sampler as sampler_module
+    monkeypatch.setattr(sampler_module, "CDF_CHUNK", chunk)
+    torch.manual_seed(3)
+    vocab = 8 if chunk < 1024 else 151936
+    hot = [1, 2, 4, 5, 6] if chunk < 1024 else [0, 1023, 1024, 70001, 151935]
+    probs = torch.zeros(vocab)
+    probs[hot] = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    n = 20000 if chunk < 1024 else 4000
+    draws = torch.cat([inverse_cdf_sample(probs.expand(min(n - i, 1000), -1).clone(), {})
+                       for i in range(0, n, 1000)])
+    observed = torch.bincount(draws, minlength=vocab).double()
+    assert observed.sum() == n and observed[hot].sum() == n  # zero-probability tokens never drawn
+    expected = probs.double()[hot] * n
+    chi2 = ((observed[hot] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 18.5, (chi2, observed[hot])  # 4 degrees of freedom, P = 0.001

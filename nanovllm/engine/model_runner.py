@@ -20,6 +20,7 @@ from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
 from nanovllm.utils.compile import compile_fused_ops
 from nanovllm.utils.context import Context, forward_context
+from nanovllm.utils.cpu_memory import keep_freed_memory
 from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.dtype = config.torch_dtype
+        if self.device.type == "cpu":
+            keep_freed_memory()
         hf_config = config.hf_config
         with default_dtype(self.dtype), self.device:
             self.model = get_model_class(hf_config)(hf_config)

@@ -32,6 +32,7 @@ class SamplingMetadata:
 
     is_sampled: list[bool]
     all_greedy: bool
+    any_greedy: bool = True                      # False: no row needs the argmax
     is_greedy: torch.Tensor | None = None        # bool
     temperatures: torch.Tensor | None = None     # fp32, 1.0 on greedy rows
     top_k: torch.Tensor | None = None            # int64, vocab_size when off
@@ -54,7 +55,8 @@ class SamplingMetadata:
         """Plain temperature sampling per row (0 = greedy), no other option: for benchmarks and
         for tests that feed the Sampler without sequences."""
         is_greedy = temperatures < SAMPLING_EPS
-        md = cls(is_sampled=[True] * len(temperatures), all_greedy=bool(is_greedy.all()))
+        md = cls(is_sampled=[True] * len(temperatures), all_greedy=bool(is_greedy.all()),
+                 any_greedy=bool(is_greedy.any()))
         md.num_logprobs = [None] * len(temperatures)
         if not md.all_greedy:
             md.is_greedy = is_greedy
@@ -69,7 +71,7 @@ class SamplingMetadata:
         # and they must not consume a seeded request's randomness.
         params = [seq.sampling_params if s else None for seq, s in zip(seqs, sampled)]
         greedy = [p is None or p.is_greedy for p in params]
-        md = cls(is_sampled=sampled, all_greedy=all(greedy))
+        md = cls(is_sampled=sampled, all_greedy=all(greedy), any_greedy=any(greedy))
         md.num_logprobs = [p.logprobs if p is not None else None for p in params]
         asked = [n for n in md.num_logprobs if n is not None]
         md.max_num_logprobs = max(asked) if asked else None
