@@ -1,6 +1,7 @@
 """Each layer against an independent formula: RMSNorm and RoPE vs HF, attention backends vs naive
 attention over the same paged cache, SiLU-and-mul, linear weight loaders, and the sampler."""
 import math
+import shutil
 
 import pytest
 import torch
@@ -166,8 +167,35 @@ def test_grouped_decode_matches_naive():
     q = torch.randn(len(lens), 4, 8)
     ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
                   seqlens_k_host=lens)
-    out = TorchBackend("cpu").decode(q, k_cache, v_cache, ctx, 0.3)
+    backend = TorchBackend("cpu")
+    backend.cpu_kernel = None  # the pure-torch path (the C kernel has its own test below)
+    out = backend.decode(q, k_cache, v_cache, ctx, 0.3)
     assert len(ctx.backend_cache["decode_groups"]) == 3
+    for i, n in enumerate(lens):
+        ref = naive_attention(q[i: i + 1], ks[i], vs[i], 0.3, n - 1)
+        torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(2, 2, 8, 4), (8, 2, 8, 4),
+                                                                        (6, 2, 24, 16), (16, 8, 128, 16)])
+@pytest.mark.parametrize("copies", [1, 6])
+def test_cpu_kernel_decode_matches_naive(num_heads, num_kv_heads, head_dim, block_size, copies):
+    """The C decode kernel (built here with the system compiler) against naive attention: GQA
+    groups 1/3/4/2, contexts ending mid-block and on block edges, scattered block tables; 6
+    sequences (KV heads split across work items) and 36 (one item per sequence)."""
+    from nanovllm.kernels import cpu_attention
+    assert cpu_attention.load() is not None
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 37, 2] * copies
+    k_cache, v_cache, tables, ks, vs = paged_setup(lens, block_size, num_kv_heads, head_dim,
+                                                   num_blocks=64 * copies)
+    q = torch.randn(len(lens), num_heads, head_dim)
+    ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                  seqlens_k_host=lens)
+    backend = TorchBackend("cpu")
+    assert backend.cpu_kernel is not None
+    out = backend.decode(q, k_cache, v_cache, ctx, 0.3)
+    assert "decode_groups" not in ctx.backend_cache  # the kernel ran, not the torch path
     for i, n in enumerate(lens):
         ref = naive_attention(q[i: i + 1], ks[i], vs[i], 0.3, n - 1)
         torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
