@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import copy_checked, pack_weight, packed_linear, pick_linear
+from nanovllm.layers.linear import copy_checked, pick_linear, switch_to_packed_weight
 from nanovllm.utils.parallel import divide, get_tp_rank, get_tp_size
 
 
@@ -47,12 +47,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight: torch.Tensor | None = None
 
     def pack_weight(self, keep_dense: bool = False) -> None:
-        """Multiply by a oneDNN-packed copy of the weight from now on; keep_dense when the weight is
-        also the (tied) embedding table."""
-        self.packed_weight = pack_weight(self.weight)
-        if not keep_dense:
-            self.weight.data = self.weight.data.new_empty(0)
-        self.matmul = packed_linear
+        # keep_dense when the weight is also the (tied) embedding table
+        switch_to_packed_weight(self, keep_dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         logits = self.matmul(x, self.weight if self.packed_weight is None else self.packed_weight)

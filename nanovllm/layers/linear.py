@@ -40,6 +40,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def switch_to_packed_weight(module: nn.Module, keep_dense: bool) -> None:
+    """Make a layer (module.weight, .packed_weight, .matmul) multiply by a oneDNN-packed copy of its
+    weight from now on (after loading; see can_pack_weights). Unless keep_dense, the dense weight
+    is freed (left empty)."""
+    module.packed_weight = pack_weight(module.weight)
+    if not keep_dense:
+        module.weight.data = module.weight.data.new_empty(0)
+    module.matmul = packed_linear
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """pack_weight() every layer that has one; a weight another module also uses (a tied embedding)
     keeps its dense copy. Returns the number of layers packed."""
@@ -95,12 +105,7 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded, type(self).__name__)
 
     def pack_weight(self, keep_dense: bool = False) -> None:
-        """Multiply by a oneDNN-packed copy of the weight from now on (after loading; see
-        can_pack_weights). Unless keep_dense, the dense weight is freed (left empty)."""
-        self.packed_weight = pack_weight(self.weight)
-        if not keep_dense:
-            self.weight.data = self.weight.data.new_empty(0)
-        self.matmul = packed_linear
+        switch_to_packed_weight(self, keep_dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight if self.packed_weight is None else self.packed_weight, self.bias)
