@@ -43,7 +43,7 @@ def _load_hf_config(model: str):
         raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
 
 
-def _available_ram_bytes() -> int:
+def available_ram_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -141,7 +141,7 @@ class Config:
         if self.cpu_kvcache_bytes is None and self.device == "cpu":
             # A safe share of free RAM: the model and activations need the rest.
             # NOTE: the budget is per rank; N ranks share the machine's RAM.
-            share = min(int(_available_ram_bytes() * 0.25), 8 << 30)
+            share = min(int(available_ram_bytes() * 0.25), 8 << 30)
             self.cpu_kvcache_bytes = max(1, share // self.tensor_parallel_size)
 
     def _check_device(self) -> None:

@@ -106,6 +106,36 @@ def test_onednn_packed_weights_match_plain_matmul():
     assert model.qkv.packed_weight.shape == dense["qkv.weight"].shape
 
 
+@pytest.mark.skipif(not can_pack_weights(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
+    """With the C kernels, packed layers keep their dense weight and run one-row inputs through
+    the C GEMV (output widths not a multiple of 4 included); more rows go to oneDNN."""
+    from nanovllm.kernels import cpu_kernels
+    kernels = cpu_kernels.load()
+    assert kernels is not None
+    calls = []
+    real_gemv = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(1) or real_gemv(*a))
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.qkv = QKVParallelLinear(32, head_size=8, total_num_heads=3, total_num_kv_heads=1, bias=True)  # 40 wide
+    model.down = RowParallelLinear(48, 30, bias=True)
+    model.head = ParallelLMHead(101, 32)
+    for p in model.parameters():
+        p.data.normal_()
+    dense = {name: p.detach().clone() for name, p in model.named_parameters()}
+    pack_linear_weights(model, kernels)
+    assert model.qkv.weight.numel() == dense["qkv.weight"].numel()  # kept for the GEMV
+    x, h = torch.randn(1, 32), torch.randn(1, 48)
+    torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])
+    torch.testing.assert_close(model.down(h), h @ dense["down.weight"].T + dense["down.bias"])
+    torch.testing.assert_close(model.head(x), x @ dense["head.weight"].T)
+    assert len(calls) == 3
+    torch.testing.assert_close(model.qkv(x.expand(2, -1)), (x @ dense["qkv.weight"].T + dense["qkv.bias"]).expand(2, -1))
+    assert len(calls) == 3
+
+
 # ---- attention over the paged cache -----------------------------------------------------------
 def naive_attention(q, k, v, scale, q_offset):
     """q [Lq, H, D], k/v [Lk, Hkv, D]; query i sits at position q_offset + i."""
@@ -184,8 +214,8 @@ def test_cpu_kernel_decode_matches_naive(num_heads, num_kv_heads, head_dim, bloc
     """The C decode kernel (built here with the system compiler) against naive attention: GQA
     groups 1/3/4/2, contexts ending mid-block and on block edges, scattered block tables; 6
     sequences (KV heads split across work items) and 36 (one item per sequence)."""
-    from nanovllm.kernels import cpu_attention
-    assert cpu_attention.load() is not None
+    from nanovllm.kernels import cpu_kernels
+    assert cpu_kernels.load() is not None
     lens = [1, block_size, block_size + 1, 3 * block_size - 1, 37, 2] * copies
     k_cache, v_cache, tables, ks, vs = paged_setup(lens, block_size, num_kv_heads, head_dim,
                                                    num_blocks=64 * copies)

@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import copy_checked, pick_linear, switch_to_packed_weight
+from nanovllm.layers.linear import copy_checked, pick_linear, project, switch_to_packed_weight
 from nanovllm.utils.parallel import divide, get_tp_rank, get_tp_size
 
 
@@ -45,13 +45,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         self.matmul = pick_linear(self.num_embeddings_per_partition, embedding_dim)
         self.packed_weight: torch.Tensor | None = None
+        self.gemv_kernels = None
 
-    def pack_weight(self, keep_dense: bool = False) -> None:
+    def pack_weight(self, keep_dense: bool = False, gemv_kernels=None) -> None:
         # keep_dense when the weight is also the (tied) embedding table
-        switch_to_packed_weight(self, keep_dense)
+        switch_to_packed_weight(self, keep_dense, gemv_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = self.matmul(x, self.weight if self.packed_weight is None else self.packed_weight)
+        logits = project(self, x, None)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

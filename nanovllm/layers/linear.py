@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import cpu_kernels
 from nanovllm.utils.parallel import divide, get_tp_rank, get_tp_size
 
 
@@ -40,19 +41,30 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def switch_to_packed_weight(module: nn.Module, keep_dense: bool) -> None:
-    """Make a layer (module.weight, .packed_weight, .matmul) multiply by a oneDNN-packed copy of its
-    weight from now on (after loading; see can_pack_weights). Unless keep_dense, the dense weight
-    is freed (left empty)."""
+def switch_to_packed_weight(module: nn.Module, keep_dense: bool, gemv_kernels=None) -> None:
+    """Make a layer (with .weight, .packed_weight, .gemv_kernels) multiply by a oneDNN-packed copy of
+    its weight from now on (after loading; see can_pack_weights). With gemv_kernels (the C kernels),
+    one-row inputs use the C GEMV on the dense weight instead, which is then kept; otherwise the
+    dense weight is freed (left empty) unless keep_dense."""
     module.packed_weight = pack_weight(module.weight)
-    if not keep_dense:
+    module.gemv_kernels = gemv_kernels
+    if not keep_dense and gemv_kernels is None:
         module.weight.data = module.weight.data.new_empty(0)
-    module.matmul = packed_linear
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) with whichever form of the weight the layer holds (see switch_to_packed_weight)."""
+    if layer.packed_weight is None:
+        return layer.matmul(x, layer.weight, bias)
+    if layer.gemv_kernels is not None and x.shape[0] == 1:
+        return cpu_kernels.gemv(layer.gemv_kernels, x, layer.weight, bias)
+    return packed_linear(x, layer.packed_weight, bias)
+
+
+def pack_linear_weights(model: nn.Module, gemv_kernels=None) -> int:
     """pack_weight() every layer that has one; a weight another module also uses (a tied embedding)
-    keeps its dense copy. Returns the number of layers packed."""
+    keeps its dense copy. gemv_kernels: see switch_to_packed_weight. Returns the number of layers
+    packed."""
     users: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -60,7 +72,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     packed = 0
     for module in model.modules():
         if hasattr(module, "pack_weight"):
-            module.pack_weight(keep_dense=users[id(module.weight)] > 1)
+            module.pack_weight(keep_dense=users[id(module.weight)] > 1, gemv_kernels=gemv_kernels)
             packed += 1
     return packed
 
@@ -89,6 +101,7 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.matmul = pick_linear(output_size, input_size)
         self.packed_weight: torch.Tensor | None = None
+        self.gemv_kernels = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -104,11 +117,11 @@ class LinearBase(nn.Module):
             loaded = self._shard(loaded, self.tp_dim)
         copy_checked(param.data, loaded, type(self).__name__)
 
-    def pack_weight(self, keep_dense: bool = False) -> None:
-        switch_to_packed_weight(self, keep_dense)
+    def pack_weight(self, keep_dense: bool = False, gemv_kernels=None) -> None:
+        switch_to_packed_weight(self, keep_dense, gemv_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight if self.packed_weight is None else self.packed_weight, self.bias)
+        return project(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -168,8 +181,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: the bias is added on rank 0 only, so the all_reduce counts it once.
-        weight = self.weight if self.packed_weight is None else self.packed_weight
-        y = self.matmul(x, weight, self.bias if self.tp_rank == 0 else None)
+        y = project(self, x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

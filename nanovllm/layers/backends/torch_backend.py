@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import cpu_attention
+from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.backends import AttentionBackend
 from nanovllm.utils.context import Context
 
@@ -60,7 +60,7 @@ class TorchBackend(AttentionBackend):
         super().__init__(device)
         self._store = kv_store_for(device)
         # The C decode kernel on CPU (fp32), when it builds; None keeps the torch path.
-        self.cpu_kernel = cpu_attention.load() if device == "cpu" else None
+        self.cpu_kernel = cpu_kernels.load() if device == "cpu" else None
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._store(k, v, k_cache, v_cache, slot_mapping)
@@ -86,7 +86,7 @@ class TorchBackend(AttentionBackend):
         # q: [num_seqs, num_heads, head_dim]; one query per sequence at position context_len - 1.
         if self.device == "cpu" and context.seqlens_k_host is not None:
             if self.cpu_kernel is not None and q.dtype == torch.float32:
-                return cpu_attention.paged_decode_attention(
+                return cpu_kernels.paged_decode_attention(
                     self.cpu_kernel, q, k_cache, v_cache, context.block_tables, context.context_lens,
                     max(context.seqlens_k_host), scale)
             return self.decode_grouped(q, k_cache, v_cache, context, scale)

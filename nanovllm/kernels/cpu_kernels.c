@@ -1,4 +1,6 @@
-/* Decode attention over the paged KV cache on CPU, fp32: one query token per sequence.
+/* CPU kernels in C, fp32: paged decode attention, and the one-row matrix-vector product.
+ *
+ * paged_decode_attention_f32: decode attention over the paged KV cache, one query token per sequence.
  *
  * The torch path gathers every sequence's blocks into a padded copy and then runs SDPA over the
  * copy; this kernel reads each cached K and V row once, in place, through the block table.
@@ -101,4 +103,41 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
         free(inv_sum);
     }
     return failed;
+}
+
+/* y = W x (+ bias) for one row x: W [n, k] row-major, dense. Four weight rows per step share each
+ * load of x; rows are split statically over the threads, so each streams its own contiguous part
+ * of W (oneDNN's packed one-row path read the weights 10-30% slower, docs/performance.md). */
+void gemv_f32(const float *w, const float *x, const float *bias, float *y, int64_t n, int64_t k,
+              int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < n; r += 4) {
+        if (r + 4 <= n) {
+            const float *w0 = w + r * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t i = 0; i < k; i++) {
+                const float xi = x[i];
+                a0 += w0[i] * xi;
+                a1 += w1[i] * xi;
+                a2 += w2[i] * xi;
+                a3 += w3[i] * xi;
+            }
+            y[r] = a0;
+            y[r + 1] = a1;
+            y[r + 2] = a2;
+            y[r + 3] = a3;
+        } else {
+            for (int64_t j = r; j < n; j++) {
+                const float *wj = w + j * k;
+                float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t i = 0; i < k; i++) a += wj[i] * x[i];
+                y[j] = a;
+            }
+        }
+        if (bias != NULL) {
+            for (int64_t j = r; j < r + 4 && j < n; j++) y[j] += bias[j];
+        }
+    }
 }

@@ -1,9 +1,9 @@
-"""The CPU decode-attention kernel (cpu_attention.c): built once with the system C compiler into
-the nanovllm cache, loaded with ctypes, called by TorchBackend.decode for fp32 caches on CPU.
+"""The CPU kernels in C (cpu_kernels.c), built once with the system C compiler into the nanovllm
+cache and loaded with ctypes: paged decode attention (TorchBackend.decode, fp32 caches on CPU) and
+the one-row GEMV (linear layers at batch 1, where ModelRunner keeps dense weights for it).
 
 Without a C compiler, or when the build fails, or with NANOVLLM_CPU_KERNEL=0, load() returns None
-and the backend keeps its pure-torch path (same results; slower at long contexts, see
-docs/performance.md).
+and the callers keep their torch paths (same results; slower, see docs/performance.md).
 """
 import ctypes
 import hashlib
@@ -20,7 +20,7 @@ from nanovllm.utils.default_model import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
 # -march=native: the library is built on, and cached for, the machine that runs it (the CPU's
 # flags are part of its file name).
@@ -43,7 +43,7 @@ def _cpu_signature() -> str:
 
 def library_path() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode())
-    return cache_root() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def build(path: Path) -> None:
@@ -66,8 +66,22 @@ def build(path: Path) -> None:
             os.unlink(tmp)
 
 
-def load():
-    """The kernel's ctypes function, built on first use; None where it cannot be had (logged once)."""
+class CpuKernels:
+    """The library's two functions, typed for ctypes."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.decode_attention = lib.paged_decode_attention_f32
+        self.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+                                          ctypes.c_float, i64, ctypes.c_int]
+        self.decode_attention.restype = ctypes.c_int
+        self.gemv = lib.gemv_f32
+        self.gemv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int]
+        self.gemv.restype = None
+
+
+def load() -> CpuKernels | None:
+    """The kernels, built on first use; None where they cannot be had (logged once)."""
     global _kernel, _tried
     if _tried:
         return _kernel
@@ -78,19 +92,24 @@ def load():
         path = library_path()
         if not path.is_file():
             build(path)
-        fn = ctypes.CDLL(str(path)).paged_decode_attention_f32
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("CPU attention kernel unavailable, using the torch path: %s", e)
+        _kernel = CpuKernels(ctypes.CDLL(str(path)))
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        logger.warning("CPU C kernels unavailable, using the torch paths: %s", e)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                   ctypes.c_int]
-    fn.restype = ctypes.c_int
-    _kernel = fn
-    return fn
+    return _kernel
 
 
-def paged_decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, k] @ weight[n, k]^T (+ bias) -> [1, n], fp32, dense contiguous weight."""
+    x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty(1, n, dtype=x.dtype)
+    kernels.gemv(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, k,
+                 torch.get_num_threads())
+    return y
+
+
+def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
                            scale: float) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] (fp32) -> attention output of the same shape."""
@@ -106,9 +125,10 @@ def paged_decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     # each sequence's KV heads split so that about 4 items per thread exist.
     splits = min(num_kv_heads, -(-4 * threads // num_seqs))
     kv_heads_per_item = -(-num_kv_heads // splits)
-    failed = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                    context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, block_tables.shape[1], max_context, scale, kv_heads_per_item, threads)
+    failed = kernels.decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+        max_context, scale, kv_heads_per_item, threads)
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
     return out
