@@ -221,7 +221,7 @@ def test_cpu_kernel_decode_matches_naive(num_heads, num_kv_heads, head_dim, bloc
                                                    num_blocks=64 * copies)
     q = torch.randn(len(lens), num_heads, head_dim)
     ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-                  seqlens_k_host=lens)
+                  seqlens_k_host=lens, max_seqlen_k=max(lens))  # as ModelRunner.prepare_decode builds it
     backend = TorchBackend("cpu")
     assert backend.cpu_kernel is not None
     out = backend.decode(q, k_cache, v_cache, ctx, 0.3)

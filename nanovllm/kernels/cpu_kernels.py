@@ -26,7 +26,7 @@ DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
 # flags are part of its file name).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
-_kernel = None
+_kernels = None
 _tried = False
 
 
@@ -82,9 +82,9 @@ class CpuKernels:
 
 def load() -> CpuKernels | None:
     """The kernels, built on first use; None where they cannot be had (logged once)."""
-    global _kernel, _tried
+    global _kernels, _tried
     if _tried:
-        return _kernel
+        return _kernels
     _tried = True
     if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
         return None
@@ -92,11 +92,11 @@ def load() -> CpuKernels | None:
         path = library_path()
         if not path.is_file():
             build(path)
-        _kernel = CpuKernels(ctypes.CDLL(str(path)))
+        _kernels = CpuKernels(ctypes.CDLL(str(path)))
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         logger.warning("CPU C kernels unavailable, using the torch paths: %s", e)
         return None
-    return _kernel
+    return _kernels
 
 
 def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -88,7 +88,7 @@ class TorchBackend(AttentionBackend):
             if self.cpu_kernel is not None and q.dtype == torch.float32:
                 return cpu_kernels.paged_decode_attention(
                     self.cpu_kernel, q, k_cache, v_cache, context.block_tables, context.context_lens,
-                    max(context.seqlens_k_host), scale)
+                    context.max_seqlen_k, scale)
             return self.decode_grouped(q, k_cache, v_cache, context, scale)
         return decode_padded(q, k_cache, v_cache, context.block_tables, context.context_lens, scale)
 
