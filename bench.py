@@ -116,7 +116,7 @@ def main() -> None:
     print(f"nano-vLLM     Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s "
           f"({args.num_seqs} requests, {cfg.device}, {results['dtype']})")
     if args.efficiency:
-        from bench_efficiency import measure_efficiency
+        from nanovllm.utils.efficiency import measure_efficiency
         results["efficiency"] = measure_efficiency(llm)
     device = llm.model_runner.device
     llm.exit()

@@ -2,7 +2,7 @@
 from collections.abc import Iterator
 
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.streaming import OutputStreamer, StreamDelta
+from nanovllm.outputs.streaming import OutputStreamer, StreamDelta
 from nanovllm.sampling_params import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """SamplingParams: per-request decoding options with vLLM's names, meanings and defaults.
 
-Validated at construction; the sampler (layers/sampling_metadata.py) and the engine read them.
+Validated at construction; the sampler (sample/sampling_metadata.py) and the engine read them.
 """
 import logging
 import math

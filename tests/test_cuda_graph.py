@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from nanovllm.engine.cuda_graph import DecodeBuffers, DecodeGraphs, graph_batch_sizes, pick_graph_batch_size
+from nanovllm.executor.cuda_graph import DecodeBuffers, DecodeGraphs, graph_batch_sizes, pick_graph_batch_size
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context, get_context

@@ -2,7 +2,7 @@
 characters across tokens; the reference is the tokenizer's own decode of all tokens."""
 import pytest
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, find_stop
+from nanovllm.outputs.detokenizer import IncrementalDetokenizer, StopStringMatcher, find_stop
 
 TEXT = "the café 日本 🙂 fox jumps"
 

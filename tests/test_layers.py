@@ -14,8 +14,8 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                     can_pack_weights, pack_linear_weights)
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
-from nanovllm.layers.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
-from nanovllm.layers.sampling_metadata import SamplingMetadata
+from nanovllm.sample.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
+from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.utils.context import Context
 
 
@@ -296,7 +296,7 @@ def test_inverse_cdf_chunks_follow_probs_chi_square(chunk, monkeypatch):
     """The two-level draw (chunk, then token in it) over chunk sizes that split the vocabulary
     unevenly (a short last chunk, empty chunks) and a 152k-sized vocabulary with mass spread over
     chunk boundaries and the tail."""
-    import nanovllm.layers.sampler as sampler_module
+    import nanovllm.sample.sampler as sampler_module
     monkeypatch.setattr(sampler_module, "CDF_CHUNK", chunk)
     torch.manual_seed(3)
     vocab = 8 if chunk < 1024 else 151936

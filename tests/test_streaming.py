@@ -4,7 +4,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.streaming import OutputStreamer
+from nanovllm.outputs.streaming import OutputStreamer
 
 from helpers import WORDS
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from helpers import hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.tp_worker import CallChannel
+from nanovllm.distributed.tp_worker import CallChannel
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK = 16
@@ -179,8 +179,8 @@ def kv_block_bytes(path: str, tp: int) -> int:
 def build_runner_rank(config: Config, rank: int, port: int, results) -> None:
     """One rank of a 2-rank gloo group started by the test itself (spawned; module-level to pickle)."""
     import torch.distributed as dist
-    from nanovllm.engine.model_runner import ModelRunner
-    from nanovllm.engine.tp_worker import HOST, init_process_group
+    from nanovllm.executor.model_runner import ModelRunner
+    from nanovllm.distributed.tp_worker import HOST, init_process_group
 
     store = dist.TCPStore(HOST, port, 2, is_master=False)
     init_process_group(config, rank, store)

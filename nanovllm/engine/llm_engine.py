@@ -6,9 +6,9 @@ import time
 from tqdm.auto import tqdm
 
 from nanovllm.config import CONFIG_FIELDS, Config
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.parallel_sampling import PendingSiblings, child_params
+from nanovllm.executor.model_runner import ModelRunner
+from nanovllm.outputs.output_processor import OutputProcessor
+from nanovllm.outputs.parallel_sampling import PendingSiblings, child_params
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ class LLMEngine:
         Sequence.block_size = config.kvcache_block_size
         self.tokenizer = load_tokenizer(config.model)
         if config.tensor_parallel_size > 1:
-            from nanovllm.engine.tp_runner import TensorParallelRunner
+            from nanovllm.distributed.tp_runner import TensorParallelRunner
             self.model_runner = TensorParallelRunner(config)
         else:
             self.model_runner = ModelRunner(config)

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.streaming import OutputStreamer, StreamDelta
+from nanovllm.outputs.streaming import OutputStreamer, StreamDelta
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from nanovllm.engine.streaming import StreamDelta
+from nanovllm.outputs.streaming import StreamDelta
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError
 from nanovllm.entrypoints.protocol import error_body
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import copy_checked, pick_linear, project, switch_to_packed_weight
-from nanovllm.utils.parallel import divide, get_tp_rank, get_tp_size
+from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.utils.parallel import divide, get_tp_rank, get_tp_size
+from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

@@ -1,6 +1,6 @@
 """Incremental detokenization and stop-string matching for one request.
 
-OutputProcessor (engine/output_processor.py) feeds each new token; the text grows by the decoded
+OutputProcessor (outputs/output_processor.py) feeds each new token; the text grows by the decoded
 difference of a small sliding token window, so a step costs O(window), not O(output length).
 """
 

@@ -1,5 +1,5 @@
 """Tensor-parallel worker side: the shared-memory call channel and worker_main, the loop of ranks
-1..N-1 that runs rank 0's ModelRunner calls on its own shard. Started by engine/tp_runner.py."""
+1..N-1 that runs rank 0's ModelRunner calls on its own shard. Started by distributed/tp_runner.py."""
 import datetime
 import logging
 import multiprocessing as mp
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Sampler: one token per row from the final logits, for the whole batch at once.
 
-ModelRunner calls it with a SamplingMetadata (layers/sampling_metadata.py). Order, as in vLLM:
+ModelRunner calls it with a SamplingMetadata (sample/sampling_metadata.py). Order, as in vLLM:
 raw logprobs, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and
 one exact draw from the result: an exponential race (Gumbel-max) on CUDA, inverse-CDF on CPU.
 """
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.sampling_metadata import SamplingMetadata
+from nanovllm.sample.sampling_metadata import SamplingMetadata
 
 TOP_P_CANDIDATES = 1024  # tokens searched for the top-p cut before falling back to a full sort
 

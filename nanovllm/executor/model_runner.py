@@ -9,17 +9,17 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config, available_ram_bytes
-from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.executor.cuda_graph import DecodeGraphs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend, pick_backend_name
 from nanovllm.layers.linear import can_pack_weights, pack_linear_weights
-from nanovllm.layers.sampler import SampledTokens, Sampler
-from nanovllm.layers.sampling_metadata import SamplingMetadata
+from nanovllm.sample.sampler import SampledTokens, Sampler
+from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
-from nanovllm.utils.compile import compile_fused_ops
+from nanovllm.executor.compile import compile_fused_ops
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.cpu_memory import keep_freed_memory
 from nanovllm.utils.loader import load_model

@@ -5,7 +5,7 @@ Per-request state lives here, not on Sequence, so TP workers never receive it.
 """
 from dataclasses import dataclass
 
-from nanovllm.engine.detokenizer import StopStringMatcher
+from nanovllm.outputs.detokenizer import StopStringMatcher
 from nanovllm.engine.sequence import Sequence
 
 

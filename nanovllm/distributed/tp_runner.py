@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.layers.sampler import SampledTokens
-from nanovllm.engine.tp_worker import (ALLOWED_METHODS, HOST, CallChannel, channel_bytes, init_process_group,
+from nanovllm.sample.sampler import SampledTokens
+from nanovllm.distributed.tp_worker import (ALLOWED_METHODS, HOST, CallChannel, channel_bytes, init_process_group,
                                        worker_main)
 
 logger = logging.getLogger(__name__)

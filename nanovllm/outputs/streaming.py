@@ -5,7 +5,7 @@ new sequence and collect() after each LLMEngine.step().
 """
 from dataclasses import dataclass, field
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.outputs.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
 
 

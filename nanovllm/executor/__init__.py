@@ -1,0 +1,1 @@
+"""Model execution: the ModelRunner (step inputs, forward, sample), decode CUDA graphs, compiled ops."""

@@ -1,0 +1,1 @@
+"""Per-request output handling: detokenization, stop strings, logprobs, streaming deltas, n > 1 siblings."""

@@ -1,0 +1,1 @@
+"""Sampling: per-row metadata built from the batch, and the batched sampler."""
