@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from nanovllm import SamplingParams
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers import sampler as sampler_module
+from nanovllm.sample import sampler as sampler_module
 from nanovllm.sample.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
 from nanovllm.sample.sampling_metadata import SamplingMetadata, step_seed
 

@@ -144,7 +144,7 @@ def test_tp_size_is_validated(gqa, monkeypatch):
 
 
 def test_tp1_engine_refuses_to_share_a_process_with_a_running_group(gqa, monkeypatch):
-    from nanovllm.engine import model_runner
+    from nanovllm.executor import model_runner
 
     monkeypatch.setattr(model_runner.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(model_runner.dist, "get_world_size", lambda: 2)
