@@ -35,12 +35,3 @@ def qwen3_gqa(tmp_path_factory) -> str:
 def qwen3_bias_tied(tmp_path_factory) -> str:
     return make_qwen3(str(tmp_path_factory.mktemp("qwen3_bias_tied")), shape="bias_tied", seed=2)
 
-
-@pytest.fixture
-def tiny_blocks():
-    """Sequence.block_size = 4 for unit tests of the block manager and scheduler; restored after."""
-    from nanovllm.engine.sequence import Sequence
-    old = Sequence.block_size
-    Sequence.block_size = 4
-    yield 4
-    Sequence.block_size = old

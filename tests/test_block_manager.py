@@ -1,17 +1,38 @@
-"""BlockManager: allocation, ref counts, chained hashes, verified hits, reuse after free."""
-import pytest
-
+"""BlockManager: block math, allocation, ref counts, chained hashes, verified hits, reuse after free."""
 from nanovllm.engine.block_manager import BlockManager, compute_block_hash
 from nanovllm.engine.sequence import Sequence
 
 BS = 4
-pytestmark = pytest.mark.usefixtures("tiny_blocks")  # Sequence.block_size == BS
 
 
 def computed(bm: BlockManager, seq: Sequence) -> None:
     """Pretend the step computed every token of seq, as Scheduler.postprocess would record."""
     seq.num_computed_tokens = len(seq)
     bm.register_computed_blocks(seq)
+
+
+def test_block_math_is_the_managers_own():
+    seq = Sequence(list(range(20)))
+    small, large = BlockManager(8, 4), BlockManager(8, 16)
+    assert small.num_blocks_of(seq) == 5 and small.block_token_ids(seq, 4) == [16, 17, 18, 19]
+    assert large.num_blocks_of(seq) == 2 and large.block_token_ids(seq, 1) == list(range(16, 20))
+    small.allocate(seq)
+    assert len(seq.block_table) == 5 and large.num_blocks_of(seq) == 2  # neither sees the other's size
+
+
+def test_deallocate_forgets_cache_state_and_keeps_tokens():
+    bm = BlockManager(8, BS)
+    first = Sequence([1, 2, 3, 4, 5])
+    bm.allocate(first)
+    computed(bm, first)
+    seq = Sequence([1, 2, 3, 4, 5, 6])
+    bm.allocate(seq)
+    assert seq.num_cached_tokens == seq.num_computed_tokens == 4
+    seq.num_computed_tokens = 6
+    seq.append_token(9)
+    bm.deallocate(seq)
+    assert seq.token_ids == [1, 2, 3, 4, 5, 6, 9] and seq.block_table == []
+    assert seq.num_cached_tokens == 0 and seq.num_computed_tokens == 0
 
 
 def test_allocate_and_free_counts():

@@ -1,14 +1,11 @@
 """Scheduler: prefill budget, chunking, decode, preemption order, finishing. No model involved."""
 from types import SimpleNamespace
 
-import pytest
-
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4
-pytestmark = pytest.mark.usefixtures("tiny_blocks")  # Sequence.block_size == BS
 
 
 def make_scheduler(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
@@ -90,7 +87,23 @@ def test_preemption_frees_the_latest_running_sequence():
     assert out.seqs == [a] and s.num_preemptions == 1
     assert list(s.waiting) == [b] and b.block_table == [] and b.status == SequenceStatus.WAITING
     assert b.num_computed_tokens == 0 and len(b) == 9  # keeps its generated token
+    assert b.num_cached_tokens == 0
     s.postprocess(out, [7])
+
+
+def test_preempted_sequence_re_enters_through_its_cached_blocks():
+    s = make_scheduler(num_blocks=4, max_num_batched_tokens=64)
+    a, b = seq_of(8, max_tokens=2), seq_of(8, start=50, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)  # b preempted; a takes b's freed tail block for its 3rd block, then finishes
+    assert b.status == SequenceStatus.WAITING and not b.block_table
+    out = s.schedule()
+    # Hand count: b's first block kept its hash and hits (4 tokens); its second went to a, so 5 of
+    # b's 9 tokens are computed again.
+    assert out.is_prefill and out.seqs == [b] and out.num_new_tokens == [5]
+    assert b.num_cached_tokens == b.num_computed_tokens == 4 and len(b.block_table) == 3
 
 
 def test_preempted_sequence_is_recomputed_with_its_generated_tokens():

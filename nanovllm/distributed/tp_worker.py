@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.executor.model_runner import ModelRunner
-from nanovllm.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,6 @@ def init_process_group(config: Config, rank: int, store: dist.Store) -> None:
 def worker_main(config: Config, rank: int, port: int, shm_name: str, conn: Connection) -> None:
     """Entry point of rank `rank` (>= 1): build this rank's shard, then serve rank 0's calls until exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when workers stop
-    Sequence.block_size = config.kvcache_block_size
     conn.send_bytes(b"started")
     timeout = datetime.timedelta(seconds=config.dist_timeout_s)
     store = dist.TCPStore(HOST, port, config.tensor_parallel_size, is_master=False, timeout=timeout)

@@ -1,6 +1,6 @@
-"""BlockManager: the paged KV cache's bookkeeping (free list, ref counts, prefix-cache hash table).
-
-The Scheduler calls it; it never touches tensors. A block is hashed only once its K/V are computed.
+"""BlockManager: the paged KV cache's bookkeeping (free list, ref counts, prefix-cache hash table)
+and all block arithmetic of a sequence. The Scheduler calls it; it never touches tensors.
+A block is hashed only once its K/V are computed.
 """
 from collections import OrderedDict
 
@@ -39,8 +39,11 @@ class Block:
 
 
 class BlockManager:
-    """Hands out KV blocks to sequences.
+    """Hands out KV blocks to sequences, and owns their block_table, num_cached_tokens and
+    num_computed_tokens while they hold blocks (allocate sets them, deallocate clears them).
 
+    NOTE: block_size is this engine's alone; a Sequence carries none, so another engine in the same
+    process with another block size cannot change this one's block math.
     NOTE: a freed block keeps its hash and stays in the table until it is handed out again, so a
     later request with the same prefix still hits it. Free blocks are reused oldest-freed first.
     """
@@ -62,6 +65,15 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
+
+    def num_blocks_of(self, seq: Sequence) -> int:
+        """Blocks that hold all len(seq) tokens of seq."""
+        return -(-len(seq) // self.block_size)
+
+    def block_token_ids(self, seq: Sequence, i: int) -> list[int]:
+        """Token ids of seq's i-th block (the last one may be partial)."""
+        assert 0 <= i < self.num_blocks_of(seq)
+        return seq.token_ids[i * self.block_size: (i + 1) * self.block_size]
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
@@ -89,7 +101,7 @@ class BlockManager:
         hits: list[tuple[int, int]] = []
         parent = None
         for i in range(seq.num_tokens // self.block_size):
-            tokens = seq.block(i)
+            tokens = self.block_token_ids(seq, i)
             h = compute_block_hash(tokens, parent)
             block_id = self._lookup(h, parent, tokens)
             if block_id is None:
@@ -106,7 +118,7 @@ class BlockManager:
         """How many blocks allocate(seq) would take off the free list."""
         hits = self._cached_prefix(seq)
         hit_free = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
-        return seq.num_blocks - len(hits) + hit_free
+        return self.num_blocks_of(seq) - len(hits) + hit_free
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_blocks_to_allocate(seq) <= self.num_free_blocks
@@ -123,13 +135,15 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             hashes.append(h)
-        for _ in range(seq.num_blocks - len(hits)):
+        for _ in range(self.num_blocks_of(seq) - len(hits)):
             seq.block_table.append(self._take_free_block())
         self.seq_block_hashes[seq.seq_id] = hashes
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
+        """Free seq's blocks and forget its cache state (finish, abort, preemption): a later
+        allocate() starts it from scratch, reusing whatever prefix blocks are still cached."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -143,10 +157,10 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next decode step (computing token len(seq)-1) finds a slot."""
-        return seq.num_blocks <= len(seq.block_table) or self.num_free_blocks >= 1
+        return self.num_blocks_of(seq) <= len(seq.block_table) or self.num_free_blocks >= 1
 
     def may_append(self, seq: Sequence) -> None:
-        while len(seq.block_table) < seq.num_blocks:
+        while len(seq.block_table) < self.num_blocks_of(seq):
             seq.block_table.append(self._take_free_block())
 
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -158,7 +172,7 @@ class BlockManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            tokens = seq.block(i)
+            tokens = self.block_token_ids(seq, i)
             h = compute_block_hash(tokens, parent)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

@@ -34,7 +34,6 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {unknown}; known: {sorted(CONFIG_FIELDS - {'model'})}")
         self.config = config = Config(model, **kwargs)
-        Sequence.block_size = config.kvcache_block_size
         self.tokenizer = load_tokenizer(config.model)
         if config.tensor_parallel_size > 1:
             from nanovllm.distributed.tp_runner import TensorParallelRunner

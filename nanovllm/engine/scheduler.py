@@ -87,8 +87,10 @@ class Scheduler:
         return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False)
 
     def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and put it at the queue's head: it is prefilled again, generated tokens
+        included (deallocate resets its cache state)."""
         self.block_manager.deallocate(seq)
-        seq.reset_for_recompute()
+        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

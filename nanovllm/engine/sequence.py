@@ -1,6 +1,6 @@
-"""Sequence: one request's tokens and scheduling state. Owned by the Scheduler, read by ModelRunner."""
+"""Sequence: one request's tokens and scheduling state. Owned by the Scheduler, read by ModelRunner;
+its pickled form is what a tensor-parallel worker receives each step."""
 import sys
-from copy import copy
 from enum import Enum, auto
 from itertools import count
 
@@ -18,9 +18,11 @@ class Sequence:
 
     num_computed_tokens counts the tokens whose K/V are already in the paged cache (prefix-cache
     hits and earlier prefill chunks included); num_cached_tokens counts the prefix-cache hits.
+    The BlockManager owns block_table and both counts (allocate sets them, deallocate clears them)
+    and all block arithmetic: a Sequence knows nothing of block sizes, so engines with different
+    block sizes can share a process.
     """
 
-    block_size = 16
     _counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None):
@@ -35,7 +37,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.sampling_params = sp
-        self.temperature = sp.temperature
         # max_tokens None: bounded by max_model_len only (the scheduler checks that).
         self.max_tokens = sp.max_tokens if sp.max_tokens is not None else sys.maxsize
         self.ignore_eos = sp.ignore_eos
@@ -67,18 +68,6 @@ class Sequence:
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def num_blocks(self) -> int:
-        return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
-
-    def block(self, i: int) -> list[int]:
-        assert 0 <= i < self.num_blocks
-        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
-
     def uncomputed_token_ids(self, num_new_tokens: int) -> list[int]:
         """The token ids a step computes: num_new_tokens of them from num_computed_tokens on."""
         start = self.num_computed_tokens
@@ -92,19 +81,23 @@ class Sequence:
         self.last_token = token_id
         self.num_tokens += 1
 
-    def reset_for_recompute(self) -> None:
-        """Preemption: forget the cache state; the whole sequence is prefilled again later."""
-        self.status = SequenceStatus.WAITING
-        self.num_cached_tokens = 0
-        self.num_computed_tokens = 0
-        self.block_table = []
-
-    def __getstate__(self):
-        # NOTE: workers only need the last token once the prompt is in their cache (TP pickling).
-        state = copy(self.__dict__)
+    # ---- tensor-parallel wire format --------------------------------------------------------
+    # NOTE: exactly what a worker's ModelRunner.prepare_prefill / prepare_decode read; sampling
+    # (SamplingMetadata) and outputs run on rank 0 only, so sampling params, text and logprobs stay
+    # home. A worker's copy has no other attribute: reading one there fails loudly. copy.copy() goes
+    # through these too, so copy a Sequence by building a new one.
+    def __getstate__(self) -> tuple:
+        # Once only the last token is left to compute (every decode step), the worker's cache holds
+        # the K/V of all the others: the last token alone keeps the message size flat.
         if self.num_computed_tokens == self.num_tokens - 1:
-            state["token_ids"] = None
-        return state
+            tokens: int | list[int] = self.last_token
+        else:  # prefill, chunked prefill, or recompute after preemption: the worker slices token_ids
+            tokens = self.token_ids
+        return (self.num_tokens, self.num_computed_tokens, self.block_table, tokens)
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
+    def __setstate__(self, state: tuple) -> None:
+        self.num_tokens, self.num_computed_tokens, self.block_table, tokens = state
+        if isinstance(tokens, int):
+            self.token_ids, self.last_token = None, tokens
+        else:
+            self.token_ids, self.last_token = tokens, tokens[-1]

@@ -124,11 +124,6 @@ class LinearBase(nn.Module):
         return project(self, x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, tp_dim=None)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
