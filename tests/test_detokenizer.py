@@ -2,7 +2,7 @@
 characters across tokens; the reference is the tokenizer's own decode of all tokens."""
 import pytest
 
-from nanovllm.outputs.detokenizer import IncrementalDetokenizer, StopStringMatcher, find_stop
+from nanovllm.outputs.detokenizer import IncrementalDetokenizer, RequestText, find_stop
 
 TEXT = "the café 日本 🙂 fox jumps"
 
@@ -43,7 +43,7 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
 
 def feed(tokenizer, stops, include=False, min_tokens=0):
     """Feed TEXT's tokens until a stop string; returns (tokens fed, stop, final text)."""
-    matcher = StopStringMatcher(tokenizer, stops, True, include, min_tokens)
+    matcher = RequestText(tokenizer, stops, True, include, min_tokens)
     ids = tokenizer.encode(TEXT)
     for n, token_id in enumerate(ids, start=1):
         stop = matcher.add_token(token_id, n)

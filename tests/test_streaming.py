@@ -4,7 +4,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.outputs.streaming import OutputStreamer
+from nanovllm.outputs.output_processor import OutputProcessor
 
 from helpers import WORDS
 
@@ -108,41 +108,27 @@ def _byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-class _FakeEngine:
-    """What OutputStreamer reads from the engine: its tokenizer, a finished request's output and
-    a running one's logprobs (none asked here)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.output_processor = self
-
-    def logprobs_so_far(self, seq: Sequence) -> None:
-        return None
-
-    def output_of(self, seq: Sequence) -> dict:
-        return {"text": self.tokenizer.decode(seq.completion_token_ids)}
-
-
 def test_incremental_text_never_splits_a_character():
     tokenizer = _byte_level_tokenizer()
     text = "héllo wörld, 世界 " + WORDS[0] + " 🦊!"
     token_ids = tokenizer.encode(text)
     assert len(token_ids) == len(text.encode())  # byte-level, so characters do span tokens
-    streamer = OutputStreamer(_FakeEngine(tokenizer))
+    outputs = OutputProcessor(tokenizer)
     seq = Sequence([0], SamplingParams(max_tokens=len(token_ids)))
-    streamer.track(seq, request_id="r")
+    outputs.add(seq, request_id="r", stream=True)
     pieces = []
     for i, token_id in enumerate(token_ids):
         seq.append_token(token_id)
         if i == len(token_ids) - 1:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-        (delta,) = streamer.collect()
+        assert outputs.process([seq], [True], [None]) == []
+        (delta,) = outputs.finish_step([seq])
         assert "\ufffd" not in delta.text
         pieces.append(delta.text)
     assert "".join(pieces) == text
     assert pieces[1] == ""  # "é" waits for its second byte ...
     assert pieces[2] == "é"  # ... and comes out whole
-    assert len(streamer) == 0
+    assert not outputs.states
 
 
 def test_weights_only_folder_streams_token_ids(qwen3_gqa, tmp_path):
