@@ -216,8 +216,9 @@ class LLMEngine:
         aborts the unfinished requests and frees their KV blocks.
         """
         groups = self._make_groups(prompts, sampling_params)
-        for step in self._run(groups, stream=True):
-            yield from step.deltas
+        with closing(self._run(groups, stream=True)) as steps:  # closing this closes _run at once
+            for step in steps:
+                yield from step.deltas
 
     def _make_groups(self, prompts, sampling_params) -> list[list[Sequence]]:
         prompts, sampling_params = self._normalize(prompts, sampling_params)

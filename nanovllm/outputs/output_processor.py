@@ -40,7 +40,9 @@ class OutputProcessor:
         self.states[seq.seq_id] = RequestState(request_id, index, text, logprobs, stream)
 
     def request_ids(self, seqs: list[Sequence]) -> set:
-        return {state.request_id for state in map(self.states.get, (s.seq_id for s in seqs)) if state}
+        """The request ids of seqs (of those added here)."""
+        states = (self.states.get(seq.seq_id) for seq in seqs)
+        return {state.request_id for state in states if state is not None}
 
     def process(self, seqs: list[Sequence], is_sampled: list[bool],
                 logprobs: list[dict[int, float] | None]) -> list[Sequence]:
