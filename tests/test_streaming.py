@@ -1,4 +1,5 @@
-"""Library streaming: LLM.generate_stream deltas add up to generate()'s outputs; closing a stream
+"""Library streaming: LLM.generate_stream deltas add up to generate()'s outputs (multi-byte text and
+stop strings too) and decode no more often; closing or collecting a stream
 aborts its requests; incremental text never shows a broken multi-byte character."""
 import pytest
 
