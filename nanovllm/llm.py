@@ -1,8 +1,6 @@
-"""LLM: the user-facing facade. `LLM(model_dir, **engine_options).generate(prompts, params)`."""
-from collections.abc import Iterator
-
+"""LLM: the user-facing facade. `LLM(model_dir, **engine_options).generate(prompts, params)`;
+generate() and generate_stream() come from LLMEngine, chat() and LLM.default() are added here."""
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.outputs.streaming import OutputStreamer, StreamDelta
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -24,35 +22,6 @@ class LLM(LLMEngine):
             messages = [messages]
         prompts = [self.apply_chat_template(conv) for conv in messages]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def generate_stream(self, prompts: list[str] | list[list[int]],
-                        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                        ) -> Iterator[StreamDelta]:
-        """Like generate(), but yields each request's new tokens and text as they are produced.
-
-        A delta's request_id is its prompt's position in `prompts`, its index the completion's
-        number among that prompt's n. Closing the iterator early (break, or garbage collection)
-        aborts the unfinished requests and frees their KV blocks.
-        """
-        prompts, params = self._normalize(prompts, sampling_params)
-        groups = [self.make_group(p, sp) for p, sp in zip(prompts, params)]  # validate all first
-        streamer = OutputStreamer(self)
-        for i, group in enumerate(groups):
-            self.queue_group(group)
-            for index, seq in enumerate(group):
-                streamer.track(seq, request_id=i, index=index)
-        seqs = [seq for group in groups for seq in group]
-        try:
-            while len(streamer):
-                _, num_tokens = self.step()
-                deltas = streamer.collect()
-                if not deltas and num_tokens == 0 and self.is_finished():
-                    raise RuntimeError("engine stopped with requests still pending")
-                yield from deltas
-        finally:
-            for seq in seqs:
-                if not seq.is_finished:
-                    self.abort_request(seq)
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:

@@ -2,7 +2,7 @@
 characters across tokens; the reference is the tokenizer's own decode of all tokens."""
 import pytest
 
-from nanovllm.outputs.detokenizer import IncrementalDetokenizer, StopStringMatcher, find_stop
+from nanovllm.outputs.detokenizer import IncrementalDetokenizer, RequestText, find_stop
 
 TEXT = "the café 日本 🙂 fox jumps"
 
@@ -43,7 +43,7 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
 
 def feed(tokenizer, stops, include=False, min_tokens=0):
     """Feed TEXT's tokens until a stop string; returns (tokens fed, stop, final text)."""
-    matcher = StopStringMatcher(tokenizer, stops, True, include, min_tokens)
+    matcher = RequestText(tokenizer, stops, True, include, min_tokens)
     ids = tokenizer.encode(TEXT)
     for n, token_id in enumerate(ids, start=1):
         stop = matcher.add_token(token_id, n)
@@ -78,3 +78,21 @@ def test_find_stop_searches_back_over_the_previous_text():
     assert find_stop("abcdef", 4, ["cde"]) == (2, "cde")
     assert find_stop("abcdef", 5, ["bc"]) is None  # ended before the new text
     assert find_stop("hello world", 9, ["ld", "world"]) == (6, "world")  # the earliest start wins
+
+
+@pytest.mark.parametrize("stop", ["本", "é 日", "🙂 f", "jumps"])
+def test_streamable_text_is_always_a_prefix_of_the_final_text(tokenizer, stop):
+    """A stream sends streamable_text(): never a broken character, never text a stop string cuts."""
+    for include in (False, True):
+        text = RequestText(tokenizer, [stop], True, include, 0)
+        sent = []
+        for n, token_id in enumerate(tokenizer.encode(TEXT), start=1):
+            if text.add_token(token_id, n) is not None:
+                break
+            sent.append(text.streamable_text())
+        assert all(text.text.startswith(s) and "\ufffd" not in s for s in sent)
+        assert len(sent[-1]) >= TEXT.index(stop) - len(stop)  # held back no more than needed
+    no_stops = RequestText(tokenizer, [], True, False, 0)
+    for token_id in tokenizer.encode(TEXT):
+        no_stops.add_token(token_id, 1)
+    assert no_stops.streamable_text() == TEXT  # nothing held back without stop strings

@@ -1,10 +1,11 @@
-"""Library streaming: LLM.generate_stream deltas add up to generate()'s outputs; closing a stream
+"""Library streaming: LLM.generate_stream deltas add up to generate()'s outputs (multi-byte text and
+stop strings too) and decode no more often; closing or collecting a stream
 aborts its requests; incremental text never shows a broken multi-byte character."""
 import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.outputs.streaming import OutputStreamer
+from nanovllm.outputs.output_processor import OutputProcessor
 
 from helpers import WORDS
 
@@ -108,41 +109,27 @@ def _byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-class _FakeEngine:
-    """What OutputStreamer reads from the engine: its tokenizer, a finished request's output and
-    a running one's logprobs (none asked here)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.output_processor = self
-
-    def logprobs_so_far(self, seq: Sequence) -> None:
-        return None
-
-    def output_of(self, seq: Sequence) -> dict:
-        return {"text": self.tokenizer.decode(seq.completion_token_ids)}
-
-
 def test_incremental_text_never_splits_a_character():
     tokenizer = _byte_level_tokenizer()
     text = "héllo wörld, 世界 " + WORDS[0] + " 🦊!"
     token_ids = tokenizer.encode(text)
     assert len(token_ids) == len(text.encode())  # byte-level, so characters do span tokens
-    streamer = OutputStreamer(_FakeEngine(tokenizer))
+    outputs = OutputProcessor(tokenizer)
     seq = Sequence([0], SamplingParams(max_tokens=len(token_ids)))
-    streamer.track(seq, request_id="r")
+    outputs.add(seq, request_id="r", stream=True)
     pieces = []
     for i, token_id in enumerate(token_ids):
         seq.append_token(token_id)
         if i == len(token_ids) - 1:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-        (delta,) = streamer.collect()
+        assert outputs.process([seq], [True], [None]) == []
+        (delta,) = outputs.finish_step([seq])
         assert "\ufffd" not in delta.text
         pieces.append(delta.text)
     assert "".join(pieces) == text
     assert pieces[1] == ""  # "é" waits for its second byte ...
     assert pieces[2] == "é"  # ... and comes out whole
-    assert len(streamer) == 0
+    assert not outputs.states
 
 
 def test_weights_only_folder_streams_token_ids(qwen3_gqa, tmp_path):
@@ -161,3 +148,75 @@ def test_weights_only_folder_streams_token_ids(qwen3_gqa, tmp_path):
     assert all(d.text is None for d in deltas) and all(r["text"] is None for r in ref)
     for i, r in enumerate(ref):
         assert sum((d.token_ids for d in deltas if d.request_id == i), []) == r["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def byte_llm(qwen3_gqa, tmp_path_factory):
+    """The tiny model behind a one-token-per-byte tokenizer: its random output is full of
+    characters (and broken ones) that span tokens."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("qwen3_bytes")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{qwen3_gqa}/{name}", path)
+    _byte_level_tokenizer().save_pretrained(path)
+    with LLM(str(path), kvcache_block_size=16, max_model_len=128, cpu_kvcache_bytes=16 * 16384) as engine:
+        yield engine
+
+
+MULTIBYTE_PROMPTS = ["café 日本 🙂", "naïve façade — ok", "Ünïcödé ☃ snow", "🦊 fox"]
+
+
+def multibyte_stops(llm) -> tuple[list[str], list[SamplingParams]]:
+    """Stop strings: every whole non-ASCII character of the unstopped outputs (so they span tokens)."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    texts = [o["text"] for o in llm.generate(MULTIBYTE_PROMPTS, params, use_tqdm=False)]
+    stops = sorted({c for t in texts for c in t[4:] if ord(c) > 127 and c != "\ufffd"})
+    assert len(stops) >= 2
+    return texts, [SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, stop=stops)]
+
+
+def test_stream_with_stop_strings_over_multibyte_text_adds_up_to_generate(byte_llm):
+    unstopped, (params,) = multibyte_stops(byte_llm)
+    refs = byte_llm.generate(MULTIBYTE_PROMPTS, params, use_tqdm=False)
+    assert sum(r["finish_reason"] == "stop" for r in refs) >= 2
+    for text, ref in zip(unstopped, refs):  # the reference: the full decode, cut at the first stop
+        if ref["finish_reason"] == "stop":
+            assert ref["text"] == text[:text.index(ref["stop_reason"])]
+    texts, ids, reasons = concat(byte_llm.generate_stream(MULTIBYTE_PROMPTS, params), len(MULTIBYTE_PROMPTS))
+    assert texts == [r["text"] for r in refs]
+    assert ids == [r["token_ids"] for r in refs]
+    assert reasons == [r["finish_reason"] for r in refs]
+
+
+def test_a_streamed_request_is_detokenized_once(byte_llm, monkeypatch):
+    """Stop strings and the stream read one detokenizer: streaming adds (almost) no decode calls."""
+    _, (params,) = multibyte_stops(byte_llm)
+    tokenizer = byte_llm.tokenizer
+    real_decode, calls = tokenizer.decode, [0]
+
+    def counting_decode(*args, **kwargs):
+        calls[0] += 1
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "decode", counting_decode)
+    refs = byte_llm.generate(MULTIBYTE_PROMPTS, params, use_tqdm=False)
+    offline, calls[0] = calls[0], 0
+    deltas = list(byte_llm.generate_stream(MULTIBYTE_PROMPTS, params))
+    streamed = calls[0]
+    num_tokens = sum(len(r["token_ids"]) for r in refs)
+    assert len(deltas) > len(refs) and offline >= num_tokens  # stop strings: decoded token by token
+    # At most one final snapshot (two decodes) more per request than offline.
+    assert streamed <= offline + 2 * len(refs)
+
+
+def test_a_collected_stream_aborts_its_requests(llm):
+    import gc
+
+    stream = llm.generate_stream(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    next(stream)
+    assert not llm.is_finished()
+    del stream
+    gc.collect()
+    assert llm.is_finished() and not llm.output_processor.states
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks

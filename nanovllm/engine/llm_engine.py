@@ -1,14 +1,17 @@
-"""LLMEngine: add_request / step / generate. Owns the tokenizer, the Scheduler and the ModelRunner."""
+"""LLMEngine: add_request / step / generate / generate_stream. Owns the tokenizer, the Scheduler
+and the ModelRunner."""
 import logging
 import os
-import time
-
-from tqdm.auto import tqdm
+from collections.abc import Iterator
+from contextlib import closing
+from typing import NamedTuple
 
 from nanovllm.config import CONFIG_FIELDS, Config
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.outputs.output_processor import OutputProcessor
 from nanovllm.outputs.parallel_sampling import PendingSiblings, child_params
+from nanovllm.outputs.progress import GenerateProgress
+from nanovllm.outputs.streaming import StreamDelta
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
@@ -28,6 +31,15 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+class StepOutput(NamedTuple):
+    """What one step() did."""
+
+    finished: list[Sequence]   # the sequences that ended in this step
+    num_tokens: int            # tokens computed: positive for prefill, minus the batch size for decode
+    num_output_tokens: int     # tokens sampled (rows past their prompt)
+    deltas: list[StreamDelta]  # each streamed request's new tokens and text (add_request_group(stream=True))
+
+
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         unknown = sorted(set(kwargs) - CONFIG_FIELDS)
@@ -45,7 +57,7 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.pending_siblings = PendingSiblings()
-        self.last_step_seqs: list[Sequence] = []
+        self._step_request_ids: set | None = set()
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -95,10 +107,12 @@ class LLMEngine:
                              "use add_request_group()")
         return self.add_request_group(prompt, sampling_params)[0]
 
-    def add_request_group(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[Sequence]:
-        """Queue one prompt's sampling_params.n completions; returns their sequences."""
+    def add_request_group(self, prompt: str | list[int], sampling_params: SamplingParams,
+                          request_id: object = None, stream: bool = False) -> list[Sequence]:
+        """Queue one prompt's sampling_params.n completions; returns their sequences. With stream,
+        step() returns their deltas (StreamDelta, keyed by request_id and completion index)."""
         seqs = self.make_group(prompt, sampling_params)
-        self.queue_group(seqs)
+        self.queue_group(seqs, request_id, stream)
         return seqs
 
     def make_group(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[Sequence]:
@@ -107,9 +121,10 @@ class LLMEngine:
         first.sampling_params = params[0]
         return [first] + [Sequence(first.prompt_token_ids, p) for p in params[1:]]
 
-    def queue_group(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self.output_processor.add(seq)
+    def queue_group(self, seqs: list[Sequence], request_id: object = None, stream: bool = False) -> None:
+        request_id = seqs[0].seq_id if request_id is None else request_id
+        for index, seq in enumerate(seqs):
+            self.output_processor.add(seq, request_id, index, stream)
         self.scheduler.add(seqs[0])
         self.pending_siblings.hold(seqs[0], seqs[1:])
 
@@ -123,23 +138,28 @@ class LLMEngine:
             self.scheduler.add(sibling)
 
     # ---- stepping ---------------------------------------------------------------------------
-    def step(self) -> tuple[list[Sequence], int]:
-        """Run one step; returns the finished sequences and the number of tokens computed
-        (positive for a prefill step, minus the batch size for a decode step)."""
+    def step(self) -> StepOutput:
+        """Run one step: schedule, run the model, apply its tokens, match stop strings."""
+        self._step_request_ids = None  # unknown until the step has chosen its sequences
         out = self.scheduler.schedule()
-        self.last_step_seqs = out.seqs  # who to fail if this step raises (the async server's rule)
+        self._step_request_ids = self.output_processor.request_ids(out.seqs)
         if not out.seqs:
-            return [], 0
+            return StepOutput([], 0, 0, [])
         sampled = self.model_runner.run(out)
         finished = self.scheduler.postprocess(out, sampled.token_ids)
         for seq in self.output_processor.process(out.seqs, sampled.is_sampled, sampled.logprobs):
             self.scheduler.finish(seq, "stop")  # a stop string matched
-            self.output_processor.finalize(seq)
             finished.append(seq)
+        deltas = self.output_processor.finish_step(out.seqs)
         for seq in self.pending_siblings.release(out.seqs):
             self.scheduler.add(seq)
         num_tokens = out.num_tokens if out.is_prefill else -len(out.seqs)
-        return finished, num_tokens
+        return StepOutput(finished, num_tokens, sum(sampled.is_sampled), deltas)
+
+    def last_step_request_ids(self) -> set | None:
+        """The request ids of the latest step()'s sequences: when it raised, the requests to fail.
+        None when it raised before choosing its sequences (then any request may be affected)."""
+        return self._step_request_ids
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.pending_siblings
@@ -174,39 +194,57 @@ class LLMEngine:
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        prompts, sampling_params = self._normalize(prompts, sampling_params)
-        # Validate everything before queueing anything, so one bad prompt leaves the engine untouched.
-        groups = [self.make_group(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for group in groups:
-            self.queue_group(group)
-        seqs = [seq for group in groups for seq in group]
+        """Every prompt's output (group_output), in prompt order."""
+        groups = self._make_groups(prompts, sampling_params)
+        progress = GenerateProgress([seq for group in groups for seq in group], enabled=use_tqdm)
         try:
-            self._run_until_done(seqs, use_tqdm)
-        except BaseException:
-            for seq in seqs:
-                self.abort_request(seq)
-            raise
+            with closing(self._run(groups, stream=False)) as steps:
+                for step in steps:
+                    progress.update(step.finished, step.num_tokens, step.num_output_tokens)
+        finally:
+            progress.close()
         return [self.group_output(group) for group in groups]
 
-    def _run_until_done(self, seqs: list[Sequence], use_tqdm: bool) -> None:
+    def generate_stream(self, prompts: list[str] | list[list[int]],
+                        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                        ) -> Iterator[StreamDelta]:
+        """Like generate(), but yields each request's new tokens and text as they are produced.
+
+        A delta's request_id is its prompt's position in `prompts`, its index the completion's
+        number among that prompt's n. Closing the iterator early (break, or garbage collection)
+        aborts the unfinished requests and frees their KV blocks.
+        """
+        groups = self._make_groups(prompts, sampling_params)
+        with closing(self._run(groups, stream=True)) as steps:  # closing this closes _run at once
+            for step in steps:
+                yield from step.deltas
+
+    def _make_groups(self, prompts, sampling_params) -> list[list[Sequence]]:
+        prompts, sampling_params = self._normalize(prompts, sampling_params)
+        # Validate everything before queueing anything, so one bad prompt leaves the engine untouched.
+        return [self.make_group(p, sp) for p, sp in zip(prompts, sampling_params)]
+
+    def _run(self, groups: list[list[Sequence]], stream: bool) -> Iterator[StepOutput]:
+        """Queue the groups (request_id: their position), then step until all of them finished,
+        yielding every step. NOTE: the one abort path: leaving early (an exception, break, close,
+        garbage collection) aborts the unfinished sequences and frees their KV blocks."""
+        seqs = [seq for group in groups for seq in group]
+        for i, group in enumerate(groups):
+            self.queue_group(group, request_id=i, stream=stream)
         pending = {seq.seq_id for seq in seqs}
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
-        while pending:
-            t = time.perf_counter()
-            finished, num_tokens = self.step()
-            dt = max(time.perf_counter() - t, 1e-9)
-            if num_tokens > 0:
-                prefill_tps = num_tokens / dt
-            elif num_tokens < 0:
-                decode_tps = -num_tokens / dt
-            bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-            done = [s for s in finished if s.seq_id in pending]
-            pending.difference_update(s.seq_id for s in done)
-            bar.update(len(done))
-            if not done and num_tokens == 0 and self.is_finished():
-                raise RuntimeError("engine stopped with requests still pending")
-        bar.close()
+        try:
+            while pending:
+                step = self.step()
+                pending.difference_update(seq.seq_id for seq in step.finished)
+                if pending and step.num_tokens == 0:  # nothing ran: were the rest aborted by hand?
+                    pending = {seq.seq_id for seq in seqs if not seq.is_finished}
+                    if pending and self.is_finished():
+                        raise RuntimeError("engine stopped with requests still pending")
+                yield step
+        finally:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.abort_request(seq)
 
     def exit(self) -> None:
         runner = getattr(self, "model_runner", None)

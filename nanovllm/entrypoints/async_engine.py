@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs.streaming import OutputStreamer, StreamDelta
+from nanovllm.outputs.streaming import StreamDelta
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ class AsyncEngine:
 
     def __init__(self, llm):
         self.llm = llm
-        self.streamer = OutputStreamer(llm)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
@@ -123,18 +122,16 @@ class AsyncEngine:
             self._wakeup.wait()
             self._wakeup.clear()
             return
-        self.llm.last_step_seqs = []  # stays empty if the step fails before picking its sequences
         try:
-            _, num_tokens = self.llm.step()
-            deltas = self.streamer.collect()
+            step = self.llm.step()
         except Exception as e:  # fail this step's requests; keep serving everyone else
             self.num_failed_steps += 1
             logger.exception("engine step failed")
             self._fail_step(e)
             return
         self.num_steps += 1
-        self._deliver(deltas)
-        if num_tokens == 0:  # nothing could be scheduled yet: don't spin, wait for news
+        self._deliver(step.deltas)
+        if step.num_tokens == 0:  # nothing could be scheduled yet: don't spin, wait for news
             self._wakeup.wait(0.01)
             self._wakeup.clear()
 
@@ -164,13 +161,11 @@ class AsyncEngine:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 prompt = self._apply_chat_template(prompt)
-            req.seqs = self.llm.add_request_group(prompt, sampling_params)
+            req.seqs = self.llm.add_request_group(prompt, sampling_params, req.request_id, stream=True)
         except Exception as e:  # validation errors go back to the caller, not to the loop
             _resolve(accepted, error=e)
             return
         self._requests[req.request_id] = req
-        for index, s in enumerate(req.seqs):
-            self.streamer.track(s, req.request_id, index)
         _resolve(accepted, result=list(req.seqs[0].prompt_token_ids))
 
     def _apply_chat_template(self, conversation: list[dict]) -> list[int]:
@@ -186,19 +181,15 @@ class AsyncEngine:
         if req is None:
             return
         unfinished = [seq for seq in req.seqs if not seq.is_finished]
-        for seq in req.seqs:
-            self.streamer.untrack(seq)
         for seq in unfinished:
             self.llm.abort_request(seq)
         self.num_aborted += bool(unfinished)
 
     def _fail_step(self, error: Exception) -> None:
-        seqs = self.llm.last_step_seqs
-        if seqs:
-            failed = {self.streamer.tracked[s.seq_id].request_id for s in seqs if s.seq_id in self.streamer.tracked}
-        else:  # the step failed before it picked its sequences: the engine state is unknown
+        failed = self.llm.last_step_request_ids()
+        if failed is None:  # the step failed before it picked its sequences: the engine state is unknown
             failed = set(self._requests)
-        for request_id in failed:
+        for request_id in failed & set(self._requests):
             self._fail(request_id, f"engine step failed: {type(error).__name__}: {error}")
 
     def _fail(self, request_id: str, message: str) -> None:
@@ -216,7 +207,9 @@ class AsyncEngine:
             if req is None:
                 continue
             by_loop.setdefault(req.loop, []).append((req.out, delta))
-            if delta.is_finished and not any(s.seq_id in self.streamer.tracked for s in req.seqs):
+            # NOTE: a sequence's last delta comes in the step it finishes, so once all are finished
+            # the request has had every delta.
+            if delta.is_finished and all(s.is_finished for s in req.seqs):
                 done.add(delta.request_id)
         for request_id in done:
             del self._requests[request_id]

@@ -1,7 +1,8 @@
 """Incremental detokenization and stop-string matching for one request.
 
-OutputProcessor (outputs/output_processor.py) feeds each new token; the text grows by the decoded
-difference of a small sliding token window, so a step costs O(window), not O(output length).
+OutputProcessor (outputs/output_processor.py) feeds each new token to the request's RequestText;
+the text grows by the decoded difference of a small sliding token window, so a step costs
+O(window), not O(output length).
 """
 
 
@@ -53,8 +54,9 @@ class IncrementalDetokenizer:
         return self.text
 
 
-class StopStringMatcher:
-    """Detokenizes one request's output and reports the first stop string it contains."""
+class RequestText:
+    """One request's completion text, detokenized once: stop-string matching, the stream's deltas
+    and the final output all read this one IncrementalDetokenizer."""
 
     def __init__(self, tokenizer, stops: list[str], skip_special_tokens: bool,
                  include_stop_str_in_output: bool, min_tokens: int):
@@ -62,12 +64,17 @@ class StopStringMatcher:
         self.stops = stops
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
-        self.final_text: str | None = None
+        self.final_text: str | None = None  # set when a stop string ends the request
+        # NOTE: a stream holds back text that may be the start of a stop string until it cannot
+        # be one, so it never sends text that the final output cuts off. A stop string kept in
+        # the output needs no holding back: nothing after it is ever sent.
+        held = [] if include_stop_str_in_output else stops
+        self.holdback = max((len(s) for s in held), default=1) - 1
 
     def add_token(self, token_id: int, num_output_tokens: int) -> str | None:
         """Feed one output token; returns the stop string it completes, if any."""
         start = self.detokenizer.add_token(token_id)
-        if num_output_tokens <= self.min_tokens:  # vLLM: no stop strings until past min_tokens
+        if not self.stops or num_output_tokens <= self.min_tokens:  # vLLM: no stops until past min_tokens
             return None
         hit = find_stop(self.detokenizer.text, start, self.stops)
         if hit is None:
@@ -79,6 +86,13 @@ class StopStringMatcher:
 
     @property
     def text(self) -> str:
+        """The whole text: the final one once a stop string matched, else everything so far."""
         if self.final_text is not None:
             return self.final_text
         return self.detokenizer.full_text()
+
+    def streamable_text(self) -> str:
+        """The text a running request's stream may have sent by now: whole characters only, less
+        the tail that may still turn out to be the start of a stop string."""
+        text = self.detokenizer.text
+        return text[:max(0, len(text) - self.holdback)]

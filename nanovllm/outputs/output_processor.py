@@ -1,18 +1,28 @@
-"""OutputProcessor: what a request returns to its caller (text, logprobs, stop strings).
+"""OutputProcessor: what each request returns to its caller: text, logprobs, stop strings, stream deltas.
 
-LLMEngine calls add() per request, process() after each Scheduler.postprocess(), and output_of().
-Per-request state lives here, not on Sequence, so TP workers never receive it.
+LLMEngine calls add() per request; after each Scheduler.postprocess(), process() then finish_step();
+output_of() for a result. Per-request state lives here, not on Sequence, so TP workers never get it.
 """
 from dataclasses import dataclass
 
-from nanovllm.outputs.detokenizer import StopStringMatcher
 from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs.detokenizer import RequestText
+from nanovllm.outputs.streaming import StreamDelta, token_texts
 
 
 @dataclass
 class RequestState:
-    matcher: StopStringMatcher | None        # only requests with stop strings detokenize per step
+    """One completion's output so far; request_id and index are its caller's key (StreamDelta)."""
+
+    request_id: object
+    index: int
+    # NOTE: the request's only detokenizer, made when text is needed every step (a stream or stop
+    # strings, given a tokenizer); other requests decode once, when they finish.
+    text: RequestText | None
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per output token, if asked
+    is_streamed: bool
+    num_sent_tokens: int = 0  # a stream's tokens and characters already handed out
+    num_sent_chars: int = 0
 
 
 class OutputProcessor:
@@ -20,21 +30,24 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[int, RequestState] = {}
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, request_id: object, index: int = 0, stream: bool = False) -> None:
         sp = seq.sampling_params
-        matcher = None
-        if sp.stop:
-            matcher = StopStringMatcher(self.tokenizer, sp.stop, sp.skip_special_tokens,
-                                        sp.include_stop_str_in_output, sp.min_tokens)
-        self.states[seq.seq_id] = RequestState(matcher, [] if sp.logprobs is not None else None)
+        text = None
+        if self.tokenizer is not None and (stream or sp.stop):
+            text = RequestText(self.tokenizer, sp.stop, sp.skip_special_tokens,
+                               sp.include_stop_str_in_output, sp.min_tokens)
+        logprobs = [] if sp.logprobs is not None else None
+        self.states[seq.seq_id] = RequestState(request_id, index, text, logprobs, stream)
 
-    def drop(self, seq: Sequence) -> None:
-        self.states.pop(seq.seq_id, None)
+    def request_ids(self, seqs: list[Sequence]) -> set:
+        """The request ids of seqs (of those added here)."""
+        states = (self.states.get(seq.seq_id) for seq in seqs)
+        return {state.request_id for state in states if state is not None}
 
     def process(self, seqs: list[Sequence], is_sampled: list[bool],
                 logprobs: list[dict[int, float] | None]) -> list[Sequence]:
         """Record one step's new tokens. Returns the running sequences a stop string ends; the
-        caller finishes them. Sequences that finished otherwise get their final output here."""
+        caller finishes them, then calls finish_step()."""
         to_stop = []
         for seq, sampled, token_logprobs in zip(seqs, is_sampled, logprobs):
             state = self.states.get(seq.seq_id)
@@ -42,17 +55,16 @@ class OutputProcessor:
                 continue
             if state.logprobs is not None:
                 state.logprobs.append(token_logprobs)
-            if state.matcher is not None and self._match_stop(seq, state.matcher) and not seq.is_finished:
+            if state.text is not None and self._add_text(seq, state.text) and not seq.is_finished:
                 to_stop.append(seq)
-            if seq.is_finished:
-                self.finalize(seq)
         return to_stop
 
-    def _match_stop(self, seq: Sequence, matcher: StopStringMatcher) -> bool:
+    def _add_text(self, seq: Sequence, text: RequestText) -> bool:
+        """Detokenize seq's new token; True when it completes a stop string."""
         sp = seq.sampling_params
         if seq.is_finished and seq.finish_reason == "stop" and not sp.include_stop_str_in_output:
             return False  # ended by EOS / a stop token, whose text is left out
-        stop = matcher.add_token(seq.last_token, seq.num_completion_tokens)
+        stop = text.add_token(seq.last_token, seq.num_completion_tokens)
         if stop is None:
             return False
         seq.stop_reason = stop
@@ -60,24 +72,59 @@ class OutputProcessor:
             seq.finish_reason = "stop"  # a stop string outranks "length" on the same token
         return True
 
-    def logprobs_so_far(self, seq: Sequence) -> list[dict[int, float]] | None:
-        """A running request's logprobs, one dict per output token so far (streaming reads them)."""
-        state = self.states.get(seq.seq_id)
-        return state.logprobs if state is not None else None
+    def finish_step(self, seqs: list[Sequence]) -> list[StreamDelta]:
+        """Close a step over seqs: a delta for each streamed one that grew or finished; finished
+        ones get their final output frozen onto them and their state forgotten."""
+        deltas = []
+        for seq in seqs:
+            state = self.states.get(seq.seq_id)
+            if state is None:
+                continue
+            if seq.is_finished:
+                self.finalize(seq)
+            if state.is_streamed:
+                delta = self._delta(seq, state)
+                if delta is not None:
+                    deltas.append(delta)
+        return deltas
+
+    def _delta(self, seq: Sequence, state: RequestState) -> StreamDelta | None:
+        # NOTE: a sequence's completion tokens only ever grow (preemption keeps them), so the new
+        # ones of a step are completion_token_ids[num_sent_tokens:].
+        completion = seq.completion_token_ids
+        new_ids = completion[state.num_sent_tokens:]
+        if not new_ids and not seq.is_finished:
+            return None
+        if seq.is_finished:
+            text, logprobs = seq.output_text, seq.output_logprobs
+        else:
+            text = state.text.streamable_text() if state.text is not None else None
+            logprobs = state.logprobs
+        piece = None
+        if text is not None:
+            piece = text[state.num_sent_chars:]
+            state.num_sent_chars = max(len(text), state.num_sent_chars)
+        new_logprobs = texts = None
+        if logprobs is not None:
+            new_logprobs = logprobs[state.num_sent_tokens:]
+            texts = token_texts(self.tokenizer, new_ids, new_logprobs)
+        state.num_sent_tokens = len(completion)
+        return StreamDelta(state.request_id, state.index, new_ids, piece, seq.finish_reason,
+                           seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts)
 
     def finalize(self, seq: Sequence) -> None:
         """Freeze a finished sequence's text and logprobs onto it and forget its state."""
         state = self.states.pop(seq.seq_id, None)
         if state is None:
             return
-        seq.output_text = self._text(seq, state.matcher)
+        seq.output_text = self._text(seq, state.text)
         seq.output_logprobs = state.logprobs
 
-    def _text(self, seq: Sequence, matcher: StopStringMatcher | None) -> str | None:
+    def _text(self, seq: Sequence, text: RequestText | None) -> str | None:
         if self.tokenizer is None:
             return None  # a weights-only folder: token ids only
-        if matcher is not None:
-            return matcher.text
+        if text is not None:  # EOS / stop-token text was never fed to it unless kept
+            return text.text
         sp = seq.sampling_params
         token_ids = seq.completion_token_ids
         if seq.finish_reason == "stop" and (seq.stop_reason is None or isinstance(seq.stop_reason, int)):
@@ -95,11 +142,10 @@ class OutputProcessor:
         """
         state = self.states.get(seq.seq_id)
         if state is not None:  # still running: a snapshot
-            text, logprobs = self._text(seq, state.matcher), state.logprobs
-        elif seq.output_text is not None:
-            text, logprobs = seq.output_text, seq.output_logprobs
-        else:  # queued straight into the Scheduler, bypassing the engine's bookkeeping
-            text, logprobs = self._text(seq, None), None
+            text, logprobs = self._text(seq, state.text), state.logprobs
+        else:  # finished (or queued straight into the Scheduler, bypassing the engine's bookkeeping)
+            text = seq.output_text if seq.output_text is not None else self._text(seq, None)
+            logprobs = seq.output_logprobs
         token_ids = seq.completion_token_ids
         out = {
             "text": text,
