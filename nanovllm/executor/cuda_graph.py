@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed with inputs copied into
-static buffers. ModelRunner captures them once after allocating the KV cache (CUDA only).
+static buffers. ModelRunner captures them once after allocating the KV cache (CUDA only). The
+attention backend keeps the static copies of its own decode metadata (its graph hooks).
 
 The bucket choice and the buffer padding are plain functions, tested on CPU.
 """

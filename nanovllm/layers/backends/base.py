@@ -111,7 +111,7 @@ class AttentionBackend:
     backend's prepare() (or graph_metadata()) returned for the step."""
 
     name: ClassVar[str] = "base"
-    # Whether 'auto' may pick it on a device (the order of the candidates is the registry's).
+    # The devices on which 'auto' may pick it ('auto' tries the backends in the registry's order).
     auto_devices: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, device: str = "cpu"):
@@ -138,14 +138,14 @@ class AttentionBackend:
         """Raise ValueError if this backend cannot work with the given KV block size."""
         reason = cls.block_size_error(block_size)
         if reason is not None:
-            raise ValueError(f"the {cls.name} attention backend cannot use this kvcache_block_size: {reason}")
+            raise ValueError(f"attention_backend={cls.name!r}: {reason}")
 
     @classmethod
     def check_dtype(cls, dtype: torch.dtype) -> None:
         """Raise ValueError if this backend cannot compute in the given dtype."""
         reason = cls.dtype_error(dtype)
         if reason is not None:
-            raise ValueError(f"the {cls.name} attention backend cannot compute in dtype {dtype}: {reason}")
+            raise ValueError(f"attention_backend={cls.name!r}: {reason}")
 
     # ---- per step -------------------------------------------------------------------------------
     def prepare(self, batch: AttentionBatch) -> Any:
@@ -165,7 +165,7 @@ class AttentionBackend:
     # ---- CUDA graphs (decode) -------------------------------------------------------------------
     # Every bundled backend's decode reads a block table and the context lengths: the static copies
     # live in GraphTables, and a backend only says how they map onto its metadata (the two hooks
-    # at the end). A backend whose decode reads more overrides the first four.
+    # at the end). A backend whose decode reads more tensors overrides the hooks in between.
     def init_graph_buffers(self, max_bs: int, max_blocks_per_seq: int, max_seqlen_k: int,
                            device: torch.device | str) -> None:
         """Allocate the static tensors the captured graphs read (for the largest batch and table)."""
