@@ -15,7 +15,6 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 _DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch", "flash", "triton")
 
 
 def _positive_int(name: str, value) -> None:
@@ -64,10 +63,6 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _triton_interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
-
-
 @dataclass
 class Config:
     """Engine settings. Derived values (hf_config, torch_dtype, resolved device) are set once here."""
@@ -113,11 +108,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kvcache_bytes is not None:
             _positive_int("cpu_kvcache_bytes", self.cpu_kvcache_bytes)
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
-        if self.attention_backend == "triton" and self.device == "cpu" and not _triton_interpreter_on():
-            raise ValueError("attention_backend='triton' on device='cpu' needs the Triton interpreter: set "
-                             "TRITON_INTERPRET=1 before starting (slow; meant for tests)")
+        from nanovllm.layers.backends import check_backend_name
+        check_backend_name(self.attention_backend, self.device)  # registered, and runs on this device
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -13,8 +13,7 @@ import torch
 
 from nanovllm.kernels.attention_tuning import choose_num_splits
 from nanovllm.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
-from nanovllm.layers.backends.torch_backend import TorchBackend
-from nanovllm.utils.context import Context
+from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -45,12 +44,12 @@ def bench_decode(args, num_seqs: int, context: int, device: torch.device) -> str
     q = torch.randn(num_seqs, args.num_heads, args.head_dim, dtype=k_cache.dtype, device=device)
     context_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
     scale = args.head_dim ** -0.5
-    ctx = Context(block_tables=block_tables, context_lens=context_lens, max_seqlen_k=context)
+    meta = TorchMetadata(block_tables=block_tables, context_lens=context_lens, max_seqlen_k=context)
     def triton_fn():
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, context)
 
     def torch_fn():
-        return TorchBackend().decode(q, k_cache, v_cache, ctx, scale)
+        return TorchBackend().decode(q, k_cache, v_cache, meta, scale)
 
     diff = (triton_fn().float() - torch_fn().float()).abs().max().item()
     t_triton, t_torch = time_ms(triton_fn, device), time_ms(torch_fn, device)
@@ -75,14 +74,12 @@ def bench_prefill(args, num_seqs: int, context: int, device: torch.device) -> st
     cu_q = torch.arange(0, num_seqs + 1, device=device, dtype=torch.int32) * q_len
     cu_k = torch.arange(0, num_seqs + 1, device=device, dtype=torch.int32) * context
     tables = block_tables if args.prefix else None
-    ctx = Context(is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=q_len, max_seqlen_k=context,
-                  block_tables=tables, has_cached_prefix=args.prefix,
-                  seqlens_q_host=[q_len] * num_seqs, seqlens_k_host=[context] * num_seqs)
+    meta = TorchMetadata(seqlens_q=[q_len] * num_seqs, seqlens_k=[context] * num_seqs, block_tables=tables)
     def triton_fn():
         return paged_prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, q_len, scale, tables)
 
     def torch_fn():
-        return TorchBackend().prefill(q, k, v, k_cache, v_cache, ctx, scale)
+        return TorchBackend().prefill(q, k, v, k_cache, v_cache, meta, scale)
 
     diff = (triton_fn().float() - torch_fn().float()).abs().max().item()
     t_triton, t_torch = time_ms(triton_fn, device), time_ms(torch_fn, device)

@@ -8,6 +8,7 @@ import torch
 
 from nanovllm.executor.cuda_graph import DecodeBuffers, DecodeGraphs, graph_batch_sizes, pick_graph_batch_size
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context, get_context
 from tests.helpers import make_qwen3
@@ -44,37 +45,45 @@ def test_pick_graph_batch_size(max_num_seqs, batch, expected):
 
 
 def decode_context(slots, lens, tables) -> Context:
-    return Context(is_prefill=False, slot_mapping=torch.tensor(slots),
-                   context_lens=torch.tensor(lens, dtype=torch.int32),
-                   block_tables=torch.tensor(tables, dtype=torch.int32), max_seqlen_k=max(lens))
+    metadata = TorchMetadata(context_lens=torch.tensor(lens, dtype=torch.int32),
+                             block_tables=torch.tensor(tables, dtype=torch.int32), max_seqlen_k=max(lens))
+    return Context(is_prefill=False, slot_mapping=torch.tensor(slots), attn_metadata=metadata)
+
+
+def allocate_buffers(max_seqlen_k: int = 64) -> DecodeBuffers:
+    return DecodeBuffers.allocate(TorchBackend("cpu"), 8, 4, max_seqlen_k, hidden_size=3, dtype=torch.float32,
+                                  device="cpu")
 
 
 def test_buffers_fill_pads_and_overwrites_stale_rows():
-    buf = DecodeBuffers.allocate(8, 4, hidden_size=3, dtype=torch.float32, device="cpu")
-    assert buf.slot_mapping.tolist() == [-1] * 8 and buf.context_lens.tolist() == [1] * 8
+    buf = allocate_buffers()
+    tables = buf.backend.graph_tables  # the backend's static copies of its decode metadata
+    assert buf.slot_mapping.tolist() == [-1] * 8 and tables.context_lens.tolist() == [1] * 8
     ctx = decode_context([37, 5, 70], [6, 22, 7], [[2, 3], [0, 1], [4, -1]])
     buf.fill(torch.tensor([11, 12, 13]), torch.tensor([5, 21, 6]), ctx, graph_bs=4)
     assert buf.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert buf.positions[:4].tolist() == [5, 21, 6, 0]
     assert buf.slot_mapping[:4].tolist() == [37, 5, 70, -1]  # the padding row stores nothing
-    assert buf.context_lens[:4].tolist() == [6, 22, 7, 1]
-    assert buf.block_tables[:4].tolist() == [[2, 3, -1, -1], [0, 1, -1, -1], [4, -1, -1, -1], [0, 0, 0, 0]]
+    assert tables.context_lens[:4].tolist() == [6, 22, 7, 1]
+    assert tables.block_tables[:4].tolist() == [[2, 3, -1, -1], [0, 1, -1, -1], [4, -1, -1, -1], [0, 0, 0, 0]]
 
     # A smaller, narrower batch next: row 0's old entries must not survive.
     ctx = decode_context([9], [2], [[6]])
     buf.fill(torch.tensor([14]), torch.tensor([1]), ctx, graph_bs=2)
     assert buf.input_ids[:2].tolist() == [14, 0] and buf.slot_mapping[:2].tolist() == [9, -1]
-    assert buf.block_tables[:2].tolist() == [[6, -1, -1, -1], [0, 0, 0, 0]]
-    assert buf.context_lens[:2].tolist() == [2, 1]
+    assert tables.block_tables[:2].tolist() == [[6, -1, -1, -1], [0, 0, 0, 0]]
+    assert tables.context_lens[:2].tolist() == [2, 1]
 
 
 def test_buffers_context_views_share_storage():
     # NOTE: a captured graph reads the addresses it saw at capture; fill() must write those.
-    buf = DecodeBuffers.allocate(8, 4, hidden_size=3, dtype=torch.float32, device="cpu")
-    ctx = buf.context(4, max_seqlen_k=64)
-    assert ctx.max_seqlen_k == 64 and not ctx.is_prefill
-    for view, full in ((ctx.slot_mapping, buf.slot_mapping), (ctx.context_lens, buf.context_lens),
-                       (ctx.block_tables, buf.block_tables)):
+    buf = allocate_buffers(max_seqlen_k=64)
+    ctx = buf.context(4)
+    meta, tables = ctx.attn_metadata, buf.backend.graph_tables
+    assert meta.max_seqlen_k == 64 and not ctx.is_prefill
+    assert meta.seqlens_k is None  # no host-side lengths: they would be frozen into the graph
+    for view, full in ((ctx.slot_mapping, buf.slot_mapping), (meta.context_lens, tables.context_lens),
+                       (meta.block_tables, tables.block_tables)):
         assert view.data_ptr() == full.data_ptr() and view.shape[0] == 4
     buf.fill(torch.tensor([3]), torch.tensor([0]), decode_context([4], [1], [[0]]), graph_bs=1)
     assert ctx.slot_mapping[0].item() == 4
@@ -98,10 +107,11 @@ def test_padded_static_forward_matches_eager_decode(tmp_path):
     cache_after_eager = runner.kv_cache.clone()
 
     max_blocks = -(-128 // 16)
-    assert context.block_tables.shape[1] < max_blocks  # the padded width really differs
-    buf = DecodeBuffers.allocate(8, max_blocks, engine.config.hf_config.hidden_size, torch.float32, "cpu")
+    assert context.attn_metadata.block_tables.shape[1] < max_blocks  # the padded width really differs
+    buf = DecodeBuffers.allocate(runner.backend, 8, max_blocks, 128, engine.config.hf_config.hidden_size,
+                                 torch.float32, "cpu")
     buf.fill(input_ids, positions, context, graph_bs=4)
-    with torch.inference_mode(), forward_context(buf.context(4, max_seqlen_k=128)):
+    with torch.inference_mode(), forward_context(buf.context(4)):
         buf.outputs[:4] = runner.model(buf.input_ids[:4], buf.positions[:4])
         padded = runner.model.compute_logits(buf.outputs[:3])
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
@@ -152,14 +162,15 @@ def test_decode_graphs_capture_order_and_replay_dispatch(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    graphs = DecodeGraphs(runner.model, 20, 128, 16, engine.config.hf_config.hidden_size,
+    graphs = DecodeGraphs(runner.model, runner.backend, 20, 128, 16, engine.config.hf_config.hidden_size,
                           torch.float32, torch.device("cpu"))
     graphs.capture()
     assert [g.graph_bs for g in captures] == [20, 16, 8, 4, 2, 1]  # largest first
     assert {g.pool for g in captures} == {"the-pool"}  # one shared pool
     for g in captures:
         g.model, g.buffers = runner.model, graphs.buffers
-        assert g.context.block_tables.shape == (g.graph_bs, 8) and g.context.max_seqlen_k == 128
+        meta = g.context.attn_metadata
+        assert meta.block_tables.shape == (g.graph_bs, 8) and meta.max_seqlen_k == 128
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for prompt in ([5, 6, 7], list(range(10, 40)), list(range(50, 67))):
@@ -168,8 +179,9 @@ def test_decode_graphs_capture_order_and_replay_dispatch(tmp_path, monkeypatch):
     out = engine.scheduler.schedule()
     input_ids, positions, context = runner.prepare_decode(out.seqs)
     eager = runner.run_model(input_ids, positions, context, None)
-    assert graphs.can_replay(3, context.block_tables.shape[1]) and not graphs.can_replay(21, 1)
-    assert not graphs.can_replay(3, 9)  # a block table wider than the buffers: eager
+    assert graphs.can_replay(3, context) and not graphs.can_replay(21, context)
+    wide = Context(attn_metadata=TorchMetadata(block_tables=torch.zeros(3, 9, dtype=torch.int32)))
+    assert not graphs.can_replay(3, wide)  # a block table wider than the buffers: eager
     with torch.inference_mode():
         hidden = graphs.replay(input_ids, positions, context)
         replayed = runner.model.compute_logits(hidden)

@@ -7,9 +7,8 @@ import torch
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.backends import available_backends, get_backend
+from nanovllm.layers.backends import AttentionBatch, available_backends, get_backend
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import Context
 from tests.helpers import hf_greedy, make_qwen3
 
 pytestmark = pytest.mark.gpu
@@ -22,8 +21,9 @@ def model_path(tmp_path_factory):
     return make_qwen3(str(tmp_path_factory.mktemp("qwen3")))
 
 
-def i32(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device="cuda")
+def cuda_batch(is_prefill: bool, num_new_tokens: list[int], context_lens: list[int],
+               block_tables: list[list[int]]) -> AttentionBatch:
+    return AttentionBatch(is_prefill, num_new_tokens, context_lens, block_tables, to_device=lambda t: t.cuda())
 
 
 # ---- flash backend vs torch backend ---------------------------------------------------------
@@ -43,29 +43,28 @@ def test_flash_backend_matches_torch_backend():
     tables = [[2, 5], [0]]
     q, k, v = rand(17, num_heads, head_dim), rand(17, num_kv_heads, head_dim), rand(17, num_kv_heads, head_dim)
     slot_mapping = torch.tensor(slots(tables[0], 260, 270) + slots(tables[1], 0, 7), device="cuda")
-    ctx = Context(is_prefill=True, cu_seqlens_q=i32([0, 10, 17]), cu_seqlens_k=i32([0, 270, 277]),
-                  max_seqlen_q=10, max_seqlen_k=270, slot_mapping=slot_mapping,
-                  block_tables=i32([[2, 5], [0, -1]]), has_cached_prefix=True,
-                  seqlens_q_host=[10, 7], seqlens_k_host=[270, 7])
+    batch = cuda_batch(True, [10, 7], [270, 7], tables)
+    flash_meta, ref_meta = flash.prepare(batch), ref.prepare(batch)
+    assert flash_meta.cu_seqlens_k.tolist() == [0, 270, 277] and flash_meta.max_seqlen_k == 270
+    assert flash_meta.block_table.tolist() == [[2, 5], [0, -1]]
     flash.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    out_flash = flash.prefill(q, k, v, k_cache, v_cache, ctx, scale)
-    out_ref = ref.prefill(q, k, v, k_cache, v_cache, ctx, scale)
+    out_flash = flash.prefill(q, k, v, k_cache, v_cache, flash_meta, scale)
+    out_ref = ref.prefill(q, k, v, k_cache, v_cache, ref_meta, scale)
     torch.testing.assert_close(out_flash, out_ref, rtol=2e-2, atol=2e-2)
 
     # Prefill without a prefix (fresh K/V only, varlen).
     q, k, v = rand(305, num_heads, head_dim), rand(305, num_kv_heads, head_dim), rand(305, num_kv_heads, head_dim)
-    ctx = Context(is_prefill=True, cu_seqlens_q=i32([0, 5, 305]), cu_seqlens_k=i32([0, 5, 305]),
-                  max_seqlen_q=300, max_seqlen_k=300, seqlens_q_host=[5, 300], seqlens_k_host=[5, 300])
+    batch = cuda_batch(True, [5, 300], [5, 300], [[], []])
+    assert flash.prepare(batch).block_table is None  # no cached prefix: fresh K/V only
     empty = torch.empty(0, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(flash.prefill(q, k, v, empty, empty, ctx, scale),
-                               ref.prefill(q, k, v, empty, empty, ctx, scale), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(flash.prefill(q, k, v, empty, empty, flash.prepare(batch), scale),
+                               ref.prefill(q, k, v, empty, empty, ref.prepare(batch), scale), rtol=2e-2, atol=2e-2)
 
     # Decode over the paged cache: context lengths 1, 257 and 512, tables padded with -1.
     q = rand(3, num_heads, head_dim)
-    ctx = Context(is_prefill=False, context_lens=i32([1, 257, 512]), max_seqlen_k=512,
-                  block_tables=i32([[4, -1], [1, 3], [5, 2]]))
-    torch.testing.assert_close(flash.decode(q, k_cache, v_cache, ctx, scale),
-                               ref.decode(q, k_cache, v_cache, ctx, scale), rtol=2e-2, atol=2e-2)
+    batch = cuda_batch(False, [1, 1, 1], [1, 257, 512], [[4], [1, 3], [5, 2]])
+    torch.testing.assert_close(flash.decode(q, k_cache, v_cache, flash.prepare(batch), scale),
+                               ref.decode(q, k_cache, v_cache, ref.prepare(batch), scale), rtol=2e-2, atol=2e-2)
 
 
 def test_flash_backend_rejects_small_blocks():

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.backends.torch_backend import TorchBackend
+from nanovllm.layers.backends import AttentionBatch
+from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -16,7 +17,6 @@ from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinea
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.sample.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
 from nanovllm.sample.sampling_metadata import SamplingMetadata
-from nanovllm.utils.context import Context
 
 
 def test_rmsnorm_matches_hf_and_fused_add():
@@ -182,8 +182,8 @@ def test_decode_matches_naive(num_heads):
     lens = [1, 5, 12, 9]
     k_cache, v_cache, tables, ks, vs = paged_setup(lens)
     q = torch.randn(len(lens), num_heads, 8)
-    ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables)
-    out = TorchBackend().decode(q, k_cache, v_cache, ctx, 0.3)
+    meta = TorchMetadata(context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables)
+    out = TorchBackend().decode(q, k_cache, v_cache, meta, 0.3)
     for i, n in enumerate(lens):
         ref = naive_attention(q[i: i + 1], ks[i], vs[i], 0.3, n - 1)
         torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
@@ -195,12 +195,11 @@ def test_grouped_decode_matches_naive():
     lens = [(7 * i) % 61 + 1 for i in range(19)]
     k_cache, v_cache, tables, ks, vs = paged_setup(lens, num_blocks=160)
     q = torch.randn(len(lens), 4, 8)
-    ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-                  seqlens_k_host=lens)
+    meta = TorchMetadata(context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, seqlens_k=lens)
     backend = TorchBackend("cpu")
     backend.cpu_kernel = None  # the pure-torch path (the C kernel has its own test below)
-    out = backend.decode(q, k_cache, v_cache, ctx, 0.3)
-    assert len(ctx.backend_cache["decode_groups"]) == 3
+    out = backend.decode(q, k_cache, v_cache, meta, 0.3)
+    assert len(meta.decode_groups) == 3
     for i, n in enumerate(lens):
         ref = naive_attention(q[i: i + 1], ks[i], vs[i], 0.3, n - 1)
         torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
@@ -220,12 +219,14 @@ def test_cpu_kernel_decode_matches_naive(num_heads, num_kv_heads, head_dim, bloc
     k_cache, v_cache, tables, ks, vs = paged_setup(lens, block_size, num_kv_heads, head_dim,
                                                    num_blocks=64 * copies)
     q = torch.randn(len(lens), num_heads, head_dim)
-    ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-                  seqlens_k_host=lens, max_seqlen_k=max(lens))  # as ModelRunner.prepare_decode builds it
     backend = TorchBackend("cpu")
     assert backend.cpu_kernel is not None
-    out = backend.decode(q, k_cache, v_cache, ctx, 0.3)
-    assert "decode_groups" not in ctx.backend_cache  # the kernel ran, not the torch path
+    meta = backend.prepare(AttentionBatch(is_prefill=False, num_new_tokens=[1] * len(lens), context_lens=lens,
+                                          block_tables=[[b for b in t if b >= 0] for t in tables.tolist()],
+                                          to_device=lambda t: t))  # as ModelRunner.prepare_decode builds it
+    assert torch.equal(meta.block_tables, tables) and meta.max_seqlen_k == max(lens)
+    out = backend.decode(q, k_cache, v_cache, meta, 0.3)
+    assert meta.decode_groups is None  # the kernel ran, not the torch path
     for i, n in enumerate(lens):
         ref = naive_attention(q[i: i + 1], ks[i], vs[i], 0.3, n - 1)
         torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
@@ -238,9 +239,8 @@ def test_prefill_with_cached_prefix_matches_naive(num_heads):
     qs = [torch.randn(n, num_heads, 8) for n in q_lens]
     new_k = torch.cat([k[-n:] for k, n in zip(ks, q_lens)])
     new_v = torch.cat([v[-n:] for v, n in zip(vs, q_lens)])
-    ctx = Context(is_prefill=True, block_tables=tables, has_cached_prefix=True,
-                  seqlens_q_host=q_lens, seqlens_k_host=k_lens)
-    out = TorchBackend().prefill(torch.cat(qs), new_k, new_v, k_cache, v_cache, ctx, 0.5)
+    meta = TorchMetadata(block_tables=tables, seqlens_q=q_lens, seqlens_k=k_lens)
+    out = TorchBackend().prefill(torch.cat(qs), new_k, new_v, k_cache, v_cache, meta, 0.5)
     start = 0
     for q, k, v, nq, nk in zip(qs, ks, vs, q_lens, k_lens):
         ref = naive_attention(q, k, v, 0.5, nk - nq)

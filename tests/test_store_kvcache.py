@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanovllm.layers.backends.torch_backend import store_kvcache_torch
+from nanovllm.layers.backends.base import store_kvcache_torch
 
 pytest.importorskip("triton")
 

@@ -19,8 +19,8 @@ from helpers import make_qwen3  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
 from nanovllm.kernels import attention_tuning, triton_attention as ta  # noqa: E402
-from nanovllm.layers.backends.torch_backend import TorchBackend, store_kvcache_torch  # noqa: E402
-from nanovllm.utils.context import Context  # noqa: E402
+from nanovllm.layers.backends.base import store_kvcache_torch  # noqa: E402
+from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SCALE = 0.3  # not head_dim ** -0.5, so a kernel that ignores the scale argument fails
@@ -63,12 +63,11 @@ def build_case(lens: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, block_tables, cu_q, cu_k
 
 
-def prefill_context(lens, block_tables, cu_q, cu_k) -> Context:
+def prefill_metadata(lens, block_tables) -> TorchMetadata:
+    """The torch backend's prefill metadata: block tables only when some sequence has a prefix."""
     has_prefix = any(k > q for q, k in lens)
-    return Context(is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                   max_seqlen_q=max(q for q, _ in lens), max_seqlen_k=max(k for _, k in lens),
-                   block_tables=block_tables if has_prefix else None, has_cached_prefix=has_prefix,
-                   seqlens_q_host=[q for q, _ in lens], seqlens_k_host=[k for _, k in lens])
+    return TorchMetadata(seqlens_q=[q for q, _ in lens], seqlens_k=[k for _, k in lens],
+                         block_tables=block_tables if has_prefix else None)
 
 
 def check_decode(context_lens, group, block_size, dtype, num_splits, head_dim=32, num_kv_heads=2, seed=0):
@@ -76,7 +75,7 @@ def check_decode(context_lens, group, block_size, dtype, num_splits, head_dim=32
     q, _, _, k_cache, v_cache, tables, _, _ = build_case(lens, group * num_kv_heads, num_kv_heads, head_dim,
                                                          block_size, dtype, seed)
     ctx_lens = torch.tensor(context_lens, dtype=torch.int32, device=q.device)
-    ref = TorchBackend().decode(q, k_cache, v_cache, Context(block_tables=tables, context_lens=ctx_lens), SCALE)
+    ref = TorchBackend().decode(q, k_cache, v_cache, TorchMetadata(block_tables=tables, context_lens=ctx_lens), SCALE)
     out = ta.paged_decode_attention(q, k_cache, v_cache, tables, ctx_lens, SCALE, max(context_lens), num_splits)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
@@ -84,10 +83,10 @@ def check_decode(context_lens, group, block_size, dtype, num_splits, head_dim=32
 def check_prefill(lens, group, block_size, dtype, tiles=(None, None), head_dim=32, num_kv_heads=2, seed=0):
     q, k, v, k_cache, v_cache, tables, cu_q, cu_k = build_case(lens, group * num_kv_heads, num_kv_heads,
                                                                head_dim, block_size, dtype, seed)
-    context = prefill_context(lens, tables, cu_q, cu_k)
-    ref = TorchBackend().prefill(q, k, v, k_cache, v_cache, context, SCALE)
-    out = ta.paged_prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, context.max_seqlen_q, SCALE,
-                                     context.block_tables, block_m=tiles[0], block_n=tiles[1])
+    metadata = prefill_metadata(lens, tables)
+    ref = TorchBackend().prefill(q, k, v, k_cache, v_cache, metadata, SCALE)
+    out = ta.paged_prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max(q for q, _ in lens), SCALE,
+                                     metadata.block_tables, block_m=tiles[0], block_n=tiles[1])
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
@@ -134,8 +133,7 @@ def test_prefill_without_cache(dtype):
     lens = [(1, 1), (40, 40), (9, 9)]
     q, k, v, _, _, _, cu_q, cu_k = build_case(lens, 4, 2, 32, 16, dtype)
     empty = torch.tensor([], dtype=dtype, device=q.device)
-    context = prefill_context(lens, None, cu_q, cu_k)
-    ref = TorchBackend().prefill(q, k, v, empty, empty, context, SCALE)
+    ref = TorchBackend().prefill(q, k, v, empty, empty, prefill_metadata(lens, None), SCALE)
     out = ta.paged_prefill_attention(q, k, v, empty, empty, cu_q, cu_k, 40, SCALE, None, block_m=16, block_n=16)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
@@ -180,9 +178,9 @@ def generate_twice(path: str, backend: str) -> tuple[list[list[int]], list[bool]
     runner_backend = llm.model_runner.backend
     prefill, prefix_flags = runner_backend.prefill, []
 
-    def recording_prefill(q, k, v, k_cache, v_cache, context, scale):
-        prefix_flags.append(context.has_cached_prefix)
-        return prefill(q, k, v, k_cache, v_cache, context, scale)
+    def recording_prefill(q, k, v, k_cache, v_cache, metadata, scale):
+        prefix_flags.append(metadata.block_tables is not None)  # the table comes with a cached prefix
+        return prefill(q, k, v, k_cache, v_cache, metadata, scale)
 
     runner_backend.prefill = recording_prefill
     try:

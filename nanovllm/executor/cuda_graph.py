@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed with inputs copied into
-static buffers. ModelRunner captures them once after allocating the KV cache (CUDA only).
+static buffers. ModelRunner captures them once after allocating the KV cache (CUDA only). The
+attention backend keeps the static copies of its own decode metadata (its graph hooks).
 
 The bucket choice and the buffer padding are plain functions, tested on CPU.
 """
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.layers.backends import AttentionBackend
 from nanovllm.utils.context import Context, forward_context
 
 logger = logging.getLogger(__name__)
@@ -34,72 +36,66 @@ def pick_graph_batch_size(sizes: list[int], batch_size: int) -> int | None:
 
 @dataclass
 class DecodeBuffers:
-    """Static tensors the graphs read and write: rows [0, graph_bs) of each belong to a replay."""
+    """Static tensors the graphs read and write: rows [0, graph_bs) of each belong to a replay. The
+    attention backend keeps the static copies of its own decode metadata (init_graph_buffers)."""
 
     input_ids: torch.Tensor     # [max_bs] int64
     positions: torch.Tensor     # [max_bs] int64
     slot_mapping: torch.Tensor  # [max_bs] int64, -1 = do not store
-    context_lens: torch.Tensor  # [max_bs] int32
-    block_tables: torch.Tensor  # [max_bs, max_blocks_per_seq] int32, -1 past a sequence's blocks
     outputs: torch.Tensor       # [max_bs, hidden_size] model dtype
+    backend: AttentionBackend
 
     @classmethod
-    def allocate(cls, max_bs: int, max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "DecodeBuffers":
+    def allocate(cls, backend: AttentionBackend, max_bs: int, max_blocks_per_seq: int, max_seqlen_k: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> "DecodeBuffers":
+        """max_seqlen_k: the bound every captured graph is built with (max_model_len)."""
+        backend.init_graph_buffers(max_bs, max_blocks_per_seq, max_seqlen_k, device)
         buffers = cls(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
             positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
             slot_mapping=torch.empty(max_bs, dtype=torch.int64, device=device),
-            context_lens=torch.empty(max_bs, dtype=torch.int32, device=device),
-            block_tables=torch.empty(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device),
             outputs=torch.zeros(max_bs, hidden_size, dtype=dtype, device=device),
+            backend=backend,
         )
         buffers.pad_rows(0, max_bs)
         return buffers
 
     def pad_rows(self, start: int, end: int) -> None:
-        """Make rows [start, end) harmless padding: store nothing, attend to one key of block 0
-        (a real block, so every backend reads finite values), at position 0."""
+        """Make rows [start, end) harmless padding: store nothing, at position 0 (the backend pads
+        its rows to attend to one key of a real block)."""
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
         self.slot_mapping[start:end] = -1
-        self.context_lens[start:end] = 1
-        self.block_tables[start:end] = 0
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context, graph_bs: int) -> None:
         """Copy one decode batch (bs <= graph_bs rows, block table of any width up to the buffer's)
         into rows [0, bs) and pad rows [bs, graph_bs)."""
         bs = input_ids.shape[0]
-        width = context.block_tables.shape[1]
-        assert bs <= graph_bs <= self.input_ids.shape[0] and width <= self.block_tables.shape[1]
+        assert bs <= graph_bs <= self.input_ids.shape[0]
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         self.slot_mapping[:bs].copy_(context.slot_mapping)
-        self.context_lens[:bs].copy_(context.context_lens)
-        self.block_tables[:bs, :width].copy_(context.block_tables)
-        self.block_tables[:bs, width:] = -1
         self.pad_rows(bs, graph_bs)
+        self.backend.fill_graph_buffers(context.attn_metadata, graph_bs)
 
-    def context(self, graph_bs: int, max_seqlen_k: int) -> Context:
-        """The decode Context a graph of graph_bs rows is captured with. NOTE: its host-side ints are
-        frozen into the graph, so max_seqlen_k is the bound (max_model_len), not a batch's value."""
-        return Context(
-            is_prefill=False, slot_mapping=self.slot_mapping[:graph_bs],
-            context_lens=self.context_lens[:graph_bs], block_tables=self.block_tables[:graph_bs],
-            max_seqlen_k=max_seqlen_k)
+    def context(self, graph_bs: int) -> Context:
+        """The decode Context a graph of graph_bs rows is captured with. NOTE: everything in it is
+        frozen into the graph: views of the static tensors, and host-side ints at their bounds."""
+        return Context(is_prefill=False, slot_mapping=self.slot_mapping[:graph_bs],
+                       attn_metadata=self.backend.graph_metadata(graph_bs))
 
 
 class DecodeGraphs:
     """Captures the model's decode forward for each bucket and replays the right one."""
 
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, backend: AttentionBackend, max_num_seqs: int, max_model_len: int,
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.device = device
-        self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buffers = DecodeBuffers.allocate(self.sizes[-1], max_blocks_per_seq, hidden_size, dtype, device)
+        self.buffers = DecodeBuffers.allocate(backend, self.sizes[-1], max_blocks_per_seq, max_model_len,
+                                              hidden_size, dtype, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -113,7 +109,7 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
             for graph_bs in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
-                with forward_context(buf.context(graph_bs, self.max_model_len)):
+                with forward_context(buf.context(graph_bs)):
                     # Warm-up outside the graph: lazy inits (cuBLAS handles, Triton/inductor compiles).
                     buf.outputs[:graph_bs] = self.model(buf.input_ids[:graph_bs], buf.positions[:graph_bs])
                     with torch.cuda.graph(graph, pool=self.pool):
@@ -122,9 +118,10 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def can_replay(self, batch_size: int, table_width: int) -> bool:
-        fits_table = table_width <= self.buffers.block_tables.shape[1]
-        return fits_table and pick_graph_batch_size(self.sizes, batch_size) is not None
+    def can_replay(self, batch_size: int, context: Context) -> bool:
+        """Whether a decode batch has a bucket and its metadata fits the backend's static tensors."""
+        fits = self.buffers.backend.fits_graph_buffers(context.attn_metadata)
+        return fits and pick_graph_batch_size(self.sizes, batch_size) is not None
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """Hidden states [bs, hidden_size] of one decode batch; a view valid until the next replay."""
@@ -138,4 +135,5 @@ class DecodeGraphs:
     def free(self) -> None:
         self.graphs.clear()
         self.pool = None
+        self.buffers.backend.free_graph_buffers()
         self.buffers = None

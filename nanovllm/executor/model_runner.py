@@ -14,7 +14,7 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.backends import get_backend, pick_backend_name
+from nanovllm.layers.backends import AttentionBatch, get_backend, pick_backend_name
 from nanovllm.layers.linear import can_pack_weights, pack_linear_weights
 from nanovllm.sample.sampler import SampledTokens, Sampler
 from nanovllm.sample.sampling_metadata import SamplingMetadata
@@ -84,8 +84,8 @@ class ModelRunner:
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
-                                       hf_config.hidden_size, self.dtype, self.device)
+            self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
+                                       self.block_size, hf_config.hidden_size, self.dtype, self.device)
             self.graphs.capture()
 
     def dense_copies_fit(self) -> bool:
@@ -180,60 +180,43 @@ class ModelRunner:
         table = np.asarray(seq.block_table, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def block_tables_of(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            table[i, : len(seq.block_table)] = seq.block_table
-        return self.to_device(torch.from_numpy(table))
-
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
     def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        input_ids, positions, slots = [], [], []
-        seqlens_q, seqlens_k, logits_indices = [], [], []
+        """(input_ids, positions, context, logits_indices) of a prefill step: logits_indices picks
+        each sequence's last new token."""
+        input_ids, positions, slots, context_lens, logits_indices = [], [], [], [], []
+        num_tokens = 0
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_computed_tokens
             input_ids.extend(seq.uncomputed_token_ids(n))
             positions.append(np.arange(start, start + n))
             slots.append(self.slots_of(seq, start, start + n))
-            seqlens_q.append(n)
-            seqlens_k.append(start + n)
-            logits_indices.append(sum(seqlens_q) - 1)
-        cu_q = np.cumsum([0] + seqlens_q)
-        cu_k = np.cumsum([0] + seqlens_k)
-        has_cached_prefix = any(k > q for q, k in zip(seqlens_q, seqlens_k))
-        context = Context(
-            is_prefill=True,
-            cu_seqlens_q=self.to_device(torch.from_numpy(cu_q.astype(np.int32))),
-            cu_seqlens_k=self.to_device(torch.from_numpy(cu_k.astype(np.int32))),
-            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-            slot_mapping=self.to_device(torch.from_numpy(np.concatenate(slots))),
-            block_tables=self.block_tables_of(seqs) if has_cached_prefix else None,
-            has_cached_prefix=has_cached_prefix,
-            seqlens_q_host=seqlens_q, seqlens_k_host=seqlens_k,
-        )
+            context_lens.append(start + n)
+            num_tokens += n
+            logits_indices.append(num_tokens - 1)
+        batch = AttentionBatch(is_prefill=True, num_new_tokens=list(num_new_tokens), context_lens=context_lens,
+                               block_tables=[seq.block_table for seq in seqs], to_device=self.to_device)
+        context = Context(is_prefill=True, slot_mapping=self.to_device(torch.from_numpy(np.concatenate(slots))),
+                          attn_metadata=self.backend.prepare(batch))
         input_ids = self.to_device(torch.tensor(input_ids, dtype=torch.int64))
         positions = self.to_device(torch.from_numpy(np.concatenate(positions)))
         return input_ids, positions, context, self.to_device(torch.tensor(logits_indices))
 
     def prepare_decode(self, seqs: list[Sequence]):
+        """(input_ids, positions, context) of a decode step: one new token per sequence."""
         input_ids = torch.tensor([seq.last_token for seq in seqs], dtype=torch.int64)
         positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
         tables = [seq.block_table for seq in seqs]
         slots = np.array([t[p // self.block_size] * self.block_size + p % self.block_size
                           for t, p in zip(tables, positions)], dtype=np.int64)
-        context = Context(
-            is_prefill=False,
-            slot_mapping=self.to_device(torch.from_numpy(slots)),
-            context_lens=self.to_device(torch.from_numpy(positions + 1).to(torch.int32)),
-            block_tables=self.block_tables_of(seqs),
-            max_seqlen_k=int(positions.max()) + 1,
-            seqlens_k_host=(positions + 1).tolist(),
-        )
+        batch = AttentionBatch(is_prefill=False, num_new_tokens=[1] * len(seqs),
+                               context_lens=(positions + 1).tolist(), block_tables=tables, to_device=self.to_device)
+        context = Context(is_prefill=False, slot_mapping=self.to_device(torch.from_numpy(slots)),
+                          attn_metadata=self.backend.prepare(batch))
         return self.to_device(input_ids), self.to_device(torch.from_numpy(positions)), context
 
     def prepare_sample(self, out: SchedulerOutput) -> SamplingMetadata:
@@ -245,7 +228,7 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
                   logits_indices: torch.Tensor | None) -> torch.Tensor | None:
         use_graph = (self.graphs is not None and not context.is_prefill
-                     and self.graphs.can_replay(input_ids.shape[0], context.block_tables.shape[1]))
+                     and self.graphs.can_replay(input_ids.shape[0], context))
         if use_graph:
             hidden_states = self.graphs.replay(input_ids, positions, context)
         else:

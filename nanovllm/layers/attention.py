@@ -23,6 +23,7 @@ class Attention(nn.Module):
         context = get_context()
         if self.k_cache.numel() > 0 and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        metadata = context.attn_metadata
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+        return self.backend.decode(q, self.k_cache, self.v_cache, metadata, self.scale)

@@ -1,34 +1,22 @@
-"""Per-step attention metadata. ModelRunner sets it before a forward pass; Attention layers read it."""
+"""Per-step forward context. ModelRunner sets it before a forward pass; Attention layers read it.
+What a backend's kernels need lives in that backend's own metadata (layers/backends)."""
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 
 @dataclass
 class Context:
-    """What the attention layers of one forward pass need to know about the batch.
-
-    Prefill: cu_seqlens_q / cu_seqlens_k are [num_seqs + 1] offsets of each sequence's new tokens
-    and of its whole key range (cached prefix + new tokens). Decode: context_lens is [num_seqs].
-    block_tables is [num_seqs, max_blocks] (padded with -1); slot_mapping is [num_tokens], -1 = skip.
-    """
+    """What every Attention layer of one forward pass reads: whether the step is a prefill, the
+    cache slot of each new token (slot_mapping [num_tokens], -1 = do not store; None = no cache),
+    and the metadata the picked backend's prepare() built for the step."""
 
     is_prefill: bool = False
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    block_tables: torch.Tensor | None = None
-    has_cached_prefix: bool = False
-    # Host copies for backends that loop over sequences on the CPU.
-    seqlens_q_host: list[int] | None = None
-    seqlens_k_host: list[int] | None = None
-    # Per-step memo a backend may fill on the first layer and reuse in the others.
-    backend_cache: dict = field(default_factory=dict)
+    attn_metadata: Any = None  # the backend's own dataclass (TorchMetadata, FlashMetadata, ...)
 
 
 # NOTE: one context per thread: the server steps its engine in a background thread, and another

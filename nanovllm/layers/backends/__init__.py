@@ -1,51 +1,36 @@
-"""Attention backends: how K/V are stored into the paged cache and how attention reads it.
+"""Attention backends: the registry of names, 'auto' selection and the checks Config and ModelRunner
+run, all reading the rules each backend class states (see base.py for the interface).
 
 Each backend module is imported lazily, so flash-attn or triton are only needed when picked.
+Adding a backend: one module with an AttentionBackend subclass and one line in _BACKENDS (or a
+register_backend call).
 """
 import importlib
-import importlib.util
 import logging
 
 import torch
 
+from nanovllm.layers.backends.base import AttentionBackend, AttentionBatch
+
+__all__ = ["AttentionBackend", "AttentionBatch", "available_backends", "backend_class", "check_backend_name",
+           "get_backend", "pick_backend_name", "register_backend"]
+
 logger = logging.getLogger(__name__)
 
+# name -> "module:Class". NOTE: the order is the order in which 'auto' tries them.
 _BACKENDS = {
-    "torch": "nanovllm.layers.backends.torch_backend:TorchBackend",
     "flash": "nanovllm.layers.backends.flash_backend:FlashBackend",
     "triton": "nanovllm.layers.backends.triton_backend:TritonBackend",
+    "torch": "nanovllm.layers.backends.torch_backend:TorchBackend",
 }
-# flash-attn's paged KV kernels address the cache in pages of a multiple of this many tokens.
-FLASH_BLOCK_MULTIPLE = 256
-
-
-class AttentionBackend:
-    """Interface. Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads,
-    head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]."""
-
-    name = "base"
-
-    def __init__(self, device: str = "cpu"):
-        self.device = device
-
-    def check_block_size(self, block_size: int) -> None:
-        """Raise ValueError if this backend cannot work with the given KV block size."""
-
-    def check_dtype(self, dtype: torch.dtype) -> None:
-        """Raise ValueError if this backend cannot compute in the given dtype."""
-
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def prefill(self, q, k, v, k_cache, v_cache, context, scale: float) -> torch.Tensor:
-        raise NotImplementedError
-
-    def decode(self, q, k_cache, v_cache, context, scale: float) -> torch.Tensor:
-        raise NotImplementedError
 
 
 def register_backend(name: str, target: str) -> None:
+    """Make `name` a valid attention_backend, served by target "package.module:ClassName"."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"a backend name must be a non-empty string other than 'auto', got {name!r}")
+    if not isinstance(target, str) or target.count(":") != 1:
+        raise ValueError(f"a backend target must read 'package.module:ClassName', got {target!r}")
     _BACKENDS[name] = target
 
 
@@ -53,41 +38,66 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def _flash_usable(block_size: int | None, dtype: torch.dtype | None) -> str | None:
-    """Why 'auto' cannot pick flash here, or None when it can."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn is not installed"
-    if block_size is not None and block_size % FLASH_BLOCK_MULTIPLE != 0:
-        return f"kvcache_block_size {block_size} is not a multiple of {FLASH_BLOCK_MULTIPLE}"
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn computes in fp16/bf16 only, the model runs in {dtype}"
-    return None
-
-
-def pick_backend_name(requested: str, device: str, block_size: int | None = None,
-                      dtype: torch.dtype | None = None) -> str:
-    """'auto' becomes flash (CUDA with flash-attn, fp16/bf16, block size a multiple of 256), then
-    triton (CUDA), else torch."""
-    if requested != "auto":
-        return requested
-    if device != "cuda":
-        return "torch"
-    why_not_flash = _flash_usable(block_size, dtype)
-    if why_not_flash is None:
-        return "flash"
-    has_triton = "triton" in _BACKENDS and importlib.util.find_spec("triton") is not None
-    picked = "triton" if has_triton else "torch"
-    logger.warning("CUDA without the flash attention backend (%s): using the %s backend, which is slower",
-                   why_not_flash, picked)
-    return picked
-
-
-def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class registered under name; importing its module (not its optional packages)."""
     if name not in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available; available: {available_backends()}")
     module_name, cls_name = _BACKENDS[name].split(":")
     try:
         module = importlib.import_module(module_name)
-        return getattr(module, cls_name)(device=device)
     except ImportError as e:
         raise ValueError(f"attention backend {name!r} needs a package that is missing: {e}") from e
+    return getattr(module, cls_name)
+
+
+def check_backend_name(name: str, device: str) -> None:
+    """Config's check: name is 'auto' or registered, and a named backend can run on device."""
+    if not isinstance(name, str):
+        raise TypeError(f"attention_backend must be a str, got {type(name).__name__} {name!r}")
+    if name == "auto":
+        return
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend must be one of {['auto', *available_backends()]}, got {name!r}")
+    reason = backend_class(name).unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"attention_backend={name!r} on device={device!r}: {reason}")
+
+
+def _why_not(cls: type[AttentionBackend], device: str, block_size: int | None,
+             dtype: torch.dtype | None) -> str | None:
+    reason = cls.unavailable_reason(device)
+    if reason is None and block_size is not None:
+        reason = cls.block_size_error(block_size)
+    if reason is None and dtype is not None:
+        reason = cls.dtype_error(dtype)
+    return reason
+
+
+def pick_backend_name(requested: str, device: str, block_size: int | None = None,
+                      dtype: torch.dtype | None = None) -> str:
+    """'auto' becomes the first registered backend that may be auto-picked on device and whose rules
+    accept it: flash (CUDA with flash-attn, fp16/bf16, block size a multiple of 256), then triton
+    (CUDA), else torch. Passing over the first candidate logs why."""
+    if requested != "auto":
+        return requested
+    first_reason = None
+    for name in _BACKENDS:
+        cls = backend_class(name)
+        if device not in cls.auto_devices:
+            continue
+        reason = _why_not(cls, device, block_size, dtype)
+        if reason is None:
+            if first_reason is not None:
+                logger.warning("%s without the %s attention backend (%s): using the %s backend, which is slower",
+                               device.upper(), first_reason[0], first_reason[1], name)
+            return name
+        first_reason = first_reason or (name, reason)
+    raise ValueError(f"no attention backend can run on device {device!r}; available: {available_backends()}")
+
+
+def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+    cls = backend_class(name)
+    reason = cls.unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} cannot run on device {device!r}: {reason}")
+    return cls(device=device)

@@ -1,30 +1,12 @@
-"""Pure-PyTorch attention over the paged KV cache: the CPU path and the reference for the others."""
+"""Pure-PyTorch attention over the paged KV cache: the CPU path and the reference for the others.
+Its metadata keeps the host-side lengths its per-sequence loops and length groups need."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.backends import AttentionBackend
-from nanovllm.utils.context import Context
-
-
-def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V row to its slot (block_id * block_size + offset); slot -1 is skipped."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-def kv_store_for(device: str):
-    """The KV store of a device: the Triton kernel on CUDA (it never syncs with the host, so CUDA
-    graphs can capture it), the torch code above elsewhere."""
-    if device == "cuda":
-        from nanovllm.kernels.store_kvcache import store_kvcache_triton
-        return store_kvcache_triton
-    return store_kvcache_torch
+from nanovllm.layers.backends.base import AttentionBackend, AttentionBatch
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -53,55 +35,81 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
     return out.squeeze(0).transpose(0, 1)
 
 
+@dataclass
+class TorchMetadata:
+    """Prefill: seqlens_q / seqlens_k (new tokens, whole key range) per sequence; block_tables only
+    when some sequence has a cached prefix. Decode: block_tables [num_seqs, max_blocks] (-1 padded),
+    context_lens [num_seqs] and its host copy seqlens_k (None under CUDA graphs: nothing host-side
+    may change between replays), max_seqlen_k the longest context."""
+
+    seqlens_q: list[int] | None = None
+    seqlens_k: list[int] | None = None
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_seqlen_k: int = 0
+    # Filled by the first layer of a CPU decode step and reused by the others.
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
+    auto_devices = ("cpu", "cuda")
 
     def __init__(self, device: str = "cpu"):
         super().__init__(device)
-        self._store = kv_store_for(device)
         # The C decode kernel on CPU (fp32), when it builds; None keeps the torch path.
         self.cpu_kernel = cpu_kernels.load() if device == "cpu" else None
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        self._store(k, v, k_cache, v_cache, slot_mapping)
+    def prepare(self, batch: AttentionBatch) -> TorchMetadata:
+        if batch.is_prefill:
+            tables = batch.block_table_tensor() if batch.has_cached_prefix else None
+            return TorchMetadata(seqlens_q=batch.num_new_tokens, seqlens_k=batch.context_lens, block_tables=tables,
+                                 max_seqlen_k=max(batch.context_lens))
+        return TorchMetadata(seqlens_k=batch.context_lens, block_tables=batch.block_table_tensor(),
+                             context_lens=batch.context_lens_tensor(), max_seqlen_k=max(batch.context_lens))
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+    def decode_metadata(self, block_tables, context_lens, max_seqlen_k: int) -> TorchMetadata:
+        return TorchMetadata(block_tables=block_tables, context_lens=context_lens, max_seqlen_k=max_seqlen_k)
+
+    def decode_tensors(self, metadata: TorchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return metadata.block_tables, metadata.context_lens
+
+    def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         has_cache = k_cache.numel() > 0
         q_start = 0
-        for i, (q_len, k_len) in enumerate(zip(context.seqlens_q_host, context.seqlens_k_host)):
+        for i, (q_len, k_len) in enumerate(zip(metadata.seqlens_q, metadata.seqlens_k)):
             qi = q[q_start: q_start + q_len]
             if k_len == q_len or not has_cache:  # no cached prefix: use the fresh K/V directly
                 ki, vi = k[q_start: q_start + q_len], v[q_start: q_start + q_len]
                 oi = sdpa(qi, ki, vi, scale, None, is_causal=q_len > 1)
             else:
-                table = context.block_tables[i]
+                table = metadata.block_tables[i]
                 ki, vi = gather_kv(k_cache, table, k_len), gather_kv(v_cache, table, k_len)
                 oi = sdpa(qi, ki, vi, scale, causal_mask(q_len, k_len, q.device), is_causal=False)
             out[q_start: q_start + q_len] = oi
             q_start += q_len
         return out
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
         # q: [num_seqs, num_heads, head_dim]; one query per sequence at position context_len - 1.
-        if self.device == "cpu" and context.seqlens_k_host is not None:
+        if self.device == "cpu" and metadata.seqlens_k is not None:
             if self.cpu_kernel is not None and q.dtype == torch.float32:
                 return cpu_kernels.paged_decode_attention(
-                    self.cpu_kernel, q, k_cache, v_cache, context.block_tables, context.context_lens,
-                    context.max_seqlen_k, scale)
-            return self.decode_grouped(q, k_cache, v_cache, context, scale)
-        return decode_padded(q, k_cache, v_cache, context.block_tables, context.context_lens, scale)
+                    self.cpu_kernel, q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
+                    metadata.max_seqlen_k, scale)
+            return self.decode_grouped(q, k_cache, v_cache, metadata, scale)
+        return decode_padded(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
 
-    def decode_grouped(self, q, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+    def decode_grouped(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
         """CPU decode in groups of sequences of similar length, each padded only to its own
         longest context: padding every sequence to the batch's longest one made attention 2.5x
         slower at batch 64 with contexts of 64..512 (docs/performance.md)."""
-        groups = context.backend_cache.get("decode_groups")
-        if groups is None:
-            groups = context.backend_cache["decode_groups"] = length_groups(
-                context.seqlens_k_host, context.block_tables, context.context_lens, k_cache.shape[1])
+        if metadata.decode_groups is None:
+            metadata.decode_groups = length_groups(metadata.seqlens_k, metadata.block_tables,
+                                                   metadata.context_lens, k_cache.shape[1])
         out = torch.empty_like(q)
-        for rows, tables, lens in groups:
+        for rows, tables, lens in metadata.decode_groups:
             out[rows] = decode_padded(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale)
         return out
 
