@@ -2,6 +2,8 @@
 from a share of free RAM, oneDNN-packed fp32 weights (+ the C GEMV at one row)."""
 import mmap
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +16,9 @@ from nanovllm.platforms.interface import Platform, RandomSample, describe_linear
 from nanovllm.sample.sampler import inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes, cpu_flags_line
 from nanovllm.utils.cpu_memory import keep_freed_memory
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
 
 # The default KV budget: a safe share of free RAM (the model and activations need the rest).
 KV_RAM_SHARE = 0.25
@@ -108,7 +113,7 @@ class CpuPlatform(Platform):
                                   where=lambda layer: layer.weight.shape[0] >= layer.weight.shape[1])
         return describe_linear_methods(model)
 
-    def kv_cache_budget_bytes(self, config, device: torch.device, warmup) -> int:
+    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         return config.cpu_kvcache_bytes
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

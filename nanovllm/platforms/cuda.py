@@ -1,11 +1,16 @@
 """CudaPlatform: the engine on NVIDIA GPUs, one per rank: NCCL, pinned host->device copies, a KV
 budget measured after a warm-up forward, captured decode graphs."""
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanovllm.platforms.interface import Platform, RandomSample
 from nanovllm.sample.sampler import exponential_race_sample
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ class CudaPlatform(Platform):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    def kv_cache_budget_bytes(self, config, device: torch.device, warmup) -> int:
+    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         """gpu_memory_utilization of the device, less what is in use after warmup() and the
         activation peak warmup() measured."""
         warmup()
