@@ -63,7 +63,7 @@ class Config:
     kvcache_block_size: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    seed: int = 0
+    seed: int = 0  # seeds the sampler's generator for requests without a seed of their own
     dist_port: int | None = None  # TP rendezvous port on 127.0.0.1; None picks a free one per engine
     dist_shm_name: str | None = None  # TP call channel's shared-memory name; None makes a unique one
     dist_timeout_s: float = 600.0  # TP collectives and startup give up after this long

@@ -32,7 +32,8 @@ _tried = False
 
 
 def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + (cpu_flags_line() or os.uname().machine).encode())
+    cpu = cpu_flags_line() or os.uname().machine
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + cpu.encode())
     return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 

@@ -12,8 +12,8 @@ from torch import nn
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.linear_methods import (PackedGemvLinearMethod, PackedLinearMethod, TransposedLinearMethod,
                                             install_linear_method)
-from nanovllm.platforms.interface import Platform, RandomSample, describe_linear_methods
-from nanovllm.sample.sampler import inverse_cdf_sample
+from nanovllm.platforms.interface import Platform, describe_linear_methods
+from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes, cpu_flags_line
 from nanovllm.utils.cpu_memory import keep_freed_memory
 

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.platforms.interface import Platform, RandomSample
-from nanovllm.sample.sampler import exponential_race_sample
+from nanovllm.platforms.interface import Platform
+from nanovllm.sample.sampler import RandomSample, exponential_race_sample
 
 if TYPE_CHECKING:
     from nanovllm.config import Config

@@ -7,12 +7,10 @@ import torch
 from torch import nn
 
 from nanovllm.layers.linear_methods import LinearMethod, linear_layers
+from nanovllm.sample.sampler import RandomSample
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
-
-# probs [num_rows, vocab], per-row generators of seeded rows, the generator of the others -> token ids
-RandomSample = Callable[[torch.Tensor, dict[int, torch.Generator], torch.Generator | None], torch.Tensor]
 
 
 class Platform:

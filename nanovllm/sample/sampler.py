@@ -5,6 +5,7 @@ raw logprobs, min_tokens mask, penalties, greedy argmax; then temperature, min_p
 one exact draw from the result, with the draw function the platform picks (platform.random_sample):
 an exponential race (Gumbel-max) or inverse-CDF.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 
 TOP_P_CANDIDATES = 1024  # tokens searched for the top-p cut before falling back to a full sort
+# A draw: probs [num_rows, vocab], the generators of seeded rows, the generator of the others -> token ids.
+RandomSample = Callable[[torch.Tensor, dict[int, torch.Generator], torch.Generator | None], torch.Tensor]
 
 
 @dataclass
@@ -143,8 +146,8 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
                        generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row by inverting the cumulative distribution with one uniform per row: the CPU
     path, where drawing a random number per vocabulary entry is the sampler's main cost
-    (docs/performance.md, items 4 and 11). Seeded
-    rows use their own generator, the others `generator` (None: torch's default one).
+    (docs/performance.md, items 4 and 11). Seeded rows use their own generator, the others
+    `generator` (None: torch's default one).
 
     Two levels, so no cumsum runs over the whole vocabulary (slow at large vocabularies): chunk
     sums pick the chunk, then a cumsum of that chunk alone picks the token in it.
@@ -178,7 +181,7 @@ class Sampler(nn.Module):
     """random_sample: the draw function (the platform's, see platforms/); generator: the engine's
     seeded generator for rows without a seed of their own (None: torch's default one)."""
 
-    def __init__(self, random_sample=inverse_cdf_sample, generator: torch.Generator | None = None):
+    def __init__(self, random_sample: RandomSample = inverse_cdf_sample, generator: torch.Generator | None = None):
         super().__init__()
         self.random_sample = random_sample
         self.generator = generator

@@ -5,6 +5,7 @@ memory-copy bandwidth, then large-batch decode FLOP/s over that peak and batch-1
 the memory floor (bytes of weights read per token / copy bandwidth).
 """
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from torch import nn
 from nanovllm import SamplingParams
 
 
-def _best_time(fn, synchronize, repeat: int = 5) -> float:
+def _best_time(fn: Callable[[], object], synchronize: Callable[[], None], repeat: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -23,7 +24,8 @@ def _best_time(fn, synchronize, repeat: int = 5) -> float:
     return best
 
 
-def matmul_peak_flops(dtype: torch.dtype, device: torch.device, synchronize=lambda: None) -> float:
+def matmul_peak_flops(dtype: torch.dtype, device: torch.device,
+                      synchronize: Callable[[], None] = lambda: None) -> float:
     """Best FLOP/s over GEMMs shaped like a large decode batch through the model's projections."""
     best = 0.0
     for m, k, n in ((512, 1024, 3072), (1024, 1024, 4096), (512, 3072, 1024)):
@@ -34,7 +36,8 @@ def matmul_peak_flops(dtype: torch.dtype, device: torch.device, synchronize=lamb
     return best
 
 
-def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20, synchronize=lambda: None) -> float:
+def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
+                   synchronize: Callable[[], None] = lambda: None) -> float:
     """Bytes/s of a large tensor copy, counting the read and the write."""
     src = torch.empty(size_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
