@@ -19,10 +19,11 @@ class Platform:
     NOTE: a platform holds no state: it travels inside Config, pickled, to the TP workers.
     """
 
-    device_name: str = ""           # the resolved Config.device
-    dist_backend: str = ""          # torch.distributed backend of tensor parallelism
-    default_block_size: int = 16    # kvcache_block_size when not given
-    has_decode_graphs: bool = False  # whether decode steps can be captured as CUDA graphs
+    # Set by every subclass:
+    device_name: str          # the resolved Config.device
+    dist_backend: str         # torch.distributed backend of tensor parallelism
+    default_block_size: int   # kvcache_block_size when not given
+    has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs
 
     @classmethod
     def is_available(cls) -> bool:
