@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.platforms import Platform, get_platform
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -14,7 +16,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-_DEVICES = ("auto", "cpu", "cuda")
 
 
 def _positive_int(name: str, value) -> None:
@@ -42,30 +43,10 @@ def _load_hf_config(model: str):
         raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
 
 
-def available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU has native bf16 matmul instructions (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 @dataclass
 class Config:
-    """Engine settings. Derived values (hf_config, torch_dtype, resolved device) are set once here."""
+    """Engine settings. Derived values (hf_config, torch_dtype, the resolved device and its
+    platform) are set once here; every device-dependent default comes from the platform."""
 
     model: str
     device: str = "auto"
@@ -81,7 +62,7 @@ class Config:
     kvcache_block_size: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    seed: int = 0
+    seed: int = 0  # seeds the sampler's generator for requests without a seed of their own
     dist_port: int | None = None  # TP rendezvous port on 127.0.0.1; None picks a free one per engine
     dist_shm_name: str | None = None  # TP call channel's shared-memory name; None makes a unique one
     dist_timeout_s: float = 600.0  # TP collectives and startup give up after this long
@@ -89,18 +70,23 @@ class Config:
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     eos_token_ids: frozenset = field(init=False)
+    platform: Platform = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.hf_config = _load_hf_config(self.model)
         self.model = str(self.model)
         from nanovllm.models import get_model_class
         get_model_class(self.hf_config)  # unsupported architectures fail here, naming the supported ones
-        self._check_device()
+        self.platform = get_platform(self.device)  # raises on an unknown or absent device
+        self.device = self.platform.device_name
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__} {self.seed!r}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
         if self.kvcache_block_size is None:
-            # flash-attn's paged kernels want 256; small blocks share prefixes better on CPU.
-            self.kvcache_block_size = 256 if self.device == "cuda" else 16
+            self.kvcache_block_size = self.platform.default_block_size
         _positive_int("kvcache_block_size", self.kvcache_block_size)
         if self.kvcache_block_size % 16 != 0:
             raise ValueError(f"kvcache_block_size must be a multiple of 16, got {self.kvcache_block_size}")
@@ -114,9 +100,7 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.compile_ops is None:
-            # CUDA: fused kernels pay off at once. CPU: compiling takes tens of seconds, more than
-            # short runs save; opt in for long bf16 runs (eager bf16 RMSNorm is slow there).
-            self.compile_ops = self.device == "cuda" and not self.enforce_eager
+            self.compile_ops = self.platform.default_compile_ops(self.enforce_eager)
         elif not isinstance(self.compile_ops, bool):
             raise TypeError(f"compile_ops must be a bool or None (auto), got {self.compile_ops!r}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
@@ -130,25 +114,12 @@ class Config:
         self.torch_dtype = self._resolve_dtype()
         self.eos_token_ids = self._collect_eos_ids()
         self._check_tensor_parallel()
-        if self.cpu_kvcache_bytes is None and self.device == "cpu":
-            # A safe share of free RAM: the model and activations need the rest.
-            # NOTE: the budget is per rank; N ranks share the machine's RAM.
-            share = min(int(available_ram_bytes() * 0.25), 8 << 30)
-            self.cpu_kvcache_bytes = max(1, share // self.tensor_parallel_size)
-
-    def _check_device(self) -> None:
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+        if self.cpu_kvcache_bytes is None:
+            self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
-        if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {torch.cuda.device_count()} "
-                             "visible CUDA device(s): each rank needs its own GPU")
+        self.platform.check_tensor_parallel_size(tp)
         if self.dist_port is not None:
             _positive_int("dist_port", self.dist_port)
             if self.dist_port > 65535:
@@ -181,11 +152,7 @@ class Config:
             dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
             if isinstance(dtype, str):
                 dtype = _DTYPES.get(dtype, torch.float32)
-            dtype = dtype or torch.float32
-            if self.device == "cpu" and dtype != torch.float32 and not cpu_has_fast_bf16():
-                # Without AVX512-BF16/AMX, bf16 matmuls run ~5x slower than fp32 here (bench.py
-                # prints both); fp16 is unusable on any CPU.
-                dtype = torch.float32
+            dtype = self.platform.resolve_auto_dtype(dtype or torch.float32)
         elif self.dtype in _DTYPES:
             dtype = _DTYPES[self.dtype]
         else:

@@ -62,6 +62,8 @@ def test_unknown_engine_kwarg(qwen3_gqa):
     (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
     (dict(attention_backend="magic"), ValueError, "attention_backend must be one of"),
     (dict(enforce_eager="yes"), TypeError, "enforce_eager must be a bool"),
+    (dict(seed=-1), ValueError, r"seed must be in \[0, 2\*\*63\), got -1"),
+    (dict(seed="1"), TypeError, "seed must be an int"),
 ])
 def test_bad_engine_options(qwen3_gqa, kwargs, exc, match):
     with pytest.raises(exc, match=match):

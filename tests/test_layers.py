@@ -12,8 +12,10 @@ from nanovllm.layers.backends import AttentionBatch
 from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                    can_pack_weights, pack_linear_weights)
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear_methods import (LinearMethod, PackedGemvLinearMethod, PackedLinearMethod,
+                                            install_linear_method)
+from nanovllm.platforms.cpu import can_pack_weights
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.sample.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
 from nanovllm.sample.sampling_metadata import SamplingMetadata
@@ -80,7 +82,7 @@ def test_packed_linear_loaders_place_shards():
         row.weight.weight_loader(row.weight, torch.randn(4, 9))
 
 
-@pytest.mark.skipif(not can_pack_weights(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+@pytest.mark.skipif(not can_pack_weights(torch.float32), reason="no oneDNN in this torch")
 def test_onednn_packed_weights_match_plain_matmul():
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -93,7 +95,10 @@ def test_onednn_packed_weights_match_plain_matmul():
     for p in model.parameters():
         p.data.normal_()
     dense = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
-    assert pack_linear_weights(model) == 4
+    assert type(model.qkv.linear_method) is LinearMethod  # built dense
+    assert install_linear_method(model, PackedLinearMethod()) == 4
+    assert all(isinstance(m.linear_method, PackedLinearMethod) for m in (model.qkv, model.down, model.head,
+                                                                          model.untied_head))
     for rows in (1, 3, 70):
         x, h = torch.randn(rows, 32), torch.randn(rows, 48)
         torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])
@@ -106,7 +111,7 @@ def test_onednn_packed_weights_match_plain_matmul():
     assert model.qkv.packed_weight.shape == dense["qkv.weight"].shape
 
 
-@pytest.mark.skipif(not can_pack_weights(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+@pytest.mark.skipif(not can_pack_weights(torch.float32), reason="no oneDNN in this torch")
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
     """With the C kernels, packed layers keep their dense weight and run one-row inputs through
@@ -125,7 +130,7 @@ def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
     for p in model.parameters():
         p.data.normal_()
     dense = {name: p.detach().clone() for name, p in model.named_parameters()}
-    pack_linear_weights(model, kernels)
+    assert install_linear_method(model, PackedGemvLinearMethod(kernels)) == 3
     assert model.qkv.weight.numel() == dense["qkv.weight"].numel()  # kept for the GEMV
     x, h = torch.randn(1, 32), torch.randn(1, 48)
     torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])

@@ -3,14 +3,12 @@
 import datetime
 import logging
 import multiprocessing as mp
-import os
 import pickle
 import signal
 import struct
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
 
-import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
@@ -27,12 +25,6 @@ _HEADER = struct.Struct("<Q")  # length of the pickled message that follows
 def channel_bytes(config: Config) -> int:
     """Shared memory that fits the largest step: full token ids and block tables of every sequence."""
     return (1 << 20) + config.max_num_seqs * (1024 + 6 * config.max_model_len)
-
-
-def threads_per_rank(tp_size: int) -> int:
-    """CPU threads for one rank, so that N ranks together do not oversubscribe the cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // tp_size)
 
 
 class CallChannel:
@@ -69,14 +61,11 @@ class CallChannel:
 
 
 def init_process_group(config: Config, rank: int, store: dist.Store) -> None:
-    """NCCL with one GPU per rank on CUDA, gloo with a share of the cores on CPU."""
-    if config.device == "cuda":
-        torch.cuda.set_device(rank)
-        backend = "nccl"
-    else:
-        torch.set_num_threads(threads_per_rank(config.tensor_parallel_size))
-        backend = "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=config.tensor_parallel_size,
+    """This rank's process set up by the platform (CUDA: its GPU; CPU: its share of the cores),
+    then the group on the platform's backend (NCCL / gloo)."""
+    platform = config.platform
+    platform.set_up_rank(rank, config.tensor_parallel_size)
+    dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=config.tensor_parallel_size,
                             timeout=datetime.timedelta(seconds=config.dist_timeout_s))
 
 

@@ -1,34 +1,26 @@
 """ModelRunner: loads the model, allocates the paged KV cache, builds each step's input tensors,
 runs the forward pass and samples. LLMEngine calls run() once per step."""
 import logging
-import mmap
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config, available_ram_bytes
+from nanovllm.config import Config
 from nanovllm.executor.cuda_graph import DecodeGraphs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import AttentionBatch, get_backend, pick_backend_name
-from nanovllm.layers.linear import can_pack_weights, pack_linear_weights
 from nanovllm.sample.sampler import SampledTokens, Sampler
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
 from nanovllm.executor.compile import compile_fused_ops
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.cpu_memory import keep_freed_memory
 from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-# Batch-1 decode reads every weight once; the C GEMV streams dense weights ~20% faster than oneDNN's
-# packed one-row path (docs/performance.md), at the price of holding both forms.
-DENSE_COPY_RAM_SHARE = 0.15
 
 
 @contextmanager
@@ -51,23 +43,22 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.block_size = config.kvcache_block_size
-        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.platform = platform = config.platform
+        self.device = platform.device_of_rank(rank)
         self.dtype = config.torch_dtype
-        if self.device.type == "cpu":
-            keep_freed_memory()
+        platform.prepare_process()
         hf_config = config.hf_config
         with default_dtype(self.dtype), self.device:
             self.model = get_model_class(hf_config)(hf_config)
         load_model(self.model, config.model)
         self.model.eval()
-        self.packed_weights = can_pack_weights(self.device, self.dtype)
-        self.gemv_kernels = None
-        if self.packed_weights:
-            self.gemv_kernels = cpu_kernels.load() if self.dense_copies_fit() else None
-            pack_linear_weights(self.model, self.gemv_kernels)
+        self.linear_methods = platform.process_weights_after_loading(self.model, self.dtype)
         if config.compile_ops:
             compile_fused_ops(self.model)
-        self.sampler = Sampler(config.device)
+        # The engine's seed drives every draw of requests without a seed of their own.
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(platform.random_sample, generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype)
         self.backend = get_backend(backend_name, config.device)
@@ -75,25 +66,17 @@ class ModelRunner:
         self.backend.check_dtype(self.dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        use_graphs = platform.has_decode_graphs and not config.enforce_eager
         if rank == 0:
             logger.info("attention backend: %s, device: %s, dtype: %s, CUDA graphs: %s, compiled ops: %s, "
-                        "oneDNN-packed weights: %s, C GEMV at batch 1: %s", self.backend.name, self.device,
-                        self.dtype, use_graphs, config.compile_ops, self.packed_weights,
-                        self.gemv_kernels is not None)
+                        "linear layers: %s", self.backend.name, self.device, self.dtype, use_graphs,
+                        config.compile_ops, self.linear_methods)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
                                        self.block_size, hf_config.hidden_size, self.dtype, self.device)
             self.graphs.capture()
-
-    def dense_copies_fit(self) -> bool:
-        """Whether the linear weights can stay in RAM twice (dense for the one-row C GEMV, packed for
-        oneDNN): when they take at most DENSE_COPY_RAM_SHARE of the available memory."""
-        dense = sum(p.numel() * p.element_size() for name, p in self.model.named_parameters()
-                    if p.dim() == 2 and "embed_tokens" not in name)
-        return dense <= DENSE_COPY_RAM_SHARE * available_ram_bytes()
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -102,20 +85,7 @@ class ModelRunner:
         return 2 * len(self.attention_layers) * per_layer
 
     def kv_cache_budget_bytes(self) -> int:
-        if self.device.type == "cpu":
-            return self.config.cpu_kvcache_bytes
-        self.warmup_model()
-        # Return the warm-up's cached blocks first, so `used` holds the weights but not the
-        # activations; those are counted once, as peak - current.
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        stats = torch.cuda.memory_stats(self.device)
-        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        budget = int(total * self.config.gpu_memory_utilization - used - peak + current)
-        logger.info("KV cache budget %.2f GiB (device total %.2f GiB, used %.2f GiB, activation peak %.2f GiB)",
-                    budget / 2**30, total / 2**30, used / 2**30, (peak - current) / 2**30)
-        return budget
+        return self.platform.kv_cache_budget_bytes(self.config, self.device, self.warmup_model)
 
     def allocate_kv_cache(self) -> int:
         block_bytes = self.kv_block_bytes()
@@ -135,22 +105,10 @@ class ModelRunner:
         layer = self.attention_layers[0]
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-        self._kv_mmap = None
-        self.kv_cache = self.zeroed_tensor(shape)
+        self.kv_cache = self.platform.allocate_kv_cache(shape, self.dtype, self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
-
-    def zeroed_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zero-filled tensor. On CPU it is backed by an anonymous mmap, whose pages the OS zeroes
-        lazily on first touch: a multi-GB cache costs nothing at start-up.
-        NOTE: it must be zeros, not garbage: attention reads (masked) unwritten slots, and a NaN
-        there would poison the masked-out product."""
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        nbytes = int(np.prod(shape)) * self.dtype.itemsize
-        self._kv_mmap = mmap.mmap(-1, nbytes)
-        return torch.frombuffer(self._kv_mmap, dtype=self.dtype).view(shape)
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
@@ -158,9 +116,7 @@ class ModelRunner:
         cfg = self.config
         seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.platform.reset_peak_memory_stats(self.device)
         seqs = [Sequence([0] * seq_len) for _ in range(num_seqs)]
         input_ids, positions, context, _ = self.prepare_prefill(seqs, [seq_len] * num_seqs)
         context.slot_mapping = None  # nothing to store: the cache does not exist yet
@@ -168,8 +124,7 @@ class ModelRunner:
             hidden_states = self.model(input_ids, positions)
         # Logits of the largest decode batch ([max_num_seqs, vocab]) are part of the peak too.
         self.model.compute_logits(hidden_states[-1:].expand(cfg.max_num_seqs, -1))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.platform.synchronize(self.device)
 
     # ---- step inputs ------------------------------------------------------------------------
     def slots_of(self, seq: Sequence, start: int, end: int) -> np.ndarray:
@@ -181,9 +136,8 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        """A host tensor on this rank's device (the platform's copy: pinned on CUDA)."""
+        return self.platform.to_device(t, self.device)
 
     def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
         """(input_ids, positions, context, logits_indices) of a prefill step: logits_indices picks
@@ -221,7 +175,7 @@ class ModelRunner:
 
     def prepare_sample(self, out: SchedulerOutput) -> SamplingMetadata:
         return SamplingMetadata.build(out.seqs, out.num_new_tokens, self.config.hf_config.vocab_size,
-                                      self.config.eos_token_ids, self.device)
+                                      self.config.eos_token_ids, self.device, self.to_device)
 
     # ---- forward and sample -----------------------------------------------------------------
     @torch.inference_mode()
@@ -258,5 +212,4 @@ class ModelRunner:
             self.graphs = None
         self.kv_cache = None
         for attn in self.attention_layers:
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        self._kv_mmap = None  # unmapped once the last view of it is gone
+            attn.k_cache = attn.v_cache = torch.tensor([])  # the cache is freed once its last view is gone

@@ -1,6 +1,6 @@
 """The CPU kernels in C (cpu_kernels.c), built once with the system C compiler into the nanovllm
 cache and loaded with ctypes: paged decode attention (TorchBackend.decode, fp32 caches on CPU) and
-the one-row GEMV (linear layers at batch 1, where ModelRunner keeps dense weights for it).
+the one-row GEMV (linear layers at batch 1, where the CPU platform keeps dense weights for it).
 
 Without a C compiler, or when the build fails, or with NANOVLLM_CPU_KERNEL=0, load() returns None
 and the callers keep their torch paths (same results; slower, see docs/performance.md).
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.utils.default_model import cache_root
+from nanovllm.utils.cache import cache_root
+from nanovllm.utils.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +31,9 @@ _kernels = None
 _tried = False
 
 
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
 def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode())
+    cpu = cpu_flags_line() or os.uname().machine
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + cpu.encode())
     return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 

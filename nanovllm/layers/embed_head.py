@@ -4,7 +4,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import copy_checked, pick_linear, project, switch_to_packed_weight
+from nanovllm.layers.linear import copy_checked
+from nanovllm.layers.linear_methods import LinearMethod
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
 
 
@@ -43,16 +44,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("an LM head bias is not supported")
         super().__init__(num_embeddings, embedding_dim)
-        self.matmul = pick_linear(self.num_embeddings_per_partition, embedding_dim)
-        self.packed_weight: torch.Tensor | None = None
-        self.gemv_kernels = None
-
-    def pack_weight(self, keep_dense: bool = False, gemv_kernels=None) -> None:
-        # keep_dense when the weight is also the (tied) embedding table
-        switch_to_packed_weight(self, keep_dense, gemv_kernels)
+        # NOTE: with tied embeddings self.weight is also the embedding table: a method that
+        # repacks it must keep the dense form (install_linear_method tells it so).
+        self.linear_method: LinearMethod = LinearMethod()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = project(self, x, None)
+        logits = self.linear_method.apply(self, x, None)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

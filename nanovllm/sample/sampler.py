@@ -2,8 +2,10 @@
 
 ModelRunner calls it with a SamplingMetadata (sample/sampling_metadata.py). Order, as in vLLM:
 raw logprobs, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and
-one exact draw from the result: an exponential race (Gumbel-max) on CUDA, inverse-CDF on CPU.
+one exact draw from the result, with the draw function the platform picks (platform.random_sample):
+an exponential race (Gumbel-max) or inverse-CDF.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,8 @@ from torch import nn
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 
 TOP_P_CANDIDATES = 1024  # tokens searched for the top-p cut before falling back to a full sort
+# A draw: probs [num_rows, vocab], the generators of seeded rows, the generator of the others -> token ids.
+RandomSample = Callable[[torch.Tensor, dict[int, torch.Generator], torch.Generator | None], torch.Tensor]
 
 
 @dataclass
@@ -122,12 +126,13 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def exponential_race_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                            generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row from probs [num_rows, vocab] as argmax(p / E), E ~ Exp(1) per token (the
     Gumbel-max trick): no host sync and fully parallel, the CUDA path. Seeded rows use their own
-    generator."""
-    # Exp(1) noise as -log(U): several times faster than exponential_().
-    uniform = torch.rand_like(probs)
+    generator, the others `generator` (None: torch's default one)."""
+    # Exp(1) noise as -log(U): cheaper than exponential_().
+    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
     for row, g in generators.items():  # few rows: per-request reproducibility needs their own stream
         uniform[row] = torch.rand(probs.shape[1], generator=g, device=probs.device)
     noise = uniform.log_().neg_()  # U in [0, 1): noise in (0, inf]
@@ -137,16 +142,18 @@ def exponential_race_sample(probs: torch.Tensor, generators: dict[int, torch.Gen
 CDF_CHUNK = 1024  # vocabulary entries per chunk of the two-level inverse CDF
 
 
-def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                       generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row by inverting the cumulative distribution with one uniform per row: the CPU
-    path, where drawing a random number per vocabulary entry is the sampler's main cost (3x
-    slower at 64 x 152k). Seeded rows use their own generator.
+    path, where drawing a random number per vocabulary entry is the sampler's main cost
+    (docs/performance.md, items 4 and 11). Seeded rows use their own generator, the others
+    `generator` (None: torch's default one).
 
-    Two levels, so no cumsum runs over the whole vocabulary (a full one took 61 ms at 64 x 152k):
-    chunk sums pick the chunk, then a cumsum of that chunk alone picks the token in it.
+    Two levels, so no cumsum runs over the whole vocabulary (slow at large vocabularies): chunk
+    sums pick the chunk, then a cumsum of that chunk alone picks the token in it.
     """
     num_rows, vocab = probs.shape
-    uniform = torch.rand(num_rows, 1, device=probs.device)
+    uniform = torch.rand(num_rows, 1, generator=generator, device=probs.device)
     for row, g in generators.items():
         uniform[row] = torch.rand(1, generator=g, device=probs.device)
     probs = probs.contiguous()
@@ -170,14 +177,14 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
     return (chunk * CDF_CHUNK + torch.searchsorted(local_cdf, local_target, right=True)).squeeze(1)
 
 
-def pick_random_sample(device: str):
-    return exponential_race_sample if device == "cuda" else inverse_cdf_sample
-
-
 class Sampler(nn.Module):
-    def __init__(self, device: str = "cpu"):
+    """random_sample: the draw function (the platform's, see platforms/); generator: the engine's
+    seeded generator for rows without a seed of their own (None: torch's default one)."""
+
+    def __init__(self, random_sample: RandomSample = inverse_cdf_sample, generator: torch.Generator | None = None):
         super().__init__()
-        self.random_sample = pick_random_sample(device)  # decided once
+        self.random_sample = random_sample
+        self.generator = generator
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [num_rows, vocab] -> SamplerOutput with token_ids [num_rows]."""
@@ -210,4 +217,4 @@ class Sampler(nn.Module):
             logits = apply_top_k(logits, md.top_k, md.max_top_k)
         if md.top_p is not None:
             logits = apply_top_p(logits, md.top_p)
-        return self.random_sample(torch.softmax(logits, dim=-1), md.generators)
+        return self.random_sample(torch.softmax(logits, dim=-1), md.generators, self.generator)

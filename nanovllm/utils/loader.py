@@ -33,7 +33,7 @@ def load_model(model: nn.Module, path: str) -> None:
     loaded_names: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 target, shard_id = _target(name, packed)
                 if target in tied_aliases:

@@ -1,0 +1,120 @@
+"""CpuPlatform: the engine on the host CPU: eager forward, gloo for tensor parallelism, a KV budget
+from a share of free RAM, oneDNN-packed fp32 weights (+ the C GEMV at one row)."""
+import mmap
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.linear_methods import (PackedGemvLinearMethod, PackedLinearMethod, TransposedLinearMethod,
+                                            install_linear_method)
+from nanovllm.platforms.interface import Platform, describe_linear_methods
+from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
+from nanovllm.utils.cpu_info import available_ram_bytes, cpu_flags_line
+from nanovllm.utils.cpu_memory import keep_freed_memory
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
+
+# The default KV budget: a safe share of free RAM (the model and activations need the rest).
+KV_RAM_SHARE = 0.25
+KV_MAX_BYTES = 8 << 30
+# Batch-1 decode reads every weight once; the C GEMV streams dense weights faster than oneDNN's
+# packed one-row path (docs/performance.md, item 14), at the price of holding both forms, so only
+# when the dense copies take at most this share of the available RAM.
+DENSE_COPY_RAM_SHARE = 0.15
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has native bf16 matmul instructions (AVX512-BF16 or AMX)."""
+    flags = cpu_flags_line()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def threads_per_rank(tp_size: int) -> int:
+    """CPU threads for one rank, so that N ranks together do not oversubscribe the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // tp_size)
+
+
+def can_pack_weights(dtype: torch.dtype) -> bool:
+    """Whether linear weights can be held in oneDNN's packed layout: fp32 with oneDNN in this torch
+    (faster than MKL at every batch size measured, docs/performance.md). bf16 stays on MKL: it
+    was not measured on a CPU with bf16 units."""
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def dense_copies_fit(model: nn.Module) -> bool:
+    """Whether the linear weights can stay in RAM twice (dense for the one-row C GEMV, packed for
+    oneDNN): when they take at most DENSE_COPY_RAM_SHARE of the available memory."""
+    dense = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if p.dim() == 2 and "embed_tokens" not in name)
+    return dense <= DENSE_COPY_RAM_SHARE * available_ram_bytes()
+
+
+class CpuPlatform(Platform):
+    device_name = "cpu"
+    dist_backend = "gloo"
+    default_block_size = 16  # small blocks share prefixes better
+    has_decode_graphs = False
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def default_compile_ops(self, enforce_eager: bool) -> bool:
+        # Compiling takes tens of seconds, more than short runs save; opt in for long bf16 runs
+        # (eager bf16 RMSNorm is slow here).
+        return False
+
+    def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        # Without AVX512-BF16/AMX, bf16 matmuls run several times slower than fp32
+        # (docs/performance.md, item 1); fp16 is unusable on any CPU.
+        if checkpoint_dtype != torch.float32 and not cpu_has_fast_bf16():
+            return torch.float32
+        return checkpoint_dtype
+
+    def default_kvcache_bytes(self, tensor_parallel_size: int) -> int | None:
+        # NOTE: the budget is per rank; N ranks share the machine's RAM.
+        share = min(int(available_ram_bytes() * KV_RAM_SHARE), KV_MAX_BYTES)
+        return max(1, share // tensor_parallel_size)
+
+    def device_of_rank(self, rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def set_up_rank(self, rank: int, tensor_parallel_size: int) -> None:
+        torch.set_num_threads(threads_per_rank(tensor_parallel_size))
+
+    def prepare_process(self) -> None:
+        keep_freed_memory()
+
+    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype) -> str:
+        """fp32: every linear layer on oneDNN-packed weights, one-row inputs on the C GEMV when the
+        dense copies fit and the kernels build. Otherwise MKL, in the transposed orientation for
+        layers whose output is at least as wide as their input."""
+        if can_pack_weights(dtype):
+            kernels = cpu_kernels.load() if dense_copies_fit(model) else None
+            install_linear_method(model, PackedLinearMethod() if kernels is None else PackedGemvLinearMethod(kernels))
+        else:
+            install_linear_method(model, TransposedLinearMethod(),
+                                  where=lambda layer: layer.weight.shape[0] >= layer.weight.shape[1])
+        return describe_linear_methods(model)
+
+    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
+        return config.cpu_kvcache_bytes
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Backed by an anonymous mmap, whose pages the OS zeroes lazily on first touch: a
+        multi-GB cache costs nothing at start-up. The tensor keeps the mapping alive."""
+        buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)
+        return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+    @property
+    def random_sample(self) -> RandomSample:
+        # One uniform per row: drawing a random number per vocabulary entry is the sampler's
+        # main cost on CPU.
+        return inverse_cdf_sample

@@ -1,0 +1,72 @@
+"""CudaPlatform: the engine on NVIDIA GPUs, one per rank: NCCL, pinned host->device copies, a KV
+budget measured after a warm-up forward, captured decode graphs."""
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanovllm.platforms.interface import Platform
+from nanovllm.sample.sampler import RandomSample, exponential_race_sample
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+class CudaPlatform(Platform):
+    device_name = "cuda"
+    dist_backend = "nccl"
+    default_block_size = 256  # flash-attn's paged kernels want a multiple of 256
+    has_decode_graphs = True
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        if tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) exceeds the "
+                             f"{torch.cuda.device_count()} visible CUDA device(s): each rank needs its own GPU")
+
+    def default_compile_ops(self, enforce_eager: bool) -> bool:
+        return not enforce_eager  # fused kernels pay off at once
+
+    def device_of_rank(self, rank: int) -> torch.device:
+        return torch.device("cuda", rank)
+
+    def set_up_rank(self, rank: int, tensor_parallel_size: int) -> None:
+        # NOTE: replays and Triton launches use the current device.
+        torch.cuda.set_device(rank)
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return t.pin_memory().to(device, non_blocking=True)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
+        """gpu_memory_utilization of the device, less what is in use after warmup() and the
+        activation peak warmup() measured."""
+        warmup()
+        # Return the warm-up's cached blocks first, so `used` holds the weights but not the
+        # activations; those are counted once, as peak - current.
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        stats = torch.cuda.memory_stats(device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        budget = int(total * config.gpu_memory_utilization - used - peak + current)
+        logger.info("KV cache budget %.2f GiB (device total %.2f GiB, used %.2f GiB, activation peak %.2f GiB)",
+                    budget / 2**30, total / 2**30, used / 2**30, (peak - current) / 2**30)
+        return budget
+
+    @property
+    def random_sample(self) -> RandomSample:
+        # One exponential per token: no host sync and fully parallel.
+        return exponential_race_sample

@@ -1,0 +1,97 @@
+"""Platform: the interface every device class implements. Config picks one from Config.device
+(platforms.get_platform); ModelRunner, the TP workers and the sampler ask it instead of the device."""
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from nanovllm.layers.linear_methods import LinearMethod, linear_layers
+from nanovllm.sample.sampler import RandomSample
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
+
+
+class Platform:
+    """Every device-dependent decision of the engine, for one kind of device.
+
+    NOTE: a platform holds no state: it travels inside Config, pickled, to the TP workers.
+    """
+
+    # Set by every subclass:
+    device_name: str          # the resolved Config.device
+    dist_backend: str         # torch.distributed backend of tensor parallelism
+    default_block_size: int   # kvcache_block_size when not given
+    has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this process can run on the device at all."""
+        raise NotImplementedError
+
+    # ---- Config: validation and defaults ------------------------------------------------------
+    def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        """Raise ValueError when this machine cannot hold that many ranks."""
+
+    def default_compile_ops(self, enforce_eager: bool) -> bool:
+        """Config.compile_ops when not given."""
+        return False
+
+    def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype for dtype="auto", given the checkpoint's."""
+        return checkpoint_dtype
+
+    def default_kvcache_bytes(self, tensor_parallel_size: int) -> int | None:
+        """Config.cpu_kvcache_bytes (per rank) when not given; None where the budget is measured."""
+        return None
+
+    # ---- one rank ----------------------------------------------------------------------------
+    def device_of_rank(self, rank: int) -> torch.device:
+        """The torch device rank `rank` computes on."""
+        raise NotImplementedError
+
+    def set_up_rank(self, rank: int, tensor_parallel_size: int) -> None:
+        """Per-process settings of one tensor-parallel rank, before its process group starts."""
+
+    def prepare_process(self) -> None:
+        """Process-wide settings a ModelRunner makes once, before it builds the model."""
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A host tensor made available on device (a step's inputs, sampling tensors)."""
+        return t
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait until the device has finished the work queued so far."""
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        """Start a fresh peak-memory measurement (see kv_cache_budget_bytes)."""
+
+    # ---- model and KV cache ------------------------------------------------------------------
+    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype) -> str:
+        """Give the loaded model's linear layers their LinearMethod; returns how they multiply
+        (for the log)."""
+        return describe_linear_methods(model)
+
+    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
+        """Bytes this rank may give the KV cache. warmup() runs the largest forward without a cache,
+        for platforms that measure what the activations need."""
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zero-filled cache tensor.
+        NOTE: zeros, not garbage: attention reads (masked) unwritten slots, and a NaN there would
+        poison the masked-out product."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    # ---- sampling ----------------------------------------------------------------------------
+    @property
+    def random_sample(self) -> RandomSample:
+        """The sampler's draw of one token per row (a function of sample/sampler.py)."""
+        raise NotImplementedError
+
+
+def describe_linear_methods(model: nn.Module) -> str:
+    """The distinct LinearMethod names of model's linear layers, e.g. "dense" or "dense, transposed"."""
+    names = sorted({layer.linear_method.name for layer in linear_layers(model)})
+    return ", ".join(names) or LinearMethod.name
