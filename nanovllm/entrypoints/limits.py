@@ -37,13 +37,13 @@ def check_request(body, num_prompts: int, limits: ServerLimits) -> None:
     for name in ("n", "best_of"):
         value = getattr(body, name, None)
         if value is not None and value > limits.max_n:
-            raise ApiError(400, f"{name} must be <= {limits.max_n} on this server, got {value}", param=name)
+            raise ApiError(400, f"{name} must be <= {limits.max_n} (this server's --max-n), got {value}", param=name)
     if num_prompts > limits.max_prompts:
         raise ApiError(400, f"prompt holds {num_prompts} prompts; this server takes at most "
-                            f"{limits.max_prompts} per request", param="prompt")
+                            f"{limits.max_prompts} per request (--max-prompts)", param="prompt")
     if num_prompts * body.n > limits.max_prompts:
         raise ApiError(400, f"{num_prompts} prompts x n={body.n} make {num_prompts * body.n} completions; "
-                            f"this server makes at most {limits.max_prompts} per request", param="n")
+                            f"this server makes at most {limits.max_prompts} per request (--max-prompts)", param="n")
     name = "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs"
     value = getattr(body, name)
     if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LOGPROBS:
