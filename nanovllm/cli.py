@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             import fastapi  # noqa: F401
+            import prometheus_client  # noqa: F401
             import uvicorn  # noqa: F401
         except ImportError:
             print("nanovllm serve needs the server extras: pip install 'nano-vllm[server]'", file=sys.stderr)

@@ -133,6 +133,12 @@ def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(served, clie
     assert e.value.body["param"] == "max_completion_tokens"
     assert f"you requested {num_chat + 300} tokens ({num_chat} in the messages, 300 in the completion)" \
         in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "fox " * 300}])
+    assert e.value.body["param"] == "messages"
+    assert f"maximum context length (max_model_len) is {MAX_MODEL_LEN} tokens. However, your request has " \
+        f"{len(ref_llm.apply_chat_template([{'role': 'user', 'content': 'fox ' * 300}]))} input tokens" \
+        in e.value.body["message"]
 
 
 @pytest.mark.parametrize("prompt", [[[True, 1.0]], [True, 5], [5, 1.0], [[5, 6], [False]]])

@@ -51,13 +51,13 @@ def check_request(body, num_prompts: int, limits: ServerLimits) -> None:
 
 
 def check_context_length(prompt_lens: list[int], max_tokens: int | None, max_model_len: int,
-                         param: str = "max_tokens") -> None:
+                         prompt_param: str = "prompt", param: str = "max_tokens") -> None:
     """Every prompt plus max_tokens must fit in max_model_len (vLLM's 400 and its message)."""
     longest = max(prompt_lens)
     if longest >= max_model_len:
         raise ApiError(400, f"This model's maximum context length (max_model_len) is {max_model_len} "
                             f"tokens. However, your request has {longest} input tokens. Please reduce the "
-                            "length of the input.", param="prompt")
+                            "length of the input.", param=prompt_param)
     if max_tokens is not None and longest + max_tokens > max_model_len:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                             f"requested {longest + max_tokens} tokens ({longest} in the messages, {max_tokens} "

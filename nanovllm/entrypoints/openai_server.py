@@ -108,7 +108,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             params = body.sampling_params()
         prompt_ids = await conversation_token_ids(engine, body.conversation())
         asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        check_context_length([len(prompt_ids)], params.max_tokens, max_model_len, param=asked)
+        check_context_length([len(prompt_ids)], params.max_tokens, max_model_len, "messages", asked)
         gen = generation("chatcmpl", params.n, params.logprobs, arrival)
         return await _respond(gen, request, body, [prompt_ids], params, "chat")
 
