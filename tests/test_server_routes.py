@@ -2,6 +2,8 @@
 /version, /metrics (Prometheus); an unknown model is OpenAI's 404; /openapi.json documents the
 error bodies; `nanovllm serve` without MODEL serves the default model.
 """
+import time
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -152,9 +154,17 @@ def test_metrics_move_by_the_exact_numbers_of_a_request(served, client, ref_llm)
         after[("vllm:time_to_first_token_seconds_count", label)]
 
 
-def test_metrics_gauges_see_a_running_request(served, client):
+def test_metrics_gauges_see_a_running_request(served, client, monkeypatch):
     """While a stream is open its sequence runs and holds KV blocks; the gauges say so."""
     engine, url, _ = served
+    wait_all_blocks_free(engine)
+    real_run = engine.llm.model_runner.run
+
+    def slow_run(out):  # the request surely outlives the scrape
+        time.sleep(0.02)
+        return real_run(out)
+
+    monkeypatch.setattr(engine.llm.model_runner, "run", slow_run)
     label = (("model_name", MODEL),)
     stream = client.completions.create(model=MODEL, prompt="fox " * 40, max_tokens=200, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -162,6 +172,7 @@ def test_metrics_gauges_see_a_running_request(served, client):
     during = scrape(url)
     stream.close()
     wait_all_blocks_free(engine)
+    monkeypatch.undo()
     running = during[("vllm:num_requests_running", label)] + during[("vllm:num_requests_waiting", label)]
     assert running == 1
     assert 0 < during[("vllm:kv_cache_usage_perc", label)] <= 1
