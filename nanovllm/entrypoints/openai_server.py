@@ -58,7 +58,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.engine, app.state.limits = engine, limits
     app.state.metrics = metrics = ServerMetrics(served_model_name)
     created = int(time.time())
-    max_model_len = engine.llm.config.max_model_len
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     if api_key:  # added last, so it runs first: no body is read for an unauthenticated client
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -67,10 +66,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     def check_model(name: str) -> None:
         _check_model(name, served_model_name)
-
-    def generation(prefix: str, n: int, logprobs: int | None, arrival: float) -> Generation:
-        return MeteredGeneration(engine, engine.new_request_id(prefix), served_model_name, n, logprobs,
-                                 metrics=metrics, arrival=arrival)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -84,10 +79,25 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "max_model_len": engine.llm.config.max_model_len}
         return {"object": "list", "data": [card]}
 
+    _add_generation_routes(app, engine, served_model_name, limits, metrics)
+    add_tokenize_routes(app, engine, check_model)
+    _add_info_routes(app, engine, metrics)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str, limits: ServerLimits,
+                           metrics: ServerMetrics) -> None:
+    """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
+    max_model_len = engine.llm.config.max_model_len
+
+    def generation(prefix: str, n: int, logprobs: int | None, arrival: float) -> Generation:
+        return MeteredGeneration(engine, engine.new_request_id(prefix), served_model_name, n, logprobs,
+                                 metrics=metrics, arrival=arrival)
+
     @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        check_model(body.model)
+        _check_model(body.model, served_model_name)
         with _as_bad_request():
             body.check_supported()
             prompts = body.prompts()
@@ -101,7 +111,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
-        check_model(body.model)
+        _check_model(body.model, served_model_name)
         with _as_bad_request():
             body.check_supported()
             check_request(body, 1, limits)
@@ -111,10 +121,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         check_context_length([len(prompt_ids)], params.max_tokens, max_model_len, "messages", asked)
         gen = generation("chatcmpl", params.n, params.logprobs, arrival)
         return await _respond(gen, request, body, [prompt_ids], params, "chat")
-
-    add_tokenize_routes(app, engine, check_model)
-    _add_info_routes(app, engine, metrics)
-    return app
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
