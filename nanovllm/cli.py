@@ -1,4 +1,5 @@
-"""The `nanovllm` command (console script). `nanovllm serve MODEL [options]` runs the OpenAI server."""
+"""The `nanovllm` command (console script). `nanovllm serve [MODEL] [options]` runs the OpenAI server
+(without MODEL: the default model, SmolLM2-135M-Instruct, fetched and converted on first use)."""
 import argparse
 import logging
 import sys
@@ -24,12 +25,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vLLM command line")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("model", help="HuggingFace checkpoint folder (config.json, *.safetensors, tokenizer)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HuggingFace checkpoint folder (config.json, *.safetensors, tokenizer); "
+                            "default: the default model, SmolLM2-135M-Instruct")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="model name clients ask for (default: MODEL)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    limits = serve.add_argument_group("request limits (each checked before a request is queued; 400/413 beyond)")
+    limits.add_argument("--max-n", type=int, default=128, help="most completions per prompt (n, best_of)")
+    limits.add_argument("--max-prompts", type=int, default=1024,
+                        help="most prompts, and most completions (prompts x n), in one request")
+    limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body")
     engine = serve.add_argument_group("engine options")
     for flag, dest, type_, help_ in _ENGINE_OPTIONS:
         engine.add_argument(flag, dest=dest, type=type_, default=None, help=help_)
@@ -51,21 +59,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             import fastapi  # noqa: F401
+            import prometheus_client  # noqa: F401
             import uvicorn  # noqa: F401
         except ImportError:
             print("nanovllm serve needs the server extras: pip install 'nano-vllm[server]'", file=sys.stderr)
             return 2
         from nanovllm import LLM
+        from nanovllm.entrypoints.limits import ServerLimits
         from nanovllm.entrypoints.openai_server import serve as run_server
+        from nanovllm.utils.default_model import DefaultModelError
 
         try:
-            llm = LLM(args.model, **engine_kwargs(args))
-        except (ValueError, TypeError) as e:
+            limits = ServerLimits(args.max_n, args.max_prompts, args.max_body_bytes)
+            model = model_path(args)
+            llm = LLM(model, **engine_kwargs(args))
+        except (ValueError, TypeError, DefaultModelError) as e:
             print(f"nanovllm serve: {e}", file=sys.stderr)
             return 2
-        run_server(llm, args.served_model_name or args.model, host=args.host, port=args.port,
-                   api_key=args.api_key, log_level=args.log_level)
+        run_server(llm, args.served_model_name or model, host=args.host, port=args.port,
+                   api_key=args.api_key, log_level=args.log_level, limits=limits)
     return 0
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """MODEL as given, else the default model's folder (built on first use)."""
+    if args.model is not None:
+        return args.model
+    from nanovllm.utils.default_model import default_model_path
+
+    path = default_model_path()
+    logging.getLogger(__name__).info("no MODEL given: serving the default model from %s", path)
+    return path
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ logger = logging.getLogger(__name__)
 # to it, because logits / 1e-4 overflow softmax into NaN.
 SAMPLING_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
+# Most completions one request may ask for: the engine builds one Sequence per completion up
+# front, so an unbounded n would let one call allocate without limit.
+MAX_N = 1024
 
 
 def _check_number(name: str, value, *, integer: bool = False) -> None:
@@ -81,8 +84,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
         _check_number("n", self.n, integer=True)
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
         if self.logprobs is not None:

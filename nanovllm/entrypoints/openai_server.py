@@ -2,7 +2,9 @@
 (nanovllm/cli.py) or by tests through build_app() + uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}.
+GET /health, and vLLM's POST /tokenize, /detokenize, GET /version, /metrics (Prometheus). Errors use
+OpenAI's body {"error": {"message", "type", "param", "code"}}. Every request's work is bounded
+before it is queued (limits.py).
 """
 import asyncio
 import hmac
@@ -12,22 +14,22 @@ from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
-from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from nanovllm.entrypoints.limits import BodySizeLimit, ServerLimits, check_context_length, check_request
+from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
+from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
+                                           error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
+from nanovllm.entrypoints.tokenization import add_tokenize_routes, conversation_token_ids, prompt_token_ids
 
 logger = logging.getLogger(__name__)
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
+# Every status a generation route may answer besides 200, documented in /openapi.json.
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 
 
 class ApiKeyMiddleware:
@@ -48,14 +50,22 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving one model under `served_model_name`. The engine must be started."""
+    limits = limits or ServerLimits()
     app = FastAPI(title="nano-vLLM OpenAI-compatible server")
-    app.state.engine = engine
+    app.state.engine, app.state.limits = engine, limits
+    app.state.metrics = metrics = ServerMetrics(served_model_name)
     created = int(time.time())
-    if api_key:
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for an unauthenticated client
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _add_error_handlers(app)
+    _document_errors_only_as_sent(app)
+
+    def check_model(name: str) -> None:
+        _check_model(name, served_model_name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -69,26 +79,86 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "max_model_len": engine.llm.config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, served_model_name)
-        with _as_bad_request():
-            body.check_supported()
-            prompts, params = body.prompts(), body.sampling_params()
-        gen = Generation(engine, engine.new_request_id("cmpl"), served_model_name, params.n, params.logprobs)
-        return await _respond(gen, request, body, prompts, params, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, served_model_name)
-        with _as_bad_request():
-            body.check_supported()
-            params = body.sampling_params()
-        gen = Generation(engine, engine.new_request_id("chatcmpl"), served_model_name, params.n,
-                         params.logprobs)
-        return await _respond(gen, request, body, [body.conversation()], params, "chat")
-
+    _add_generation_routes(app, engine, served_model_name, limits, metrics)
+    add_tokenize_routes(app, engine, check_model)
+    _add_info_routes(app, engine, metrics)
     return app
+
+
+def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str, limits: ServerLimits,
+                           metrics: ServerMetrics) -> None:
+    """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
+    max_model_len = engine.llm.config.max_model_len
+
+    def generation(prefix: str, n: int, logprobs: int | None, arrival: float) -> Generation:
+        return MeteredGeneration(engine, engine.new_request_id(prefix), served_model_name, n, logprobs,
+                                 metrics=metrics, arrival=arrival)
+
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        _check_model(body.model, served_model_name)
+        with _as_bad_request():
+            body.check_supported()
+            prompts = body.prompts()
+            check_request(body, len(prompts), limits)
+            params = body.sampling_params()
+        prompt_ids = await prompt_token_ids(engine, prompts)
+        check_context_length([len(ids) for ids in prompt_ids], params.max_tokens, max_model_len)
+        gen = generation("cmpl", params.n, params.logprobs, arrival)
+        return await _respond(gen, request, body, prompt_ids, params, "completion")
+
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        _check_model(body.model, served_model_name)
+        with _as_bad_request():
+            body.check_supported()
+            check_request(body, 1, limits)
+            params = body.sampling_params()
+        prompt_ids = await conversation_token_ids(engine, body.conversation())
+        asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        check_context_length([len(prompt_ids)], params.max_tokens, max_model_len, "messages", asked)
+        gen = generation("chatcmpl", params.n, params.logprobs, arrival)
+        return await _respond(gen, request, body, [prompt_ids], params, "chat")
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    """GET /version and GET /metrics (Prometheus text format)."""
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        try:
+            await metrics.refresh_gauges(engine)
+        except EngineStoppedError:
+            pass  # the gauges keep their last values; /health says the engine stopped
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("nano-vllm")
+    except PackageNotFoundError:  # run from a source checkout that was never installed
+        return "0.0.0+unknown"
+
+
+def _document_errors_only_as_sent(app: FastAPI) -> None:
+    """/openapi.json without FastAPI's default 422: validation errors leave as 400 (documented per route)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -123,7 +193,7 @@ async def _respond(gen: Generation, request: Request, body, prompts: list, param
     if body.stream:
         # StreamingResponse cancels the stream when the client hangs up, which aborts the requests;
         # the background task catches a hang-up before the stream even started.
-        chunks = sse_chunks(gen, kind, body.include_usage)
+        chunks = sse_chunks(gen, kind, body.include_usage, body.continuous_usage)
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(gen.abort_unfinished))
     try:
@@ -152,8 +222,8 @@ async def _finish_unless_disconnected(gen: Generation, request: Request) -> bool
 
 
 def _check_model(name: str, served_model_name: str) -> None:
-    if name != served_model_name:
-        raise ApiError(400, f"model {name!r} does not exist; this server serves {served_model_name!r}",
+    if name != served_model_name:  # OpenAI's and vLLM's answer: 404, model_not_found
+        raise ApiError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}",
                        param="model", code="model_not_found")
 
 
@@ -183,9 +253,14 @@ def _validation_body(e: RequestValidationError) -> dict:
 
 
 def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, log_level: str = "info") -> None:
+          api_key: str | None = None, log_level: str = "info", limits: ServerLimits | None = None,
+          shutdown_timeout: float = 2.0) -> None:
     """Run the server until SIGINT/SIGTERM (the `nanovllm serve` command); then stop the engine
-    loop and the LLM (its workers included) before returning."""
+    loop and the LLM (its workers included) before returning.
+
+    NOTE: shutdown is bounded: open responses get shutdown_timeout seconds to finish, then they
+    are cancelled (which aborts their requests); the engine thread gets as long again to end its
+    step. A step still running after that is abandoned (the thread is a daemon)."""
     import signal
     import threading
 
@@ -196,13 +271,15 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
         # exception like SIGINT's, so the cleanup below runs instead of the process just dying.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     engine = AsyncEngine(llm).start()
-    app = build_app(engine, served_model_name, api_key)
+    app = build_app(engine, served_model_name, api_key, limits)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
     except KeyboardInterrupt:
         logger.info("stopping on signal")
     finally:
-        engine.shutdown(timeout=10)
+        engine.shutdown(timeout=shutdown_timeout)
+        if engine._thread.is_alive():  # still inside a step
+            logger.warning("the engine step did not end within %.1f s; exiting without it", shutdown_timeout)
         llm.exit()
 
 

@@ -1,10 +1,11 @@
-"""Pydantic models of the OpenAI API requests the server accepts, and their SamplingParams mapping.
+"""Pydantic models of the OpenAI API requests the server accepts, and their SamplingParams mapping;
+vLLM's /tokenize and /detokenize bodies; OpenAI's error body.
 
 openai_server.py validates each request body with these models. Unknown fields are an error (400).
 """
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -17,9 +18,15 @@ SAMPLING_FIELDS = (
 )
 
 
+# NOTE: token ids are StrictInt: a lax int would take `true` or `1.0` as a token id.
+TokenIds = list[StrictInt]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's: usage (so far) in every chunk too, not only in the last one (needs include_usage).
+    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(BaseModel):
@@ -45,7 +52,7 @@ class _SamplingRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -63,9 +70,13 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
@@ -136,6 +147,59 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
         return SamplingParams(**kwargs)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or chat messages put through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: TokenIds
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body; every 4xx/5xx the server sends has this shape."""
+    error: ErrorInfo
+
+
+def error_responses(*statuses: int) -> dict:
+    """The `responses=` of a route: OpenAI's error body under each status it may answer."""
+    descriptions = {400: "invalid request (the message names the field and the limit)",
+                    401: "missing or wrong API key", 404: "unknown model",
+                    413: "request body too large", 500: "engine step failed", 503: "engine stopped"}
+    return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body and this HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

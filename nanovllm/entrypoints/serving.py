@@ -175,22 +175,27 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def sse_chunks(gen: Generation, kind: str, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per new piece of text (and per finish), then `[DONE]`."""
+async def sse_chunks(gen: Generation, kind: str, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per new piece of text (and per finish), then `[DONE]`.
+    continuous_usage (vLLM's continuous_usage_stats): every chunk also carries the usage so far."""
     is_chat = kind == "chat"
     obj = "chat.completion.chunk" if is_chat else "text_completion"
+
+    def usage() -> dict:
+        return {"usage": gen.usage()} if continuous_usage else {}
     try:
         if is_chat:  # OpenAI opens each choice with the assistant role
             for c in gen.choices:
                 yield _sse({**gen.header(obj), "choices": [
                     {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}]})
+                     "logprobs": None, "finish_reason": None}], **usage()})
         async for choice, delta, entries in gen.deltas():
             logprobs = None
             if gen.top_logprobs is not None and entries:
                 logprobs = chat_logprobs(entries) if is_chat else completion_logprobs(choice, entries)
             for entry in _chunk_choices(choice, delta, is_chat, logprobs):
-                yield _sse({**gen.header(obj), "choices": [entry]})
+                yield _sse({**gen.header(obj), "choices": [entry], **usage()})
         if include_usage:
             yield _sse({**gen.header(obj), "choices": [], "usage": gen.usage()})
     except EngineStepError as e:

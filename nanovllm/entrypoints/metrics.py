@@ -1,0 +1,95 @@
+"""The server's Prometheus metrics (vLLM's names) in a registry of its own per app, and
+MeteredGeneration, the Generation that records them. openai_server.py serves them on /metrics.
+
+NOTE: counters and histograms change on the event loop only; the gauges are read from the engine
+thread (AsyncEngine.call) at each scrape, so nothing here touches the engine from the loop.
+"""
+import time
+
+from nanovllm.entrypoints.serving import Generation
+
+# Seconds; the same buckets for first-token, inter-token and end-to-end latency would waste most.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    """One app's metrics, labelled with the served model name."""
+
+    def __init__(self, model_name: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        common = dict(labelnames=["model_name"], registry=self.registry)
+
+        def one(metric_cls, name: str, doc: str, **kwargs):
+            return metric_cls(name, doc, **common, **kwargs).labels(model_name=model_name)
+
+        self.num_running = one(Gauge, "vllm:num_requests_running", "Sequences in the running batch.")
+        self.num_waiting = one(Gauge, "vllm:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage = one(Gauge, "vllm:kv_cache_usage_perc", "KV cache usage: 1 means every block is used.")
+        self.prompt_tokens = one(Counter, "vllm:prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = one(Counter, "vllm:generation_tokens", "Tokens generated.")
+        self.ttft = one(Histogram, "vllm:time_to_first_token_seconds",
+                        "From request arrival to a completion's first token.", buckets=TTFT_BUCKETS)
+        self.itl = one(Histogram, "vllm:inter_token_latency_seconds",
+                       "Between a completion's successive tokens.", buckets=ITL_BUCKETS)
+        self.e2e = one(Histogram, "vllm:e2e_request_latency_seconds",
+                       "From request arrival to its last token.", buckets=E2E_BUCKETS)
+
+    async def refresh_gauges(self, engine) -> None:
+        """Read the scheduler's queues and the KV cache use between two engine steps."""
+        def read(llm) -> tuple[int, int, float]:
+            free, total = llm.scheduler.block_manager.num_free_blocks, llm.num_kvcache_blocks
+            waiting = len(llm.scheduler.waiting) + len(llm.pending_siblings)
+            return len(llm.scheduler.running), waiting, 1.0 - free / total if total else 0.0
+
+        running, waiting, usage = await engine.call(read)
+        self.num_running.set(running)
+        self.num_waiting.set(waiting)
+        self.kv_cache_usage.set(usage)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+        return generate_latest(self.registry)
+
+
+class MeteredGeneration(Generation):
+    """A Generation that counts its tokens and times its completions into ServerMetrics."""
+
+    def __init__(self, *args, metrics: ServerMetrics, arrival: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.metrics = metrics
+        self.arrival = arrival  # time.perf_counter() when the HTTP request came in
+        self.last_token_at: dict[int, float] = {}  # choice index -> time of its latest token
+
+    async def submit(self, prompts: list, sampling_params) -> None:
+        await super().submit(prompts, sampling_params)
+        self.metrics.prompt_tokens.inc(sum(self.prompt_lens))
+
+    async def deltas(self):
+        inner = super().deltas()
+        try:
+            async for choice, delta, entries in inner:
+                self._record(choice.index, len(delta.token_ids))
+                yield choice, delta, entries
+            self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+        finally:
+            await inner.aclose()  # runs Generation.deltas' abort of what is unfinished
+
+    def _record(self, index: int, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.perf_counter()
+        self.metrics.generation_tokens.inc(num_tokens)
+        previous = self.last_token_at.get(index)
+        gap = 0.0 if previous is None else now - previous
+        if previous is None:
+            self.metrics.ttft.observe(now - self.arrival)
+            num_tokens -= 1
+        # Tokens that arrive together (merged deltas) share the gap since the previous one.
+        for _ in range(num_tokens):
+            self.metrics.itl.observe(gap / num_tokens)
+        self.last_token_at[index] = now

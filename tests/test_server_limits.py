@@ -1,0 +1,221 @@
+"""Bounded work per request: each limit answers at once with a 400 (413 for the body) naming the
+field and the limit, before anything is queued, while other clients keep being served; and
+`nanovllm serve` ends within a few seconds of SIGTERM/SIGINT, even mid-generation.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.entrypoints.limits import ServerLimits  # noqa: E402
+from nanovllm.entrypoints.openai_server import build_app  # noqa: E402
+from nanovllm.sampling_params import MAX_N  # noqa: E402
+
+from helpers import make_qwen3  # noqa: E402
+from server_fixtures import (  # noqa: E402,F401  (client, ref_llm, served are fixtures)
+    MODEL, Server, client, ref_llm, served, wait_all_blocks_free)
+
+MAX_MODEL_LEN = 256  # server_fixtures.ENGINE_OPTIONS
+
+
+def test_sampling_params_caps_n():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"n must be in \[1, {MAX_N}\], got 1000000000"):
+        SamplingParams(n=10**9)
+    assert time.monotonic() - start < 0.1
+    assert SamplingParams(n=MAX_N).n == MAX_N
+
+
+def test_server_limits_are_validated():
+    with pytest.raises(ValueError, match="max_n must be <= 1024"):
+        ServerLimits(max_n=2000)
+    with pytest.raises(ValueError, match="max_body_bytes must be an int >= 1, got 0"):
+        ServerLimits(max_body_bytes=0)
+
+
+def test_huge_n_and_body_are_refused_at_once_while_a_stream_goes_on(served, client, ref_llm):
+    engine, url, _ = served
+    prompt = "old quiet rivers"
+    ref = ref_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                           use_tqdm=False)[0]
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    pieces = [next(stream).choices[0].text]
+
+    start = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 10**9})
+    assert time.monotonic() - start < 1.0
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "n"
+    assert "n must be <= 128" in r.json()["error"]["message"] and "got 1000000000" in r.json()["error"]["message"]
+
+    big = b'{"model": "tiny-qwen3", "prompt": "' + b"fox " * (10 * 2**20 // 4) + b'"}'
+    start = time.monotonic()
+    r = httpx.post(url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert time.monotonic() - start < 1.0
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large" and str(8 * 2**20) in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit is checked while reading
+        for _ in range(10):
+            yield b" " * 2**20
+    r = httpx.post(url + "/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+    pieces += [chunk.choices[0].text for chunk in stream]
+    assert "".join(pieces) == ref["text"]
+    wait_all_blocks_free(engine)
+
+
+def body(**fields) -> dict:
+    return {"model": MODEL, "prompt": "the fox", "max_tokens": 2, **fields}
+
+
+LIMITS = [
+    ("/v1/completions", body(n=129), "n", ("n must be <= 128", "got 129")),
+    ("/v1/completions", body(n=200, best_of=200), "n", ("n must be <= 128", "got 200")),
+    ("/v1/completions", body(prompt=["fox"] * 1025), "prompt", "at most 1024"),
+    ("/v1/completions", body(prompt=[[5]] * 1025), "prompt", "at most 1024"),
+    ("/v1/completions", body(prompt=["fox"] * 9, n=128), "n", "9 prompts x n=128 make 1152 completions"),
+    ("/v1/completions", body(logprobs=21), "logprobs", "logprobs must be <= 20, got 21"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs", "top_logprobs must be <= 20, got 21"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 500},
+     "n", ("n must be <= 128", "got 500")),
+]
+
+
+@pytest.mark.parametrize("path, request_body, param, words", LIMITS)
+def test_each_limit_is_a_400_naming_field_and_limit(served, path, request_body, param, words):
+    engine, url, _ = served
+    steps_before = engine.num_steps
+    r = httpx.post(url + path, json=request_body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    words = (words,) if isinstance(words, str) else words
+    assert all(w in r.json()["error"]["message"] for w in words), r.text
+    assert engine.num_steps == steps_before  # nothing was queued
+    # At the limit it is served.
+    if request_body.get("n") == 129:
+        assert len(httpx.post(url + path, json=body(n=128), timeout=60).json()["choices"]) == 128
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(served, client, ref_llm):
+    prompt = "the quick brown fox"
+    num_prompt = len(ref_llm.tokenizer.encode(prompt))  # a word-level tokenizer: 4
+    assert num_prompt == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_MODEL_LEN)
+    message = e.value.body["message"]
+    assert e.value.body["param"] == "max_tokens"
+    assert (f"maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {MAX_MODEL_LEN + 4} "
+            f"tokens (4 in the messages, {MAX_MODEL_LEN} in the completion)") in message
+    # The longest of several prompts counts.
+    with pytest.raises(openai.BadRequestError, match="you requested 257 tokens"):
+        client.completions.create(model=MODEL, prompt=["fox", prompt], max_tokens=MAX_MODEL_LEN - 3)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_MODEL_LEN - 4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == MAX_MODEL_LEN - 4  # exactly fits
+
+    messages = [{"role": "user", "content": "fox"}]
+    num_chat = len(ref_llm.apply_chat_template(messages))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=300)
+    assert e.value.body["param"] == "max_completion_tokens"
+    assert f"you requested {num_chat + 300} tokens ({num_chat} in the messages, 300 in the completion)" \
+        in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "fox " * 300}])
+    assert e.value.body["param"] == "messages"
+    assert f"maximum context length (max_model_len) is {MAX_MODEL_LEN} tokens. However, your request has " \
+        f"{len(ref_llm.apply_chat_template([{'role': 'user', 'content': 'fox ' * 300}]))} input tokens" \
+        in e.value.body["message"]
+
+
+@pytest.mark.parametrize("prompt", [[[True, 1.0]], [True, 5], [5, 1.0], [[5, 6], [False]]])
+def test_token_id_prompts_must_be_ints(served, prompt):
+    r = httpx.post(served[1] + "/v1/completions", json=body(prompt=prompt))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("prompt")
+    r = httpx.post(served[1] + "/v1/completions", json=body(stop_token_ids=[True]))
+    assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"]
+
+
+def test_limits_are_configurable(served):
+    engine, _, _ = served
+    small = Server(build_app(engine, MODEL, limits=ServerLimits(max_n=2, max_prompts=3, max_body_bytes=300)))
+    try:
+        r = httpx.post(small.url + "/v1/completions", json=body(n=3))
+        assert r.status_code == 400 and "n must be <= 2 (this server's --max-n), got 3" in r.json()["error"]["message"]
+        assert len(httpx.post(small.url + "/v1/completions", json=body(n=2), timeout=60).json()["choices"]) == 2
+        r = httpx.post(small.url + "/v1/completions", json=body(prompt=["a", "b"], n=2))
+        assert r.status_code == 400 and "make 4 completions" in r.json()["error"]["message"]
+        padded = body(user="x" * 300)
+        assert httpx.post(small.url + "/v1/completions", json=padded).status_code == 413
+    finally:
+        small.stop()
+
+
+def test_serve_flags_make_the_limits():
+    from nanovllm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "m", "--max-n", "4", "--max-prompts", "8", "--max-body-bytes", "99"])
+    assert (args.max_n, args.max_prompts, args.max_body_bytes) == (4, 8, 99)
+    defaults = build_parser().parse_args(["serve", "m"])
+    assert ServerLimits(defaults.max_n, defaults.max_prompts, defaults.max_body_bytes) == ServerLimits()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_ends_within_seconds_of_a_signal_mid_generation(tmp_path, signum):
+    model = make_qwen3(str(tmp_path / "m"), seed=3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "nanovllm.cli", "serve", model, "--port", str(port), "--max-model-len", "512",
+           "--kvcache-block-size", "16", "--cpu-kvcache-bytes", str(64 * 2**20), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        # 512 completions of 480 tokens: far longer than the shutdown's grace period (2 s).
+        request = {"model": model, "prompt": [f"fox {i}" for i in range(32)], "n": 16, "max_tokens": 480,
+                   "ignore_eos": True, "stream": True}
+        num_finished, sent = 0, None
+        with httpx.stream("POST", url + "/v1/completions", json=request, timeout=30) as r:
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        num_finished += json.loads(line[6:])["choices"][0]["finish_reason"] is not None
+                        if sent is None:  # generation is under way: stop the server
+                            sent = time.monotonic()
+                            proc.send_signal(signum)
+            except httpx.HTTPError:  # the server closed the stream it had to cut
+                pass
+        proc.wait(15)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, proc.stdout.read().decode()
+    assert took < 8, took
+    assert num_finished < 512  # the generation was cut, not finished
