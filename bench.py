@@ -38,7 +38,7 @@ def random_qwen3_checkpoint() -> str:
     return path
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> ArgumentParser:
     on_cuda = torch.cuda.is_available()
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF checkpoint folder (default: a random-weight Qwen3-0.6B-shaped bf16 "
@@ -71,8 +71,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="also write the results to FILE")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompts and lengths (default: %(default)s)")
-    args = p.parse_args()
-    check_lengths(p, args)
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args()
+    check_lengths(parser, args)
     return args
 
 
