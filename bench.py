@@ -8,10 +8,13 @@ the same process (matmul peak, memory-copy bandwidth).
 import argparse
 import json
 import os
+import sys
 import time
 from random import Random
 
 import torch
+
+from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -35,28 +38,60 @@ def random_qwen3_checkpoint() -> str:
     return path
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> ArgumentParser:
     on_cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF checkpoint folder (default: random Qwen3-0.6B shape)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", help="auto: the checkpoint's (fp32 on CPUs without bf16 units)")
-    p.add_argument("--num-seqs", type=int, default=256 if on_cuda else 64)
-    p.add_argument("--min-input-len", type=int, default=100 if on_cuda else 32)
-    p.add_argument("--max-input-len", type=int, default=1024 if on_cuda else 256)
-    p.add_argument("--min-output-len", type=int, default=100 if on_cuda else 32)
-    p.add_argument("--max-output-len", type=int, default=1024 if on_cuda else 256)
-    p.add_argument("--max-num-seqs", type=int, default=256 if on_cuda else 64)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF checkpoint folder (default: a random-weight Qwen3-0.6B-shaped bf16 "
+                   "checkpoint, built once in $NANOVLLM_CACHE or ~/.cache/nanovllm)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto (default): CUDA if available, else CPU")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): the checkpoint's, but float32 on CPUs without bf16 units")
+    # Workload defaults depend on the device: the original's on CUDA, a few minutes' worth on CPU.
+    for flag, cuda, cpu, help_ in [
+        ("--num-seqs", 256, 64, "requests to generate"),
+        ("--min-input-len", 100, 32, "shortest random prompt, in tokens"),
+        ("--max-input-len", 1024, 256, "longest random prompt, in tokens"),
+        ("--min-output-len", 100, 32, "fewest new tokens of a request (ignore_eos)"),
+        ("--max-output-len", 1024, 256, "most new tokens of a request"),
+        ("--max-num-seqs", 256, 64, "engine: most sequences in one step"),
+    ]:
+        p.add_argument(flag, type=positive_int, default=cuda if on_cuda else cpu,
+                       help=f"{help_} (default: {cuda} on CUDA, {cpu} on CPU)")
+    p.add_argument("--max-model-len", type=positive_int, default=4096,
+                   help="engine: longest prompt + output (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true", help="engine: no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="engine: devices (GPUs, or CPU processes) to shard the model over (default: %(default)s)")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers generate on the same requests")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-batch-size", type=positive_int, default=16,
+                   help="with --compare-hf: requests per left-padded transformers batch (default: %(default)s)")
     p.add_argument("--efficiency", action="store_true",
                    help="measure matmul peak and copy bandwidth; report large-batch and batch-1 decode efficiency")
-    p.add_argument("--json", help="write the results to this file")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    p.add_argument("--json", metavar="FILE", help="also write the results to FILE")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random prompts and lengths (default: %(default)s)")
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args()
+    check_lengths(parser, args)
+    return args
+
+
+def check_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Length flags that are fine alone but not together: reported before any checkpoint is built."""
+    for kind in ("input", "output"):
+        low, high = getattr(args, f"min_{kind}_len"), getattr(args, f"max_{kind}_len")
+        if low > high:
+            parser.error(f"--min-{kind}-len ({low}) must be <= --max-{kind}-len ({high})")
+    if args.max_input_len + args.max_output_len > args.max_model_len:
+        parser.error(f"--max-input-len + --max-output-len ({args.max_input_len} + {args.max_output_len}) "
+                     f"must be <= --max-model-len ({args.max_model_len})")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json!r}: its folder does not exist")
 
 
 def make_requests(args, vocab: int):
@@ -97,14 +132,22 @@ def run_hf(path: str, dtype: torch.dtype, device: str, prompts, max_tokens, batc
     return elapsed
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     from nanovllm import LLM
     path = args.model or random_qwen3_checkpoint()
-    llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  tensor_parallel_size=args.tensor_parallel_size)
+    except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
+        return print_error("bench.py", e)
     cfg = llm.config
+    longest = args.max_input_len + args.max_output_len
+    if longest > cfg.max_model_len:  # max_model_len is capped to the model's positions
+        llm.exit()
+        return print_error("bench.py", f"--max-input-len + --max-output-len ({longest}) exceeds this model's "
+                           f"max_model_len ({cfg.max_model_len})")
     prompts, max_tokens = make_requests(args, llm.vocab_size)
     total = sum(max_tokens)
     results = {"device": cfg.device, "dtype": str(cfg.torch_dtype).split(".")[-1], "num_seqs": args.num_seqs,
@@ -131,7 +174,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,6 +6,7 @@ import sys
 import time
 
 from nanovllm import LLM, SamplingParams, default_model_path
+from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 from nanovllm.utils.default_model import DefaultModelError
 
 PROMPTS = [
@@ -16,12 +17,16 @@ PROMPTS = [
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", help="HF model folder (config.json, *.safetensors, tokenizer); "
                         "default: SmolLM2-135M-Instruct, downloaded and converted on first use")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer at most")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto (the checkpoint's; fp32 for the default model), float32 or bfloat16")
+    parser.add_argument("--max-tokens", type=positive_int, default=64,
+                        help="new tokens per answer at most (default: 64)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default): the checkpoint's dtype, but float32 on CPUs without bf16 units "
+                        "(AVX512-BF16 or AMX), where bf16 matmuls are slow; the default model is float32. "
+                        "float32: exact, fast enough everywhere. bfloat16: half the memory, fast on GPUs "
+                        "and on CPUs with bf16 units. float16: for GPUs; CPU float16 matmuls are not fast")
     return parser.parse_args()
 
 
@@ -29,18 +34,22 @@ def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("nanovllm").setLevel(logging.INFO)  # shows download / conversion progress
-    model = args.model
-    if model is None:
-        try:
-            model = default_model_path()
-        except DefaultModelError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    start = time.perf_counter()
-    # A small KV cache is plenty for three short chats and is allocated in a blink.
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=len(PROMPTS), max_model_len=2048)
+    try:
+        # Checked before the model loads (or downloads), so a bad value fails at once.
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        model = args.model or default_model_path()
+        start = time.perf_counter()
+        # A small KV cache is plenty for three short chats and is allocated in a blink.
+        llm = LLM(model, dtype=args.dtype, max_num_seqs=len(PROMPTS), max_model_len=2048)
+    except DefaultModelError as e:  # no network, or a failed conversion: not a bad command line
+        return print_error("example.py", e, status=1)
+    except (ValueError, TypeError) as e:  # our validation of the model folder or a flag's value
+        return print_error("example.py", e)
+    if getattr(llm.tokenizer, "chat_template", None) is None:
+        llm.exit()
+        return print_error("example.py", f"{model} has no tokenizer with a chat template; this script chats, "
+                           "so it needs an instruct / chat model's folder")
     loaded = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     done = time.perf_counter()
     for prompt, out in zip(PROMPTS, outputs):

@@ -1,8 +1,12 @@
 """The `nanovllm` command (console script). `nanovllm serve [MODEL] [options]` runs the OpenAI server
 (without MODEL: the default model, SmolLM2-135M-Instruct, fetched and converted on first use)."""
 import argparse
+import errno
 import logging
+import socket
 import sys
+
+from nanovllm.utils.cli_args import ArgumentParser, print_error
 
 
 # Engine options: (flag, Config field, type, help). Defaults stay Config's own.
@@ -22,22 +26,26 @@ _ENGINE_OPTIONS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vLLM command line")
+    parser = ArgumentParser(prog="nanovllm", description="nano-vLLM command line")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=None,
                        help="HuggingFace checkpoint folder (config.json, *.safetensors, tokenizer); "
                             "default: the default model, SmolLM2-135M-Instruct")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="model name clients ask for (default: MODEL)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="server and engine logging (default: %(default)s)")
     limits = serve.add_argument_group("request limits (each checked before a request is queued; 400/413 beyond)")
-    limits.add_argument("--max-n", type=int, default=128, help="most completions per prompt (n, best_of)")
+    limits.add_argument("--max-n", type=int, default=128,
+                        help="most completions per prompt (n, best_of) (default: %(default)s)")
     limits.add_argument("--max-prompts", type=int, default=1024,
-                        help="most prompts, and most completions (prompts x n), in one request")
-    limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body")
+                        help="most prompts, and most completions (prompts x n), in one request (default: %(default)s)")
+    limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                        help="largest request body, in bytes (default: %(default)s)")
     engine = serve.add_argument_group("engine options")
     for flag, dest, type_, help_ in _ENGINE_OPTIONS:
         engine.add_argument(flag, dest=dest, type=type_, default=None, help=help_)
@@ -53,6 +61,29 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
+def check_port(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, or None when it can: a bind test, made the way
+    uvicorn binds (SO_REUSEADDR, so a port left in TIME_WAIT by a stopped server counts as free)."""
+    if not 0 <= port <= 65535:
+        return f"--port must be in 0..65535, got {port}"
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host!r} is not an address of this machine ({e.strerror})"
+    for family, kind, proto, _, address in addresses:  # "localhost" may mean both ::1 and 127.0.0.1
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return f"port {port} on {host} is already in use; pick another with --port"
+                return f"cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -62,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             import prometheus_client  # noqa: F401
             import uvicorn  # noqa: F401
         except ImportError:
-            print("nanovllm serve needs the server extras: pip install 'nano-vllm[server]'", file=sys.stderr)
-            return 2
+            return print_error("nanovllm serve", "the server extras are missing: pip install 'nano-vllm[server]'")
+        problem = check_port(args.host, args.port)  # before the model load, which takes seconds
+        if problem:
+            return print_error("nanovllm serve", problem)
         from nanovllm import LLM
         from nanovllm.entrypoints.limits import ServerLimits
         from nanovllm.entrypoints.openai_server import serve as run_server
@@ -73,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             limits = ServerLimits(args.max_n, args.max_prompts, args.max_body_bytes)
             model = model_path(args)
             llm = LLM(model, **engine_kwargs(args))
-        except (ValueError, TypeError, DefaultModelError) as e:
-            print(f"nanovllm serve: {e}", file=sys.stderr)
-            return 2
+        except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
+            return print_error("nanovllm serve", e)
+        except DefaultModelError as e:  # the default model could not be fetched: not a usage mistake
+            return print_error("nanovllm serve", e, status=1)
         run_server(llm, args.served_model_name or model, host=args.host, port=args.port,
                    api_key=args.api_key, log_level=args.log_level, limits=limits)
     return 0

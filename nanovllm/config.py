@@ -25,12 +25,29 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def _looks_like_hub_id(model: str) -> bool:
+    """Whether `model` is spelled like a HuggingFace hub id ("owner/name"), not like a path."""
+    parts = model.split("/")
+    return (len(parts) == 2 and all(p and p not in (".", "..") for p in parts)
+            and all(c.isalnum() or c in "-_." for p in parts for c in p))
+
+
+def _missing_folder_message(model: str) -> str:
+    message = f"model folder {model!r} does not exist or is not a directory"
+    if _looks_like_hub_id(model):
+        # vLLM downloads hub ids; users coming from it type one first.
+        message += (f"; it looks like a HuggingFace hub id, and nano-vLLM does not download from the hub: "
+                    f"pass a local checkpoint folder (huggingface_hub.snapshot_download({model!r}) "
+                    "downloads one and returns its path) or use LLM.default() for the default model")
+    return message
+
+
 def _load_hf_config(model: str):
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path to a checkpoint folder, got {type(model).__name__}")
     model = str(model)
     if not os.path.isdir(model):
-        raise ValueError(f"model folder {model!r} does not exist or is not a directory")
+        raise ValueError(_missing_folder_message(model))
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model folder {model!r} has no config.json")
     if not any(f.endswith(".safetensors") for f in os.listdir(model)):

@@ -17,11 +17,13 @@ MIN_TEMPERATURE = 1e-2
 MAX_N = 1024
 
 
-def _check_number(name: str, value, *, integer: bool = False) -> None:
+def _check_number(name: str, value, *, integer: bool = False, none_means: str | None = None) -> None:
+    """none_means: what None stands for, where the field also takes None (said in the message)."""
     allowed = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
         kind = "an int" if integer else "a number"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+        alternative = f", or None for {none_means}" if none_means else ""
+        raise TypeError(f"{name} must be {kind}{alternative}, got {type(value).__name__} {value!r}")
     if not integer and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
 
@@ -87,11 +89,11 @@ class SamplingParams:
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None:
-            _check_number("seed", self.seed, integer=True)
+            _check_number("seed", self.seed, integer=True, none_means="no per-request seed")
         if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, integer=True)
+            _check_number("logprobs", self.logprobs, integer=True, none_means="no logprobs")
             if self.logprobs < 0:
-                raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+                raise ValueError(f"logprobs must be >= 0, or None for no logprobs, got {self.logprobs}")
 
     def _check_sampling(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -102,7 +104,7 @@ class SamplingParams:
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_number("top_k", self.top_k, integer=True)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+            raise ValueError(f"top_k must be >= 1, or 0 or -1 for no top-k, got {self.top_k}")
         _check_number("min_p", self.min_p)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
@@ -118,9 +120,9 @@ class SamplingParams:
 
     def _check_lengths(self) -> None:
         if self.max_tokens is not None:
-            _check_number("max_tokens", self.max_tokens, integer=True)
+            _check_number("max_tokens", self.max_tokens, integer=True, none_means="no limit")
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens} (None: no limit)")
+                raise ValueError(f"max_tokens must be >= 1, or None for no limit, got {self.max_tokens}")
         _check_number("min_tokens", self.min_tokens, integer=True)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
@@ -130,7 +132,7 @@ class SamplingParams:
     def _check_stops(self) -> None:
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)):
-            raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+            raise TypeError(f"stop must be a string, a list of strings or None, got {type(stop).__name__} {stop!r}")
         for s in stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop must hold strings only, got {type(s).__name__} {s!r}")
@@ -139,7 +141,7 @@ class SamplingParams:
         self.stop = list(stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
-            raise TypeError(f"stop_token_ids must be a list of ints, got {type(ids).__name__} {ids!r}")
+            raise TypeError(f"stop_token_ids must be a list of ints or None, got {type(ids).__name__} {ids!r}")
         for t in ids:
             _check_number("stop_token_ids item", t, integer=True)
             if t < 0:

@@ -73,7 +73,7 @@ def test_bad_engine_options(qwen3_gqa, kwargs, exc, match):
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(temperature=-0.5), ValueError, "temperature must be a finite number >= 0, got -0.5"),
     (dict(temperature="hot"), TypeError, "temperature must be a number"),
-    (dict(max_tokens=0), ValueError, "max_tokens must be >= 1, got 0"),
+    (dict(max_tokens=0), ValueError, "max_tokens must be >= 1, or None for no limit, got 0"),
     (dict(max_tokens=2.5), TypeError, "max_tokens must be an int"),
     (dict(ignore_eos="no"), TypeError, "ignore_eos must be a bool"),
     (dict(temprature=1.0), TypeError, "temprature"),

@@ -106,6 +106,26 @@ def test_each_field_rejects_bad_values(field, value, exc, words):
         assert word in str(info.value)
 
 
+# Fields that also take None say so in words, in the order "must be X, or None for Y, got V".
+NONE_MEANS = [
+    ("max_tokens", 0, ValueError, "max_tokens must be >= 1, or None for no limit, got 0"),
+    ("max_tokens", 2.5, TypeError, "max_tokens must be an int, or None for no limit, got float 2.5"),
+    ("logprobs", -1, ValueError, "logprobs must be >= 0, or None for no logprobs, got -1"),
+    ("logprobs", "3", TypeError, "logprobs must be an int, or None for no logprobs, got str '3'"),
+    ("seed", 1.5, TypeError, "seed must be an int, or None for no per-request seed, got float 1.5"),
+    ("top_k", -2, ValueError, "top_k must be >= 1, or 0 or -1 for no top-k, got -2"),
+    ("stop", 5, TypeError, "stop must be a string, a list of strings or None, got int 5"),
+    ("stop_token_ids", 3, TypeError, "stop_token_ids must be a list of ints or None, got int 3"),
+]
+
+
+@pytest.mark.parametrize("field,value,exc,message", NONE_MEANS, ids=[f"{n[0]}={n[1]!r}" for n in NONE_MEANS])
+def test_messages_say_what_none_means(field, value, exc, message):
+    with pytest.raises(exc) as info:
+        SamplingParams(**{field: value})
+    assert str(info.value) == message
+
+
 def test_every_field_has_a_validation_case():
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     assert fields == {b[0] for b in BAD}

@@ -25,7 +25,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_tokenizer(path: str):
     """The folder's HF tokenizer, or None for a weights-only folder (then prompts must be token ids)."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        logger.warning("%s has no tokenizer files: prompts must be token ids and outputs carry no text", path)
+        # INFO, not a warning: weights-only folders are meant for token-id prompts (bench.py's), and
+        # a string prompt or stop string then fails with a ValueError that says why.
+        logger.info("%s has no tokenizer files: prompts must be token ids and outputs carry no text", path)
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
