@@ -7,10 +7,11 @@ the same checkpoint) then nano-vLLM fp32 on the same shapes; one markdown table 
 Shapes: random 64-token prompts, greedy decoding, 64 decode steps per sequence, at each batch size
 (llama-batched-bench -npp 64 -ntg 64 -npl ...; llama.cpp's batch-1 decode is llama-bench -n 64), and a
 batch-1 prefill of 128 tokens (llama-bench -p 128). Decode tok/s = sequences x decode steps / decode
-time; prefill tok/s = prompt tokens / prefill time. Both sides use --threads (default: every core).
+time; prefill tok/s = prompt tokens / prefill time. Our steps are whole engine steps (scheduling and
+greedy sampling included); llama.cpp's time llama_decode. Both use --threads (default: every core).
 llama.cpp is built once into the nanovllm cache (see scripts/llamacpp_build.py) and the GGUFs are
-converted once. Benchmarks run without OMP_WAIT_POLICY=PASSIVE: this script unsets it (passive
-OpenMP threads sleep between ops, which slows both engines).
+converted once. Benchmarks run without OMP_WAIT_POLICY=PASSIVE: this script unsets it (sleeping
+OpenMP threads wake late between ops; the llama.cpp build uses OpenMP too).
 """
 import argparse
 import json
@@ -45,13 +46,15 @@ def model_folder(name: str) -> str:
 
 # ---- llama.cpp ----------------------------------------------------------------------------------
 def parse_llama_bench(stdout: str) -> dict:
-    """llama-bench -o json: {"prefill": pp tok/s, "decode": tg tok/s} from its average rates."""
+    """llama-bench -o json: {"prefill": pp tok/s, "decode": tg tok/s, "rows": its rows}. A rate is
+    tokens / mean time over the repetitions (total tokens / total time, as ours), not its avg_ts."""
     rows = json.loads(stdout[stdout.index("["):])
-    out = {}
+    out = {"rows": rows}
     for row in rows:
-        key = "prefill" if row["n_gen"] == 0 else "decode" if row["n_prompt"] == 0 else None
-        if key is not None:
-            out[key] = float(row["avg_ts"])
+        if row["n_gen"] == 0:
+            out["prefill"] = row["n_prompt"] / (row["avg_ns"] * 1e-9)
+        elif row["n_prompt"] == 0:
+            out["decode"] = row["n_gen"] / (row["avg_ns"] * 1e-9)
     return out
 
 
@@ -81,7 +84,7 @@ def run_llamacpp(bins: dict[str, Path], gguf: Path, batches: list[int], threads:
     decode = {b: batched[b]["speed_tg"] for b in batches if b in batched}
     if "decode" in single:  # batch 1 from llama-bench -n 64, the figure llama.cpp users quote
         decode[1] = single["decode"]
-    return {"decode": decode, "prefill": single.get("prefill"), "llama_bench": single,
+    return {"decode": decode, "prefill": single.get("prefill"), "llama_bench": single["rows"],
             "batched_bench": list(batched.values())}
 
 
@@ -159,7 +162,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="default,qwen3", help="comma-separated: default (SmolLM2-135M), qwen3")
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="default: every core")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    p.add_argument("--threads", type=int, default=cores, help="default: every core")
     p.add_argument("--json", help="save every figure and llama.cpp's raw rows to this file")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")

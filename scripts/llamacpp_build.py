@@ -1,6 +1,7 @@
 """llama.cpp for scripts/bench_llamacpp.py: fetches the llama.cpp vendored in the llama-cpp-python sdist,
 builds llama-bench and llama-batched-bench, and converts HF folders to GGUF, all cached in the nanovllm
 cache folder (keyed by version) so a second run does none of it again."""
+import hashlib
 import json
 import os
 import shutil
@@ -58,8 +59,8 @@ def fetch_source(cache: Path) -> Path:
         sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if not sdists:
             raise BuildError(f"pip download left no sdist in {tmp}; see {logs / 'download.log'}")
-        with tarfile.open(sdists[0]) as tar:
-            tar.extractall(tmp, filter="data")
+        with tarfile.open(sdists[0]) as tar:  # the "data" filter refuses links and paths out of tmp
+            tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         unpacked = Path(tmp) / f"llama_cpp_python-{VERSION}"
         if not (unpacked / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
             raise BuildError(f"the sdist {sdists[0].name} has no vendor/llama.cpp")
@@ -117,13 +118,21 @@ def build_llamacpp(cache: Path, jobs: int | None = None) -> dict[str, Path]:
     return bins
 
 
+def fingerprint(model_dir: str) -> str:
+    """Short key of a HF folder's config and weight files, so a rebuilt checkpoint is converted anew."""
+    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    return h.hexdigest()[:10]
+
+
 def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Path:
-    """model_dir converted by the vendored convert_hf_to_gguf.py, cached as gguf/<name>-<outtype>.gguf.
+    """model_dir converted by the vendored convert_hf_to_gguf.py, cached as gguf/<name>-<key>-<outtype>.gguf.
 
     A folder without tokenizer files (bench.py's random Qwen3) gets the vendored Qwen2 vocabulary."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
-    out = work_dir(cache) / "gguf" / f"{name}-{outtype}.gguf"
+    out = work_dir(cache) / "gguf" / f"{name}-{fingerprint(model_dir)}-{outtype}.gguf"
     if out.is_file():
         return out
     llama = fetch_source(cache)

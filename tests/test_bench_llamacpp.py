@@ -1,6 +1,8 @@
 """scripts/bench_llamacpp.py's pure parts: parsing llama-bench / llama-batched-bench output (samples
-trimmed from a real run of llama.cpp 0c1e570 on the default model) and the markdown table."""
+trimmed from a real run of llama.cpp 0c1e570 on the default model), the table and the error path."""
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,7 +45,10 @@ def bench():
 
 def test_llama_bench_rates_by_test_kind(bench):
     rates = bench.parse_llama_bench(LLAMA_BENCH_JSON)
-    assert rates == {"prefill": 251.932724, "decode": 88.311676}
+    # Tokens over the mean time of the repetitions (not llama-bench's noisier mean of rates).
+    assert rates["prefill"] == pytest.approx(128 / 1.825004627)
+    assert rates["decode"] == pytest.approx(64 / 0.730995743)
+    assert [r["n_prompt"] for r in rates["rows"]] == [128, 0]
     # Text before the array (a stray log line) does not break parsing.
     assert bench.parse_llama_bench("load_backend: CPU\n" + LLAMA_BENCH_JSON) == rates
 
@@ -71,3 +76,27 @@ def test_table_rows_and_ratios(bench):
     assert "| nano-vLLM / llama.cpp F16 | 1.60x | 2.50x | - |" in lines
     assert not any("Q8_0" in line for line in lines)  # no row for an engine that did not run
 
+
+
+def test_failed_step_names_itself_and_its_log(bench, tmp_path):
+    log = tmp_path / "logs" / "step.log"
+    cmd = [sys.executable, "-c", "print('compiler said no'); raise SystemExit(3)"]
+    with pytest.raises(bench.BuildError) as e:
+        bench.llamacpp_build.run_step("cmake build of llama.cpp", cmd, log)
+    message = str(e.value)
+    assert message.startswith("cmake build of llama.cpp failed (exit code 3)")
+    assert str(log) in message and "compiler said no" in message
+
+
+def test_build_failure_exits_2_with_one_error_line(bench, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise bench.BuildError("cmake configure of llama.cpp failed (exit code 1); last lines of /x.log:\nboom")
+
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", fail)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # restored after the test
+    monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    assert "error: cmake configure of llama.cpp failed" in capsys.readouterr().err
+    assert "OMP_WAIT_POLICY" not in os.environ  # the benchmark runs without it
