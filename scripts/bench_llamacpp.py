@@ -1,0 +1,219 @@
+"""Side-by-side CPU benchmark: llama.cpp (llama-bench, llama-batched-bench on F32 / F16 / Q8_0 GGUFs of
+the same checkpoint) then nano-vLLM fp32 on the same shapes; one markdown table per model.
+
+    python scripts/bench_llamacpp.py [--models default,qwen3] [--batches 1,8,32,64] [--threads N]
+                                     [--json FILE] [--skip-llamacpp | --skip-ours]
+
+Shapes: random 64-token prompts, greedy decoding, 64 decode steps per sequence, at each batch size
+(llama-batched-bench -npp 64 -ntg 64 -npl ...; llama.cpp's batch-1 decode is llama-bench -n 64), and a
+batch-1 prefill of 128 tokens (llama-bench -p 128). Decode tok/s = sequences x decode steps / decode
+time; prefill tok/s = prompt tokens / prefill time. Our steps are whole engine steps (scheduling and
+greedy sampling included); llama.cpp's time llama_decode. Both use --threads (default: every core).
+llama.cpp is built once into the nanovllm cache (see scripts/llamacpp_build.py) and the GGUFs are
+converted once. Benchmarks run without OMP_WAIT_POLICY=PASSIVE: this script unsets it (sleeping
+OpenMP threads wake late between ops; the llama.cpp build uses OpenMP too).
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import llamacpp_build  # noqa: E402
+from llamacpp_build import BuildError  # noqa: E402
+
+PROMPT_LEN, DECODE_STEPS, PREFILL_LEN = 64, 64, 128
+QUANTS = ("f32", "f16", "q8_0")
+LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "ours": "nano-vLLM fp32"}
+
+
+def model_folder(name: str) -> str:
+    """The HF folder of one of the --models names."""
+    if name == "default":
+        from nanovllm.utils.default_model import default_model_path
+        return default_model_path()
+    if name == "qwen3":
+        import bench  # the repo root's bench.py owns the random Qwen3-0.6B checkpoint
+        return bench.random_qwen3_checkpoint()
+    raise ValueError(f"--models takes default and qwen3, got {name!r}")
+
+
+# ---- llama.cpp ----------------------------------------------------------------------------------
+def parse_llama_bench(stdout: str) -> dict:
+    """llama-bench -o json: {"prefill": pp tok/s, "decode": tg tok/s, "rows": its rows}. A rate is
+    tokens / mean time over the repetitions (total tokens / total time, as ours), not its avg_ts."""
+    rows = json.loads(stdout[stdout.index("["):])
+    out = {"rows": rows}
+    for row in rows:
+        if row["n_gen"] == 0:
+            out["prefill"] = row["n_prompt"] / (row["avg_ns"] * 1e-9)
+        elif row["n_prompt"] == 0:
+            out["decode"] = row["n_gen"] / (row["avg_ns"] * 1e-9)
+    return out
+
+
+def parse_batched_bench(stdout: str) -> dict[int, dict]:
+    """llama-batched-bench --output-format jsonl: its rows keyed by batch size (pl)."""
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return {int(row["pl"]): row for row in rows}
+
+
+def run_llamacpp(bins: dict[str, Path], gguf: Path, batches: list[int], threads: int, logs: Path) -> dict:
+    """llama-bench then llama-batched-bench on one GGUF; the tok/s of each column plus their raw rows."""
+    stem = gguf.stem
+    out = logs / f"bench-{stem}.json"
+    llamacpp_build.run_step(f"llama-bench on {gguf.name}",
+                            [str(bins["llama-bench"]), "-m", str(gguf), "-p", str(PREFILL_LEN),
+                             "-n", str(DECODE_STEPS), "-t", str(threads), "-o", "json"],
+                            logs / f"bench-{stem}.log", stdout=out)
+    single = parse_llama_bench(out.read_text())
+    out = logs / f"batched-bench-{stem}.jsonl"
+    llamacpp_build.run_step(f"llama-batched-bench on {gguf.name}",
+                            [str(bins["llama-batched-bench"]), "-m", str(gguf),
+                             "-c", str(max(batches) * (PROMPT_LEN + DECODE_STEPS)), "-b", "2048", "-ub", "512",
+                             "-npp", str(PROMPT_LEN), "-ntg", str(DECODE_STEPS),
+                             "-npl", ",".join(map(str, batches)), "-t", str(threads), "--output-format", "jsonl"],
+                            logs / f"batched-bench-{stem}.log", stdout=out)
+    batched = parse_batched_bench(out.read_text())
+    decode = {b: batched[b]["speed_tg"] for b in batches if b in batched}
+    if "decode" in single:  # batch 1 from llama-bench -n 64, the figure llama.cpp users quote
+        decode[1] = single["decode"]
+    return {"decode": decode, "prefill": single.get("prefill"), "llama_bench": single["rows"],
+            "batched_bench": list(batched.values())}
+
+
+# ---- nano-vLLM ----------------------------------------------------------------------------------
+def time_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Add every prompt, then step to the end, timing prefill steps and decode steps apart."""
+    from nanovllm import SamplingParams
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    t = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
+    while not llm.is_finished():
+        start = time.perf_counter()
+        _, num_tokens = llm.step()
+        elapsed = time.perf_counter() - start
+        phase = "prefill" if num_tokens > 0 else "decode"
+        t[f"{phase}_s"] += elapsed
+        t[f"{phase}_tokens"] += abs(num_tokens)
+    return t
+
+
+def run_ours(path: str, batches: list[int], threads: int, seed: int = 0) -> dict:
+    """nano-vLLM fp32 on the llama.cpp shapes; every prompt is fresh random tokens (no prefix hits)."""
+    import torch
+    from nanovllm import LLM
+    torch.set_num_threads(threads)
+    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=max(batches),
+              max_model_len=PROMPT_LEN + DECODE_STEPS + PREFILL_LEN)
+    rng = random.Random(seed)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(llm.vocab_size) for _ in range(length)] for _ in range(n)]
+
+    result = {"decode": {}, "runs": {}}
+    try:
+        for b in batches:
+            time_batch(llm, prompts(b, PROMPT_LEN), max_tokens=3)  # warm-up at this shape
+            # NOTE: prefill samples the first token, so max_tokens = 1 + the decode steps.
+            t = time_batch(llm, prompts(b, PROMPT_LEN), max_tokens=1 + DECODE_STEPS)
+            assert t["decode_tokens"] == b * DECODE_STEPS, t
+            result["decode"][b] = t["decode_tokens"] / t["decode_s"]
+            result["runs"][b] = t
+        time_batch(llm, prompts(1, PREFILL_LEN), max_tokens=1)  # warm-up
+        runs = [time_batch(llm, prompts(1, PREFILL_LEN), max_tokens=1) for _ in range(3)]
+        result["prefill"] = 3 * PREFILL_LEN / sum(r["prefill_s"] for r in runs)
+        result["runs"]["prefill"] = runs
+    finally:
+        llm.exit()
+    return result
+
+
+# ---- the table ----------------------------------------------------------------------------------
+def table(name: str, results: dict, batches: list[int]) -> str:
+    """One markdown table: a row per engine, then our/their ratios against llama.cpp F32 and F16."""
+    cols = [f"decode @{b}" for b in batches] + [f"prefill {PREFILL_LEN}"]
+
+    def values(r: dict) -> list:
+        return [r["decode"].get(b) for b in batches] + [r.get("prefill")]
+
+    lines = [f"### {name} (tok/s, {results['threads']} threads)", "",
+             "| engine | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    rows = {k: values(results[k]) for k in (*QUANTS, "ours") if k in results}
+    for key, vals in rows.items():
+        lines.append(f"| {LABELS[key]} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " |")
+    if "ours" in rows:
+        for ref in ("f32", "f16"):
+            if ref in rows:
+                ratio = [None if a is None or b is None else a / b for a, b in zip(rows["ours"], rows[ref])]
+                lines.append(f"| nano-vLLM / {LABELS[ref]} | "
+                             + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratio) + " |")
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="default,qwen3", help="comma-separated: default (SmolLM2-135M), qwen3")
+    p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    p.add_argument("--threads", type=int, default=cores, help="default: every core")
+    p.add_argument("--json", help="save every figure and llama.cpp's raw rows to this file")
+    skip = p.add_mutually_exclusive_group()
+    skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")
+    skip.add_argument("--skip-ours", action="store_true", help="run only llama.cpp")
+    args = p.parse_args()
+    try:
+        args.batches = sorted({int(b) for b in args.batches.split(",")})
+    except ValueError:
+        p.error(f"--batches takes comma-separated integers, got {args.batches!r}")
+    if args.batches[0] < 1 or args.threads < 1:
+        p.error(f"--batches and --threads must be >= 1, got {args.batches} and {args.threads}")
+    args.models = args.models.split(",")
+    for m in args.models:
+        if m not in ("default", "qwen3"):
+            p.error(f"--models takes default and qwen3, got {m!r}")
+    return args
+
+
+def main() -> None:
+    # NOTE: before the first torch import (OpenMP reads it once); llama.cpp inherits the change.
+    if os.environ.pop("OMP_WAIT_POLICY", None) is not None:
+        print("note: OMP_WAIT_POLICY unset: benchmarks run without it", file=sys.stderr)
+    args = parse_args()
+    from nanovllm.utils.default_model import cache_root
+    cache = cache_root()
+    report = {"threads": args.threads, "batches": args.batches, "llama_cpp_python": llamacpp_build.VERSION,
+              "models": {}}
+    try:
+        bins = None if args.skip_llamacpp else llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count())
+        for name in args.models:
+            path = model_folder(name)
+            results = report["models"][name] = {"path": path, "threads": args.threads}
+            if bins is not None:
+                for quant in QUANTS:
+                    gguf = llamacpp_build.convert_to_gguf(cache, path, f"{name}-{Path(path).name}", quant)
+                    print(f"llama.cpp: {gguf.name} ...", flush=True)
+                    results[quant] = run_llamacpp(bins, gguf, args.batches, args.threads,
+                                                  llamacpp_build.work_dir(cache) / "logs")
+            if not args.skip_ours:
+                print(f"nano-vLLM: {path} ...", flush=True)
+                results["ours"] = run_ours(path, args.batches, args.threads)
+            print("\n" + table(f"{name}: {Path(path).name}", results, args.batches) + "\n", flush=True)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

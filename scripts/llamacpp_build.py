@@ -1,0 +1,192 @@
+"""llama.cpp for scripts/bench_llamacpp.py: fetches the llama.cpp vendored in the llama-cpp-python sdist,
+builds llama-bench and llama-batched-bench, and converts HF folders to GGUF, all cached in the nanovllm
+cache folder (keyed by version) so a second run does none of it again."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.3.36"  # llama-cpp-python release; it vendors llama.cpp commit 0c1e570
+TARGETS = ("llama-bench", "llama-batched-bench")
+OUTTYPES = ("f32", "f16", "q8_0")
+CONVERTER_DEPS = ("numpy", "sentencepiece", "safetensors", "torch", "transformers")
+QWEN2_VOCAB = "models/ggml-vocab-qwen2.gguf"  # 151936 tokens, the Qwen2/Qwen3 tokenizer
+
+
+class BuildError(RuntimeError):
+    """A step of fetching, building or converting failed; the message names it and its log."""
+
+
+def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -> None:
+    """Run cmd with its output in log (stdout in its own file when given); raise BuildError with
+    the log's last lines when it fails."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f, open(stdout or os.devnull, "w") as out:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=out if stdout else f, stderr=f).returncode
+        except OSError as e:
+            f.write(f"cannot start: {e}\n")
+            rc = -1
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-8:])
+        raise BuildError(f"{step} failed (exit code {rc}); last lines of {log}:\n{tail}")
+
+
+def work_dir(cache: Path) -> Path:
+    return cache / f"llama.cpp-{VERSION}"
+
+
+def fetch_source(cache: Path) -> Path:
+    """The vendored llama.cpp folder, unpacked from the sdist on first use."""
+    src = work_dir(cache) / "src"
+    llama = src / "vendor" / "llama.cpp"
+    if (llama / "CMakeLists.txt").is_file():
+        return llama
+    work_dir(cache).mkdir(parents=True, exist_ok=True)
+    logs = work_dir(cache) / "logs"
+    with tempfile.TemporaryDirectory(dir=work_dir(cache), prefix=".fetch-") as tmp:
+        run_step("pip download of the llama-cpp-python sdist",
+                 [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                  "--disable-pip-version-check", "--dest", tmp, f"llama-cpp-python=={VERSION}"],
+                 logs / "download.log")
+        sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            raise BuildError(f"pip download left no sdist in {tmp}; see {logs / 'download.log'}")
+        with tarfile.open(sdists[0]) as tar:  # the "data" filter refuses links and paths out of tmp
+            tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        unpacked = Path(tmp) / f"llama_cpp_python-{VERSION}"
+        if not (unpacked / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+            raise BuildError(f"the sdist {sdists[0].name} has no vendor/llama.cpp")
+        shutil.rmtree(src, ignore_errors=True)
+        os.replace(unpacked, src)  # atomic: the source folder is whole or absent
+    return llama
+
+
+def build_tool(name: str) -> str:
+    """cmake or ninja from PATH, else from pip (installed into this Python's environment)."""
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    run_step(f"pip install {name}", [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", name],
+             Path(tempfile.gettempdir()) / f"nanovllm-pip-{name}.log")
+    found = shutil.which(name, path=str(Path(sys.executable).parent))
+    if not found:
+        raise BuildError(f"pip installed {name} but no `{name}` is next to {sys.executable}")
+    return found
+
+
+def ensure_converter_deps() -> None:
+    """The converter imports these (gguf comes vendored); pip-install the missing ones like cmake above."""
+    import importlib.util
+    missing = [m for m in CONVERTER_DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"installing {', '.join(missing)} with pip for convert_hf_to_gguf.py ...", flush=True)
+        run_step(f"pip install {' '.join(missing)}",
+                 [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *missing],
+                 Path(tempfile.gettempdir()) / "nanovllm-pip-converter.log")
+
+
+def build_llamacpp(cache: Path, jobs: int | None = None) -> dict[str, Path]:
+    """Paths of the built TARGETS, configuring and building them only when the stamp is missing."""
+    work = work_dir(cache)
+    build = work / "build"
+    bins = {t: build / "bin" / t for t in TARGETS}
+    stamp = work / "build-ok.json"
+    if stamp.is_file() and all(p.is_file() for p in bins.values()):
+        return bins
+    llama = fetch_source(cache)
+    cmake, ninja = build_tool("cmake"), build_tool("ninja")
+    print(f"building llama.cpp ({', '.join(TARGETS)}) in {build} (once; minutes) ...", flush=True)
+    run_step("cmake configure of llama.cpp",
+             [cmake, "-S", str(llama), "-B", str(build), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+             work / "logs" / "configure.log")
+    run_step("cmake build of llama.cpp",
+             [cmake, "--build", str(build), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 1)],
+             work / "logs" / "build.log")
+    missing = [str(p) for p in bins.values() if not p.is_file()]
+    if missing:
+        raise BuildError(f"the llama.cpp build finished but left no {', '.join(missing)}")
+    stamp.write_text(json.dumps({"llama_cpp_python": VERSION, "targets": TARGETS}))
+    return bins
+
+
+def fingerprint(model_dir: str) -> str:
+    """Short key of a HF folder's config and weight files, so a rebuilt checkpoint is converted anew."""
+    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    return h.hexdigest()[:10]
+
+
+def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Path:
+    """model_dir converted by the vendored convert_hf_to_gguf.py, cached as gguf/<name>-<key>-<outtype>.gguf.
+
+    A folder without tokenizer files (bench.py's random Qwen3) gets the vendored Qwen2 vocabulary."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
+    out = work_dir(cache) / "gguf" / f"{name}-{fingerprint(model_dir)}-{outtype}.gguf"
+    if out.is_file():
+        return out
+    llama = fetch_source(cache)
+    ensure_converter_deps()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        model_dir = str(with_qwen2_tokenizer(model_dir, llama, work_dir(cache) / f"{name}-with-vocab"))
+    print(f"converting {model_dir} to {out.name} (once) ...", flush=True)
+    # The converter puts its own (vendored) gguf-py first on sys.path.
+    run_step(f"conversion of {name} to {outtype}",
+             [sys.executable, str(llama / "convert_hf_to_gguf.py"), model_dir, "--outtype", outtype,
+              "--outfile", str(tmp)],
+             work_dir(cache) / "logs" / f"convert-{name}-{outtype}.log")
+    os.replace(tmp, out)
+    return out
+
+
+# Qwen2's pre-tokenizer split (its tokenizer.json), so the converter recognises the vocabulary as "qwen2".
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def with_qwen2_tokenizer(model_dir: str, llama: Path, dest: Path) -> Path:
+    """dest: model_dir's files linked, plus a HF tokenizer.json rebuilt from the vendored Qwen2 vocab."""
+    sys.path.insert(0, str(llama / "gguf-py"))
+    import gguf  # the vendored gguf-py, the one the converter uses
+
+    reader = gguf.GGUFReader(str(llama / QWEN2_VOCAB))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    normal, control = gguf.TokenType.NORMAL, gguf.TokenType.CONTROL
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}
+                         for i, (t, ty) in enumerate(zip(tokens, types)) if ty == control],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == normal},
+                  "merges": [m.split(" ") for m in merges]},
+    }
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        (dest / f.name).symlink_to(f.absolute())
+    (dest / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    (dest / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "add_bos_token": False}))
+    return dest

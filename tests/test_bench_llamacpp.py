@@ -1,0 +1,102 @@
+"""scripts/bench_llamacpp.py's pure parts: parsing llama-bench / llama-batched-bench output (samples
+trimmed from a real run of llama.cpp 0c1e570 on the default model), the table and the error path."""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_llamacpp.py"
+
+# llama-bench -p 128 -n 64 -t 2 -o json (stdout), fields trimmed.
+LLAMA_BENCH_JSON = """[
+  {
+    "build_commit": "0c1e570", "model_type": "llama 256M all F32", "n_threads": 2,
+    "type_k": "f16", "type_v": "f16", "flash_attn": -1,
+    "n_prompt": 128, "n_gen": 0, "n_depth": 0,
+    "avg_ns": 1825004627, "stddev_ns": 3891631978, "avg_ts": 251.932724, "stddev_ts": 424.868185,
+    "samples_ts": [ 40.9737, 50.9556, 91.1697, 65.3556, 1011.21 ]
+  },
+  {
+    "build_commit": "0c1e570", "model_type": "llama 256M all F32", "n_threads": 2,
+    "type_k": "f16", "type_v": "f16", "flash_attn": -1,
+    "n_prompt": 0, "n_gen": 64, "n_depth": 0,
+    "avg_ns": 730995743, "stddev_ns": 77439643, "avg_ts": 88.311676, "stddev_ts": 8.979086,
+    "samples_ts": [ 76.3006, 81.5597, 97.2086, 91.6932, 94.7963 ]
+  }
+]
+"""
+
+# llama-batched-bench ... -npp 64 -ntg 64 -npl 1,8 -t 2 --output-format jsonl (stdout), verbatim rows.
+BATCHED_BENCH_JSONL = """
+{"n_kv_max": 2048, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 64, "tg": 64, "pl": 1, "n_kv": 128, "t_pp": 0.073640, "speed_pp": 869.092957, "t_tg": 0.670418, "speed_tg": 95.462830, "t": 0.744058, "speed": 172.029602}
+{"n_kv_max": 2048, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 64, "tg": 64, "pl": 8, "n_kv": 1024, "t_pp": 0.500760, "speed_pp": 1022.445862, "t_tg": 1.749952, "speed_tg": 292.579468, "t": 2.250712, "speed": 454.967163}
+"""
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_bench_rates_by_test_kind(bench):
+    rates = bench.parse_llama_bench(LLAMA_BENCH_JSON)
+    # Tokens over the mean time of the repetitions (not llama-bench's noisier mean of rates).
+    assert rates["prefill"] == pytest.approx(128 / 1.825004627)
+    assert rates["decode"] == pytest.approx(64 / 0.730995743)
+    assert [r["n_prompt"] for r in rates["rows"]] == [128, 0]
+    # Text before the array (a stray log line) does not break parsing.
+    assert bench.parse_llama_bench("load_backend: CPU\n" + LLAMA_BENCH_JSON) == rates
+
+
+def test_batched_bench_rows_by_batch_size(bench):
+    rows = bench.parse_batched_bench("main: n_kv_max = 2048\n" + BATCHED_BENCH_JSONL)
+    assert sorted(rows) == [1, 8]
+    for pl, row in rows.items():
+        # speed_tg is sequences x decode steps / decode time, the definition our figures use.
+        assert row["speed_tg"] == pytest.approx(pl * row["tg"] / row["t_tg"], rel=1e-5)
+    assert rows[8]["speed_tg"] == 292.579468
+
+
+def test_table_rows_and_ratios(bench):
+    results = {"threads": 2,
+               "f32": {"decode": {1: 100.0, 8: 400.0}, "prefill": 1000.0},
+               "f16": {"decode": {1: 50.0, 8: 200.0}, "prefill": None},
+               "ours": {"decode": {1: 80.0, 8: 500.0}, "prefill": 250.0}}
+    lines = bench.table("m", results, [1, 8]).splitlines()
+    assert lines[2] == "| engine | decode @1 | decode @8 | prefill 128 |"
+    assert "| llama.cpp F32 | 100.0 | 400.0 | 1000.0 |" in lines
+    assert "| llama.cpp F16 | 50.0 | 200.0 | - |" in lines
+    assert "| nano-vLLM fp32 | 80.0 | 500.0 | 250.0 |" in lines
+    assert "| nano-vLLM / llama.cpp F32 | 0.80x | 1.25x | 0.25x |" in lines
+    assert "| nano-vLLM / llama.cpp F16 | 1.60x | 2.50x | - |" in lines
+    assert not any("Q8_0" in line for line in lines)  # no row for an engine that did not run
+
+
+
+def test_failed_step_names_itself_and_its_log(bench, tmp_path):
+    log = tmp_path / "logs" / "step.log"
+    cmd = [sys.executable, "-c", "print('compiler said no'); raise SystemExit(3)"]
+    with pytest.raises(bench.BuildError) as e:
+        bench.llamacpp_build.run_step("cmake build of llama.cpp", cmd, log)
+    message = str(e.value)
+    assert message.startswith("cmake build of llama.cpp failed (exit code 3)")
+    assert str(log) in message and "compiler said no" in message
+
+
+def test_build_failure_exits_2_with_one_error_line(bench, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise bench.BuildError("cmake configure of llama.cpp failed (exit code 1); last lines of /x.log:\nboom")
+
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", fail)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # restored after the test
+    monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    assert "error: cmake configure of llama.cpp failed" in capsys.readouterr().err
+    assert "OMP_WAIT_POLICY" not in os.environ  # the benchmark runs without it
