@@ -4,16 +4,19 @@ ModelRunner calls SamplingMetadata.build() (the "prepare" half); Sampler consume
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SAMPLING_EPS
 
+if TYPE_CHECKING:  # NOTE: annotations only: the sampler sits below the engine and never imports it
+    from nanovllm.engine.sequence import Sequence
 
-def rows_to_sample(seqs: list[Sequence], num_new_tokens: list[int]) -> list[bool]:
+
+def rows_to_sample(seqs: "list[Sequence]", num_new_tokens: list[int]) -> list[bool]:
     """Which rows of a step produce a token: all but mid-prompt chunks. Call before postprocess."""
     return [seq.num_computed_tokens + n >= len(seq) for seq, n in zip(seqs, num_new_tokens)]
 
@@ -65,7 +68,7 @@ class SamplingMetadata:
         return md
 
     @classmethod
-    def build(cls, seqs: list[Sequence], num_new_tokens: list[int], vocab_size: int,
+    def build(cls, seqs: "list[Sequence]", num_new_tokens: list[int], vocab_size: int,
               eos_token_ids: frozenset | set, device: torch.device,
               to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "SamplingMetadata":
         """device: where the step's logits are (seeded rows' generators live there); to_device: the

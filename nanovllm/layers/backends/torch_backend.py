@@ -13,7 +13,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
     """The first num_tokens cached rows of one sequence: [num_tokens, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
-    # index_select is ~4x faster than advanced indexing on CPU for this gather.
+    # index_select copies whole blocks; advanced indexing builds an index per element (docs/performance.md item 2).
     rows = cache.index_select(0, block_table[:num_blocks])  # [num_blocks, block_size, num_kv_heads, head_dim]
     return rows.flatten(0, 1)[:num_tokens]
 
@@ -27,8 +27,8 @@ def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
          is_causal: bool) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D], grouped-query aware.
-    NOTE: 4-D inputs (a batch of one): with 3-D ones torch takes its unfused math path on CPU,
-    2.3x slower for a 200-token causal prefill (docs/performance.md)."""
+    NOTE: 4-D inputs (a batch of one): with 3-D ones torch takes its unfused math path on CPU
+    (docs/performance.md item 9)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
