@@ -13,8 +13,15 @@ import nanovllm
 from nanovllm import LLM, SamplingParams
 from nanovllm.integrations.ray import NanoVLLMPredictor, generate_dataset, import_ray, resources_per_actor
 
-HAS_RAY = importlib.util.find_spec("ray") is not None
-needs_ray = pytest.mark.skipif(not HAS_RAY, reason="ray is not installed (pip install 'nano-vllm[ray]')")
+def is_importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
+
+
+NO_RAY = "ray is not installed (pip install 'nano-vllm[ray]')"
+needs_ray = pytest.mark.skipif(not is_importable("ray"), reason=NO_RAY)
 
 ENGINE = dict(max_model_len=64, cpu_kvcache_bytes=4 * 2**20)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
@@ -163,7 +170,8 @@ def descendants() -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'nano-vllm[ray]')")
+    ray = pytest.importorskip("ray", reason=NO_RAY)
+    pytest.importorskip("psutil", reason="the shutdown check lists processes with psutil")
     before = set(descendants())
     root = os.path.dirname(os.path.dirname(nanovllm.__file__))
     # Small and quiet: no dashboard, a small object store; actors import this checkout's nanovllm.
