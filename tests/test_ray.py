@@ -103,6 +103,21 @@ def test_pandas_and_arrow_batches(predictor, reference):
     assert rows_of(predictor(table), OUTPUT_NAMES) == expected
 
 
+def test_row_keeps_defaults_that_greedy_normalization_drops(qwen3_gqa, reference):
+    # A greedy default drops top_p inside SamplingParams; a row that raises the temperature must
+    # still sample with the default top_p it was given.
+    p = NanoVLLMPredictor(qwen3_gqa, sampling_params={"temperature": 0.0, "top_p": 0.3, "max_tokens": 8,
+                                                      "ignore_eos": True}, **ENGINE)
+    try:
+        out = p({"prompt": np.array(TEXTS, dtype=object), "temperature": np.full(4, 1.5), "seed": np.arange(4)})
+    finally:
+        p.exit()
+    kept, dropped = ([SamplingParams(temperature=1.5, top_p=top_p, max_tokens=8, ignore_eos=True, seed=i)
+                      for i in range(4)] for top_p in (0.3, 1.0))
+    assert rows_of(out, OUTPUT_NAMES) == expected_rows(reference, TEXTS, kept)
+    assert expected_rows(reference, TEXTS, kept) != expected_rows(reference, TEXTS, dropped)
+
+
 def test_empty_batch(predictor):
     out = predictor({"prompt": np.array([], dtype=object)})
     assert all(len(out[name]) == 0 for name in OUTPUT_NAMES)
@@ -143,6 +158,9 @@ def test_bad_arguments(predictor, qwen3_gqa):
         NanoVLLMPredictor(qwen3_gqa, sampling_params=0.5)
     with pytest.raises(ValueError, match="temperature"):
         NanoVLLMPredictor(qwen3_gqa, sampling_params={"temperature": -1})
+    for bad in ({"n": 2}, SamplingParams(logprobs=1)):
+        with pytest.raises(ValueError, match="n=1 and logprobs=None"):
+            NanoVLLMPredictor(qwen3_gqa, sampling_params=bad)
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
         resources_per_actor(0)
     assert resources_per_actor(2) == {"num_cpus": 2, "num_gpus": 0}

@@ -129,8 +129,11 @@ def row_overrides(columns: dict, row: int) -> dict[str, tuple[str, object]]:
     return found
 
 
-def read_sampling_params(columns: dict, n: int, default: SamplingParams) -> list[SamplingParams]:
-    """Each row's SamplingParams: the default with the row's sampling columns put over it."""
+def read_sampling_params(columns: dict, n: int, defaults: dict) -> list[SamplingParams]:
+    """Each row's SamplingParams: the default fields with the row's sampling columns put over them.
+    NOTE: `defaults` are the fields as given, not a built SamplingParams, whose greedy normalization
+    would drop a default top_p that a row raising the temperature should keep."""
+    default = SamplingParams(**defaults)
     if SAMPLING_DICT_COLUMN not in columns and not any(name in columns for name in SAMPLING_COLUMNS):
         return [default] * n
     params = []
@@ -140,7 +143,7 @@ def read_sampling_params(columns: dict, n: int, default: SamplingParams) -> list
             params.append(default)
             continue
         try:
-            params.append(dataclasses.replace(default, **{k: as_field_value(k, v) for k, (_, v) in found.items()}))
+            params.append(SamplingParams(**{**defaults, **{k: as_field_value(k, v) for k, (_, v) in found.items()}}))
         except (TypeError, ValueError) as e:
             sources = sorted({repr(source) for source, _ in found.values()})
             raise ValueError(f"row {row}: bad sampling value in column(s) {', '.join(sources)}: {e}") from e

@@ -6,6 +6,7 @@ generate_dataset() wire it up. Ray is imported only by the functions that need i
                    compute=ray.data.ActorPoolStrategy(size=N), batch_size=B,
                    **resources_per_actor(tensor_parallel_size))
 """
+import dataclasses
 import logging
 
 from nanovllm.integrations.columns import (num_rows, output_columns, read_batch, read_prompts,
@@ -29,15 +30,22 @@ def import_ray():
     return ray
 
 
-def as_sampling_params(sampling_params: SamplingParams | dict | None) -> SamplingParams:
+def default_fields(sampling_params: SamplingParams | dict | None) -> dict:
+    """Every row's default SamplingParams fields, checked by building them once."""
     if sampling_params is None:
-        return SamplingParams()
-    if isinstance(sampling_params, dict):
-        return SamplingParams(**sampling_params)
-    if not isinstance(sampling_params, SamplingParams):
+        fields = {}
+    elif isinstance(sampling_params, dict):
+        fields = dict(sampling_params)
+    elif isinstance(sampling_params, SamplingParams):
+        fields = {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(SamplingParams)}
+    else:
         raise TypeError(f"sampling_params must be a SamplingParams, a dict of its fields or None, "
                         f"got {type(sampling_params).__name__}")
-    return sampling_params
+    params = SamplingParams(**fields)
+    if params.n != 1 or params.logprobs is not None:
+        raise ValueError(f"sampling_params must keep n=1 and logprobs=None (one output row per input row, "
+                         f"no logprobs column), got n={params.n}, logprobs={params.logprobs}")
+    return fields
 
 
 class NanoVLLMPredictor:
@@ -60,14 +68,14 @@ class NanoVLLMPredictor:
     """
 
     def __init__(self, model: str, sampling_params: SamplingParams | dict | None = None, **engine_options):
-        self.default_params = as_sampling_params(sampling_params)
+        self.default_fields = default_fields(sampling_params)
         self.llm = LLM(model, **engine_options)
 
     def __call__(self, batch):
         columns = read_batch(batch)
         n = num_rows(columns)
         prompts = read_prompts(columns, n)
-        params = read_sampling_params(columns, n, self.default_params)
+        params = read_sampling_params(columns, n, self.default_fields)
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if n else []
         return write_batch(batch, columns, output_columns(outputs))
 
@@ -90,7 +98,7 @@ def generate_dataset(dataset, model: str, *, concurrency: int = 1, batch_size: i
     """`dataset` with the output columns added: map_batches over `concurrency` NanoVLLMPredictor
     actors (batches of `batch_size` rows), each reserving resources_per_actor(tensor_parallel_size)."""
     ray = import_ray()
-    as_sampling_params(sampling_params)  # a bad value fails here, not in every actor
+    default_fields(sampling_params)  # a bad value fails here, not in every actor
     resources = resources_per_actor(engine_options.get("tensor_parallel_size", 1), use_gpu)
     # A fixed pool of `concurrency` actors (map_batches' `concurrency=` says the same, deprecated in Ray 2.51).
     pool = ray.data.ActorPoolStrategy(size=concurrency)
