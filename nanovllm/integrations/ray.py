@@ -70,6 +70,8 @@ class NanoVLLMPredictor:
     def __init__(self, model: str, sampling_params: SamplingParams | dict | None = None, **engine_options):
         self.default_fields = default_fields(sampling_params)
         self.llm = LLM(model, **engine_options)
+        logger.info("engine ready in this actor: %s, tensor_parallel_size=%d", model,
+                    self.llm.config.tensor_parallel_size)
 
     def __call__(self, batch):
         columns = read_batch(batch)
