@@ -81,8 +81,8 @@ class GrammarCache:
             if kind == "json":
                 # Compact JSON (no free whitespace): a model cannot pad the output with blanks forever.
                 return compiler.compile_json_schema(params.json, any_whitespace=False)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
