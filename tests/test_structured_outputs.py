@@ -24,7 +24,7 @@ CHOICES = ["yes", "no", "maybe not"]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "n"],
           "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
                          "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                         "tag": {"type": "string", "maxLength": 4}}}
+                         "tag": {"type": "string", "pattern": "^[a-z]{0,4}$"}}}
 
 
 def constrained(**kwargs) -> StructuredOutputsParams:
