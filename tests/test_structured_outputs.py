@@ -2,6 +2,7 @@
 output is in the grammar's language (checked with Python's re / json / jsonschema), and every
 sampled token is one a fresh xgrammar matcher accepts, under each sampling option."""
 import json
+import pickle
 import re
 import subprocess
 import sys
@@ -207,3 +208,16 @@ def test_bitmask_matches_xgrammar_reference():
     xgr.apply_token_bitmask_inplace(reference, full, indices=rows.tolist())
     assert torch.equal(ours, reference) and not torch.equal(ours, logits)
     assert torch.equal(ours[1], logits[1])  # a row without a grammar is untouched
+
+
+def test_tensor_parallel_and_chunked_prefill(model_dir, llm):
+    """TP=2 (the sampler, hence the mask, on rank 0 only) with prompts prefilled in chunks gives
+    TP=1's tokens; workers never receive a matcher (a Sequence's wire format has none)."""
+    sp = SamplingParams(temperature=0, max_tokens=24, n=2, structured_outputs=constrained(regex=REGEX))
+    prompts = ["a longer prompt that takes two chunks to prefill " * 2, "short"]
+    expected = [c["token_ids"] for c in completions(llm.generate(prompts, sp, use_tqdm=False))]
+    with LLM(model_dir, **dict(ENGINE, tensor_parallel_size=2, max_num_batched_tokens=64)) as tp2:
+        seq = tp2.make_group("hi", sp)[0]
+        assert seq.grammar is not None and not hasattr(pickle.loads(pickle.dumps(seq)), "grammar")
+        got = [c["token_ids"] for c in completions(tp2.generate(prompts, sp, use_tqdm=False))]
+    assert got == expected
