@@ -221,3 +221,17 @@ def test_tensor_parallel_and_chunked_prefill(model_dir, llm):
         assert seq.grammar is not None and not hasattr(pickle.loads(pickle.dumps(seq)), "grammar")
         got = [c["token_ids"] for c in completions(tp2.generate(prompts, sp, use_tqdm=False))]
     assert got == expected
+
+
+def test_an_empty_language_ends_only_its_own_output(llm):
+    """`root ::= root` compiles but allows no token: that output ends at once on EOS (under any
+    sampling), its batch companions are untouched."""
+    sp = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=constrained(grammar="root ::= root")),
+          SamplingParams(temperature=0, max_tokens=8, structured_outputs=constrained(choice=["ok"]))]
+    empty, fine = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    assert (empty["finish_reason"], empty["token_ids"], empty["text"]) == ("stop", [1], "")
+    assert fine["text"] == "ok"
+    sampled = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=8,
+                             structured_outputs=constrained(grammar="root ::= root"))
+    empty = llm.generate(PROMPTS[:1], sampled, use_tqdm=False)[0]
+    assert (empty["finish_reason"], empty["token_ids"]) == ("stop", [1])
