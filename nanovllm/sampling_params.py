@@ -2,6 +2,7 @@
 
 Validated at construction; the sampler (sample/sampling_metadata.py) and the engine read them.
 """
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -40,6 +41,78 @@ def _check_range(name: str, value, low: float, high: float, *, low_open: bool = 
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's names): set exactly one of the fields.
+
+    json: a JSON schema (dict, or its JSON text); json_object: True for any JSON object;
+    regex: a regular expression the whole output matches; choice: the output is one of these
+    strings; grammar: an EBNF grammar (GBNF, llama.cpp's dialect, with a `root` rule).
+    Checked for shape here; compiled (and a bad schema / regex / grammar refused with a
+    ValueError) when the engine takes the request. Needs the `grammar` extra (xgrammar).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+            if self.json_object:
+                given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {given or 'none'}")
+        if self.json is not None:
+            self._check_json()
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    def _check_json(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON text: {e}") from None
+        else:
+            schema = self.json
+        if not isinstance(schema, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                             f"got {type(schema).__name__} {schema!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): equal keys compile to the same grammar (the compile cache's key)."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            return kind, json.dumps(value, sort_keys=True)
+        if kind == "choice":
+            return kind, json.dumps(value)
+        return kind, value
+
+
+@dataclass
 class SamplingParams:
     """Decoding options of one request (field names and defaults follow vLLM, except max_tokens=64).
 
@@ -58,6 +131,9 @@ class SamplingParams:
     logprobs: return, for each generated token, the log-probabilities (of the raw model logits,
     before penalties and temperature) of the top `logprobs` tokens plus the chosen one.
     n: completions per prompt; they share the prompt's KV blocks through the prefix cache.
+    structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (see
+    StructuredOutputsParams); applied to the logits before every other option; the output ends
+    ("stop") when the grammar can go no further.
     """
 
     temperature: float = 1.0
@@ -77,6 +153,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -94,6 +171,9 @@ class SamplingParams:
             _check_number("logprobs", self.logprobs, integer=True, none_means="no logprobs")
             if self.logprobs < 0:
                 raise ValueError(f"logprobs must be >= 0, or None for no logprobs, got {self.logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams, or None for no constraint, got "
+                            f"{type(self.structured_outputs).__name__} {self.structured_outputs!r}")
 
     def _check_sampling(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):

@@ -31,6 +31,26 @@ def make_tokenizer(path: str, vocab_size: int = 256):
     return fast
 
 
+def make_byte_tokenizer(path: str):
+    """A byte-level tokenizer: one token per byte (259 with <unk>, <eos>, <bos>), no merges, so any
+    text is a token sequence and decoding is exact (what grammar tests need); same chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<eos>", "<bos>"])}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   bos_token="<bos>", pad_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant {% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
 QWEN3_SHAPES = {
     # GQA 4:2, head_dim (32) != hidden / heads (16), no qkv bias, untied head.
     "gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -92,6 +92,7 @@ BAD = [
     ("logprobs", -1, ValueError, ["logprobs", "-1"]),
     ("logprobs", 2.0, TypeError, ["logprobs", "2.0"]),
     ("skip_special_tokens", None, TypeError, ["skip_special_tokens", "None"]),
+    ("structured_outputs", {"regex": "a"}, TypeError, ["structured_outputs", "dict"]),
 ]
 
 
@@ -116,6 +117,8 @@ NONE_MEANS = [
     ("top_k", -2, ValueError, "top_k must be >= 1, or 0 or -1 for no top-k, got -2"),
     ("stop", 5, TypeError, "stop must be a string, a list of strings or None, got int 5"),
     ("stop_token_ids", 3, TypeError, "stop_token_ids must be a list of ints or None, got int 3"),
+    ("structured_outputs", "a", TypeError,
+     "structured_outputs must be a StructuredOutputsParams, or None for no constraint, got str 'a'"),
 ]
 
 

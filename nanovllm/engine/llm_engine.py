@@ -14,6 +14,7 @@ from nanovllm.outputs.progress import GenerateProgress
 from nanovllm.outputs.streaming import StreamDelta
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sample import structured_outputs
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = structured_outputs.GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_ids)
         self.pending_siblings = PendingSiblings()
         self._step_request_ids: set | None = set()
 
@@ -101,6 +103,8 @@ class LLMEngine:
         if blocks_needed > self.num_kvcache_blocks:
             raise ValueError(f"request needs {blocks_needed} KV cache blocks ({longest} tokens) but the whole "
                              f"cache holds {self.num_kvcache_blocks}; lower max_tokens or give the cache more memory")
+        if sampling_params.structured_outputs is not None:
+            self.grammars.compile(sampling_params.structured_outputs)  # a bad spec fails here, unqueued
         return Sequence(token_ids, sampling_params)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
@@ -121,7 +125,11 @@ class LLMEngine:
         first = self.make_sequence(prompt, sampling_params)
         params = child_params(sampling_params)
         first.sampling_params = params[0]
-        return [first] + [Sequence(first.prompt_token_ids, p) for p in params[1:]]
+        seqs = [first] + [Sequence(first.prompt_token_ids, p) for p in params[1:]]
+        if sampling_params.structured_outputs is not None:
+            for seq in seqs:  # each completion walks the grammar on its own
+                seq.grammar = self.grammars.new_matcher(sampling_params.structured_outputs)
+        return seqs
 
     def queue_group(self, seqs: list[Sequence], request_id: object = None, stream: bool = False) -> None:
         request_id = seqs[0].seq_id if request_id is None else request_id
@@ -149,6 +157,9 @@ class LLMEngine:
             return StepOutput([], 0, 0, [])
         sampled = self.model_runner.run(out)
         finished = self.scheduler.postprocess(out, sampled.token_ids)
+        for seq in structured_outputs.advance(out.seqs, sampled.is_sampled):
+            self.scheduler.finish(seq, "stop")  # its grammar ended (on EOS, even under ignore_eos)
+            finished.append(seq)
         for seq in self.output_processor.process(out.seqs, sampled.is_sampled, sampled.logprobs):
             self.scheduler.finish(seq, "stop")  # a stop string matched
             finished.append(seq)

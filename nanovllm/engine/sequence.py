@@ -45,6 +45,9 @@ class Sequence:
         # Set by the engine's OutputProcessor once the sequence finishes.
         self.output_text: str | None = None
         self.output_logprobs: list[dict[int, float]] | None = None
+        # structured_outputs: this sequence's xgrammar GrammarMatcher, set by the engine (rank 0 only,
+        # never pickled); its state follows completion_token_ids, so preemption keeps it.
+        self.grammar = None
 
     def __len__(self) -> int:
         return self.num_tokens

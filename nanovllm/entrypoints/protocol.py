@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Request fields handed to SamplingParams under the same (vLLM) name when the client sets them.
 # SamplingParams itself validates their values; one it does not know raises TypeError -> 400.
@@ -27,6 +27,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's: usage (so far) in every chunk too, not only in the last one (needs include_usage).
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema. strict is accepted; the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_params(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs field: exactly one of these (StructuredOutputsParams checks)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -56,6 +92,13 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, vLLM's older guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -63,8 +106,30 @@ class _SamplingRequest(BaseModel):
 
     def sampling_kwargs(self) -> dict:
         """The fields the client set, by SamplingParams' names (unset ones keep its defaults)."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS
-                if name in self.model_fields_set and getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS
+                  if name in self.model_fields_set and getattr(self, name) is not None}
+        structured = self.structured_outputs_params()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
+        return kwargs
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint from whichever of the three ways the client used (one at most)."""
+        given: dict[str, StructuredOutputsParams] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format.to_params()
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given["structured_outputs"] = StructuredOutputsParams(**fields)
+        guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{kind}") is not None}
+        if guided:
+            if len(guided) > 1:
+                raise ValueError(f"give one guided_* field at most, got {sorted('guided_' + k for k in guided)}")
+            given["guided_" + next(iter(guided))] = StructuredOutputsParams(**guided)
+        if len(given) > 1:
+            raise ValueError(f"give one of response_format, structured_outputs and guided_* at most, got {sorted(given)}")
+        return next(iter(given.values()), None)
 
     @property
     def include_usage(self) -> bool:

@@ -1,7 +1,7 @@
 """Sampler: one token per row from the final logits, for the whole batch at once.
 
 ModelRunner calls it with a SamplingMetadata (sample/sampling_metadata.py). Order, as in vLLM:
-raw logprobs, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and
+raw logprobs, grammar mask (structured outputs), min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and
 one exact draw from the result, with the draw function the platform picks (platform.random_sample):
 an exponential race (Gumbel-max) or inverse-CDF.
 """
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from nanovllm.sample.sampling_metadata import SamplingMetadata
+from nanovllm.sample.structured_outputs import apply_token_bitmask
 
 TOP_P_CANDIDATES = 1024  # tokens searched for the top-p cut before falling back to a full sort
 # A draw: probs [num_rows, vocab], the generators of seeded rows, the generator of the others -> token ids.
@@ -191,6 +192,8 @@ class Sampler(nn.Module):
         logits = logits.float()
         # Raw logprobs: of the model's distribution, before penalties and temperature (vLLM's default).
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+        if md.grammar_rows is not None:  # first: every option below then sees only allowed tokens
+            logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         if md.banned_rows is not None:
             logits = logits.index_put((md.banned_rows, md.banned_token_ids),
                                       torch.tensor(float("-inf"), device=logits.device))

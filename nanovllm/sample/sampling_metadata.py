@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import xxhash
 
+from nanovllm.sample.structured_outputs import fill_bitmask
 from nanovllm.sampling_params import SAMPLING_EPS
 
 if TYPE_CHECKING:  # NOTE: annotations only: the sampler sits below the engine and never imports it
@@ -53,6 +54,8 @@ class SamplingMetadata:
     banned_token_ids: torch.Tensor | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+    grammar_rows: torch.Tensor | None = None       # int64 [num_grammar_rows]: rows under a grammar
+    grammar_bitmask: torch.Tensor | None = None    # int32 [num_grammar_rows, ceil(vocab / 32)]
 
     @classmethod
     def from_temperatures(cls, temperatures: torch.Tensor) -> "SamplingMetadata":
@@ -107,6 +110,10 @@ class SamplingMetadata:
         if any(p is not None and p.has_penalties for p in params):
             md._add_penalties(seqs, params, vocab_size, put)
         md._add_min_tokens(seqs, params, vocab_size, eos_token_ids, put)
+        grammars = fill_bitmask(seqs, sampled, vocab_size)
+        if grammars is not None:
+            md.grammar_rows = put(grammars[0], torch.int64)
+            md.grammar_bitmask = grammars[1] if to_device is None else to_device(grammars[1])
         return md
 
     def _add_penalties(self, seqs, params, vocab_size: int, put) -> None:
@@ -131,7 +138,9 @@ class SamplingMetadata:
     def _add_min_tokens(self, seqs, params, vocab_size: int, eos_token_ids, put) -> None:
         rows, ids = [], []
         for row, (seq, p) in enumerate(zip(seqs, params)):
-            if p is None or seq.num_completion_tokens >= p.min_tokens:
+            # A grammar decides alone where its output may end (banning its only way out would
+            # leave the row no token at all).
+            if p is None or seq.num_completion_tokens >= p.min_tokens or seq.grammar is not None:
                 continue
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             banned = sorted(t for t in banned if t < vocab_size)
