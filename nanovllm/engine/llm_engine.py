@@ -149,6 +149,7 @@ class LLMEngine:
             return StepOutput([], 0, 0, [])
         sampled = self.model_runner.run(out)
         finished = self.scheduler.postprocess(out, sampled.token_ids)
+        self.output_processor.add_prompt_logprobs(out.seqs, sampled.prompt_logprobs)
         for seq in self.output_processor.process(out.seqs, sampled.is_sampled, sampled.logprobs):
             self.scheduler.finish(seq, "stop")  # a stop string matched
             finished.append(seq)

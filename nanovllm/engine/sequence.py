@@ -45,6 +45,7 @@ class Sequence:
         # Set by the engine's OutputProcessor once the sequence finishes.
         self.output_text: str | None = None
         self.output_logprobs: list[dict[int, float]] | None = None
+        self.output_prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __len__(self) -> int:
         return self.num_tokens
