@@ -25,6 +25,7 @@ class RequestState:
     # One per prompt token, if asked: None for the first, then {token_id: logprob} (see output_of).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_sent_tokens: int = 0  # a stream's tokens and characters already handed out
+    is_prompt_sent: bool = False  # a stream's prompt_logprobs handed out (on its first delta)
     num_sent_chars: int = 0
 
 
@@ -126,8 +127,14 @@ class OutputProcessor:
             new_logprobs = logprobs[state.num_sent_tokens:]
             texts = token_texts(self.tokenizer, new_ids, new_logprobs)
         state.num_sent_tokens = len(completion)
-        return StreamDelta(state.request_id, state.index, new_ids, piece, seq.finish_reason,
-                           seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts)
+        delta = StreamDelta(state.request_id, state.index, new_ids, piece, seq.finish_reason,
+                            seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts)
+        if state.prompt_logprobs is not None and not state.is_prompt_sent:
+            # NOTE: a first delta comes only once the prompt is computed: its entries are complete.
+            state.is_prompt_sent = True
+            delta.prompt_logprobs = list(state.prompt_logprobs)
+            delta.prompt_token_texts = token_texts(self.tokenizer, seq.prompt_token_ids, delta.prompt_logprobs)
+        return delta
 
     def finalize(self, seq: Sequence) -> None:
         """Freeze a finished sequence's text and logprobs onto it and forget its state."""
