@@ -30,7 +30,7 @@ echo "== nanovllm serve (local-completions) =="
     2>"$LOG/lm_eval_server.log" | tee "$LOG/server_scores.txt" || { tail -20 "$LOG/lm_eval_server.log"; exit 1; }
 
 echo "== HF transformers (hf) =="
-"$PY" -m lm_eval run --model hf "${COMMON[@]}" --model_args "pretrained=$MODEL,dtype=float32,device=cpu" \
+"$PY" -m lm_eval run --model hf "${COMMON[@]}" --device cpu --model_args "pretrained=$MODEL,dtype=float32" \
     2>"$LOG/lm_eval_hf.log" | tee "$LOG/hf_scores.txt" || { tail -20 "$LOG/lm_eval_hf.log"; exit 1; }
 
 # The score rows (task, filter, metric, value) of both tables must match.

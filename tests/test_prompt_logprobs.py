@@ -109,3 +109,33 @@ def test_prompt_logprobs_cap():
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(TypeError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=1.5)
+
+
+def test_tensor_parallel_equals_hf(model_dir, hf_logprobs):
+    """TP=2: the LM head gathers every selected row to rank 0; workers select the same rows."""
+    llm = LLM(model_dir, **dict(ENGINE, tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=4))
+    try:
+        outs = llm.generate([P3, P2], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
+                            use_tqdm=False)
+        for prompt, out in zip([P3, P2], outs):
+            check_against_hf(out["prompt_logprobs"], prompt, hf_logprobs(prompt), 2)
+    finally:
+        llm.exit()
+
+
+def test_preempted_requests_keep_one_entry_per_prompt_token(model_dir, hf_logprobs):
+    """A cache of 10 blocks for four 2-block prompts growing to 3-4 blocks: some are preempted and
+    recomputed; their prompt logprobs are neither recomputed twice nor lost."""
+    probe = LLM(model_dir, **ENGINE)
+    block_bytes = probe.model_runner.kv_block_bytes()
+    probe.exit()
+    llm = LLM(model_dir, **dict(ENGINE, max_num_batched_tokens=32, max_num_seqs=4, cpu_kvcache_bytes=10 * block_bytes))
+    try:
+        prompts = [list(range(40, 60)), list(range(150, 170)), list(range(200, 222)), list(range(60, 80))]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1),
+                            use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+        for prompt, out in zip(prompts, outs):
+            check_against_hf(out["prompt_logprobs"], prompt, hf_logprobs(prompt), 1)
+    finally:
+        llm.exit()
