@@ -47,7 +47,9 @@ def check_against_hf(entries: list, prompt: list[int], ref: torch.Tensor, k: int
             assert entry[t] == pytest.approx(row[t].item(), abs=2e-4)
 
 
-def test_whole_prompt_equals_hf(model_dir, hf_logprobs):
+def test_whole_prompt_equals_hf(model_dir, hf_logprobs, monkeypatch):
+    # Slices of 7 rows: the fp32 logprobs of a step's prompt positions are made slice by slice.
+    monkeypatch.setattr("nanovllm.sample.prompt_logprobs.LOGPROB_ROWS", 7)
     llm = LLM(model_dir, **ENGINE)
     try:
         sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=5)

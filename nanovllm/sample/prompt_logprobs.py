@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+LOGPROB_ROWS = 1024  # prompt positions turned into fp32 logprobs at once
+
 if TYPE_CHECKING:  # NOTE: annotations only: the sampler sits below the engine and never imports it
     from nanovllm.engine.sequence import Sequence
 
@@ -91,10 +93,18 @@ def split_prompt_logits(logits: torch.Tensor, seqs: "list[Sequence]", num_new_to
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[list, list, list]:
     """log_softmax (fp32) of logits [M, vocab]: the targets' [M] logprobs and the top-k ids and
-    logprobs [M, k], as host lists."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    if k == 0:
-        return chosen, [[] for _ in chosen], [[] for _ in chosen]
-    top_lps, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
-    return chosen, top_ids.tolist(), top_lps.tolist()
+    logprobs [M, k], as host lists. NOTE: in slices of LOGPROB_ROWS rows, so the fp32 copies stay
+    small next to the [M, vocab] logits themselves (M <= max_num_batched_tokens)."""
+    chosen, top_ids, top_lps = [], [], []
+    for start in range(0, logits.shape[0], LOGPROB_ROWS):
+        logprobs = torch.log_softmax(logits[start: start + LOGPROB_ROWS].float(), dim=-1)
+        rows = targets[start: start + LOGPROB_ROWS]
+        chosen += logprobs.gather(1, rows.unsqueeze(1)).squeeze(1).tolist()
+        if k == 0:
+            top_ids += [[] for _ in range(len(rows))]
+            top_lps += [[] for _ in range(len(rows))]
+            continue
+        values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        top_ids += ids.tolist()
+        top_lps += values.tolist()
+    return chosen, top_ids, top_lps
