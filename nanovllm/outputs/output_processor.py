@@ -130,7 +130,7 @@ class OutputProcessor:
         delta = StreamDelta(state.request_id, state.index, new_ids, piece, seq.finish_reason,
                             seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts)
         if state.prompt_logprobs is not None and not state.is_prompt_sent:
-            # NOTE: a first delta comes only once the prompt is computed: its entries are complete.
+            # NOTE: a first delta comes once the prompt is computed (entries complete) or aborted.
             state.is_prompt_sent = True
             delta.prompt_logprobs = list(state.prompt_logprobs)
             delta.prompt_token_texts = token_texts(self.tokenizer, seq.prompt_token_ids, delta.prompt_logprobs)
