@@ -16,6 +16,9 @@ MIN_TEMPERATURE = 1e-2
 # Most completions one request may ask for: the engine builds one Sequence per completion up
 # front, so an unbounded n would let one call allocate without limit.
 MAX_N = 1024
+# Most prompt_logprobs one request may ask for (vLLM's default max_logprobs): each prompt position
+# carries that many entries, so the output grows with prompt length times this.
+MAX_PROMPT_LOGPROBS = 20
 
 
 def _check_number(name: str, value, *, integer: bool = False, none_means: str | None = None) -> None:
@@ -130,6 +133,8 @@ class SamplingParams:
     subtracted once per token present in the output / once per occurrence.
     logprobs: return, for each generated token, the log-probabilities (of the raw model logits,
     before penalties and temperature) of the top `logprobs` tokens plus the chosen one.
+    prompt_logprobs: return, for each prompt token, its log-probability given the tokens before it
+    plus the top `prompt_logprobs` tokens at that position (raw model logits; the first token: None).
     n: completions per prompt; they share the prompt's KV blocks through the prefix cache.
     structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (see
     StructuredOutputsParams); applied to the logits before every other option; the output ends
@@ -152,6 +157,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -174,6 +180,11 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("structured_outputs must be a StructuredOutputsParams, or None for no constraint, got "
                             f"{type(self.structured_outputs).__name__} {self.structured_outputs!r}")
+        if self.prompt_logprobs is not None:
+            _check_number("prompt_logprobs", self.prompt_logprobs, integer=True, none_means="no prompt logprobs")
+            if not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], or None for no "
+                                 f"prompt logprobs, got {self.prompt_logprobs}")
 
     def _check_sampling(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):

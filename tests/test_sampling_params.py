@@ -91,6 +91,9 @@ BAD = [
     ("frequency_penalty", -3, ValueError, ["frequency_penalty", "-3"]),
     ("logprobs", -1, ValueError, ["logprobs", "-1"]),
     ("logprobs", 2.0, TypeError, ["logprobs", "2.0"]),
+    ("prompt_logprobs", -1, ValueError, ["prompt_logprobs", "[0, 20]", "-1"]),
+    ("prompt_logprobs", 21, ValueError, ["prompt_logprobs", "[0, 20]", "21"]),
+    ("prompt_logprobs", 2.0, TypeError, ["prompt_logprobs", "2.0"]),
     ("skip_special_tokens", None, TypeError, ["skip_special_tokens", "None"]),
     ("structured_outputs", {"regex": "a"}, TypeError, ["structured_outputs", "dict"]),
 ]

@@ -10,6 +10,12 @@ import xxhash
 from nanovllm.engine.sequence import Sequence
 
 
+def needs_prompt_logits(seq: Sequence) -> bool:
+    """Whether seq's prefill still owes prompt logprobs: asked for, and no token sampled yet (a
+    sequence recomputed after preemption already returned them)."""
+    return seq.sampling_params.prompt_logprobs is not None and seq.num_completion_tokens == 0
+
+
 def compute_block_hash(token_ids: list[int], parent_hash: int | None) -> int:
     """Chained xxhash64 of one full block: the parent block's hash, then this block's token ids."""
     h = xxhash.xxh64()
@@ -96,7 +102,8 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
         """(block_id, hash) of the leading full blocks of seq already in the cache."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or needs_prompt_logits(seq):
+            # NOTE: prompt logprobs need the logits of every prompt position, so none may be skipped.
             return []
         hits: list[tuple[int, int]] = []
         parent = None

@@ -160,6 +160,7 @@ class LLMEngine:
         for seq in structured_outputs.advance(out.seqs, sampled.is_sampled):
             self.scheduler.finish(seq, "stop")  # its grammar ended (on EOS, even under ignore_eos)
             finished.append(seq)
+        self.output_processor.add_prompt_logprobs(out.seqs, sampled.prompt_logprobs)
         for seq in self.output_processor.process(out.seqs, sampled.is_sampled, sampled.logprobs):
             self.scheduler.finish(seq, "stop")  # a stop string matched
             finished.append(seq)

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import BlockManager, needs_prompt_logits
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -17,6 +17,8 @@ class SchedulerOutput:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
+    # Prefill rows whose every new position needs logits (prompt logprobs); None: no row does.
+    needs_prompt_logits: list[bool] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +70,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return SchedulerOutput(seqs, num_new, is_prefill=True)
+        needs = [needs_prompt_logits(seq) for seq in seqs]
+        return SchedulerOutput(seqs, num_new, is_prefill=True, needs_prompt_logits=needs if any(needs) else None)
 
     def _schedule_decode(self) -> SchedulerOutput:
         seqs: list[Sequence] = []

@@ -48,6 +48,7 @@ class Sequence:
         # structured_outputs: this sequence's xgrammar GrammarMatcher, set by the engine (rank 0 only,
         # never pickled); its state follows completion_token_ids, so preemption keeps it.
         self.grammar = None
+        self.output_prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -2,7 +2,7 @@
 (nanovllm/cli.py) or by tests through build_app() + uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health, and vLLM's POST /tokenize, /detokenize, GET /version, /metrics (Prometheus). Errors use
+GET /health, and vLLM's POST /tokenize, /detokenize, GET /tokenizer_info, /version, /metrics (Prometheus). Errors use
 OpenAI's body {"error": {"message", "type", "param", "code"}}. Every request's work is bounded
 before it is queued (limits.py).
 """
@@ -24,7 +24,8 @@ from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
 from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
                                            error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
-from nanovllm.entrypoints.tokenization import add_tokenize_routes, conversation_token_ids, prompt_token_ids
+from nanovllm.entrypoints.tokenization import (add_tokenize_routes, conversation_token_ids, echo_texts,
+                                               prompt_token_ids)
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
         prompt_ids = await prompt_token_ids(engine, prompts)
         check_context_length([len(ids) for ids in prompt_ids], params.max_tokens, max_model_len)
         gen = generation("cmpl", params.n, params.logprobs, arrival)
+        gen.num_prompt_logprobs = params.prompt_logprobs
+        if body.echo:
+            gen.echo_texts = await echo_texts(engine, prompts, prompt_ids)
         return await _respond(gen, request, body, prompt_ids, params, "completion")
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)

@@ -144,14 +144,15 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the completion
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: a top-level prompt_logprobs list in each choice
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -172,6 +173,10 @@ class CompletionRequest(_SamplingRequest):
             kwargs["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = self.prompt_logprobs
+        elif self.echo and self.logprobs is not None:
+            kwargs["prompt_logprobs"] = self.logprobs  # echoed prompt tokens carry logprobs too
         return SamplingParams(**kwargs)
 
 

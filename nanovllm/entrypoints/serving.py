@@ -23,6 +23,9 @@ class Choice:
     # With logprobs: (token text, its logprob, [(text, logprob)] of the top ones) per token.
     logprobs: list[tuple[str, float | None, list[tuple[str, float]]]] = field(default_factory=list)
     num_logprob_chars: int = 0  # text_offset of the next token (completions' logprobs format)
+    # With prompt_logprobs: one entry per prompt token (None first), and each id's text.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_texts: dict[int, str] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -47,6 +50,34 @@ def token_logprobs(delta: StreamDelta, top_n: int) -> list[tuple[str, float | No
     return entries
 
 
+def echo_logprobs(choice: Choice, prompt_ids: list[int], top_n: int) -> list:
+    """The echoed prompt's tokens as token_logprobs entries; the first has no logprob (top: None)."""
+    texts = choice.prompt_token_texts
+    entries: list = [(texts.get(prompt_ids[0], ""), None, None)]
+    for token_id, d in zip(prompt_ids[1:], (choice.prompt_logprobs or [])[1:]):
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+        entries.append((texts[token_id], _clamp(d[token_id]), [(texts[t], _clamp(lp)) for t, lp in top]))
+    return entries
+
+
+def vllm_prompt_logprobs(choice: Choice, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}; rank counts from 1 among the top k (None for a prompt token outside them)."""
+    out: list[dict | None] = []
+    texts = choice.prompt_token_texts
+    for d in choice.prompt_logprobs or []:
+        if d is None:
+            out.append(None)
+            continue
+        prompt_token = next(iter(d))  # the prompt token first, then the top k
+        ranks = {t: i + 1 for i, t in enumerate(sorted(d, key=lambda t: -d[t]))}
+        if len(d) > k:
+            ranks[prompt_token] = None  # not among the top k: its place is not known
+        out.append({str(t): {"logprob": _clamp(lp), "rank": ranks[t], "decoded_token": texts.get(t, "")}
+                    for t, lp in d.items()})
+    return out
+
+
 def completion_logprobs(choice: Choice, entries: list) -> dict:
     """OpenAI's legacy completions format: parallel lists, top_logprobs keyed by token text."""
     offsets = []
@@ -54,7 +85,7 @@ def completion_logprobs(choice: Choice, entries: list) -> dict:
         offsets.append(choice.num_logprob_chars)
         choice.num_logprob_chars += len(text)
     return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [dict(e[2]) for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e[2] is None else dict(e[2]) for e in entries], "text_offset": offsets}
 
 
 def chat_logprobs(entries: list) -> dict:
@@ -77,6 +108,9 @@ class Generation:
         self.out: asyncio.Queue = asyncio.Queue()
         self.prompt_index: dict[str, int] = {}  # engine request id -> prompt position
         self.prompt_lens: list[int] = []
+        self.prompt_ids: list[list[int]] = []
+        self.echo_texts: list[str] | None = None  # completions' echo: each prompt's text, set by the server
+        self.num_prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs, set by the server
         self.choices: list[Choice] = []
         self.num_unfinished = 0
 
@@ -95,6 +129,7 @@ class Generation:
         except BaseException:
             self.abort()
             raise
+        self.prompt_ids = list(accepted)
         self.prompt_lens = [len(prompt_ids) for prompt_ids in accepted]
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.num_unfinished = len(self.choices)
@@ -116,6 +151,9 @@ class Generation:
                     choice = self.choices[self.prompt_index[delta.request_id] * self.n + delta.index]
                     if delta.text:
                         choice.pieces.append(delta.text)
+                    if delta.prompt_logprobs is not None:
+                        choice.prompt_logprobs = delta.prompt_logprobs
+                        choice.prompt_token_texts = delta.prompt_token_texts or {}
                     entries = token_logprobs(delta, self.top_logprobs) if self.top_logprobs is not None else []
                     choice.logprobs += entries
                     choice.num_tokens = delta.num_output_tokens
@@ -155,11 +193,23 @@ class Generation:
 
 
 def completion_response(gen: Generation) -> dict:
-    has_logprobs = gen.top_logprobs is not None
-    choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": completion_logprobs(c, c.logprobs) if has_logprobs else None}
-               for c in gen.choices]
-    return {**gen.header("text_completion"), "choices": choices, "usage": gen.usage()}
+    return {**gen.header("text_completion"), "choices": [completion_choice(gen, c) for c in gen.choices],
+            "usage": gen.usage()}
+
+
+def completion_choice(gen: Generation, c: Choice) -> dict:
+    """One choice; with echo, the prompt's text (and its tokens' logprobs) come first."""
+    prompt = c.index // gen.n
+    text, entries = c.text, c.logprobs
+    if gen.echo_texts is not None:
+        text = gen.echo_texts[prompt] + text
+        if gen.top_logprobs is not None:
+            entries = echo_logprobs(c, gen.prompt_ids[prompt], gen.top_logprobs) + entries
+    out = {"index": c.index, "text": text, "finish_reason": c.finish_reason,
+           "logprobs": completion_logprobs(c, entries) if gen.top_logprobs is not None else None}
+    if c.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(c, gen.num_prompt_logprobs or 0)
+    return out
 
 
 def chat_response(gen: Generation) -> dict:

@@ -77,8 +77,38 @@ def _detokenize(llm, body: DetokenizeRequest) -> dict:
     return {"prompt": tokenizer.decode(body.tokens)}
 
 
+async def echo_texts(engine: AsyncEngine, prompts: list, prompt_ids: list[list[int]]) -> list[str]:
+    """Each prompt's text for a completion's echo: a text prompt as sent, token ids decoded."""
+    def texts(llm) -> list[str]:
+        return [p if isinstance(p, str) else _tokenizer_of(llm).decode(ids) for p, ids in zip(prompts, prompt_ids)]
+    return await on_engine(engine, texts)
+
+
+def _json_safe(value) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool)) or (
+        isinstance(value, (list, tuple)) and all(_json_safe(v) for v in value)) or (
+        isinstance(value, dict) and all(isinstance(k, str) and _json_safe(v) for k, v in value.items()))
+
+
+def _tokenizer_info(llm) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's class and its tokenizer_config.json settings (the
+    JSON-representable ones), with the chat template, special tokens and the engine's max length."""
+    tokenizer = _tokenizer_of(llm)
+    info = {k: v for k, v in getattr(tokenizer, "init_kwargs", {}).items() if _json_safe(v)}
+    info.update({k: str(v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)})
+    info.update(tokenizer_class=type(tokenizer).__name__, chat_template=getattr(tokenizer, "chat_template", None),
+                model_max_length=llm.config.max_model_len,
+                additional_special_tokens=[str(t) for t in tokenizer.all_special_tokens])
+    return info
+
+
 def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model) -> None:
-    """POST /tokenize and /detokenize with vLLM's bodies; `model` is optional, checked when given."""
+    """POST /tokenize and /detokenize with vLLM's bodies; `model` is optional, checked when given;
+    GET /tokenizer_info."""
+
+    @app.get("/tokenizer_info", responses=error_responses(400, 401))
+    async def tokenizer_info() -> dict:
+        return await on_engine(engine, _tokenizer_info)
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -13,6 +13,7 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import AttentionBatch, get_backend, pick_backend_name
+from nanovllm.sample.prompt_logprobs import logits_positions, split_prompt_logits
 from nanovllm.sample.sampler import SampledTokens, Sampler
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
@@ -139,19 +140,18 @@ class ModelRunner:
         """A host tensor on this rank's device (the platform's copy: pinned on CUDA)."""
         return self.platform.to_device(t, self.device)
 
-    def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
+    def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int],
+                        needs_prompt_logits: list[bool] | None = None):
         """(input_ids, positions, context, logits_indices) of a prefill step: logits_indices picks
-        each sequence's last new token."""
-        input_ids, positions, slots, context_lens, logits_indices = [], [], [], [], []
-        num_tokens = 0
+        each sequence's last new token, and every new token of the rows that need prompt logits."""
+        input_ids, positions, slots, context_lens = [], [], [], []
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_computed_tokens
             input_ids.extend(seq.uncomputed_token_ids(n))
             positions.append(np.arange(start, start + n))
             slots.append(self.slots_of(seq, start, start + n))
             context_lens.append(start + n)
-            num_tokens += n
-            logits_indices.append(num_tokens - 1)
+        logits_indices = logits_positions(num_new_tokens, needs_prompt_logits)
         batch = AttentionBatch(is_prefill=True, num_new_tokens=list(num_new_tokens), context_lens=context_lens,
                                block_tables=[seq.block_table for seq in seqs], to_device=self.to_device)
         context = Context(is_prefill=True, slot_mapping=self.to_device(torch.from_numpy(np.concatenate(slots))),
@@ -197,14 +197,21 @@ class ModelRunner:
         """One step: the token sampled for each scheduled sequence (rank 0; None on other ranks)."""
         metadata = self.prepare_sample(out) if self.rank == 0 else None
         if out.is_prefill:
-            input_ids, positions, context, logits_indices = self.prepare_prefill(out.seqs, out.num_new_tokens)
+            input_ids, positions, context, logits_indices = self.prepare_prefill(
+                out.seqs, out.num_new_tokens, out.needs_prompt_logits)
         else:
             input_ids, positions, context = self.prepare_decode(out.seqs)
             logits_indices = None
         logits = self.run_model(input_ids, positions, context, logits_indices)
         if self.rank != 0:
             return None
-        return self.sampler(logits, metadata).to_host(metadata)
+        prompt_logprobs = None
+        if out.is_prefill and out.needs_prompt_logits is not None:
+            logits, prompt_logprobs = split_prompt_logits(logits, out.seqs, out.num_new_tokens,
+                                                          out.needs_prompt_logits)
+        sampled = self.sampler(logits, metadata).to_host(metadata)
+        sampled.prompt_logprobs = prompt_logprobs
+        return sampled
 
     def exit(self) -> None:
         if self.graphs is not None:

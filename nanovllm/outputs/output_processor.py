@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs.detokenizer import RequestText
 from nanovllm.outputs.streaming import StreamDelta, token_texts
+from nanovllm.sample.prompt_logprobs import PromptLogprobs
 
 
 @dataclass
@@ -21,7 +22,10 @@ class RequestState:
     text: RequestText | None
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per output token, if asked
     is_streamed: bool
+    # One per prompt token, if asked: None for the first, then {token_id: logprob} (see output_of).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_sent_tokens: int = 0  # a stream's tokens and characters already handed out
+    is_prompt_sent: bool = False  # a stream's prompt_logprobs handed out (on its first delta)
     num_sent_chars: int = 0
 
 
@@ -37,12 +41,26 @@ class OutputProcessor:
             text = RequestText(self.tokenizer, sp.stop, sp.skip_special_tokens,
                                sp.include_stop_str_in_output, sp.min_tokens)
         logprobs = [] if sp.logprobs is not None else None
-        self.states[seq.seq_id] = RequestState(request_id, index, text, logprobs, stream)
+        prompt_logprobs = [None] if sp.prompt_logprobs is not None else None
+        self.states[seq.seq_id] = RequestState(request_id, index, text, logprobs, stream, prompt_logprobs)
 
     def request_ids(self, seqs: list[Sequence]) -> set:
         """The request ids of seqs (of those added here)."""
         states = (self.states.get(seq.seq_id) for seq in seqs)
         return {state.request_id for state in states if state is not None}
+
+    def add_prompt_logprobs(self, seqs: list[Sequence], prompt_logprobs: "list[PromptLogprobs | None] | None") -> None:
+        """Record one prefill step's prompt entries (before process(), which may finish seqs)."""
+        if prompt_logprobs is None:
+            return
+        for seq, part in zip(seqs, prompt_logprobs):
+            state = self.states.get(seq.seq_id)
+            if part is None or state is None or state.prompt_logprobs is None:
+                continue
+            have = len(state.prompt_logprobs)
+            # NOTE: chunks arrive in order; an entry already held (a recomputed chunk) is not added twice.
+            assert part.first_index <= have, "a prompt chunk's logprobs arrived before the one before it"
+            state.prompt_logprobs.extend(part.entries[have - part.first_index:])
 
     def process(self, seqs: list[Sequence], is_sampled: list[bool],
                 logprobs: list[dict[int, float] | None]) -> list[Sequence]:
@@ -109,8 +127,14 @@ class OutputProcessor:
             new_logprobs = logprobs[state.num_sent_tokens:]
             texts = token_texts(self.tokenizer, new_ids, new_logprobs)
         state.num_sent_tokens = len(completion)
-        return StreamDelta(state.request_id, state.index, new_ids, piece, seq.finish_reason,
-                           seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts)
+        delta = StreamDelta(state.request_id, state.index, new_ids, piece, seq.finish_reason,
+                            seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts)
+        if state.prompt_logprobs is not None and not state.is_prompt_sent:
+            # NOTE: a first delta comes once the prompt is computed (entries complete) or aborted.
+            state.is_prompt_sent = True
+            delta.prompt_logprobs = list(state.prompt_logprobs)
+            delta.prompt_token_texts = token_texts(self.tokenizer, seq.prompt_token_ids, delta.prompt_logprobs)
+        return delta
 
     def finalize(self, seq: Sequence) -> None:
         """Freeze a finished sequence's text and logprobs onto it and forget its state."""
@@ -119,6 +143,7 @@ class OutputProcessor:
             return
         seq.output_text = self._text(seq, state.text)
         seq.output_logprobs = state.logprobs
+        seq.output_prompt_logprobs = state.prompt_logprobs
 
     def _text(self, seq: Sequence, text: RequestText | None) -> str | None:
         if self.tokenizer is None:
@@ -139,13 +164,17 @@ class OutputProcessor:
         logprobs is a list with one dict per generated token, {token_id: logprob}, the chosen
         token first, then the `logprobs` most likely ones (N or N + 1 entries); logprobs are of
         the raw model distribution. cumulative_logprob sums the chosen tokens' logprobs.
+        prompt_logprobs (when asked) has one entry per prompt token: None for the first, then
+        {token_id: logprob}, the prompt token first, then the `prompt_logprobs` most likely ones.
         """
         state = self.states.get(seq.seq_id)
         if state is not None:  # still running: a snapshot
             text, logprobs = self._text(seq, state.text), state.logprobs
+            prompt_logprobs = state.prompt_logprobs
         else:  # finished (or queued straight into the Scheduler, bypassing the engine's bookkeeping)
             text = seq.output_text if seq.output_text is not None else self._text(seq, None)
             logprobs = seq.output_logprobs
+            prompt_logprobs = seq.output_prompt_logprobs
         token_ids = seq.completion_token_ids
         out = {
             "text": text,
@@ -157,4 +186,6 @@ class OutputProcessor:
         if seq.sampling_params.logprobs is not None:
             out["logprobs"] = list(logprobs or [])
             out["cumulative_logprob"] = sum(d[t] for d, t in zip(out["logprobs"], token_ids) if d)
+        if seq.sampling_params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(prompt_logprobs or [])
         return out

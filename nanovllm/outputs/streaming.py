@@ -26,6 +26,10 @@ class StreamDelta:
     # With SamplingParams.logprobs: one {token_id: logprob} per new token, and each such id's text.
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
     token_texts: dict[int, str] | None = field(default=None, repr=False)
+    # With SamplingParams.prompt_logprobs, on the completion's first delta only: one entry per
+    # prompt token (None for the first), and the text of each id in them (prompt tokens included).
+    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
+    prompt_token_texts: dict[int, str] | None = field(default=None, repr=False)
 
     @property
     def is_finished(self) -> bool:
@@ -39,9 +43,11 @@ class StreamDelta:
         if self.logprobs is not None:
             logprobs = self.logprobs + later.logprobs
             token_texts = {**self.token_texts, **later.token_texts}
+        first = self if self.prompt_logprobs is not None else later
         return StreamDelta(self.request_id, self.index, self.token_ids + later.token_ids, text,
                            later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                           later.stop_reason, logprobs, token_texts)
+                           later.stop_reason, logprobs, token_texts, first.prompt_logprobs,
+                           first.prompt_token_texts)
 
 
 def token_texts(tokenizer, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> dict[int, str]:

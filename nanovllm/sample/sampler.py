@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.sample.prompt_logprobs import PromptLogprobs
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.sample.structured_outputs import apply_token_bitmask
 
@@ -22,11 +23,13 @@ RandomSample = Callable[[torch.Tensor, dict[int, torch.Generator], torch.Generat
 @dataclass
 class SampledTokens:
     """One step's result on the host, per scheduled row: the token (meaningless on rows that
-    are mid-prompt chunks, is_sampled False) and its logprobs entry (None unless asked)."""
+    are mid-prompt chunks, is_sampled False) and its logprobs entry (None unless asked);
+    prompt_logprobs: per row, the prompt entries this prefill step computed (None: no row asked)."""
 
     token_ids: list[int]
     is_sampled: list[bool]
     logprobs: list[dict[int, float] | None]
+    prompt_logprobs: "list[PromptLogprobs | None] | None" = None
 
 
 @dataclass
