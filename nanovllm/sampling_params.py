@@ -130,6 +130,8 @@ class SamplingParams:
     subtracted once per token present in the output / once per occurrence.
     logprobs: return, for each generated token, the log-probabilities (of the raw model logits,
     before penalties and temperature) of the top `logprobs` tokens plus the chosen one.
+    spaces_between_special_tokens: False decodes the text between added (special) tokens apart from
+    them and joins all with nothing between (vLLM's option; True: the tokenizer's own decode).
     n: completions per prompt; they share the prompt's KV blocks through the prefix cache.
     structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (see
     StructuredOutputsParams); applied to the logits before every other option; the output ends
@@ -153,6 +155,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -160,7 +163,8 @@ class SamplingParams:
         self._check_lengths()
         self._check_stops()
         self._check_penalties()
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
         _check_number("n", self.n, integer=True)
         if not 1 <= self.n <= MAX_N:

@@ -3,7 +3,8 @@ vLLM's /tokenize and /detokenize bodies; OpenAI's error body.
 
 openai_server.py validates each request body with these models. Unknown fields are an error (400).
 """
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -14,7 +15,7 @@ from nanovllm.sampling_params import SamplingParams
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-    "skip_special_tokens", "include_stop_str_in_output", "n",
+    "skip_special_tokens", "include_stop_str_in_output", "n", "spaces_between_special_tokens",
 )
 
 
@@ -56,6 +57,9 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    # vLLM's: logprob tokens as "token_id:N" (every token is then identifiable, even a partial character).
+    return_tokens_as_token_ids: bool | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -125,14 +129,101 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_template_tool_call(c) for c in message["tool_calls"]]
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+def _template_tool_call(call) -> dict:
+    """An assistant message's tool call with its arguments as a dict, as chat templates (Qwen's
+    `arguments | tojson`) expect; OpenAI sends them as a JSON string (vLLM decodes them too)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"messages: a tool call's function.arguments is not JSON: {e}") from None
+        call = {**call, "function": {**call["function"], "arguments": arguments}}
+    return call
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}: the model must call that tool."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+# Names the chat template receives from the request's own fields (or from the HF call itself):
+# chat_template_kwargs may not set them (it would bypass their checks).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class ChatTemplateOptions(BaseModel):
+    """vLLM's chat-template fields, shared by /v1/chat/completions and /tokenize (tokenization.py renders)."""
+
+    model_config = ConfigDict(extra="forbid")
+    add_generation_prompt: bool = True
+    # Leave the last message open (no end-of-turn): the model continues it (a "prefill").
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    documents: list[dict[str, str]] | None = None  # for templates that render RAG documents
+    chat_template: str | None = None  # needs `nanovllm serve --trust-request-chat-template`
+
+    def check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}; use the request fields")
+
+    @property
+    def adds_generation_prompt(self) -> bool:
+        """continue_final_message alone turns the generation prompt off (vLLM wants both set)."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+
+class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (tool_calls.py): default choice "auto" when tools are given, else "none".
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's: the reply starts with the last message's content when that message is the assistant's.
+    echo: bool = False
+    add_special_tokens: bool = False  # vLLM's: BOS etc. on top of what the template writes
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        self.check_template_options()
 
     def conversation(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
@@ -149,7 +240,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return SamplingParams(**kwargs)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's /tokenize body: a prompt, or chat messages put through the chat template."""
 
     model_config = ConfigDict(extra="forbid")
@@ -157,10 +248,11 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[ChatTool] | None = None
 
     def check_supported(self) -> None:
+        self.check_template_options()
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:
