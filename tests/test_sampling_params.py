@@ -92,6 +92,7 @@ BAD = [
     ("logprobs", -1, ValueError, ["logprobs", "-1"]),
     ("logprobs", 2.0, TypeError, ["logprobs", "2.0"]),
     ("skip_special_tokens", None, TypeError, ["skip_special_tokens", "None"]),
+    ("spaces_between_special_tokens", 1, TypeError, ["spaces_between_special_tokens", "1"]),
     ("structured_outputs", {"regex": "a"}, TypeError, ["structured_outputs", "dict"]),
 ]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server_fixtures import Server, httpx, openai  # noqa: F401  (skips without the server stack)
+from server_fixtures import MODEL as WORD_MODEL, Server, httpx, openai, served  # noqa: F401
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.async_engine import AsyncEngine
@@ -201,6 +201,20 @@ def test_return_tokens_as_token_ids(tool_server, client):
     tokens = r.json()["choices"][0]["logprobs"]["tokens"]
     assert [int(t.split(":")[1]) for t in tokens] == \
         llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]["token_ids"]
+
+
+def test_spaces_between_special_tokens(served):
+    """On the word-level tokenizer, whose decode spaces every token: this prompt's greedy output
+    holds <unk>; False leaves no space around it, True (the default) is the tokenizer's decode."""
+    texts = {}
+    for spaces in (True, False):
+        r = httpx.post(served[1] + "/v1/completions", timeout=60, json={
+            "model": WORD_MODEL, "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "skip_special_tokens": False, "spaces_between_special_tokens": spaces})
+        texts[spaces] = r.json()["choices"][0]["text"]
+    assert "<unk> " in texts[True] or " <unk>" in texts[True]
+    assert "<unk>" in texts[False] and " <unk>" not in texts[False] and "<unk> " not in texts[False]
+    assert texts[False].replace("<unk>", " <unk> ").split() == texts[True].split()
 
 
 # ---- auto: scripted replies through the response builders ------------------------------------
