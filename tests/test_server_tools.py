@@ -268,3 +268,16 @@ def test_auto_reply_with_calls_is_parsed_whole_and_streamed():
     assert streamed.message.content == whole.message.content and streamed.finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_chioce": "auto"}, "tool_chioce"),  # unknown fields stay a 400 naming them
+])
+def test_bad_tool_requests_are_400s(tool_server, body, words):
+    r = post(tool_server[1], "/v1/chat/completions", {"messages": MESSAGES, **body})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text

@@ -144,3 +144,16 @@ def test_settings_and_registry_name_the_bad_value():
         ChatSettings(enable_auto_tool_choice=True)
     assert get_tool_parser("hermes") is HermesToolParser
     assert json.loads(REPLIES["only a call"][1].tool_calls[0].arguments)["days"] == [1, 2]
+
+
+def test_a_forced_call_takes_the_grammar_slot():
+    from nanovllm import SamplingParams, StructuredOutputsParams
+    from nanovllm.entrypoints.tool_calls import with_forced_call
+
+    body, settings = request(tools=TOOLS), ChatSettings("hermes")
+    params = with_forced_call(SamplingParams(temperature=0.5), body, "get_time", settings)
+    assert params.temperature == 0.5 and '"get_time"' in params.structured_outputs.grammar
+    assert with_forced_call(SamplingParams(), body, "none", settings).structured_outputs is None
+    with pytest.raises(ValueError, match="structured outputs"):
+        with_forced_call(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")), body, "required",
+                         settings)

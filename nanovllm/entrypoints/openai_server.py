@@ -11,7 +11,6 @@ import hmac
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,8 +25,7 @@ from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, Comp
                                            error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
 from nanovllm.entrypoints.tokenization import add_tokenize_routes, chat_prompt_ids, prompt_token_ids
-from nanovllm.entrypoints.tool_calls import (ChatSettings, ToolReply, forced_call_constraint, template_tools,
-                                             tool_choice_of)
+from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, template_tools, tool_choice_of, with_forced_call
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +120,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
             check_request(body, 1, limits)
             params = body.sampling_params()
             tool_choice = tool_choice_of(body, chat)
-            params = _with_tool_constraint(params, forced_call_constraint(body, tool_choice, chat))
+            params = with_forced_call(params, body, tool_choice, chat)
             conversation = body.conversation()
         prompt_ids = await chat_prompt_ids(engine, conversation, body, template_tools(body), body.add_special_tokens,
                                            chat.trust_request_chat_template)
@@ -135,15 +133,6 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
         if tool_choice != "none":
             gen.new_tool_reply = lambda: ToolReply(tool_choice, chat)
         return await _respond(gen, request, body, [prompt_ids], params, "chat")
-
-
-def _with_tool_constraint(params, constraint):
-    """params with the grammar of a forced tool call (tool_choice required or named)."""
-    if constraint is None:
-        return params
-    if getattr(params, "structured_outputs", None) is not None:
-        raise ValueError("tool_choice required or a named tool cannot be combined with structured outputs")
-    return replace(params, structured_outputs=constraint)
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:

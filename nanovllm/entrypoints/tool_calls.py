@@ -5,11 +5,11 @@ streamed. openai_server.py checks and constrains; serving.py builds the bodies w
 import copy
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanovllm.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice
 from nanovllm.entrypoints.tool_parsers import ParsedReply, ToolCall, ToolCallDelta, ToolParser, get_tool_parser
-from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,17 @@ def forced_call_constraint(body: ChatCompletionRequest, choice: str | None,
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+def with_forced_call(params: SamplingParams, body: ChatCompletionRequest, choice: str | None,
+                     settings: ChatSettings) -> SamplingParams:
+    """params with the grammar of a forced tool call, when tool_choice is required or named."""
+    constraint = forced_call_constraint(body, choice, settings)
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ValueError("tool_choice required or a named tool cannot be combined with structured outputs")
+    return replace(params, structured_outputs=constraint)
 
 
 class _JsonReply(ToolParser):

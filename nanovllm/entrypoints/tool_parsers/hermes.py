@@ -9,6 +9,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 _ARGUMENTS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _WS = " \t\n\r"
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: "
 _DECODER = json.JSONDecoder()
 
 
@@ -213,7 +214,11 @@ class HermesToolParser(ToolParser):
         if defs:
             schema = {**schema, "$defs": defs}
         xgr = import_xgrammar()
-        call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        try:
+            call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        except (RuntimeError, TypeError) as e:  # xgrammar's answer to a schema it cannot use
+            message = _SOURCE_PREFIX.sub("", str(e).strip()).splitlines()[0]
+            raise ValueError(f"tools: a function's parameters is not a usable JSON schema: {message}") from None
         repeat = ' ("\\n" call_block)*' if parallel else ""
         return (f'root ::= call_block{repeat}\n'
                 f'call_block ::= {json.dumps(OPEN + chr(10))} call_root {json.dumps(chr(10) + CLOSE)}\n'
