@@ -152,7 +152,7 @@ def test_a_forced_call_takes_the_grammar_slot():
 
     body, settings = request(tools=TOOLS), ChatSettings("hermes")
     params = with_forced_call(SamplingParams(temperature=0.5), body, "get_time", settings)
-    assert params.temperature == 0.5 and '"get_time"' in params.structured_outputs.grammar
+    assert params.temperature == 0.5 and 'get_time' in params.structured_outputs.grammar
     assert with_forced_call(SamplingParams(), body, "none", settings).structured_outputs is None
     with pytest.raises(ValueError, match="structured outputs"):
         with_forced_call(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")), body, "required",
