@@ -46,7 +46,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (default): CUDA if available, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): the checkpoint's, but float32 on CPUs without bf16 units")
+                   help="auto (default): float32 on CPUs, the checkpoint's on GPUs")
     # Workload defaults depend on the device: the original's on CUDA, a few minutes' worth on CPU.
     for flag, cuda, cpu, help_ in [
         ("--num-seqs", 256, 64, "requests to generate"),

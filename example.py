@@ -23,10 +23,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=positive_int, default=64,
                         help="new tokens per answer at most (default: 64)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto (default): the checkpoint's dtype, but float32 on CPUs without bf16 units "
-                        "(AVX512-BF16 or AMX), where bf16 matmuls are slow; the default model is float32. "
-                        "float32: exact, fast enough everywhere. bfloat16: half the memory, fast on GPUs "
-                        "and on CPUs with bf16 units. float16: for GPUs; CPU float16 matmuls are not fast")
+                        help="auto (default): float32 on CPUs (their fast paths are float32, even with bf16 "
+                        "units), the checkpoint's dtype on GPUs. float32: exact, fast enough everywhere. "
+                        "bfloat16: half the memory, fast on GPUs; on CPUs slower than float32. float16: for "
+                        "GPUs; CPU float16 matmuls are not fast")
     return parser.parse_args()
 
 

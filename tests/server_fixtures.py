@@ -23,6 +23,19 @@ API_KEY = "sekret"
 ENGINE_OPTIONS = dict(kvcache_block_size=16, max_model_len=256, cpu_kvcache_bytes=128 * 16384)
 
 
+def wait_for_health(proc, url: str, timeout_s: float = 90) -> None:
+    """Wait until a `nanovllm serve` subprocess answers /health; fail with its output if it exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 class Server:
     """uvicorn in a thread on a free loopback port (the socket is bound here, so no race)."""
 

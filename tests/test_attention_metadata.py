@@ -68,10 +68,10 @@ def test_device_backends_prefill_metadata(cls):
     meta = bare(cls).prepare(PREFILL)
     assert meta.cu_seqlens_q.tolist() == [0, 4, 7, 8] and meta.cu_seqlens_k.tolist() == [0, 4, 12, 32]
     assert meta.max_seqlen_q == 4 and meta.max_seqlen_k == 20
-    table = meta.block_table if cls is FlashBackend else meta.block_tables
+    table = meta.block_tables
     assert table.tolist() == [[7, -1], [2, -1], [5, 9]]
     fresh = bare(cls).prepare(AttentionBatch(True, [4, 2], [4, 2], [[1], [2]], host))
-    assert (fresh.block_table if cls is FlashBackend else fresh.block_tables) is None
+    assert fresh.block_tables is None
 
 
 @pytest.mark.parametrize("cls", BACKENDS)

@@ -46,7 +46,7 @@ def test_flash_backend_matches_torch_backend():
     batch = cuda_batch(True, [10, 7], [270, 7], tables)
     flash_meta, ref_meta = flash.prepare(batch), ref.prepare(batch)
     assert flash_meta.cu_seqlens_k.tolist() == [0, 270, 277] and flash_meta.max_seqlen_k == 270
-    assert flash_meta.block_table.tolist() == [[2, 5], [0, -1]]
+    assert flash_meta.block_tables.tolist() == [[2, 5], [0, -1]]
     flash.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     out_flash = flash.prefill(q, k, v, k_cache, v_cache, flash_meta, scale)
     out_ref = ref.prefill(q, k, v, k_cache, v_cache, ref_meta, scale)
@@ -55,7 +55,7 @@ def test_flash_backend_matches_torch_backend():
     # Prefill without a prefix (fresh K/V only, varlen).
     q, k, v = rand(305, num_heads, head_dim), rand(305, num_kv_heads, head_dim), rand(305, num_kv_heads, head_dim)
     batch = cuda_batch(True, [5, 300], [5, 300], [[], []])
-    assert flash.prepare(batch).block_table is None  # no cached prefix: fresh K/V only
+    assert flash.prepare(batch).block_tables is None  # no cached prefix: fresh K/V only
     empty = torch.empty(0, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(flash.prefill(q, k, v, empty, empty, flash.prepare(batch), scale),
                                ref.prefill(q, k, v, empty, empty, ref.prepare(batch), scale), rtol=2e-2, atol=2e-2)

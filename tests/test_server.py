@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx")
 from nanovllm import SamplingParams  # noqa: E402
 
 from server_fixtures import (  # noqa: E402,F401  (client, ref_llm, served are fixtures)
-    API_KEY, MODEL, client, prompt_of, ref_llm, served, wait_all_blocks_free)
+    API_KEY, MODEL, client, prompt_of, ref_llm, served, wait_all_blocks_free, wait_for_health)
 
 
 def test_completion_equals_offline_generate(client, ref_llm):
@@ -200,15 +200,7 @@ def test_serve_command_line(qwen3_gqa, ref_llm):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_for_health(proc, url)
         assert httpx.get(url + "/v1/models").status_code == 401
         keyed = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
         assert [m.id for m in keyed.models.list().data] == ["served"]

@@ -22,7 +22,7 @@ from nanovllm.sampling_params import MAX_N  # noqa: E402
 
 from helpers import make_qwen3  # noqa: E402
 from server_fixtures import (  # noqa: E402,F401  (client, ref_llm, served are fixtures)
-    MODEL, Server, client, ref_llm, served, wait_all_blocks_free)
+    MODEL, Server, client, ref_llm, served, wait_all_blocks_free, wait_for_health)
 
 MAX_MODEL_LEN = 256  # server_fixtures.ENGINE_OPTIONS
 
@@ -201,15 +201,7 @@ def test_serve_ends_within_seconds_of_a_signal_mid_generation(tmp_path, signum):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_for_health(proc, url)
         # 512 completions of 480 tokens: far longer than the shutdown's grace period (2 s).
         request = {"model": model, "prompt": [f"fox {i}" for i in range(32)], "n": 16, "max_tokens": 480,
                    "ignore_eos": True, "stream": True}

@@ -276,7 +276,8 @@ def test_auto_reply_with_calls_is_parsed_whole_and_streamed():
     ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_chioce": "auto"}, "tool_chioce"),  # unknown fields stay a 400 naming them
+    ({"tools": TOOLS, "tool_chioce": "auto"}, "tool_chioce"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "structured outputs"),  # unknown fields stay a 400 naming them
 ])
 def test_bad_tool_requests_are_400s(tool_server, body, words):
     r = post(tool_server[1], "/v1/chat/completions", {"messages": MESSAGES, **body})

@@ -3,12 +3,12 @@ vLLM's /tokenize and /detokenize bodies; OpenAI's error body.
 
 openai_server.py validates each request body with these models. Unknown fields are an error (400).
 """
-import json
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.entrypoints.chat_protocol import ChatTemplateOptions, ChatTool, NamedToolChoice, template_tool_call
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Request fields handed to SamplingParams under the same (vLLM) name when the client sets them.
 # SamplingParams itself validates their values; one it does not know raises TypeError -> 400.
@@ -28,6 +28,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's: usage (so far) in every chunk too, not only in the last one (needs include_usage).
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema. strict is accepted; the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_params(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs field: exactly one of these (StructuredOutputsParams checks)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -60,6 +96,13 @@ class _SamplingRequest(BaseModel):
     spaces_between_special_tokens: bool | None = None
     # vLLM's: logprob tokens as "token_id:N" (every token is then identifiable, even a partial character).
     return_tokens_as_token_ids: bool | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, vLLM's older guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -67,8 +110,30 @@ class _SamplingRequest(BaseModel):
 
     def sampling_kwargs(self) -> dict:
         """The fields the client set, by SamplingParams' names (unset ones keep its defaults)."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS
-                if name in self.model_fields_set and getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS
+                  if name in self.model_fields_set and getattr(self, name) is not None}
+        structured = self.structured_outputs_params()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
+        return kwargs
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint from whichever of the three ways the client used (one at most)."""
+        given: dict[str, StructuredOutputsParams] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format.to_params()
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given["structured_outputs"] = StructuredOutputsParams(**fields)
+        guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{kind}") is not None}
+        if guided:
+            if len(guided) > 1:
+                raise ValueError(f"give one guided_* field at most, got {sorted('guided_' + k for k in guided)}")
+            given["guided_" + next(iter(guided))] = StructuredOutputsParams(**guided)
+        if len(given) > 1:
+            raise ValueError(f"give one of response_format, structured_outputs and guided_* at most, got {sorted(given)}")
+        return next(iter(given.values()), None)
 
     @property
     def include_usage(self) -> bool:
@@ -130,82 +195,8 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         if isinstance(message.get("tool_calls"), list):
-            message["tool_calls"] = [_template_tool_call(c) for c in message["tool_calls"]]
+            message["tool_calls"] = [template_tool_call(c) for c in message["tool_calls"]]
         return message
-
-
-def _template_tool_call(call) -> dict:
-    """An assistant message's tool call with its arguments as a dict, as chat templates (Qwen's
-    `arguments | tojson`) expect; OpenAI sends them as a JSON string (vLLM decodes them too)."""
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        return call
-    arguments = call["function"].get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"messages: a tool call's function.arguments is not JSON: {e}") from None
-        call = {**call, "function": {**call["function"], "arguments": arguments}}
-    return call
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None
-
-
-class ChatTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """tool_choice {"type": "function", "function": {"name": ...}}: the model must call that tool."""
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-# Names the chat template receives from the request's own fields (or from the HF call itself):
-# chat_template_kwargs may not set them (it would bypass their checks).
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-
-
-class ChatTemplateOptions(BaseModel):
-    """vLLM's chat-template fields, shared by /v1/chat/completions and /tokenize (tokenization.py renders)."""
-
-    model_config = ConfigDict(extra="forbid")
-    add_generation_prompt: bool = True
-    # Leave the last message open (no end-of-turn): the model continues it (a "prefill").
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
-    documents: list[dict[str, str]] | None = None  # for templates that render RAG documents
-    chat_template: str | None = None  # needs `nanovllm serve --trust-request-chat-template`
-
-    def check_template_options(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt and \
-                "add_generation_prompt" in self.model_fields_set:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}; use the request fields")
-
-    @property
-    def adds_generation_prompt(self) -> bool:
-        """continue_final_message alone turns the generation prompt off (vLLM wants both set)."""
-        return self.add_generation_prompt and not self.continue_final_message
 
 
 class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest):

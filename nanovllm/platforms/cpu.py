@@ -14,7 +14,7 @@ from nanovllm.layers.linear_methods import (PackedGemvLinearMethod, PackedLinear
                                             install_linear_method)
 from nanovllm.platforms.interface import Platform, describe_linear_methods
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
-from nanovllm.utils.cpu_info import available_ram_bytes, cpu_flags_line
+from nanovllm.utils.cpu_info import available_ram_bytes
 from nanovllm.utils.cpu_memory import keep_freed_memory
 
 if TYPE_CHECKING:
@@ -29,12 +29,6 @@ KV_MAX_BYTES = 8 << 30
 DENSE_COPY_RAM_SHARE = 0.15
 
 
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU has native bf16 matmul instructions (AVX512-BF16 or AMX)."""
-    flags = cpu_flags_line()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def threads_per_rank(tp_size: int) -> int:
     """CPU threads for one rank, so that N ranks together do not oversubscribe the cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -43,8 +37,8 @@ def threads_per_rank(tp_size: int) -> int:
 
 def can_pack_weights(dtype: torch.dtype) -> bool:
     """Whether linear weights can be held in oneDNN's packed layout: fp32 with oneDNN in this torch
-    (faster than MKL at every batch size measured, docs/performance.md). bf16 stays on MKL: it
-    was not measured on a CPU with bf16 units."""
+    (faster than MKL at every batch size measured, docs/performance.md). bf16 stays on MKL (packed
+    bf16 was not measured; `auto` picks fp32 on CPUs, item 15)."""
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
@@ -72,11 +66,11 @@ class CpuPlatform(Platform):
         return False
 
     def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        # Without AVX512-BF16/AMX, bf16 matmuls run several times slower than fp32
-        # (docs/performance.md, item 1); fp16 is unusable on any CPU.
-        if checkpoint_dtype != torch.float32 and not cpu_has_fast_bf16():
-            return torch.float32
-        return checkpoint_dtype
+        # fp32 on every CPU: the fast CPU paths (oneDNN-packed weights, the C GEMV and decode
+        # attention) are fp32, and bf16 ran slower end to end even on a CPU with AVX512-BF16
+        # (docs/performance.md, items 1 and 15); fp16 matmuls are slow on any CPU. A 16-bit
+        # checkpoint is upcast once at load. dtype="bfloat16" still asks for bf16 explicitly.
+        return torch.float32
 
     def default_kvcache_bytes(self, tensor_parallel_size: int) -> int | None:
         # NOTE: the budget is per rank; N ranks share the machine's RAM.

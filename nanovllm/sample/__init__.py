@@ -1,1 +1,1 @@
-"""Sampling: per-row metadata built from the batch, and the batched sampler."""
+"""Sampling: per-row metadata built from the batch, the batched sampler, structured-output grammars."""

@@ -81,8 +81,8 @@ class GrammarCache:
             if kind == "json":
                 # Compact JSON (no free whitespace): a model cannot pad the output with blanks forever.
                 return compiler.compile_json_schema(params.json, any_whitespace=False)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -109,8 +109,17 @@ def fill_bitmask(seqs: "list[Sequence]", is_sampled: list[bool],
     xgr = import_xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
     for j, i in enumerate(rows):
-        seqs[i].grammar.fill_next_token_bitmask(bitmask, j)
+        matcher = seqs[i].grammar
+        matcher.fill_next_token_bitmask(bitmask, j)
+        if not bool(bitmask[j].any()):  # an empty language (`root ::= root`): let it end on EOS
+            for t in matcher.stop_token_ids:
+                bitmask[j, t // 32] |= _bit(t % 32)
     return rows, bitmask
+
+
+def _bit(b: int) -> int:
+    """Bit b of an int32 word as a Python int that fits one (bit 31 is the sign)."""
+    return 1 << b if b < 31 else -(1 << 31)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -132,9 +141,12 @@ def advance(seqs: "list[Sequence]", is_sampled: list[bool]) -> list["Sequence"]:
     for seq, sampled in zip(seqs, is_sampled):
         if not sampled or seq.grammar is None or seq.grammar.is_terminated():
             continue
-        accepted = seq.grammar.accept_token(seq.last_token)
-        # NOTE: the bitmask allowed only tokens the matcher accepts; a refusal is a bug here.
-        assert accepted, f"grammar refused token {seq.last_token} of sequence {seq.seq_id}"
-        if seq.grammar.is_terminated() and not seq.is_finished:
+        if not seq.grammar.accept_token(seq.last_token):
+            # The bitmask allowed only tokens the matcher accepts, unless the grammar allows none
+            # (an empty language: fill_bitmask let EOS through): end that one output alone.
+            logger.warning("sequence %s: its grammar allows no token; ending it", seq.seq_id)
+            if not seq.is_finished:
+                ended.append(seq)
+        elif seq.grammar.is_terminated() and not seq.is_finished:
             ended.append(seq)
     return ended

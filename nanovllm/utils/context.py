@@ -16,7 +16,7 @@ class Context:
 
     is_prefill: bool = False
     slot_mapping: torch.Tensor | None = None
-    attn_metadata: Any = None  # the backend's own dataclass (TorchMetadata, FlashMetadata, ...)
+    attn_metadata: Any = None  # the backend's own dataclass (TorchMetadata, PagedMetadata, ...)
 
 
 # NOTE: one context per thread: the server steps its engine in a background thread, and another

@@ -196,3 +196,41 @@ class AttentionBackend:
     def decode_tensors(self, metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables, context_lens) of a decode metadata object."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")
+
+
+@dataclass
+class PagedMetadata:
+    """The metadata of backends whose kernels take varlen offsets and block tables (flash, triton).
+
+    Prefill: cu_seqlens_q / cu_seqlens_k [num_seqs + 1] offsets of the new tokens and of the whole
+    key ranges, their maxima, and block_tables only when some sequence has a cached prefix (then
+    the keys are read from the paged cache). Decode: block_tables [num_seqs, max_blocks] (-1
+    padded), context_lens [num_seqs] int32, and max_seqlen_k (the bound max_model_len under CUDA
+    graphs).
+    """
+
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+
+
+class PagedBackend(AttentionBackend):
+    """A backend whose step metadata is PagedMetadata; subclasses supply prefill and decode."""
+
+    def prepare(self, batch: AttentionBatch) -> PagedMetadata:
+        if batch.is_prefill:
+            cu_q, cu_k = batch.cu_seqlens()
+            tables = batch.block_table_tensor() if batch.has_cached_prefix else None
+            return PagedMetadata(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(batch.num_new_tokens),
+                                 max_seqlen_k=max(batch.context_lens), block_tables=tables)
+        return self.decode_metadata(batch.block_table_tensor(), batch.context_lens_tensor(),
+                                    max(batch.context_lens))
+
+    def decode_metadata(self, block_tables, context_lens, max_seqlen_k: int) -> PagedMetadata:
+        return PagedMetadata(block_tables=block_tables, context_lens=context_lens, max_seqlen_k=max_seqlen_k)
+
+    def decode_tensors(self, metadata: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return metadata.block_tables, metadata.context_lens

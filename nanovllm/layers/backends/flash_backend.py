@@ -3,31 +3,16 @@
 Picked by 'auto' on CUDA when its rules below hold; flash_attn itself is imported in __init__.
 """
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 
-from nanovllm.layers.backends.base import AttentionBackend, AttentionBatch
+from nanovllm.layers.backends.base import PagedBackend, PagedMetadata
 
 # flash-attn's paged KV kernels address the cache in pages of a multiple of this many tokens.
 FLASH_BLOCK_MULTIPLE = 256
 
 
-@dataclass
-class FlashMetadata:
-    """Prefill: cu_seqlens_q / cu_seqlens_k [num_seqs + 1] offsets of the new tokens and of the
-    whole key ranges, their maxima, and block_table only when some sequence has a cached prefix.
-    Decode: block_table [num_seqs, max_blocks] (-1 padded) and cache_seqlens [num_seqs] int32."""
-
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    block_table: torch.Tensor | None = None
-    cache_seqlens: torch.Tensor | None = None
-
-
-class FlashBackend(AttentionBackend):
+class FlashBackend(PagedBackend):
     name = "flash"
     auto_devices = ("cuda",)
 
@@ -58,37 +43,22 @@ class FlashBackend(AttentionBackend):
             return f"flash-attn computes in fp16/bf16 only, the model runs in {dtype}"
         return None
 
-    def prepare(self, batch: AttentionBatch) -> FlashMetadata:
-        if batch.is_prefill:
-            cu_q, cu_k = batch.cu_seqlens()
-            table = batch.block_table_tensor() if batch.has_cached_prefix else None
-            return FlashMetadata(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(batch.num_new_tokens),
-                                 max_seqlen_k=max(batch.context_lens), block_table=table)
-        return self.decode_metadata(batch.block_table_tensor(), batch.context_lens_tensor(),
-                                    max(batch.context_lens))
-
-    def decode_metadata(self, block_tables, context_lens, max_seqlen_k: int) -> FlashMetadata:
-        return FlashMetadata(block_table=block_tables, cache_seqlens=context_lens, max_seqlen_k=max_seqlen_k)
-
-    def decode_tensors(self, metadata: FlashMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        return metadata.block_table, metadata.cache_seqlens
-
-    def prefill(self, q, k, v, k_cache, v_cache, metadata: FlashMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]. Without a cached prefix the fresh K/V are the whole
         # key range; with one, the keys are read from the paged cache (this step's K/V were stored
         # there first), so cu_seqlens_k counts cached + new tokens.
         block_table = None
-        if metadata.block_table is not None and k_cache.numel() > 0:
-            k, v, block_table = k_cache, v_cache, metadata.block_table
+        if metadata.block_tables is not None and k_cache.numel() > 0:
+            k, v, block_table = k_cache, v_cache, metadata.block_tables
         return self._varlen(
             q, k, v, cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_k=metadata.cu_seqlens_k,
             max_seqlen_q=metadata.max_seqlen_q, max_seqlen_k=metadata.max_seqlen_k,
             softmax_scale=scale, causal=True, block_table=block_table)
 
-    def decode(self, q, k_cache, v_cache, metadata: FlashMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         # One query per sequence: [num_seqs, num_heads, head_dim] -> [num_seqs, 1, num_heads, head_dim].
-        # NOTE: reads only cache_seqlens and block_table (fixed shapes), so CUDA graphs can replay it.
+        # NOTE: reads only context_lens and block_tables (fixed shapes), so CUDA graphs can replay it.
         out = self._with_kvcache(
-            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=metadata.cache_seqlens,
-            block_table=metadata.block_table, softmax_scale=scale, causal=True)
+            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=metadata.context_lens,
+            block_table=metadata.block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
