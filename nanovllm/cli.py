@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most prompts, and most completions (prompts x n), in one request (default: %(default)s)")
     limits.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                         help="largest request body, in bytes (default: %(default)s)")
+    chat = serve.add_argument_group("chat options (vLLM's flags)")
+    chat.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                      help="the model's tool-call format, parsed into tool_calls: hermes (Qwen2.5, Qwen3)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="accept a chat_template in requests (it runs on the engine's thread)")
     engine = serve.add_argument_group("engine options")
     for flag, dest, type_, help_ in _ENGINE_OPTIONS:
         engine.add_argument(flag, dest=dest, type=type_, default=None, help=help_)
@@ -100,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         from nanovllm import LLM
         from nanovllm.entrypoints.limits import ServerLimits
         from nanovllm.entrypoints.openai_server import serve as run_server
+        from nanovllm.entrypoints.tool_calls import ChatSettings
         from nanovllm.utils.default_model import DefaultModelError
 
         try:
             limits = ServerLimits(args.max_n, args.max_prompts, args.max_body_bytes)
+            chat = ChatSettings(args.tool_call_parser, args.enable_auto_tool_choice,
+                                args.trust_request_chat_template)
             model = model_path(args)
             llm = LLM(model, **engine_kwargs(args))
         except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         except DefaultModelError as e:  # the default model could not be fetched: not a usage mistake
             return print_error("nanovllm serve", e, status=1)
         run_server(llm, args.served_model_name or model, host=args.host, port=args.port,
-                   api_key=args.api_key, log_level=args.log_level, limits=limits)
+                   api_key=args.api_key, log_level=args.log_level, limits=limits, chat=chat)
     return 0
 
 

@@ -135,6 +135,8 @@ class SamplingParams:
     before penalties and temperature) of the top `logprobs` tokens plus the chosen one.
     prompt_logprobs: return, for each prompt token, its log-probability given the tokens before it
     plus the top `prompt_logprobs` tokens at that position (raw model logits; the first token: None).
+    spaces_between_special_tokens: False decodes the text between added (special) tokens apart from
+    them and joins all with nothing between (vLLM's option; True: the tokenizer's own decode).
     n: completions per prompt; they share the prompt's KV blocks through the prefix cache.
     structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (see
     StructuredOutputsParams); applied to the logits before every other option; the output ends
@@ -159,6 +161,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -166,7 +169,8 @@ class SamplingParams:
         self._check_lengths()
         self._check_stops()
         self._check_penalties()
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
         _check_number("n", self.n, integer=True)
         if not 1 <= self.n <= MAX_N:

@@ -2,7 +2,8 @@
 characters across tokens; the reference is the tokenizer's own decode of all tokens."""
 import pytest
 
-from nanovllm.outputs.detokenizer import IncrementalDetokenizer, RequestText, find_stop
+from nanovllm.outputs.detokenizer import (IncrementalDetokenizer, RequestText, added_token_texts, decode_text,
+                                         find_stop)
 
 TEXT = "the café 日本 🙂 fox jumps"
 
@@ -96,3 +97,55 @@ def test_streamable_text_is_always_a_prefix_of_the_final_text(tokenizer, stop):
     for token_id in tokenizer.encode(TEXT):
         no_stops.add_token(token_id, 1)
     assert no_stops.streamable_text() == TEXT  # nothing held back without stop strings
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory):
+    """Its decoder puts a space between every two tokens, special ones included."""
+    from helpers import make_tokenizer
+    return make_tokenizer(str(tmp_path_factory.mktemp("words")))
+
+
+# the <eos> quick <bos> brown: specials between words, and two in a row at the end.
+WORD_IDS = [3, 1, 4, 2, 5, 1, 2]
+
+
+@pytest.mark.parametrize("skip, spaces, expected", [
+    (False, True, None),  # None: the tokenizer's own decode
+    (False, False, "the<eos>quick<bos>brown<eos><bos>"),  # by hand: no separator around a special
+    (True, True, None),
+    (True, False, "the quick brown"),  # a skipped special does not split the words around it
+])
+def test_spaces_between_special_tokens(word_tokenizer, skip, spaces, expected):
+    assert word_tokenizer.decode(WORD_IDS, skip_special_tokens=False) == "the <eos> quick <bos> brown <eos> <bos>"
+    if expected is None:
+        expected = word_tokenizer.decode(WORD_IDS, skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(word_tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    for t in WORD_IDS:
+        detok.add_token(t)
+    assert detok.text == expected
+    added = None if spaces else added_token_texts(word_tokenizer)
+    assert decode_text(word_tokenizer, WORD_IDS, skip, added) == expected
+
+
+def test_spaces_between_special_tokens_reaches_the_engine_output(word_tokenizer, qwen3_gqa):
+    """The final text of a finished request (decoded once) and a stream's text both honour it."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.outputs.output_processor import OutputProcessor
+
+    sp = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False, ignore_eos=True)
+    seq = Sequence([3, 4], sp)
+    seq.append_token(1)
+    seq.append_token(5)
+    seq.finish_reason = "length"
+    assert OutputProcessor(word_tokenizer)._text(seq, None) == "<eos>brown"
+    with LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=128, cpu_kvcache_bytes=32 * 16384) as llm:
+        for stop in (None, ["zzz"]):  # decoded once at the end / incrementally (stop strings)
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, skip_special_tokens=False,
+                                    spaces_between_special_tokens=False, stop=stop)
+            out = llm.generate([[3, 4, 5]], params, use_tqdm=False)[0]
+            assert 0 in out["token_ids"]  # this prompt's greedy output holds <unk>
+            assert "<unk>" in out["text"] and " <unk>" not in out["text"] and "<unk> " not in out["text"]
+            assert out["text"] == decode_text(llm.tokenizer, out["token_ids"], False,
+                                              added_token_texts(llm.tokenizer))

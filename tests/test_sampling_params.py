@@ -95,6 +95,7 @@ BAD = [
     ("prompt_logprobs", 21, ValueError, ["prompt_logprobs", "[0, 20]", "21"]),
     ("prompt_logprobs", 2.0, TypeError, ["prompt_logprobs", "2.0"]),
     ("skip_special_tokens", None, TypeError, ["skip_special_tokens", "None"]),
+    ("spaces_between_special_tokens", 1, TypeError, ["spaces_between_special_tokens", "1"]),
     ("structured_outputs", {"regex": "a"}, TypeError, ["structured_outputs", "dict"]),
 ]
 

@@ -24,8 +24,9 @@ from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
 from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
                                            error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
-from nanovllm.entrypoints.tokenization import (add_tokenize_routes, conversation_token_ids, echo_texts,
+from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts,
                                                prompt_token_ids)
+from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, template_tools, tool_choice_of, with_forced_call
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ class ApiKeyMiddleware:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, chat: ChatSettings | None = None) -> FastAPI:
     """The FastAPI app serving one model under `served_model_name`. The engine must be started."""
     limits = limits or ServerLimits()
+    chat = chat or ChatSettings()
     app = FastAPI(title="nano-vLLM OpenAI-compatible server")
     app.state.engine, app.state.limits = engine, limits
     app.state.metrics = metrics = ServerMetrics(served_model_name)
@@ -80,14 +82,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "max_model_len": engine.llm.config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    _add_generation_routes(app, engine, served_model_name, limits, metrics)
-    add_tokenize_routes(app, engine, check_model)
+    _add_generation_routes(app, engine, served_model_name, limits, metrics, chat)
+    add_tokenize_routes(app, engine, check_model, chat.trust_request_chat_template)
     _add_info_routes(app, engine, metrics)
     return app
 
 
 def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str, limits: ServerLimits,
-                           metrics: ServerMetrics) -> None:
+                           metrics: ServerMetrics, chat: ChatSettings) -> None:
     """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
     max_model_len = engine.llm.config.max_model_len
 
@@ -110,6 +112,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
         gen.num_prompt_logprobs = params.prompt_logprobs
         if body.echo:
             gen.echo_texts = await echo_texts(engine, prompts, prompt_ids)
+        gen.tokens_as_ids = bool(body.return_tokens_as_token_ids)
         return await _respond(gen, request, body, prompt_ids, params, "completion")
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
@@ -120,10 +123,19 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
             body.check_supported()
             check_request(body, 1, limits)
             params = body.sampling_params()
-        prompt_ids = await conversation_token_ids(engine, body.conversation())
+            tool_choice = tool_choice_of(body, chat)
+            params = with_forced_call(params, body, tool_choice, chat)
+            conversation = body.conversation()
+        prompt_ids = await chat_prompt_ids(engine, conversation, body, template_tools(body), body.add_special_tokens,
+                                           chat.trust_request_chat_template)
         asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         check_context_length([len(prompt_ids)], params.max_tokens, max_model_len, "messages", asked)
         gen = generation("chatcmpl", params.n, params.logprobs, arrival)
+        gen.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        if body.echo and conversation[-1].get("role") == "assistant":
+            gen.echo_prefix = conversation[-1].get("content") or ""
+        if tool_choice != "none":
+            gen.new_tool_reply = lambda: ToolReply(tool_choice, chat)
         return await _respond(gen, request, body, [prompt_ids], params, "chat")
 
 
@@ -258,7 +270,7 @@ def _validation_body(e: RequestValidationError) -> dict:
 
 def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log_level: str = "info", limits: ServerLimits | None = None,
-          shutdown_timeout: float = 2.0) -> None:
+          shutdown_timeout: float = 2.0, chat: ChatSettings | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (the `nanovllm serve` command); then stop the engine
     loop and the LLM (its workers included) before returning.
 
@@ -275,7 +287,7 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
         # exception like SIGINT's, so the cleanup below runs instead of the process just dying.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     engine = AsyncEngine(llm).start()
-    app = build_app(engine, served_model_name, api_key, limits)
+    app = build_app(engine, served_model_name, api_key, limits, chat)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
     except KeyboardInterrupt:

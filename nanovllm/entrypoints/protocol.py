@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from nanovllm.entrypoints.chat_protocol import ChatTemplateOptions, ChatTool, NamedToolChoice, template_tool_call
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Request fields handed to SamplingParams under the same (vLLM) name when the client sets them.
@@ -14,7 +15,7 @@ from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-    "skip_special_tokens", "include_stop_str_in_output", "n",
+    "skip_special_tokens", "include_stop_str_in_output", "n", "spaces_between_special_tokens",
 )
 
 
@@ -92,6 +93,9 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    # vLLM's: logprob tokens as "token_id:N" (every token is then identifiable, even a partial character).
+    return_tokens_as_token_ids: bool | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, vLLM's older guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -195,14 +199,27 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [template_tool_call(c) for c in message["tool_calls"]]
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (tool_calls.py): default choice "auto" when tools are given, else "none".
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's: the reply starts with the last message's content when that message is the assistant's.
+    echo: bool = False
+    add_special_tokens: bool = False  # vLLM's: BOS etc. on top of what the template writes
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        self.check_template_options()
 
     def conversation(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
@@ -219,7 +236,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return SamplingParams(**kwargs)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's /tokenize body: a prompt, or chat messages put through the chat template."""
 
     model_config = ConfigDict(extra="forbid")
@@ -227,10 +244,11 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[ChatTool] | None = None
 
     def check_supported(self) -> None:
+        self.check_template_options()
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:

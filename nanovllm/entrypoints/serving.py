@@ -36,17 +36,20 @@ def _clamp(logprob: float) -> float:
     return max(logprob, -9999.0)  # JSON has no -Infinity
 
 
-def token_logprobs(delta: StreamDelta, top_n: int) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
-    """The delta's tokens as (text, logprob, top_n most likely (text, logprob)), best first."""
+def token_logprobs(delta: StreamDelta, top_n: int,
+                   as_ids: bool = False) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+    """The delta's tokens as (text, logprob, top_n most likely (text, logprob)), best first;
+    as_ids (vLLM's return_tokens_as_token_ids): each token's text is "token_id:N"."""
+    def text_of(t: int) -> str:
+        return f"token_id:{t}" if as_ids else delta.token_texts[t]
     entries = []
     for token_id, d in zip(delta.token_ids, delta.logprobs or []):
-        text = delta.token_texts[token_id]
+        text = text_of(token_id)
         if not d:
             entries.append((text, None, []))
             continue
         top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
-        entries.append((text, _clamp(d[token_id]),
-                        [(delta.token_texts[t], _clamp(lp)) for t, lp in top]))
+        entries.append((text, _clamp(d[token_id]), [(text_of(t), _clamp(lp)) for t, lp in top]))
     return entries
 
 
@@ -113,6 +116,9 @@ class Generation:
         self.num_prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs, set by the server
         self.choices: list[Choice] = []
         self.num_unfinished = 0
+        self.tokens_as_ids = False  # return_tokens_as_token_ids
+        self.echo_prefix = ""  # chat's echo: the last (assistant) message's content opens the reply
+        self.new_tool_reply = None  # chat with tools: () -> tool_calls.ToolReply for one choice
 
     async def submit(self, prompts: list, sampling_params) -> None:
         """Queue every prompt at once (they can share a step); if one is refused, abort the others
@@ -154,7 +160,8 @@ class Generation:
                     if delta.prompt_logprobs is not None:
                         choice.prompt_logprobs = delta.prompt_logprobs
                         choice.prompt_token_texts = delta.prompt_token_texts or {}
-                    entries = token_logprobs(delta, self.top_logprobs) if self.top_logprobs is not None else []
+                    entries = (token_logprobs(delta, self.top_logprobs, self.tokens_as_ids)
+                               if self.top_logprobs is not None else [])
                     choice.logprobs += entries
                     choice.num_tokens = delta.num_output_tokens
                     if delta.is_finished:
@@ -214,9 +221,17 @@ def completion_choice(gen: Generation, c: Choice) -> dict:
 
 def chat_response(gen: Generation) -> dict:
     has_logprobs = gen.top_logprobs is not None
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs) if has_logprobs else None,
-                "finish_reason": c.finish_reason} for c in gen.choices]
+    choices = []
+    for c in gen.choices:
+        message, finish = {"role": "assistant", "content": gen.echo_prefix + c.text}, c.finish_reason
+        if gen.new_tool_reply is not None:
+            reply = gen.new_tool_reply()
+            content, calls = reply.whole(c.text)
+            message["content"] = gen.echo_prefix + content if content or gen.echo_prefix else None
+            message["tool_calls"] = calls
+            finish = reply.finish_reason(finish)
+        choices.append({"index": c.index, "message": message, "finish_reason": finish,
+                        "logprobs": chat_logprobs(c.logprobs) if has_logprobs else None})
     return {**gen.header("chat.completion"), "choices": choices, "usage": gen.usage()}
 
 
@@ -234,17 +249,20 @@ async def sse_chunks(gen: Generation, kind: str, include_usage: bool,
 
     def usage() -> dict:
         return {"usage": gen.usage()} if continuous_usage else {}
+    replies = {c.index: gen.new_tool_reply() for c in gen.choices} if gen.new_tool_reply else {}
     try:
         if is_chat:  # OpenAI opens each choice with the assistant role
             for c in gen.choices:
                 yield _sse({**gen.header(obj), "choices": [
-                    {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    {"index": c.index, "delta": {"role": "assistant", "content": gen.echo_prefix},
                      "logprobs": None, "finish_reason": None}], **usage()})
         async for choice, delta, entries in gen.deltas():
             logprobs = None
             if gen.top_logprobs is not None and entries:
                 logprobs = chat_logprobs(entries) if is_chat else completion_logprobs(choice, entries)
-            for entry in _chunk_choices(choice, delta, is_chat, logprobs):
+            chunk_choices = (_chunk_choices(choice, delta, is_chat, logprobs) if choice.index not in replies
+                             else _tool_chunk_choices(choice, delta, logprobs, replies[choice.index]))
+            for entry in chunk_choices:
                 yield _sse({**gen.header(obj), "choices": [entry], **usage()})
         if include_usage:
             yield _sse({**gen.header(obj), "choices": [], "usage": gen.usage()})
@@ -267,4 +285,20 @@ def _chunk_choices(choice: Choice, delta: StreamDelta, is_chat: bool, logprobs: 
                         "finish_reason": None})
     if finish is not None:
         entries.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": finish})
+    return entries
+
+
+def _tool_chunk_choices(choice: Choice, delta: StreamDelta, logprobs: dict | None, reply) -> list[dict]:
+    """A chat delta read for tool calls: content outside the calls, then delta.tool_calls pieces."""
+    content, calls = reply.feed(delta.text or "", delta.is_finished)
+    entries = []
+    if content or logprobs is not None:
+        entries.append({"index": choice.index, "delta": {"content": content}, "logprobs": logprobs,
+                        "finish_reason": None})
+    if calls:
+        entries.append({"index": choice.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                        "finish_reason": None})
+    if delta.finish_reason is not None:
+        entries.append({"index": choice.index, "delta": {}, "logprobs": None,
+                        "finish_reason": reply.finish_reason(delta.finish_reason)})
     return entries

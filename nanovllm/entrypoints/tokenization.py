@@ -6,7 +6,8 @@ NOTE: the tokenizer is used on the engine thread only (AsyncEngine.call), like t
 from fastapi import FastAPI
 
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStoppedError
-from nanovllm.entrypoints.protocol import ApiError, DetokenizeRequest, TokenizeRequest, error_responses
+from nanovllm.entrypoints.protocol import (ApiError, ChatTemplateOptions, DetokenizeRequest, TokenizeRequest,
+                                           error_responses)
 
 
 async def on_engine(engine: AsyncEngine, fn):
@@ -24,26 +25,32 @@ async def prompt_token_ids(engine: AsyncEngine, prompts: list) -> list[list[int]
     return await on_engine(engine, lambda llm: [llm.tokenize(p) for p in prompts])
 
 
-async def conversation_token_ids(engine: AsyncEngine, conversation: list[dict]) -> list[int]:
-    """A chat conversation through the model's chat template, as LLM.chat would see it."""
-    def apply(llm) -> list[int]:
-        from jinja2 import TemplateError
-        try:
-            return llm.apply_chat_template(conversation)
-        except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
-            raise ValueError(f"chat template failed on these messages: {e}") from e
-    return await on_engine(engine, apply)
+async def chat_prompt_ids(engine: AsyncEngine, conversation: list[dict], options: ChatTemplateOptions,
+                          tools: list[dict] | None, add_special_tokens: bool,
+                          trust_request_chat_template: bool) -> list[int]:
+    """A chat request's prompt: its messages (and tools) through the chat template with its options."""
+    if options.chat_template is not None and not trust_request_chat_template:
+        raise ApiError(400, "chat_template in a request needs `nanovllm serve --trust-request-chat-template`",
+                       param="chat_template")
+    return await on_engine(engine, lambda llm: _templated(llm, conversation, options, tools, add_special_tokens))
 
 
-def _templated(llm, conversation: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+def _templated(llm, conversation: list[dict], options: ChatTemplateOptions, tools: list[dict] | None,
+               add_special_tokens: bool) -> list[int]:
     from jinja2 import TemplateError
 
     tokenizer = _tokenizer_of(llm)
-    if getattr(tokenizer, "chat_template", None) is None:
+    if getattr(tokenizer, "chat_template", None) is None and options.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template; send a prompt instead of messages")
+    if options.continue_final_message and conversation[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message needs the last message to be the assistant's, got role "
+                         f"{conversation[-1].get('role')!r}")
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            conversation, tools=tools, documents=options.documents, chat_template=options.chat_template,
+            add_generation_prompt=options.adds_generation_prompt,
+            continue_final_message=options.continue_final_message, tokenize=False,
+            **(options.chat_template_kwargs or {}))
     except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
         raise ValueError(f"chat template failed on these messages: {e}") from e
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -59,7 +66,8 @@ def _tokenize(llm, body: TokenizeRequest) -> dict:
     tokenizer = _tokenizer_of(llm)
     if body.messages is not None:
         conversation = [m.to_template_dict() for m in body.messages]
-        ids = _templated(llm, conversation, body.add_generation_prompt, bool(body.add_special_tokens))
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = _templated(llm, conversation, body, tools, bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
@@ -102,7 +110,8 @@ def _tokenizer_info(llm) -> dict:
     return info
 
 
-def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model) -> None:
+def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model,
+                        trust_request_chat_template: bool = False) -> None:
     """POST /tokenize and /detokenize with vLLM's bodies; `model` is optional, checked when given;
     GET /tokenizer_info."""
 
@@ -118,6 +127,9 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model) -> None:
             body.check_supported()
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from e
+        if body.chat_template is not None and not trust_request_chat_template:
+            raise ApiError(400, "chat_template in a request needs `nanovllm serve --trust-request-chat-template`",
+                           param="chat_template")
         return await on_engine(engine, lambda llm: _tokenize(llm, body))
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))

@@ -6,6 +6,35 @@ O(window), not O(output length).
 """
 
 
+def added_token_texts(tokenizer) -> dict[int, str]:
+    """The tokenizer's added tokens (specials included): id -> its text."""
+    return {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+
+
+def decode_text(tokenizer, token_ids: list[int], skip_special_tokens: bool,
+                added_tokens: dict[int, str] | None = None) -> str:
+    """tokenizer.decode; with added_tokens (spaces_between_special_tokens=False, vLLM's option), the
+    runs between added tokens are decoded on their own and joined to the added tokens' texts with
+    nothing between, so no space the decoder would put around a special token appears."""
+    if added_tokens is None:
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    pieces, run = [], []
+    for token_id in token_ids:
+        if token_id not in added_tokens:
+            run.append(token_id)
+            continue
+        if skip_special_tokens and token_id in special:
+            continue  # a skipped special token does not split the run around it
+        if run:
+            pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+            run = []
+        pieces.append(added_tokens[token_id])
+    if run:
+        pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+    return "".join(pieces)
+
+
 def find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:
     """The earliest stop string that ends at or after text[start:], as (index, stop)."""
     best = None
@@ -21,16 +50,17 @@ class IncrementalDetokenizer:
     tokenizers whose decode of a window is a suffix-consistent piece of the whole (BPE, WordPiece,
     SentencePiece); a piece ending in an unfinished UTF-8 character waits for the next token."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool):
+    def __init__(self, tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.added_tokens = None if spaces_between_special_tokens else added_token_texts(tokenizer)
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0  # window start: decoding from here gives context for the next piece
         self.read_offset = 0    # tokens before this are already in self.text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return decode_text(self.tokenizer, token_ids, self.skip_special_tokens, self.added_tokens)
 
     def _pending_piece(self) -> str:
         before = self._decode(self.token_ids[self.prefix_offset: self.read_offset])
@@ -59,8 +89,8 @@ class RequestText:
     and the final output all read this one IncrementalDetokenizer."""
 
     def __init__(self, tokenizer, stops: list[str], skip_special_tokens: bool,
-                 include_stop_str_in_output: bool, min_tokens: int):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+                 include_stop_str_in_output: bool, min_tokens: int, spaces_between_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.stops = stops
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens

@@ -6,7 +6,7 @@ output_of() for a result. Per-request state lives here, not on Sequence, so TP w
 from dataclasses import dataclass
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs.detokenizer import RequestText
+from nanovllm.outputs.detokenizer import RequestText, added_token_texts, decode_text
 from nanovllm.outputs.streaming import StreamDelta, token_texts
 from nanovllm.sample.prompt_logprobs import PromptLogprobs
 
@@ -39,7 +39,7 @@ class OutputProcessor:
         text = None
         if self.tokenizer is not None and (stream or sp.stop):
             text = RequestText(self.tokenizer, sp.stop, sp.skip_special_tokens,
-                               sp.include_stop_str_in_output, sp.min_tokens)
+                               sp.include_stop_str_in_output, sp.min_tokens, sp.spaces_between_special_tokens)
         logprobs = [] if sp.logprobs is not None else None
         prompt_logprobs = [None] if sp.prompt_logprobs is not None else None
         self.states[seq.seq_id] = RequestState(request_id, index, text, logprobs, stream, prompt_logprobs)
@@ -156,7 +156,8 @@ class OutputProcessor:
             # Ended by EOS or a stop token: vLLM leaves its text out unless asked.
             if not sp.include_stop_str_in_output:
                 token_ids = token_ids[:-1]
-        return self.tokenizer.decode(token_ids, skip_special_tokens=sp.skip_special_tokens)
+        added = None if sp.spaces_between_special_tokens else added_token_texts(self.tokenizer)
+        return decode_text(self.tokenizer, token_ids, sp.skip_special_tokens, added)
 
     def output_of(self, seq: Sequence) -> dict:
         """One completion: text, token ids, finish/stop reason, and logprobs when asked.

@@ -1,0 +1,159 @@
+"""Tool calling on /v1/chat/completions: which choice a request makes (none, auto, required, a named
+tool), the constraint that forces a call, and each reply parsed into OpenAI's tool_calls, whole or
+streamed. openai_server.py checks and constrains; serving.py builds the bodies with ToolReply.
+"""
+import copy
+import json
+import uuid
+from dataclasses import dataclass, replace
+
+from nanovllm.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice
+from nanovllm.entrypoints.tool_parsers import ParsedReply, ToolCall, ToolCallDelta, ToolParser, get_tool_parser
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """Server-wide chat options (`nanovllm serve` flags, vLLM's names)."""
+    tool_call_parser: str | None = None       # --tool-call-parser: the model's tool-call format
+    enable_auto_tool_choice: bool = False     # --enable-auto-tool-choice: allow tool_choice "auto"
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails at start, not per request
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+def tool_choice_of(body: ChatCompletionRequest, settings: ChatSettings) -> str | None:
+    """"none", "auto", "required" or the named tool's name (vLLM's checks); ValueError if refused."""
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if body.tools else "none"
+    if choice != "none" and body.tools is None:
+        raise ValueError("tool_choice needs tools")
+    if choice == "required" and not body.tools:
+        return "none"  # OpenAI's answer to required with an empty list
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in body.tools]
+        if choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools {names}")
+        return choice.function.name
+    if choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+        raise ValueError('tool_choice "auto" needs `nanovllm serve --enable-auto-tool-choice '
+                         '--tool-call-parser NAME`')
+    return choice
+
+
+def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools as the chat template gets them (OpenAI's dicts)."""
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+
+def _parameters(tool) -> dict:
+    return copy.deepcopy(tool.function.parameters) or {"type": "object", "properties": {}}
+
+
+def forced_call_constraint(body: ChatCompletionRequest, choice: str | None,
+                           settings: ChatSettings) -> StructuredOutputsParams | None:
+    """The grammar that makes the reply a valid call (required: of any tool; named: of that one)."""
+    if choice in (None, "none", "auto"):
+        return None
+    tools = [t for t in body.tools if choice == "required" or t.function.name == choice]
+    parallel = choice == "required" and body.parallel_tool_calls is not False
+    if settings.tool_call_parser is not None:  # the model's own format, e.g. <tool_call>...</tool_call>
+        schemas = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                    "properties": {"name": {"enum": [t.function.name]}, "arguments": _parameters(t)}}
+                   for t in tools]
+        parser = get_tool_parser(settings.tool_call_parser)
+        return StructuredOutputsParams(grammar=parser.forced_call_grammar(schemas, parallel))
+    if choice != "required":  # vLLM's way without a parser: the reply is the arguments object
+        return StructuredOutputsParams(json=_parameters(tools[0]))
+    items = [{"type": "object", "required": ["name", "parameters"],
+              "properties": {"name": {"enum": [t.function.name]}, "parameters": _parameters(t)}} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def with_forced_call(params: SamplingParams, body: ChatCompletionRequest, choice: str | None,
+                     settings: ChatSettings) -> SamplingParams:
+    """params with the grammar of a forced tool call, when tool_choice is required or named."""
+    constraint = forced_call_constraint(body, choice, settings)
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ValueError("tool_choice required or a named tool cannot be combined with structured outputs")
+    return replace(params, structured_outputs=constraint)
+
+
+class _JsonReply(ToolParser):
+    """A reply forced without a parser: the named tool's arguments, or (required) vLLM's JSON array
+    of {"name", "parameters"}; the arguments stream as they come, a required array at its end."""
+
+    def __init__(self, named: str | None):
+        self.named, self.text, self.started = named, "", False
+
+    def parse(self, text: str) -> ParsedReply:
+        if self.named is not None:
+            return ParsedReply(None, [ToolCall(self.named, text)])
+        try:
+            calls = [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
+                     for c in json.loads(text)]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            return ParsedReply(text.strip() or None)
+        return ParsedReply(None, calls)
+
+    def feed(self, text: str, is_final: bool) -> tuple[str, list[ToolCallDelta]]:
+        self.text += text
+        if self.named is not None:
+            first, self.started = not self.started, True
+            return "", [ToolCallDelta(0, name=self.named if first else None, arguments=text)]
+        if not is_final:
+            return "", []
+        whole = self.parse(self.text)
+        return whole.content or "", [ToolCallDelta(i, c.name, c.arguments) for i, c in enumerate(whole.tool_calls)]
+
+
+class ToolReply:
+    """One choice's reply read for tool calls: whole() for a body, feed() for a stream's chunks."""
+
+    def __init__(self, choice: str, settings: ChatSettings):
+        named = choice if choice not in ("auto", "required") else None
+        if settings.tool_call_parser is not None:
+            self.parser = get_tool_parser(settings.tool_call_parser)()
+        else:
+            self.parser = _JsonReply(named)
+        self.ids: dict[int, str] = {}  # streamed call index -> its id
+        self.has_calls = False
+
+    def whole(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, OpenAI tool_calls) of a finished reply."""
+        reply = self.parser.parse(text)
+        self.has_calls = bool(reply.tool_calls)
+        return reply.content, [{"id": _call_id(), "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}} for c in reply.tool_calls]
+
+    def feed(self, text: str, is_final: bool) -> tuple[str, list[dict]]:
+        """(content, OpenAI delta.tool_calls) of the next piece: a call's first delta carries its
+        index, id, type and name; later ones its index and a piece of arguments."""
+        content, deltas = self.parser.feed(text, is_final)
+        out = []
+        for d in deltas:
+            entry = {"index": d.index, "function": {"arguments": d.arguments}}
+            if d.index not in self.ids:
+                self.ids[d.index] = _call_id()
+                entry.update(id=self.ids[d.index], type="function")
+                entry["function"]["name"] = d.name
+            out.append(entry)
+        self.has_calls = self.has_calls or bool(out)
+        return content, out
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if finish_reason == "stop" and self.has_calls else finish_reason
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
