@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from nanovllm.entrypoints.sglang_compat import SGLangChatFields, SGLangSamplingFields
 from nanovllm.sampling_params import SamplingParams
 
 # Request fields handed to SamplingParams under the same (vLLM) name when the client sets them.
@@ -29,8 +30,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class _SamplingRequest(SGLangSamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras, plus
+    the SGLang fields sglang-router adds, from sglang_compat.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -60,11 +62,13 @@ class _SamplingRequest(BaseModel):
     def check_supported(self) -> None:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        self.check_sglang_fields()
 
     def sampling_kwargs(self) -> dict:
         """The fields the client set, by SamplingParams' names (unset ones keep its defaults)."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS
-                if name in self.model_fields_set and getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS
+                  if name in self.model_fields_set and getattr(self, name) is not None}
+        return {**kwargs, **self.sglang_sampling_kwargs()}
 
     @property
     def include_usage(self) -> bool:
@@ -128,7 +132,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, SGLangChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
