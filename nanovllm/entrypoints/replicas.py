@@ -31,6 +31,7 @@ class Child:
     name: str
     url: str
     process: subprocess.Popen
+    ready_path: str = "/health"
     exit_logged: bool = False
 
     def exited(self) -> bool:
@@ -79,7 +80,7 @@ def cpu_share(index: int, num_replicas: int) -> list[int] | None:
 
 
 def spawn(name: str, url: str, argv: list[str], env: dict[str, str] | None = None,
-          cores: list[int] | None = None) -> Child:
+          cores: list[int] | None = None, ready_path: str = "/health") -> Child:
     """Start a child in its own session (a terminal's Ctrl-C reaches only this parent, which then
     stops the children once); on Linux it also gets SIGTERM when this parent dies, even by SIGKILL."""
     parent = os.getpid()
@@ -94,25 +95,25 @@ def spawn(name: str, url: str, argv: list[str], env: dict[str, str] | None = Non
 
     process = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=in_child)
     logger.info("%s: pid %d, %s", name, process.pid, url)
-    return Child(name, url, process)
+    return Child(name, url, process, ready_path)
 
 
-def is_healthy(url: str) -> bool:
+def is_ready(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
-def wait_until_healthy(children: list[Child]) -> str | None:
-    """Block until every child answers /health; why not, when one exits first."""
+def wait_until_ready(children: list[Child]) -> str | None:
+    """Block until every child answers 200 on its ready_path; why not, when one exits first."""
     pending = list(children)
     while pending:
         for child in list(pending):
             if child.exited():
                 return f"{child.name} exited with status {child.process.returncode} before it was ready"
-            if is_healthy(child.url):
+            if is_ready(child.url + child.ready_path):
                 logger.info("%s ready at %s", child.name, child.url)
                 pending.remove(child)
         time.sleep(POLL_S)
@@ -178,16 +179,18 @@ def run_replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
             env = {**os.environ, **envs[i], "OMP_NUM_THREADS": str(threads), "PYTHONPATH": _python_path()}
             children.append(spawn(f"replica {i}", local_url(args.host, port), replica_argv(parser, child_args, port),
                                   env, cores))
-        problem = wait_until_healthy(children)
+        problem = wait_until_ready(children)
         if problem:
             logger.error("%s; stopping the others", problem)
             return 1
         urls = [child.url for child in children]
         router = None
         if args.router:
-            router = spawn("router", local_url(args.host, args.router_port), router_argv(args, urls))
+            # sglang-router's /health is 200 at once; /readiness waits for healthy workers.
+            router = spawn("router", local_url(args.host, args.router_port), router_argv(args, urls),
+                           ready_path="/readiness")
             children.append(router)
-            problem = wait_until_healthy([router])
+            problem = wait_until_ready([router])
             if problem:
                 logger.error("%s; stopping the replicas", problem)
                 return 1
