@@ -93,3 +93,22 @@ def test_children_die_with_the_parent_even_by_sigkill(tmp_path):
     finally:
         if is_alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_each_replica_gets_its_port_cores_threads_and_kv_share(qwen3_gqa, monkeypatch):
+    from nanovllm.config import Config
+    from nanovllm.platforms import CpuPlatform
+
+    started = []
+    monkeypatch.setattr(replicas, "spawn", lambda name, url, argv, env, cores: started.append((url, argv, env, cores)))
+    args = build_parser().parse_args(["serve", qwen3_gqa, "-dp", "2", "--port", "9000", "--device", "cpu"])
+    config = Config(qwen3_gqa, device="cpu")
+    replicas.start_replicas(args.serve_parser, args, qwen3_gqa, config, [{"X": "0"}, {"X": "1"}], [])
+    assert [url for url, *_ in started] == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+    whole = CpuPlatform().default_kvcache_bytes(1)
+    for i, (_, argv, env, cores) in enumerate(started):
+        parsed = build_parser().parse_args(argv[3:])
+        assert (parsed.model, parsed.port, parsed.device, parsed.data_parallel_size) == (qwen3_gqa, 9000 + i, "cpu", 1)
+        assert abs(2 * parsed.cpu_kvcache_bytes - whole) < 0.05 * whole  # half of one engine's default each
+        assert env["X"] == str(i) and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+        assert cores == replicas.cpu_share(i, 2) and env["OMP_NUM_THREADS"] == str(len(cores or [0]))

@@ -105,7 +105,13 @@ def check_answers(client_, ref_llm, prompts) -> None:
 
 
 def test_each_replica_answers_like_the_local_engine(dp, ref_llm):
-    assert len(dp.pids) == 2 or not IS_LINUX
+    if IS_LINUX:  # each on its own half of the cores, with as many threads
+        assert len(dp.pids) == 2
+        shares = [os.sched_getaffinity(pid) for pid in dp.pids]
+        assert not shares[0] & shares[1] and all(len(s) == len(os.sched_getaffinity(0)) // 2 for s in shares)
+        for pid, share in zip(dp.pids, shares):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"OMP_NUM_THREADS={len(share)}".encode() in environ
     for url in dp.urls:
         check_answers(router_client(url), ref_llm, PROMPTS[:1])
 

@@ -14,6 +14,10 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -159,26 +163,15 @@ def supervise(replicas: list[Child], router: Child | None) -> int:
         time.sleep(POLL_S)
 
 
-def run_replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str, config) -> int:
+def run_replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str, config: "Config") -> int:
     """Start, announce and supervise the replicas (and the router with --router) until a signal.
-    `config` is the Config of one replica, already validated; ports are already checked."""
+    `config` is one replica's Config, already validated; the ports are already checked."""
     n = args.data_parallel_size
-    ports = replica_ports(args)
-    tp = config.tensor_parallel_size
-    child_args = copy.copy(args)
-    child_args.model = model  # resolved once here, so replicas never fetch the default model at once
-    if args.cpu_kvcache_bytes is None:  # N engines share the machine's RAM (None: measured per device)
-        child_args.cpu_kvcache_bytes = config.platform.default_kvcache_bytes(tp * n)
-    envs = [config.platform.replica_env(i, n, tp) for i in range(n)]  # raises before anything starts
+    envs = [config.platform.replica_env(i, n, config.tensor_parallel_size) for i in range(n)]  # raises first
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     children: list[Child] = []
     try:
-        for i, port in enumerate(ports):
-            cores = cpu_share(i, n)
-            threads = len(cores) if cores else max(1, (os.cpu_count() or 1) // n)
-            env = {**os.environ, **envs[i], "OMP_NUM_THREADS": str(threads), "PYTHONPATH": _python_path()}
-            children.append(spawn(f"replica {i}", local_url(args.host, port), replica_argv(parser, child_args, port),
-                                  env, cores))
+        start_replicas(parser, args, model, config, envs, children)
         problem = wait_until_ready(children)
         if problem:
             logger.error("%s; stopping the others", problem)
@@ -203,9 +196,25 @@ def run_replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
         stop(children)
 
 
+def start_replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str, config: "Config",
+                   envs: list[dict[str, str]], children: list[Child]) -> None:
+    """Spawn replica i on port i with envs[i] and its cores, appending each to `children` as it starts."""
+    n = args.data_parallel_size
+    child_args = copy.copy(args)
+    child_args.model = model  # resolved once here, so the replicas never fetch the default model at once
+    if args.cpu_kvcache_bytes is None:  # N engines share the RAM (the platform says None where measured)
+        child_args.cpu_kvcache_bytes = config.platform.default_kvcache_bytes(config.tensor_parallel_size * n)
+    for i, port in enumerate(replica_ports(args)):
+        cores = cpu_share(i, n)
+        threads = len(cores) if cores else max(1, (os.cpu_count() or 1) // n)
+        env = {**os.environ, **envs[i], "OMP_NUM_THREADS": str(threads), "PYTHONPATH": _python_path()}
+        command = replica_argv(parser, child_args, port)
+        children.append(spawn(f"replica {i}", local_url(args.host, port), command, env, cores))
+
+
 def _announce(args: argparse.Namespace, urls: list[str], router: Child | None) -> None:
     """The command's output: where the replicas are, and the router to put in front."""
-    print(f"{len(urls)} replicas ready: {' '.join(urls)}", flush=True)
+    print(f"{len(urls)} replica{'s' if len(urls) > 1 else ''} ready: {' '.join(urls)}", flush=True)
     if router is not None:
         print(f"sglang-router ({args.router_policy}) in front at {router.url}", flush=True)
     else:
