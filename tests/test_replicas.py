@@ -14,7 +14,7 @@ from nanovllm.cli import build_parser, main
 from nanovllm.entrypoints import replicas
 from nanovllm.platforms import CudaPlatform
 
-from process_helpers import IS_LINUX, free_ports, is_alive, wait_until
+from process_helpers import IS_LINUX, free_ports, is_alive, port_is_free, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,3 +112,15 @@ def test_each_replica_gets_its_port_cores_threads_and_kv_share(qwen3_gqa, monkey
         assert abs(2 * parsed.cpu_kvcache_bytes - whole) < 0.05 * whole  # half of one engine's default each
         assert env["X"] == str(i) and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
         assert cores == replicas.cpu_share(i, 2) and env["OMP_NUM_THREADS"] == str(len(cores or [0]))
+
+
+def test_a_replica_that_fails_to_start_stops_the_others(qwen3_gqa):
+    base = free_ports(2)
+    run = subprocess.run([sys.executable, "-m", "nanovllm.cli", "serve", qwen3_gqa, "-dp", "2", "--port", str(base),
+                          "--cpu-kvcache-bytes", "1", "--log-level", "warning"],  # no KV block fits: each exits 2
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 1
+    assert "exited with status 2 before it was ready; stopping the others" in run.stderr
+    assert "not even one KV cache block" in run.stderr  # the replica's own one-line error
+    assert all(port_is_free(base + i) for i in range(2))
