@@ -1,12 +1,14 @@
 """The `nanovllm` command (console script). `nanovllm serve [MODEL] [options]` runs the OpenAI server
-(without MODEL: the default model, SmolLM2-135M-Instruct, fetched and converted on first use)."""
+(without MODEL: the default model, SmolLM2-135M-Instruct, fetched and converted on first use);
+with --data-parallel-size N, N such servers on one host (entrypoints/replicas.py)."""
 import argparse
 import errno
+import importlib.util
 import logging
 import socket
 import sys
 
-from nanovllm.utils.cli_args import ArgumentParser, print_error
+from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 
 
 # Engine options: (flag, Config field, type, help). Defaults stay Config's own.
@@ -23,6 +25,7 @@ _ENGINE_OPTIONS = [
     ("--attention-backend", "attention_backend", str, "auto, torch, flash or triton"),
     ("--seed", "seed", int, "engine seed"),
 ]
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=None, help="turn prefix caching off")
+    _add_data_parallel_options(serve)
+    serve.set_defaults(serve_parser=serve)  # replicas.py rebuilds a replica's command from its actions
     return parser
+
+
+def _add_data_parallel_options(serve: argparse.ArgumentParser) -> None:
+    dp = serve.add_argument_group(
+        "data parallelism", "N replicas of the engine on this host, each its own `nanovllm serve` process with "
+        "1/N of the cores (on CUDA its own GPUs); this process supervises them")
+    dp.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                    help="number of replicas (default: %(default)s: no replicas, one server)")
+    dp.add_argument("--data-parallel-base-port", type=int, default=None,
+                    help="replica i listens on this port + i (default: --port)")
+    dp.add_argument("--router", action="store_true",
+                    help="also start sglang-router in front of the replicas (pip install sglang-router)")
+    dp.add_argument("--router-port", type=int, default=30000, help="the router's port (default: %(default)s)")
+    dp.add_argument("--router-policy", default="cache_aware", choices=list(ROUTER_POLICIES),
+                    help="how the router picks a replica (default: %(default)s)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -101,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             import uvicorn  # noqa: F401
         except ImportError:
             return print_error("nanovllm serve", "the server extras are missing: pip install 'nano-vllm[server]'")
+        if args.data_parallel_size > 1 or args.router:
+            return serve_replicas(args)
+        if args.data_parallel_base_port is not None:
+            return print_error("nanovllm serve", "--data-parallel-base-port needs --data-parallel-size > 1")
         problem = check_port(args.host, args.port)  # before the model load, which takes seconds
         if problem:
             return print_error("nanovllm serve", problem)
@@ -123,6 +147,35 @@ def main(argv: list[str] | None = None) -> int:
         run_server(llm, args.served_model_name or model, host=args.host, port=args.port,
                    api_key=args.api_key, log_level=args.log_level, limits=limits, chat=chat)
     return 0
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    """`nanovllm serve --data-parallel-size N`: check every port and the options once, then hand over
+    to the supervisor (entrypoints/replicas.py)."""
+    from nanovllm.config import Config
+    from nanovllm.entrypoints.replicas import replica_ports, run_replicas
+    from nanovllm.utils.default_model import DefaultModelError
+
+    if args.router and importlib.util.find_spec("sglang_router") is None:
+        return print_error("nanovllm serve", "--router needs sglang-router: pip install sglang-router")
+    try:
+        ports = replica_ports(args) + ([args.router_port] if args.router else [])
+        if len(set(ports)) < len(ports):
+            raise ValueError(f"--router-port {args.router_port} is one of the replica ports {ports[:-1]}")
+        for port in ports:
+            problem = check_port(args.host, port)
+            if problem:
+                raise ValueError(problem)
+        model = model_path(args)
+        config = Config(model, **engine_kwargs(args))  # one replica's options, checked before N start
+    except (ValueError, TypeError) as e:
+        return print_error("nanovllm serve", e)
+    except DefaultModelError as e:
+        return print_error("nanovllm serve", e, status=1)
+    try:
+        return run_replicas(args.serve_parser, args, model, config)
+    except ValueError as e:  # the platform cannot give every replica its own devices
+        return print_error("nanovllm serve", e)
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -2,9 +2,10 @@
 (nanovllm/cli.py) or by tests through build_app() + uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health, and vLLM's POST /tokenize, /detokenize, GET /tokenizer_info, /version, /metrics (Prometheus). Errors use
-OpenAI's body {"error": {"message", "type", "param", "code"}}. Every request's work is bounded
-before it is queued (limits.py).
+GET /health, vLLM's POST /tokenize, /detokenize, GET /tokenizer_info, /version, /metrics (Prometheus),
+and SGLang's GET /model_info, /server_info for sglang-router (sglang_compat.py). Errors use OpenAI's
+body {"error": {"message", "type", "param", "code"}}. Every request's work is bounded before it is
+queued (limits.py).
 """
 import asyncio
 import hmac
@@ -24,6 +25,7 @@ from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
 from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
                                            error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
+from nanovllm.entrypoints.sglang_compat import add_sglang_routes
 from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts,
                                                prompt_token_ids)
 from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, template_tools, tool_choice_of, with_forced_call
@@ -85,6 +87,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     _add_generation_routes(app, engine, served_model_name, limits, metrics, chat)
     add_tokenize_routes(app, engine, check_model, chat.trust_request_chat_template)
     _add_info_routes(app, engine, metrics)
+    add_sglang_routes(app, engine, served_model_name, _version())  # what sglang-router probes
     return app
 
 

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nanovllm.entrypoints.chat_protocol import ChatTemplateOptions, ChatTool, NamedToolChoice, template_tool_call
+from nanovllm.entrypoints.sglang_compat import SGLangChatFields, SGLangSamplingFields
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Request fields handed to SamplingParams under the same (vLLM) name when the client sets them.
@@ -66,8 +67,9 @@ class StructuredOutputsRequest(BaseModel):
     json_object: bool | None = None
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class _SamplingRequest(SGLangSamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras, plus
+    the SGLang fields sglang-router adds, from sglang_compat.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -107,6 +109,7 @@ class _SamplingRequest(BaseModel):
     def check_supported(self) -> None:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        self.check_sglang_fields()
 
     def sampling_kwargs(self) -> dict:
         """The fields the client set, by SamplingParams' names (unset ones keep its defaults)."""
@@ -115,7 +118,7 @@ class _SamplingRequest(BaseModel):
         structured = self.structured_outputs_params()
         if structured is not None:
             kwargs["structured_outputs"] = structured
-        return kwargs
+        return {**kwargs, **self.sglang_sampling_kwargs()}
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint from whichever of the three ways the client used (one at most)."""
@@ -204,7 +207,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest):
+class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest, SGLangChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -1,6 +1,7 @@
 """CudaPlatform: the engine on NVIDIA GPUs, one per rank: NCCL, pinned host->device copies, a KV
 budget measured after a warm-up forward, captured decode graphs."""
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,19 @@ class CudaPlatform(Platform):
 
     def default_compile_ops(self, enforce_eager: bool) -> bool:
         return not enforce_eager  # fused kernels pay off at once
+
+    def replica_env(self, index: int, num_replicas: int, tensor_parallel_size: int) -> dict[str, str]:
+        # Replica i sees only its own GPUs (its ranks then count them from 0), taken in order from
+        # the ones this process sees.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None \
+            else [str(i) for i in range(torch.cuda.device_count())]
+        needed = num_replicas * tensor_parallel_size
+        if needed > len(devices):
+            raise ValueError(f"--data-parallel-size {num_replicas} x --tensor-parallel-size {tensor_parallel_size} "
+                             f"needs {needed} GPUs, but {len(devices)} are visible")
+        mine = devices[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
     def device_of_rank(self, rank: int) -> torch.device:
         return torch.device("cuda", rank)

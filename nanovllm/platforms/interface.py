@@ -46,6 +46,12 @@ class Platform:
         """Config.cpu_kvcache_bytes (per rank) when not given; None where the budget is measured."""
         return None
 
+    def replica_env(self, index: int, num_replicas: int, tensor_parallel_size: int) -> dict[str, str]:
+        """Environment variables that give data-parallel replica `index` (of `num_replicas` engines
+        on this host, each with tensor_parallel_size ranks) devices of its own; ValueError when the
+        host has too few for them all (entrypoints/replicas.py)."""
+        return {}
+
     # ---- one rank ----------------------------------------------------------------------------
     def device_of_rank(self, rank: int) -> torch.device:
         """The torch device rank `rank` computes on."""
