@@ -80,7 +80,7 @@ def _detokenize(llm, body: DetokenizeRequest) -> dict:
 def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model) -> None:
     """POST /tokenize and /detokenize with vLLM's bodies; `model` is optional, checked when given."""
 
-    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
         if body.model is not None:
             check_model(body.model)
@@ -90,7 +90,7 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model) -> None:
             raise ApiError(400, str(e), param="prompt") from e
         return await on_engine(engine, lambda llm: _tokenize(llm, body))
 
-    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> dict:
         if body.model is not None:
             check_model(body.model)
