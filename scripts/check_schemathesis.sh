@@ -34,8 +34,8 @@ stop() { kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true; }
 trap stop EXIT
 
 run() {  # run [schemathesis options]
-    "$SCHEMATHESIS" run "http://127.0.0.1:$PORT/openapi.json" --max-examples "$MAX_EXAMPLES" --seed 1 \
-        --workers 1 --request-timeout 60 --continue-on-failure --no-color "$@"
+    (cd "$DIR" && "$SCHEMATHESIS" run "http://127.0.0.1:$PORT/openapi.json" --max-examples "$MAX_EXAMPLES" --seed 1 \
+        --workers 1 --request-timeout 60 --continue-on-failure --no-color "$@")  # its cache goes to cwd
 }
 
 status=0

@@ -50,7 +50,7 @@ def schemathesis_command() -> list[str]:
     return [cli]
 
 
-def test_server_conforms_to_its_openapi_schema(server_url):
+def test_server_conforms_to_its_openapi_schema(server_url, tmp_path):
     env = dict(os.environ, SCHEMATHESIS_HOOKS="schemathesis_hooks", NANOVLLM_SERVED_MODEL=MODEL,
                PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run(
@@ -58,7 +58,7 @@ def test_server_conforms_to_its_openapi_schema(server_url):
                                   "--exclude-checks", EXCLUDED, "--max-examples", "15", "--seed", "1",
                                   "--workers", "1", "--request-timeout", "60", "--continue-on-failure",
                                   "--max-failures", "50", "--no-color"],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # its cache goes to cwd
     summary = run.stdout[run.stdout.rfind("SUMMARY"):]
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     selected = re.search(r"Selected: (\d+)/(\d+)\s+Tested: (\d+)", summary)
@@ -75,6 +75,7 @@ def test_findings_stay_fixed(server_url):
     spec = httpx.get(server_url + "/openapi.json").json()
     ok = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert set(ok) == {"application/json", "text/event-stream"}
+    assert ok["text/event-stream"]["schema"]["properties"]["data"] == {"type": "string"}  # one event
     fields = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"minimum": 0, "type": "number"} in fields["temperature"]["anyOf"]
     assert {"exclusiveMinimum": 0, "maximum": 1, "type": "number"} in fields["top_p"]["anyOf"]
@@ -84,3 +85,7 @@ def test_findings_stay_fixed(server_url):
     r = httpx.post(server_url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"] == {
         "message": "top_p must be <= 1.0, got 1.5", "type": "invalid_request_error", "param": "top_p", "code": None}
+    # The 500 it found: a tiny repetition_penalty made NaN probabilities (tests/test_sampler.py).
+    body = {"model": MODEL, "messages": [{"role": "user"}], "repetition_penalty": 5e-324, "max_tokens": 4}
+    r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text

@@ -30,9 +30,12 @@ logger = logging.getLogger(__name__)
 
 # Every status a generation route may answer besides 200, documented in /openapi.json.
 GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
-# `stream: true` answers server-sent events: documented beside the JSON body.
+# `stream: true` answers server-sent events: documented beside the JSON body. Before OpenAPI 3.2
+# (itemSchema), an event stream's `schema` describes one event: its `data` is a JSON chunk, `[DONE]` last.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
 GENERATION_ERRORS[200] = {"description": "the completion (JSON), or its chunks as server-sent events with stream",
-                          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+                          "content": {"text/event-stream": {"schema": SSE_EVENT}}}
 
 
 class ApiKeyMiddleware:
