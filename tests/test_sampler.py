@@ -8,6 +8,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from nanovllm import SamplingParams
+from nanovllm.sampling_params import MIN_TEMPERATURE
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sample import sampler as sampler_module
 from nanovllm.sample.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
@@ -302,3 +303,21 @@ def test_logprobs_are_of_the_raw_logits():
     assert set(first) == {tokens[0], *top3}
     for t, lp in first.items():
         assert lp == pytest.approx(raw[0, t].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("draw", [sampler_module.inverse_cdf_sample, sampler_module.exponential_race_sample])
+def test_extreme_repetition_penalties_stay_in_the_vocabulary(draw):
+    """Found by schemathesis: repetition_penalty=5e-324 divided positive logits into inf, softmax
+    made NaN and the draw an id past the vocabulary, which failed the whole engine step. Now the
+    penalized logits stay finite: a tiny penalty makes the seen positive tokens (2 and 5) the only
+    likely ones; a huge one on an all-seen, all-negative row leaves a uniform, valid draw."""
+    vocab = 8
+    logits = torch.tensor([[-1.0, -2.0, 3.0, -0.5, -4.0, 2.0, -3.0, -1.5]])
+    tiny = SamplingParams(repetition_penalty=5e-324, temperature=1.0, seed=0, max_tokens=4)
+    huge = SamplingParams(repetition_penalty=1e300, temperature=MIN_TEMPERATURE, seed=1, max_tokens=4)
+    md = metadata([tiny, huge], vocab, prompts=[[2, 5], list(range(vocab))])
+    both = torch.cat([logits, -logits.abs()])
+    sampler = Sampler(random_sample=draw)
+    for _ in range(20):
+        token_ids = sampler(both, md).token_ids.tolist()
+        assert token_ids[0] in (2, 5) and 0 <= token_ids[1] < vocab

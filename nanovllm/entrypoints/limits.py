@@ -8,10 +8,8 @@ from dataclasses import dataclass, fields
 
 from fastapi.responses import JSONResponse
 
-from nanovllm.entrypoints.protocol import ApiError, error_body
+from nanovllm.entrypoints.protocol import MAX_LOGPROBS, ApiError, error_body
 from nanovllm.sampling_params import MAX_N
-
-MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on logprobs / top_logprobs
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,12 @@ logger = logging.getLogger(__name__)
 
 # Every status a generation route may answer besides 200, documented in /openapi.json.
 GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
+# `stream: true` answers server-sent events: documented beside the JSON body. Before OpenAPI 3.2
+# (itemSchema), an event stream's `schema` describes one event: its `data` is a JSON chunk, `[DONE]` last.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
+GENERATION_ERRORS[200] = {"description": "the completion (JSON), or its chunks as server-sent events with stream",
+                          "content": {"text/event-stream": {"schema": SSE_EVENT}}}
 
 
 class ApiKeyMiddleware:
@@ -72,13 +78,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     def check_model(name: str) -> None:
         _check_model(name, served_model_name)
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> JSONResponse:
         if not engine.is_running:
             return JSONResponse(error_body("engine loop stopped", "server_error"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict:
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "nanovllm",
                 "max_model_len": engine.llm.config.max_model_len}
@@ -145,11 +151,11 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
     """GET /version and GET /metrics (Prometheus text format)."""
 
-    @app.get("/version")
+    @app.get("/version", responses=error_responses(401))
     async def version() -> dict:
         return {"version": _version()}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def prometheus_metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
         try:
@@ -194,7 +200,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code)
+        # e.headers: a 405 carries Allow (the methods the path takes), as RFC 9110 requires.
+        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
@@ -255,6 +262,9 @@ def _as_bad_request():
         raise ApiError(400, str(e)) from e
 
 
+_BOUND_WORDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
 def _validation_body(e: RequestValidationError) -> dict:
     """The first few pydantic errors as one message; param names the first bad field."""
     errors = e.errors()
@@ -265,6 +275,9 @@ def _validation_body(e: RequestValidationError) -> dict:
         field = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         if err.get("type") == "model_attributes_type" and not field:
             messages.append("request body must be a JSON object (send Content-Type: application/json)")
+        elif err.get("type") in _BOUND_WORDS:  # the documented bounds, in SamplingParams' words
+            (bound,) = err["ctx"].values()
+            messages.append(f"{field} must be {_BOUND_WORDS[err['type']]} {bound}, got {err.get('input')!r}")
         else:
             messages.append(f"{field or 'request body'}: {err.get('msg')}")
         params.append(field or None)

@@ -3,7 +3,7 @@ vLLM's /tokenize and /detokenize bodies; OpenAI's error body.
 
 openai_server.py validates each request body with these models. Unknown fields are an error (400).
 """
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -20,8 +20,12 @@ SAMPLING_FIELDS = (
 )
 
 
-# NOTE: token ids are StrictInt: a lax int would take `true` or `1.0` as a token id.
-TokenIds = list[StrictInt]
+# OpenAI's and vLLM's cap on logprobs / top_logprobs.
+MAX_LOGPROBS = 20
+
+# NOTE: token ids are StrictInt: a lax int would take `true` or `1.0` as a token id. The upper
+# bound, the model's vocabulary, is checked where the model is known.
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
 
 class StreamOptions(BaseModel):
@@ -74,23 +78,25 @@ class _SamplingRequest(SGLangSamplingFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    # NOTE: the bounds below are SamplingParams' own, stated here too so /openapi.json documents them
+    # (clients and fuzzers see them); SamplingParams still checks every value it is given.
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1)  # the upper bound is the server's --max-n (limits.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields (the openai client sends them through `extra_body`).
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
@@ -149,11 +155,11 @@ class _SamplingRequest(SGLangSamplingFields):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the completion
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
     prompt_logprobs: int | None = None  # vLLM's: a top-level prompt_logprobs list in each choice
 
     def check_supported(self) -> None:
@@ -209,9 +215,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest, SGLangChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Tool calling (tool_calls.py): default choice "auto" when tools are given, else "none".
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -119,7 +119,7 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model,
     async def tokenizer_info() -> dict:
         return await on_engine(engine, _tokenizer_info)
 
-    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
         if body.model is not None:
             check_model(body.model)
@@ -132,7 +132,7 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model,
                            param="chat_template")
         return await on_engine(engine, lambda llm: _tokenize(llm, body))
 
-    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> dict:
         if body.model is not None:
             check_model(body.model)

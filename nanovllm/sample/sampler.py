@@ -14,6 +14,7 @@ from torch import nn
 from nanovllm.sample.prompt_logprobs import PromptLogprobs
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.sample.structured_outputs import apply_token_bitmask
+from nanovllm.sampling_params import MIN_TEMPERATURE
 
 TOP_P_CANDIDATES = 1024  # tokens searched for the top-p cut before falling back to a full sort
 # A draw: probs [num_rows, vocab], the generators of seeded rows, the generator of the others -> token ids.
@@ -76,6 +77,11 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     seen = seen[:, :vocab] | (output_counts > 0)
     rep = md.repetition_penalties.unsqueeze(1)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    # NOTE: a tiny (or huge) repetition penalty makes logits infinite, and softmax of an inf is NaN,
+    # which samples an id outside the vocabulary and fails the whole step. Bounded so that even the
+    # smallest temperature cannot overflow them (a quarter: headroom for rounding).
+    bound = torch.finfo(logits.dtype).max * MIN_TEMPERATURE / 4
+    penalized = penalized.clamp(-bound, bound)
     logits = torch.where(seen, penalized, logits)
     logits = logits - md.frequency_penalties.unsqueeze(1) * output_counts
     return logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
