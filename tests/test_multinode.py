@@ -200,6 +200,14 @@ def test_unreachable_rendezvous_times_out_naming_the_address(qwen3_gqa):
     assert time.monotonic() - started < 10  # torch retries the connection once
 
 
+def test_serve_with_a_node_rank_runs_the_worker(qwen3_gqa, capsys):
+    addr = f"127.0.0.1:{free_port()}"
+    argv = ["serve", qwen3_gqa, "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+            "--dist-timeout-s", "1"]
+    assert cli_main(argv) == 1  # node 0 unreachable: not a usage mistake
+    assert f"nanovllm serve: error: cannot reach the rendezvous at {addr}" in capsys.readouterr().err
+
+
 def test_node_0_alone_times_out_naming_the_address(qwen3_gqa):
     addr = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
@@ -210,3 +218,30 @@ def test_node_0_alone_times_out_naming_the_address(qwen3_gqa):
     assert not torch.distributed.is_initialized()
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", int(addr.rsplit(":", 1)[1])))
+
+
+def test_node_1_ends_its_ranks_when_rank_0_is_killed(qwen3_gqa, tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    script = tmp_path / "node0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from nanovllm import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({qwen3_gqa!r}, tensor_parallel_size=2, nnodes=2, dist_init_addr={addr!r}, dtype='float32')\n"
+        "    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n")
+    node1 = start_node1(qwen3_gqa, addr)
+    node0 = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=ROOT),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert node0.stdout.readline().strip() == "ready"
+        node1_pids = descendants(node1.pid)
+        node0.kill()  # no exit call: rank 1 sees its connections to rank 0 close
+        assert node1.wait(timeout=60) == 0, node1.stderr.read()[-2000:]
+        assert wait_gone(node1_pids) == []
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
