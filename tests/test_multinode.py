@@ -245,3 +245,18 @@ def test_node_1_ends_its_ranks_when_rank_0_is_killed(qwen3_gqa, tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_cuda_ranks_of_a_node_count_its_own_gpus(qwen3_gqa, monkeypatch):
+    """On CUDA each node needs a GPU per rank of its own (not per rank of the engine), and node k's
+    consecutive ranks land on distinct local GPUs."""
+    from nanovllm.platforms.cuda import CudaPlatform
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="exceeds the 1 visible CUDA"):
+        Config(qwen3_gqa, device="cuda", tensor_parallel_size=2)
+    assert Config(qwen3_gqa, device="cuda", tensor_parallel_size=2, nnodes=2, node_rank=1,
+                  dist_init_addr="10.0.0.1:29500").node_rank == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [CudaPlatform().device_of_rank(r).index for r in range(4)] == [0, 1, 0, 1]  # 2 nodes x 2 GPUs

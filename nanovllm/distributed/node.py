@@ -12,11 +12,10 @@ import time
 import torch.distributed as dist
 
 from nanovllm.config import Config, check_nodes, parse_init_addr
-from nanovllm.distributed.tp_worker import connect_store, worker_main
+from nanovllm.distributed.tp_worker import SETTINGS_KEY, connect_store, worker_main
 
 logger = logging.getLogger(__name__)
 
-SETTINGS_KEY = "config"  # node 0's engine settings (pickled Config fields)
 DEAD_KEY = "dead"  # the first rank another node saw die, in words
 _NODE_FIELDS = ("model", "node_rank", "dist_init_addr")  # each node's own
 _GRACE_S = 10.0  # how long ranks may take to exit on their own once rank 0 is gone
@@ -65,13 +64,15 @@ def run_node(model: str, nnodes: int, node_rank: int, dist_init_addr: str, timeo
     host, port = parse_init_addr(dist_init_addr)
     store = connect_store(host, port, timeout_s)
     settings = pickle.loads(store.get(SETTINGS_KEY))  # waits (store timeout) until node 0 published them
-    if settings.pop("nnodes") != nnodes:
-        raise ValueError(f"nnodes ({nnodes}) differs from node 0's ({pickle.loads(store.get(SETTINGS_KEY))['nnodes']})")
+    engine_nnodes = settings.pop("nnodes")
+    if engine_nnodes != nnodes:
+        raise ValueError(f"nnodes ({nnodes}) differs from node 0's nnodes ({engine_nnodes})")
     config = Config(model, **settings, nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
     return supervise(config, store, port)
 
 
 def supervise(config: Config, store: dist.Store, port: int) -> int:
+    """Spawn this node's ranks, watch them, and leave none behind, whatever happens here."""
     ctx = mp.get_context("spawn")
     pipes, workers = [], []
     try:

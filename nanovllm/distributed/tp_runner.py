@@ -43,8 +43,10 @@ class WorkerPool:
             # Port 0 lets the OS pick a free port, so engines on one machine never collide.
             self.store = dist.TCPStore(host, port, n, is_master=True, timeout=timeout, wait_for_workers=False)
         except (RuntimeError, OSError) as e:
-            option = "dist_init_addr" if config.dist_init_addr else "dist_port"
-            raise RuntimeError(f"cannot listen on {host}:{port} ({option}) within {config.dist_timeout_s}s: {e}") from e
+            if config.dist_init_addr is None:
+                raise RuntimeError(f"cannot listen on {host}:{port} (dist_port): {e}") from e
+            raise RuntimeError(f"cannot listen on {host}:{port} (dist_init_addr: an address of this machine, "
+                               f"node 0, with a free port): {e}") from e
         self.config = config
         self.channel: CallChannel | BroadcastChannel | None = None  # a broadcast needs the group first
         name = None

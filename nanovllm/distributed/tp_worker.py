@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 # NOTE: the only ModelRunner methods rank 0 can make a worker call; anything else is refused.
 ALLOWED_METHODS = frozenset({"run", "exit"})
 HOST = "127.0.0.1"  # the rendezvous host of a single-node engine
+SETTINGS_KEY = "config"  # in node 0's store: its engine settings for the other nodes (distributed/node.py)
 _HEADER = struct.Struct("<Q")  # length of the pickled message that follows
 
 
@@ -116,17 +117,18 @@ def worker_main(config: Config, rank: int, port: int, shm_name: str | None, conn
 
 
 def rank0_is_gone(store: dist.Store) -> bool:
+    """Whether the step that just failed failed because rank 0 is gone (then exiting is no error)."""
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():
         return True
     try:
-        store.check(["config"])  # rank 0's process holds the store: gone with it
+        store.check([SETTINGS_KEY])  # rank 0's process holds the store: unreachable once it is gone
         return False
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure of the store means its owner is gone
         return True
 
 
-def serve(runner: ModelRunner, channel, conn: Connection | None) -> None:
+def serve(runner: ModelRunner, channel: CallChannel | BroadcastChannel, conn: Connection | None) -> None:
     """Run calls until "exit". `conn` wakes us for each call in shared memory; a broadcast wakes itself."""
     while True:
         if conn is not None:

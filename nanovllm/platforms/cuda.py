@@ -36,7 +36,8 @@ class CudaPlatform(Platform):
     def device_of_rank(self, rank: int) -> torch.device:
         # NOTE: a node runs consecutive ranks, at most one per visible GPU (Config checks), so the
         # rank modulo the GPU count gives each rank of a node its own GPU (the rank itself on one node).
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        return torch.device("cuda", rank % count if count else rank)
 
     def set_up_rank(self, rank: int, tensor_parallel_size: int) -> None:
         # NOTE: replays and Triton launches use the current device.
