@@ -218,6 +218,9 @@ def test_node_0_alone_times_out_naming_the_address(qwen3_gqa):
     assert not torch.distributed.is_initialized()
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", int(addr.rsplit(":", 1)[1])))
+    # The failed start leaves nothing that stops the next engine of this process from starting.
+    with LLM(qwen3_gqa, tensor_parallel_size=2, dist_timeout_s=60, **ENGINE) as llm:
+        assert len(generate(llm, [[5, 6, 7]], 2)[0]) == 2
 
 
 def test_node_1_ends_its_ranks_when_rank_0_is_killed(qwen3_gqa, tmp_path):

@@ -90,8 +90,22 @@ def init_process_group(config: Config, rank: int, store: dist.Store) -> None:
     then the group on the platform's backend (NCCL / gloo)."""
     platform = config.platform
     platform.set_up_rank(rank, config.tensor_parallel_size // config.nnodes)  # ranks on this node
-    dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=config.tensor_parallel_size,
-                            timeout=datetime.timedelta(seconds=config.dist_timeout_s))
+    try:
+        dist.init_process_group(platform.dist_backend, store=store, rank=rank,
+                                world_size=config.tensor_parallel_size,
+                                timeout=datetime.timedelta(seconds=config.dist_timeout_s))
+    except BaseException:
+        forget_failed_group()
+        raise
+
+
+def forget_failed_group() -> None:
+    """NOTE: torch names the default group from a counter it bumps before connecting and resets only
+    when that group is destroyed; after a failed start (a node that never joined) the next engine of
+    this process would rendezvous under another name than its fresh workers, and wait forever."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        world.group_count = 0
 
 
 def worker_main(config: Config, rank: int, port: int, shm_name: str | None, conn: Connection) -> None:
