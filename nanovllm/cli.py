@@ -1,6 +1,7 @@
 """The `nanovllm` command (console script). `nanovllm serve [MODEL] [options]` runs the OpenAI server
 (without MODEL: the default model, SmolLM2-135M-Instruct, fetched and converted on first use);
-with --data-parallel-size N, N such servers on one host (entrypoints/replicas.py)."""
+with --data-parallel-size N, N such servers on one host (entrypoints/replicas.py);
+`nanovllm worker MODEL --nnodes N --node-rank K --dist-init-addr HOST:PORT` runs node K >= 1's ranks."""
 import argparse
 import errno
 import importlib.util
@@ -24,6 +25,10 @@ _ENGINE_OPTIONS = [
     ("--tensor-parallel-size", "tensor_parallel_size", int, "number of GPUs (tensor parallel)"),
     ("--attention-backend", "attention_backend", str, "auto, torch, flash or triton"),
     ("--seed", "seed", int, "engine seed"),
+    ("--nnodes", "nnodes", int, "machines the tensor-parallel ranks are spread over"),
+    ("--node-rank", "node_rank", int, "this machine's index; >= 1 runs `nanovllm worker`"),
+    ("--dist-init-addr", "dist_init_addr", str, "HOST:PORT of node 0's rendezvous (nnodes > 1)"),
+    ("--dist-timeout-s", "dist_timeout_s", float, "start-up and collectives give up after this long"),
 ]
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         default=None, help="turn prefix caching off")
     _add_data_parallel_options(serve)
     serve.set_defaults(serve_parser=serve)  # replicas.py rebuilds a replica's command from its actions
+    add_worker_command(commands)
     return parser
 
 
@@ -80,6 +86,34 @@ def _add_data_parallel_options(serve: argparse.ArgumentParser) -> None:
     dp.add_argument("--router-port", type=int, default=30000, help="the router's port (default: %(default)s)")
     dp.add_argument("--router-policy", default="cache_aware", choices=list(ROUTER_POLICIES),
                     help="how the router picks a replica (default: %(default)s)")
+
+
+def add_worker_command(commands) -> None:
+    worker = commands.add_parser("worker", help="run the tensor-parallel ranks of node K >= 1 of a multi-node engine")
+    worker.add_argument("model", help="the checkpoint folder on this machine (node 0's other settings apply)")
+    worker.add_argument("--nnodes", type=int, required=True, help="machines in the engine, as on node 0")
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1..nnodes-1")
+    worker.add_argument("--dist-init-addr", required=True, help="HOST:PORT of node 0's rendezvous")
+    worker.add_argument("--dist-timeout-s", type=float, default=600.0,
+                        help="how long to wait for node 0 (default: %(default)s)")
+    worker.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="logging (default: %(default)s)")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Node K >= 1: its ranks, until node 0's engine exits (`nanovllm serve --node-rank K` lands here too)."""
+    from nanovllm.distributed.node import run_node
+
+    name = f"nanovllm {args.command}"
+    if args.model is None:
+        return print_error(name, "MODEL (the checkpoint folder on this machine) is required with --node-rank >= 1")
+    try:
+        return run_node(args.model, args.nnodes or 1, args.node_rank, args.dist_init_addr,
+                        args.dist_timeout_s or 600.0)
+    except (ValueError, TypeError) as e:
+        return print_error(name, e)
+    except RuntimeError as e:  # node 0 unreachable: not a usage mistake
+        return print_error(name, e, status=1)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -114,6 +148,8 @@ def check_port(host: str, port: int) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "worker" or (args.command == "serve" and args.node_rank):
+        return run_worker(args)
     if args.command == "serve":
         try:
             import fastapi  # noqa: F401

@@ -60,6 +60,34 @@ def _load_hf_config(model: str):
         raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
 
 
+def parse_init_addr(addr: str) -> tuple[str, int]:
+    """("HOST", PORT) of a "HOST:PORT" (an IPv6 host in brackets: "[::1]:PORT"); ValueError if malformed."""
+    if not isinstance(addr, str):
+        raise TypeError(f"dist_init_addr must be a 'HOST:PORT' str, got {type(addr).__name__} {addr!r}")
+    host, sep, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"dist_init_addr must be 'HOST:PORT' with a port in [1, 65535], got {addr!r}")
+    return host, int(port)
+
+
+def check_nodes(nnodes, node_rank, dist_init_addr, tensor_parallel_size: int | None = None) -> None:
+    """Validate the multi-node options (tensor_parallel_size only when known)."""
+    _positive_int("nnodes", nnodes)
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int):
+        raise TypeError(f"node_rank must be an int, got {type(node_rank).__name__} {node_rank!r}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes) = [0, {nnodes}), got {node_rank}")
+    if tensor_parallel_size is not None and tensor_parallel_size % nnodes != 0:
+        raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) must be divisible by nnodes ({nnodes}): "
+                         "every node runs the same number of ranks")
+    if dist_init_addr is not None:
+        parse_init_addr(dist_init_addr)
+    elif nnodes > 1:
+        raise ValueError(f"dist_init_addr ('HOST:PORT' of node 0) is required when nnodes > 1 (nnodes={nnodes})")
+
+
 @dataclass
 class Config:
     """Engine settings. Derived values (hf_config, torch_dtype, the resolved device and its
@@ -83,6 +111,9 @@ class Config:
     dist_port: int | None = None  # TP rendezvous port on 127.0.0.1; None picks a free one per engine
     dist_shm_name: str | None = None  # TP call channel's shared-memory name; None makes a unique one
     dist_timeout_s: float = 600.0  # TP collectives and startup give up after this long
+    nnodes: int = 1  # machines the tensor-parallel ranks are spread over (tensor_parallel_size / nnodes each)
+    node_rank: int = 0  # this machine's index; node 0 runs the engine (rank 0)
+    dist_init_addr: str | None = None  # "HOST:PORT" of node 0's rendezvous; required when nnodes > 1
     # Derived, filled in __post_init__.
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -132,11 +163,15 @@ class Config:
         self.eos_token_ids = self._collect_eos_ids()
         self._check_tensor_parallel()
         if self.cpu_kvcache_bytes is None:
-            self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size)
+            self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size // self.nnodes)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
-        self.platform.check_tensor_parallel_size(tp)
+        check_nodes(self.nnodes, self.node_rank, self.dist_init_addr, tp)
+        if self.dist_init_addr is not None and self.dist_port is not None:
+            raise ValueError(f"give dist_init_addr ({self.dist_init_addr!r}) or dist_port ({self.dist_port}), "
+                             "not both: the address holds the port")
+        self.platform.check_tensor_parallel_size(tp // self.nnodes)  # the ranks of one node
         if self.dist_port is not None:
             _positive_int("dist_port", self.dist_port)
             if self.dist_port > 65535:

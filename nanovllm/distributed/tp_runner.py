@@ -1,6 +1,6 @@
-"""Tensor parallelism, rank 0's side: TensorParallelRunner spawns ranks 1..N-1 (tp_worker.worker_main)
-and mirrors every allowed ModelRunner call to them: the call in shared memory, a one-byte note on a
-pipe per worker to wake it. LLMEngine builds it when tensor_parallel_size > 1."""
+"""Tensor parallelism, rank 0's side: TensorParallelRunner spawns this node's ranks (tp_worker.worker_main)
+and mirrors every allowed ModelRunner call to all ranks: on one node the call in shared memory and a
+one-byte note on a pipe per worker to wake it; across nodes a gloo broadcast. Built by LLMEngine."""
 import atexit
 import datetime
 import logging
@@ -16,8 +16,10 @@ from nanovllm.config import Config
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.sample.sampler import SampledTokens
-from nanovllm.distributed.tp_worker import (ALLOWED_METHODS, HOST, CallChannel, channel_bytes, init_process_group,
-                                       worker_main)
+from nanovllm.distributed import node
+from nanovllm.distributed.broadcast_channel import BroadcastChannel
+from nanovllm.distributed.tp_worker import (ALLOWED_METHODS, CallChannel, channel_bytes, init_process_group,
+                                            rendezvous_address, uses_broadcast, worker_main)
 
 logger = logging.getLogger(__name__)
 
@@ -25,33 +27,43 @@ _JOIN_S = 10.0  # how long exit() lets a worker finish before terminating it
 
 
 class WorkerPool:
-    """Ranks 1..N-1 as spawned processes, the channel that tells them what to run, and the store.
+    """Ranks 1..N-1 (those of node 0 as spawned processes), the channel that tells them what to run,
+    and the store (in this process: the other nodes' ranks report their failure and exit there).
 
     NOTE: workers are woken and acknowledge through pipes, not multiprocessing Events: an Event's
     lock held by a worker at the moment it is killed would block rank 0 forever; a pipe just closes.
     """
 
     def __init__(self, config: Config):
-        n = config.tensor_parallel_size
+        n, local = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
         ctx = mp.get_context("spawn")
         timeout = datetime.timedelta(seconds=config.dist_timeout_s)
+        host, port = rendezvous_address(config)
         try:
             # Port 0 lets the OS pick a free port, so engines on one machine never collide.
-            self.store = dist.TCPStore(HOST, config.dist_port or 0, n, is_master=True,
-                                       timeout=timeout, wait_for_workers=False)
+            self.store = dist.TCPStore(host, port, n, is_master=True, timeout=timeout, wait_for_workers=False)
         except (RuntimeError, OSError) as e:
-            raise RuntimeError(f"cannot listen on {HOST}:{config.dist_port} (dist_port): {e}") from e
-        name = config.dist_shm_name or f"nanovllm-{uuid.uuid4().hex[:16]}"
-        try:
-            self.channel = CallChannel(name, channel_bytes(config))
-        except FileExistsError as e:
-            raise RuntimeError(f"shared memory {name!r} (dist_shm_name) is in use by another engine") from e
-        pipes = [ctx.Pipe() for _ in range(1, n)]
+            if config.dist_init_addr is None:
+                raise RuntimeError(f"cannot listen on {host}:{port} (dist_port): {e}") from e
+            raise RuntimeError(f"cannot listen on {host}:{port} (dist_init_addr: an address of this machine, "
+                               f"node 0, with a free port): {e}") from e
+        self.config = config
+        self.channel: CallChannel | BroadcastChannel | None = None  # a broadcast needs the group first
+        name = None
+        if uses_broadcast(config):
+            node.publish_settings(self.store, config)
+        else:
+            name = config.dist_shm_name or f"nanovllm-{uuid.uuid4().hex[:16]}"
+            try:
+                self.channel = CallChannel(name, channel_bytes(config))
+            except FileExistsError as e:
+                raise RuntimeError(f"shared memory {name!r} (dist_shm_name) is in use by another engine") from e
+        pipes = [ctx.Pipe() for _ in range(1, local)]
         self.conns = [ours for ours, _ in pipes]
-        self.pending = [False] * (n - 1)  # a worker has not yet acknowledged the last call
+        self.pending = [False] * (local - 1)  # a worker has not yet acknowledged the last call
         self.workers = [ctx.Process(target=worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
                                     args=(config, rank, self.store.port, name, pipes[rank - 1][1]))
-                        for rank in range(1, n)]
+                        for rank in range(1, local)]
         self.timeout_s = config.dist_timeout_s
         self.old_num_threads = torch.get_num_threads()
         self.is_shut_down = False
@@ -89,7 +101,9 @@ class WorkerPool:
             self.receive(i, "start", self.timeout_s)
 
     def dead_workers(self) -> list[str]:
-        return [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in self.workers if not p.is_alive()]
+        dead = [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in self.workers if not p.is_alive()]
+        remote = node.remote_death(self.store) if self.config.nnodes > 1 and self.store is not None else None
+        return dead + ([remote] if remote else [])
 
     def check_alive(self) -> None:
         dead = self.dead_workers()
@@ -100,6 +114,10 @@ class WorkerPool:
         """Publish one call. First waits (in practice never: the last call's collectives synchronized
         every rank) until every worker has read the previous one."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if isinstance(self.channel, BroadcastChannel):
+            self.check_alive()
+            self.channel.write(method, args)  # NOTE: the broadcast is the wake-up; every rank waits in it
+            return
         for i in range(len(self.workers)):
             if self.pending[i]:
                 self.receive(i, "take the previous call", timeout_s)
@@ -121,6 +139,11 @@ class WorkerPool:
                 # NOTE: a closed sentinel means the process is exiting, but it may not be reapable yet
                 # (so is_alive() would still say True); a blocking join returns as soon as it is.
                 p.join()
+        if not ready and self.config.nnodes > 1 and self.store is not None:
+            try:  # another node's watcher names its dead rank within about a second
+                self.store.wait([node.DEAD_KEY], datetime.timedelta(seconds=timeout_s))
+            except Exception:  # noqa: BLE001 - nobody died there
+                pass
 
     def shutdown(self) -> None:
         """End every worker (asking first while they are in step), then free the channel and the group."""
@@ -133,6 +156,8 @@ class WorkerPool:
                 self.send("exit", (), timeout_s=_JOIN_S)
         except Exception:
             logger.warning("could not ask the tensor-parallel workers to exit; terminating them", exc_info=True)
+        if graceful and self.config.nnodes > 1 and not node.wait_remote_exit(self.store, self.config, _JOIN_S):
+            logger.warning("a tensor-parallel rank on another node did not report its exit within %ss", _JOIN_S)
         for p in self.workers:
             if p.pid is None:
                 continue  # never started
@@ -143,11 +168,25 @@ class WorkerPool:
                     p.join(2.0)
         for conn in self.conns:
             conn.close()
+        if self.channel is not None:
+            self.channel.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.store = None
-        self.channel.close()
         torch.set_num_threads(self.old_num_threads)
+
+
+def join(config: Config, store: dist.TCPStore) -> None:
+    """Rank 0 into the process group; across nodes, a timeout says which address waited for whom."""
+    try:
+        init_process_group(config, 0, store)
+    except (RuntimeError, OSError) as e:
+        if config.nnodes == 1:
+            raise
+        raise RuntimeError(f"not every node joined the rendezvous at {config.dist_init_addr} (dist_init_addr) "
+                           f"within {config.dist_timeout_s}s (dist_timeout_s); start `nanovllm worker MODEL "
+                           f"--nnodes {config.nnodes} --node-rank K --dist-init-addr {config.dist_init_addr}` on "
+                           f"nodes 1..{config.nnodes - 1} ({e})") from e
 
 
 class TensorParallelRunner:
@@ -157,13 +196,18 @@ class TensorParallelRunner:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process "
                                "(another tensor-parallel engine?); exit() it before creating a new one")
+        if config.node_rank != 0:
+            raise ValueError(f"node_rank {config.node_rank}: the engine runs on node 0; run "
+                             "`nanovllm worker MODEL --nnodes N --node-rank K --dist-init-addr HOST:PORT` on the others")
         self.pool = pool = WorkerPool(config)
         # Ends the workers on exit(), on garbage collection and at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, pool.shutdown)
         atexit.register(self._finalizer)
         try:
             pool.wait_started()
-            init_process_group(config, 0, pool.store)
+            join(config, pool.store)
+            if pool.channel is None:
+                pool.channel = BroadcastChannel(ALLOWED_METHODS)
             self.runner = ModelRunner(config, rank=0)
         except BaseException as e:
             pool.is_broken = True  # workers may be anywhere in their start-up: terminate, don't ask

@@ -48,11 +48,14 @@ class CudaPlatform(Platform):
         return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
     def device_of_rank(self, rank: int) -> torch.device:
-        return torch.device("cuda", rank)
+        # NOTE: a node runs consecutive ranks, at most one per visible GPU (Config checks), so the
+        # rank modulo the GPU count gives each rank of a node its own GPU (the rank itself on one node).
+        count = torch.cuda.device_count()
+        return torch.device("cuda", rank % count if count else rank)
 
     def set_up_rank(self, rank: int, tensor_parallel_size: int) -> None:
         # NOTE: replays and Triton launches use the current device.
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(self.device_of_rank(rank))
 
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.pin_memory().to(device, non_blocking=True)
