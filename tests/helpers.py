@@ -7,10 +7,22 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars shi
          "old quiet rivers and small green hills near the city of paris where people talk").split()
 
 
+def save_tokenizer(tok, path: str):
+    """Wrap a `tokenizers` Tokenizer as an HF fast tokenizer with our special tokens and a tiny chat
+    template, and save it into path."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   bos_token="<bos>", pad_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant {% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
 def make_tokenizer(path: str, vocab_size: int = 256):
     """A word-level tokenizer with a byte-free vocabulary and a tiny chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<eos>", "<bos>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
@@ -23,19 +35,13 @@ def make_tokenizer(path: str, vocab_size: int = 256):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                   bos_token="<bos>", pad_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}assistant {% endif %}")
-    fast.save_pretrained(path)
-    return fast
+    return save_tokenizer(tok, path)
 
 
 def make_byte_tokenizer(path: str):
     """A byte-level tokenizer: one token per byte (259 with <unk>, <eos>, <bos>), no merges, so any
     text is a token sequence and decoding is exact (what grammar tests need); same chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(["<unk>", "<eos>", "<bos>"])}
     for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
@@ -43,12 +49,7 @@ def make_byte_tokenizer(path: str):
     tok = Tokenizer(models.BPE(vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                   bos_token="<bos>", pad_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}assistant {% endif %}")
-    fast.save_pretrained(path)
-    return fast
+    return save_tokenizer(tok, path)
 
 
 QWEN3_SHAPES = {

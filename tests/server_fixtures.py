@@ -5,6 +5,7 @@ import json
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -65,20 +66,29 @@ def ref_llm(qwen3_gqa):
 @pytest.fixture(scope="module")
 def served(qwen3_gqa):
     """One engine behind two servers: an open one and one that wants API_KEY."""
-    llm = LLM(qwen3_gqa, **ENGINE_OPTIONS)
-    engine = AsyncEngine(llm).start()
-    open_server = Server(build_app(engine, MODEL))
-    keyed_server = Server(build_app(engine, MODEL, api_key=API_KEY))
-    yield engine, open_server.url, keyed_server.url
-    open_server.stop()
-    keyed_server.stop()
-    engine.shutdown(timeout=10)
-    llm.exit()
+    apps = [lambda engine: build_app(engine, MODEL), lambda engine: build_app(engine, MODEL, api_key=API_KEY)]
+    with serve_engine(LLM(qwen3_gqa, **ENGINE_OPTIONS), apps) as (engine, (open_url, keyed_url)):
+        yield engine, open_url, keyed_url
 
 
 @pytest.fixture(scope="module")
 def client(served):
     return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@contextmanager
+def serve_engine(llm, apps):
+    """AsyncEngine over llm and one Server per app builder (engine -> app); yields the servers'
+    URLs, then stops the servers, the engine thread and the engine."""
+    engine = AsyncEngine(llm).start()
+    servers = [Server(make_app(engine)) for make_app in apps]
+    try:
+        yield engine, [server.url for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+        engine.shutdown(timeout=10)
+        llm.exit()
 
 
 def probe(engine: AsyncEngine, fn):

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from server_fixtures import MODEL as WORD_MODEL, Server, httpx, openai, served  # noqa: F401
+from server_fixtures import MODEL as WORD_MODEL, httpx, openai, serve_engine, served  # noqa: F401
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.entrypoints.async_engine import AsyncEngine
 from nanovllm.entrypoints.openai_server import build_app
 from nanovllm.entrypoints.serving import Generation, chat_response, sse_chunks
 from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply
@@ -55,14 +54,10 @@ def byte_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tool_server(byte_model):
     llm = LLM(byte_model, **OPTIONS)
-    engine = AsyncEngine(llm).start()
-    server = Server(build_app(engine, MODEL, chat=ChatSettings("hermes", enable_auto_tool_choice=True)))
-    plain = Server(build_app(engine, MODEL))  # no parser: vLLM's JSON-forced calls, auto refused
-    yield llm, server.url, plain.url
-    server.stop()
-    plain.stop()
-    engine.shutdown(timeout=10)
-    llm.exit()
+    apps = [lambda engine: build_app(engine, MODEL, chat=ChatSettings("hermes", enable_auto_tool_choice=True)),
+            lambda engine: build_app(engine, MODEL)]  # no parser: vLLM's JSON-forced calls, auto refused
+    with serve_engine(llm, apps) as (_, (url, plain_url)):
+        yield llm, url, plain_url
 
 
 @pytest.fixture(scope="module")
