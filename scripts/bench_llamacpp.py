@@ -98,7 +98,7 @@ def time_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     t = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
     while not llm.is_finished():
         start = time.perf_counter()
-        _, num_tokens = llm.step()
+        num_tokens = llm.step().num_tokens  # > 0: a prefill step, < 0: a decode step of that many rows
         elapsed = time.perf_counter() - start
         phase = "prefill" if num_tokens > 0 else "decode"
         t[f"{phase}_s"] += elapsed
