@@ -100,3 +100,16 @@ def test_build_failure_exits_2_with_one_error_line(bench, monkeypatch, capsys):
     assert e.value.code == 2
     assert "error: cmake configure of llama.cpp failed" in capsys.readouterr().err
     assert "OMP_WAIT_POLICY" not in os.environ  # the benchmark runs without it
+
+
+def test_our_timing_counts_prefill_and_decode_steps_apart(bench, qwen3_gqa):
+    # Against the engine's real step(): 3 prompts of 5 tokens, 1 + 4 tokens each -> the prefill
+    # computes 15 prompt tokens, then 4 decode steps of 3 rows (hand count).
+    from nanovllm import LLM
+    llm = LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=64, cpu_kvcache_bytes=1 << 22)
+    try:
+        t = bench.time_batch(llm, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], max_tokens=5)
+    finally:
+        llm.exit()
+    assert (t["prefill_tokens"], t["decode_tokens"]) == (15, 12)
+    assert t["prefill_s"] > 0 and t["decode_s"] > 0
