@@ -18,14 +18,10 @@ from nanovllm.config import Config
 from nanovllm.distributed.broadcast_channel import BroadcastChannel
 from nanovllm.distributed.node import run_node
 
+from process_helpers import free_ports
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node1(model: str, addr: str, *extra: str) -> subprocess.Popen:
@@ -92,7 +88,7 @@ PROMPTS = [list(range(40, 80)), list(range(3, 15)), [7, 8, 9]]  # the first is p
 def test_two_nodes_match_tp1_over_a_broadcast_and_exit_together(qwen3_gqa):
     with LLM(qwen3_gqa, **ENGINE) as llm:
         expected = generate(llm, PROMPTS, 12)
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_ports(1)}"
     node1 = start_node1(qwen3_gqa, addr)
     try:
         llm = LLM(qwen3_gqa, tensor_parallel_size=2, nnodes=2, node_rank=0, dist_init_addr=addr,
@@ -127,7 +123,7 @@ def test_two_nodes_match_tp1_over_a_broadcast_and_exit_together(qwen3_gqa):
 
 
 def test_a_rank_dying_on_another_node_is_named(qwen3_gqa):
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_ports(1)}"
     node1 = start_node1(qwen3_gqa, addr)
     try:
         with pytest.raises(RuntimeError) as failure:
@@ -193,7 +189,7 @@ def test_worker_command_reports_bad_options_in_one_line(qwen3_gqa, capsys):
 
 
 def test_unreachable_rendezvous_times_out_naming_the_address(qwen3_gqa):
-    addr = f"127.0.0.1:{free_port()}"  # nobody listens there
+    addr = f"127.0.0.1:{free_ports(1)}"  # nobody listens there
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=f"cannot reach the rendezvous at {addr} .* within 1.0s"):
         run_node(qwen3_gqa, 2, 1, addr, timeout_s=1.0)
@@ -201,7 +197,7 @@ def test_unreachable_rendezvous_times_out_naming_the_address(qwen3_gqa):
 
 
 def test_serve_with_a_node_rank_runs_the_worker(qwen3_gqa, capsys):
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_ports(1)}"
     argv = ["serve", qwen3_gqa, "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
             "--dist-timeout-s", "1"]
     assert cli_main(argv) == 1  # node 0 unreachable: not a usage mistake
@@ -209,7 +205,7 @@ def test_serve_with_a_node_rank_runs_the_worker(qwen3_gqa, capsys):
 
 
 def test_node_0_alone_times_out_naming_the_address(qwen3_gqa):
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_ports(1)}"
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=f"not every node joined the rendezvous at {addr}"):
         LLM(qwen3_gqa, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr, dist_timeout_s=2.0, **ENGINE)
@@ -224,7 +220,7 @@ def test_node_0_alone_times_out_naming_the_address(qwen3_gqa):
 
 
 def test_node_1_ends_its_ranks_when_rank_0_is_killed(qwen3_gqa, tmp_path):
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_ports(1)}"
     script = tmp_path / "node0.py"
     script.write_text(
         "import sys, time\n"

@@ -21,6 +21,7 @@ from nanovllm.entrypoints.openai_server import build_app  # noqa: E402
 from nanovllm.sampling_params import MAX_N  # noqa: E402
 
 from helpers import make_qwen3  # noqa: E402
+from process_helpers import free_ports  # noqa: E402
 from server_fixtures import (  # noqa: E402,F401  (client, ref_llm, served are fixtures)
     MODEL, Server, client, ref_llm, served, wait_all_blocks_free, wait_for_health)
 
@@ -191,9 +192,7 @@ def test_serve_flags_make_the_limits():
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_ends_within_seconds_of_a_signal_mid_generation(tmp_path, signum):
     model = make_qwen3(str(tmp_path / "m"), seed=3)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "nanovllm.cli", "serve", model, "--port", str(port), "--max-model-len", "512",

@@ -3,7 +3,6 @@ checkpoint, and engines always end their workers and free their shared memory.""
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import hf_greedy
+from process_helpers import free_ports
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.distributed.tp_worker import CallChannel
@@ -266,9 +266,7 @@ def test_tp2_matches_tp1_with_prefix_hits_chunks_and_preemption(gqa):
 def test_engines_in_sequence_and_a_killed_worker(bias_tied):
     """A second TP engine (explicit port and shm name, bias + tied embeddings) gives HF's tokens;
     then SIGKILL of its worker mid-generate makes rank 0 raise, and the context manager cleans up."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)
     shm_name = f"nanovllm-test-{uuid.uuid4().hex[:12]}"
     prompts = [list(range(10, 30)), list(range(60, 67))]
     expected = [tokens for tokens, _ in hf_greedy(bias_tied, prompts, 10)]
