@@ -2,19 +2,26 @@
 # guidellm (vLLM's load generator) against `nanovllm serve` on the default model, offline: a bounded
 # run of streamed chat requests with synthetic prompts; fails unless every request succeeded.
 #
-#   scripts/check_guidellm.sh [PORT]        (env: PYTHON, GUIDELLM, REQUESTS, STREAMS, DATA, MODEL)
+#   scripts/check_guidellm.sh [PORT]   (env: PYTHON, GUIDELLM_VENV, GUIDELLM, REQUESTS, STREAMS, DATA, MODEL)
 #
-# guidellm pins click below the main venv's version and brings uvloop/httptools (which uvicorn would
-# then pick up), so it lives in its own venv layered over the main one (torch/transformers shared):
-#   python3.11 -m venv /work/wt/guidellm-venv
-#   echo /work/main/.venv/lib/python3.11/site-packages > /work/wt/guidellm-venv/lib/python3.11/site-packages/zz_main_venv.pth
-#   /work/wt/guidellm-venv/bin/pip install guidellm
+# guidellm pins click below the project venv's version and brings uvloop/httptools (which uvicorn
+# would then pick up), so it lives in its own venv layered over PYTHON's packages (torch and
+# transformers shared): made on first use in GUIDELLM_VENV (default: the nanovllm cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PORT=${1:-8437}
-PYTHON=${PYTHON:-/work/main/.venv/bin/python}
-GUIDELLM=${GUIDELLM:-/work/wt/guidellm-venv/bin/guidellm}
+PYTHON=${PYTHON:-$(command -v python)}
+GUIDELLM_VENV=${GUIDELLM_VENV:-${NANOVLLM_CACHE:-$HOME/.cache/nanovllm}/guidellm-venv}
+GUIDELLM=${GUIDELLM:-$GUIDELLM_VENV/bin/guidellm}
+if [ ! -x "$GUIDELLM" ]; then
+    echo "installing guidellm into $GUIDELLM_VENV (once)"
+    "$PYTHON" -m venv "$GUIDELLM_VENV"
+    # A .pth after the venv's own site-packages: guidellm's pins win, the rest comes from PYTHON's.
+    "$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+        > "$("$GUIDELLM_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_base.pth"
+    "$GUIDELLM_VENV/bin/pip" install -q "guidellm>=0.8"
+fi
 REQUESTS=${REQUESTS:-40}
 STREAMS=${STREAMS:-4}
 DATA=${DATA:-prompt_tokens=64,output_tokens=32}

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 MAX_EXAMPLES=${1:-100}
 PORT=${2:-8438}
-PYTHON=${PYTHON:-/work/main/.venv/bin/python}
+PYTHON=${PYTHON:-$(command -v python)}
 SCHEMATHESIS=${SCHEMATHESIS:-$(dirname "$PYTHON")/schemathesis}
 DIR=$(mktemp -d)
 MODEL_NAME=tiny-qwen3
