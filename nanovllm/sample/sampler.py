@@ -1,9 +1,9 @@
 """Sampler: one token per row from the final logits, for the whole batch at once.
 
 ModelRunner calls it with a SamplingMetadata (sample/sampling_metadata.py). Order, as in vLLM:
-raw logprobs, grammar mask (structured outputs), min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and
-one exact draw from the result, with the draw function the platform picks (platform.random_sample):
-an exponential race (Gumbel-max) or inverse-CDF.
+raw logprobs, grammar mask (structured outputs), min_tokens mask, penalties, greedy argmax; then
+temperature, min_p, top_k, top_p and one exact draw from the result, with the draw function the
+platform picks (platform.random_sample): an exponential race (Gumbel-max) or inverse-CDF.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
