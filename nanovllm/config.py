@@ -116,7 +116,8 @@ class Config:
     dist_init_addr: str | None = None  # "HOST:PORT" of node 0's rendezvous; required when nnodes > 1
     # Derived, filled in __post_init__.
     hf_config: object = field(init=False, repr=False)
-    torch_dtype: torch.dtype = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)  # activations and KV cache
+    weight_dtype: torch.dtype = field(init=False)  # how the linear weights are held (platform.weight_dtype)
     eos_token_ids: frozenset = field(init=False)
     platform: Platform = field(init=False, repr=False, compare=False)
 
@@ -159,7 +160,8 @@ class Config:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs})")
-        self.torch_dtype = self._resolve_dtype()
+        dtype = self._resolve_dtype()
+        self.torch_dtype, self.weight_dtype = self.platform.compute_dtype(dtype), self.platform.weight_dtype(dtype)
         self.eos_token_ids = self._collect_eos_ids()
         self._check_tensor_parallel()
         if self.cpu_kvcache_bytes is None:

@@ -1,5 +1,6 @@
 """Side-by-side CPU benchmark: llama.cpp (llama-bench, llama-batched-bench on F32 / F16 / Q8_0 GGUFs of
-the same checkpoint) then nano-vLLM fp32 on the same shapes; one markdown table per model.
+the same checkpoint) then nano-vLLM on the same shapes, fp32 weights and bf16 weights (fp32 activations,
+as llama.cpp runs its F16 files); one markdown table per model, with ours fp32 / F32 and ours bf16 / F16.
 
     python scripts/bench_llamacpp.py [--models default,qwen3] [--batches 1,8,32,64] [--threads N]
                                      [--json FILE] [--skip-llamacpp | --skip-ours]
@@ -30,7 +31,10 @@ from llamacpp_build import BuildError  # noqa: E402
 
 PROMPT_LEN, DECODE_STEPS, PREFILL_LEN = 64, 64, 128
 QUANTS = ("f32", "f16", "q8_0")
-LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "ours": "nano-vLLM fp32"}
+LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "ours": "nano-vLLM fp32",
+          "ours_bf16": "nano-vLLM bf16 weights"}
+# Each of our rows against the llama.cpp row at the same weight width.
+RATIOS = {"ours": "f32", "ours_bf16": "f16"}
 
 
 def model_folder(name: str) -> str:
@@ -106,12 +110,12 @@ def time_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     return t
 
 
-def run_ours(path: str, batches: list[int], threads: int, seed: int = 0) -> dict:
-    """nano-vLLM fp32 on the llama.cpp shapes; every prompt is fresh random tokens (no prefix hits)."""
+def run_ours(path: str, batches: list[int], threads: int, seed: int = 0, dtype: str = "float32") -> dict:
+    """nano-vLLM on the llama.cpp shapes; every prompt is fresh random tokens (no prefix hits)."""
     import torch
     from nanovllm import LLM
     torch.set_num_threads(threads)
-    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=max(batches),
+    llm = LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(batches),
               max_model_len=PROMPT_LEN + DECODE_STEPS + PREFILL_LEN)
     rng = random.Random(seed)
 
@@ -138,7 +142,7 @@ def run_ours(path: str, batches: list[int], threads: int, seed: int = 0) -> dict
 
 # ---- the table ----------------------------------------------------------------------------------
 def table(name: str, results: dict, batches: list[int]) -> str:
-    """One markdown table: a row per engine, then our/their ratios against llama.cpp F32 and F16."""
+    """One markdown table: a row per engine, then our/their ratios at the same weight width."""
     cols = [f"decode @{b}" for b in batches] + [f"prefill {PREFILL_LEN}"]
 
     def values(r: dict) -> list:
@@ -146,15 +150,14 @@ def table(name: str, results: dict, batches: list[int]) -> str:
 
     lines = [f"### {name} (tok/s, {results['threads']} threads)", "",
              "| engine | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    rows = {k: values(results[k]) for k in (*QUANTS, "ours") if k in results}
+    rows = {k: values(results[k]) for k in (*QUANTS, *RATIOS) if k in results}
     for key, vals in rows.items():
         lines.append(f"| {LABELS[key]} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " |")
-    if "ours" in rows:
-        for ref in ("f32", "f16"):
-            if ref in rows:
-                ratio = [None if a is None or b is None else a / b for a, b in zip(rows["ours"], rows[ref])]
-                lines.append(f"| nano-vLLM / {LABELS[ref]} | "
-                             + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratio) + " |")
+    for ours, ref in RATIOS.items():
+        if ours in rows and ref in rows:
+            ratio = [None if a is None or b is None else a / b for a, b in zip(rows[ours], rows[ref])]
+            lines.append(f"| {LABELS[ours]} / {LABELS[ref]} | "
+                         + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratio) + " |")
     return "\n".join(lines)
 
 
@@ -205,6 +208,7 @@ def main() -> None:
             if not args.skip_ours:
                 print(f"nano-vLLM: {path} ...", flush=True)
                 results["ours"] = run_ours(path, args.batches, args.threads)
+                results["ours_bf16"] = run_ours(path, args.batches, args.threads, dtype="bfloat16")
             print("\n" + table(f"{name}: {Path(path).name}", results, args.batches) + "\n", flush=True)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)

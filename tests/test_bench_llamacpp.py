@@ -66,14 +66,18 @@ def test_table_rows_and_ratios(bench):
     results = {"threads": 2,
                "f32": {"decode": {1: 100.0, 8: 400.0}, "prefill": 1000.0},
                "f16": {"decode": {1: 50.0, 8: 200.0}, "prefill": None},
-               "ours": {"decode": {1: 80.0, 8: 500.0}, "prefill": 250.0}}
+               "ours": {"decode": {1: 80.0, 8: 500.0}, "prefill": 250.0},
+               "ours_bf16": {"decode": {1: 60.0, 8: 300.0}, "prefill": 200.0}}
     lines = bench.table("m", results, [1, 8]).splitlines()
     assert lines[2] == "| engine | decode @1 | decode @8 | prefill 128 |"
     assert "| llama.cpp F32 | 100.0 | 400.0 | 1000.0 |" in lines
     assert "| llama.cpp F16 | 50.0 | 200.0 | - |" in lines
     assert "| nano-vLLM fp32 | 80.0 | 500.0 | 250.0 |" in lines
-    assert "| nano-vLLM / llama.cpp F32 | 0.80x | 1.25x | 0.25x |" in lines
-    assert "| nano-vLLM / llama.cpp F16 | 1.60x | 2.50x | - |" in lines
+    assert "| nano-vLLM bf16 weights | 60.0 | 300.0 | 200.0 |" in lines
+    # Each of our rows against llama.cpp at the same weight width, and only that.
+    assert "| nano-vLLM fp32 / llama.cpp F32 | 0.80x | 1.25x | 0.25x |" in lines
+    assert "| nano-vLLM bf16 weights / llama.cpp F16 | 1.20x | 1.50x | - |" in lines
+    assert sum("x |" in line for line in lines) == 2
     assert not any("Q8_0" in line for line in lines)  # no row for an engine that did not run
 
 

@@ -13,7 +13,7 @@ from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.linear_methods import (LinearMethod, PackedGemvLinearMethod, PackedLinearMethod,
+from nanovllm.layers.linear_methods import (LinearMethod, PackedCKernelLinearMethod, PackedLinearMethod,
                                             install_linear_method)
 from nanovllm.platforms.cpu import can_pack_weights
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
@@ -120,8 +120,8 @@ def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
     kernels = cpu_kernels.load()
     assert kernels is not None
     calls = []
-    real_gemv = cpu_kernels.gemv
-    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(1) or real_gemv(*a))
+    real_gemv = cpu_kernels.linear
+    monkeypatch.setattr(cpu_kernels, "linear", lambda *a: calls.append(1) or real_gemv(*a))
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.qkv = QKVParallelLinear(32, head_size=8, total_num_heads=3, total_num_kv_heads=1, bias=True)  # 40 wide
@@ -130,7 +130,7 @@ def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
     for p in model.parameters():
         p.data.normal_()
     dense = {name: p.detach().clone() for name, p in model.named_parameters()}
-    assert install_linear_method(model, PackedGemvLinearMethod(kernels)) == 3
+    assert install_linear_method(model, PackedCKernelLinearMethod(kernels)) == 3
     assert model.qkv.weight.numel() == dense["qkv.weight"].numel()  # kept for the GEMV
     x, h = torch.randn(1, 32), torch.randn(1, 48)
     torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])

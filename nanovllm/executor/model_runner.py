@@ -53,7 +53,7 @@ class ModelRunner:
             self.model = get_model_class(hf_config)(hf_config)
         load_model(self.model, config.model)
         self.model.eval()
-        self.linear_methods = platform.process_weights_after_loading(self.model, self.dtype)
+        self.linear_methods = platform.process_weights_after_loading(self.model, self.dtype, config.weight_dtype)
         if config.compile_ops:
             compile_fused_ops(self.model)
         # The engine's seed drives every draw of requests without a seed of their own.
@@ -78,6 +78,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
                                        self.block_size, hf_config.hidden_size, self.dtype, self.device)
             self.graphs.capture()
+        # The CPU's whole-step decode in C (executor/cpu_decode.py) where it applies.
+        self.fused_decode = None if use_graphs else platform.fused_decode(
+            self.model, backend_name, self.dtype, config.tensor_parallel_size)
+        if rank == 0 and self.fused_decode is not None:
+            logger.info("decode steps of up to %d sequences: one fused C call", self.fused_decode.max_rows)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -185,6 +190,9 @@ class ModelRunner:
                      and self.graphs.can_replay(input_ids.shape[0], context))
         if use_graph:
             hidden_states = self.graphs.replay(input_ids, positions, context)
+        elif (self.fused_decode is not None and not context.is_prefill
+              and self.fused_decode.can_run(input_ids.shape[0], context)):
+            hidden_states = self.fused_decode.run(input_ids, positions, context)
         else:
             with forward_context(context):
                 hidden_states = self.model(input_ids, positions)
@@ -217,6 +225,6 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.free()
             self.graphs = None
-        self.kv_cache = None
+        self.kv_cache = self.fused_decode = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])  # the cache is freed once its last view is gone

@@ -1,4 +1,4 @@
-/* CPU kernels in C, fp32: paged decode attention, and the one-row matrix-vector product.
+/* CPU kernels in C: paged decode attention, and linear layers over a few rows.
  *
  * paged_decode_attention_f32: decode attention over the paged KV cache, one query token per sequence.
  *
@@ -16,10 +16,70 @@
  *   context_lens [num_seqs] (int32, each <= max_context)
  *   out          [num_seqs, num_heads, head_dim]
  * Returns 0, or 1 when a thread could not allocate its score buffer (out is then incomplete).
+ *
+ * linear_f32: y = x W^T (+ bias) for a few rows x (decode batches), W fp32 or bf16 (see linear_rows_for).
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+void attend_item(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
+                 float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                 int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
+                 float *inv_sum) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim; /* floats between consecutive cached tokens */
+    const int64_t num_item_heads = (kv_end - kv_first) * group;
+    /* This item's query heads are consecutive: kv_first * group .. kv_end * group. */
+    const float *q_item = q + kv_first * group * head_dim;
+    float *out_item = out + kv_first * group * head_dim;
+
+    /* Pass 1: scaled scores q . k for every cached token and every head of the item. Tokens go
+     * outermost so each token's K row (all of the item's KV heads) is read contiguously. */
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float *k_row = k_cache + slot * token_stride;
+        for (int64_t h = 0; h < num_item_heads; h++) {
+            const float *k = k_row + (kv_first + h / group) * head_dim;
+            const float *qh = q_item + h * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
+            scores[h * scores_stride + t] = dot * scale;
+        }
+    }
+    /* Softmax numerators per head (max subtracted); the division comes at the end. */
+    for (int64_t h = 0; h < num_item_heads; h++) {
+        float *row = scores + h * scores_stride;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; t++) m = row[t] > m ? row[t] : m;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            row[t] = expf(row[t] - m);
+            sum += row[t];
+        }
+        inv_sum[h] = 1.0f / sum;
+        memset(out_item + h * head_dim, 0, sizeof(float) * (size_t)head_dim);
+    }
+    /* Pass 2: out = sum_t p_t v_t, each V row read once for all of the item's heads. */
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float *v_row = v_cache + slot * token_stride;
+        for (int64_t h = 0; h < num_item_heads; h++) {
+            const float *v = v_row + (kv_first + h / group) * head_dim;
+            const float p = scores[h * scores_stride + t];
+            float *o = out_item + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
+        }
+    }
+    for (int64_t h = 0; h < num_item_heads; h++) {
+        float *o = out_item + h * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= inv_sum[h];
+    }
+}
 
 int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, const int32_t *context_lens, float *out,
@@ -28,7 +88,6 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                int64_t max_context, float scale, int64_t kv_heads_per_item,
                                int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim; /* floats between consecutive cached tokens */
     const int64_t items_per_seq = (num_kv_heads + kv_heads_per_item - 1) / kv_heads_per_item;
     const int64_t heads_per_item = kv_heads_per_item * group;
     int failed = 0;
@@ -47,57 +106,9 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
             const int64_t kv_first = (item % items_per_seq) * kv_heads_per_item;
             const int64_t kv_end = kv_first + kv_heads_per_item < num_kv_heads ? kv_first + kv_heads_per_item
                                                                                : num_kv_heads;
-            const int64_t num_item_heads = (kv_end - kv_first) * group;
-            const int64_t len = context_lens[s];
-            const int32_t *table = block_tables + s * max_blocks;
-            /* This item's query heads are consecutive: kv_first * group .. kv_end * group. */
-            const float *q_item = q + (s * num_heads + kv_first * group) * head_dim;
-            float *out_item = out + (s * num_heads + kv_first * group) * head_dim;
-
-            /* Pass 1: scaled scores q . k for every cached token and every head of the item. Tokens
-             * go outermost so each token's K row (all of the item's KV heads) is read contiguously. */
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                const float *k_row = k_cache + slot * token_stride;
-                for (int64_t h = 0; h < num_item_heads; h++) {
-                    const float *k = k_row + (kv_first + h / group) * head_dim;
-                    const float *qh = q_item + h * head_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
-                    scores[h * max_context + t] = dot * scale;
-                }
-            }
-            /* Softmax numerators per head (max subtracted); the division comes at the end. */
-            for (int64_t h = 0; h < num_item_heads; h++) {
-                float *row = scores + h * max_context;
-                float m = -INFINITY;
-                for (int64_t t = 0; t < len; t++) m = row[t] > m ? row[t] : m;
-                float sum = 0.0f;
-                for (int64_t t = 0; t < len; t++) {
-                    row[t] = expf(row[t] - m);
-                    sum += row[t];
-                }
-                inv_sum[h] = 1.0f / sum;
-                float *o = out_item + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
-            }
-            /* Pass 2: out = sum_t p_t v_t, each V row read once for all of the item's heads. */
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                const float *v_row = v_cache + slot * token_stride;
-                for (int64_t h = 0; h < num_item_heads; h++) {
-                    const float *v = v_row + (kv_first + h / group) * head_dim;
-                    const float p = scores[h * max_context + t];
-                    float *o = out_item + h * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
-                }
-            }
-            for (int64_t h = 0; h < num_item_heads; h++) {
-                float *o = out_item + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) o[d] *= inv_sum[h];
-            }
+            attend_item(q + s * num_heads * head_dim, k_cache, v_cache, block_tables + s * max_blocks,
+                        context_lens[s], out + s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
+                        block_size, kv_first, kv_end, scale, scores, max_context, inv_sum);
         }
         free(scores);
         free(inv_sum);
@@ -105,39 +116,192 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
     return failed;
 }
 
-/* y = W x (+ bias) for one row x: W [n, k] row-major, dense. Four weight rows per step share each
- * load of x; rows are split statically over the threads, so each streams its own contiguous part
- * of W (oneDNN's packed one-row path read the weights 10-30% slower, docs/performance.md). */
-void gemv_f32(const float *w, const float *x, const float *bias, float *y, int64_t n, int64_t k,
-              int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < n; r += 4) {
-        if (r + 4 <= n) {
-            const float *w0 = w + r * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (int64_t i = 0; i < k; i++) {
-                const float xi = x[i];
-                a0 += w0[i] * xi;
-                a1 += w1[i] * xi;
-                a2 += w2[i] * xi;
-                a3 += w3[i] * xi;
-            }
-            y[r] = a0;
-            y[r + 1] = a1;
-            y[r + 2] = a2;
-            y[r + 3] = a3;
-        } else {
-            for (int64_t j = r; j < n; j++) {
-                const float *wj = w + j * k;
-                float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-                for (int64_t i = 0; i < k; i++) a += wj[i] * x[i];
-                y[j] = a;
+/* ---- linear layers over a few rows ------------------------------------------------------------
+ * A tile is TILE_N weight rows times up to TILE_ROWS input rows: each 8-wide chunk of a weight row
+ * is loaded (and, for bf16, widened) once and multiplied into every input row of the tile, so at
+ * one input row the weights stream once at memory speed and at 2-4 rows they are read once for all
+ * of them. Each thread takes a contiguous range of weight rows (static schedule) and runs all the
+ * input-row tiles over it while it is in its caches. GCC vector types, so one source serves AVX2
+ * and AVX-512 (-march=native). */
+#define TILE_N 4
+#define TILE_ROWS 4
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f load_f32(const float *p) { return *(const v8f_u *)p; }
+
+static inline v8f load_bf16(const uint16_t *p) {
+    /* bf16 is the top half of an fp32: widen each lane and shift it into place. */
+    v8u u = __builtin_convertvector(*(const v8h_u *)p, v8u) << 16;
+    return (v8f)u;
+}
+
+static inline float scalar_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float hsum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* acc[r][b] = W[r, :] . x[b, :] for r < NR weight rows and b < NB input rows; NR and NB are
+ * constants at every call site (always_inline), so the accumulators live in registers. */
+#define DEFINE_TILE(NAME, WT, LOADV, LOADS)                                                                      \
+    static inline __attribute__((always_inline)) void NAME(const WT *w, int64_t k, const float *x, int64_t ldx,   \
+                                                           const int NR, const int NB,                           \
+                                                           float acc[TILE_N][TILE_ROWS]) {                       \
+        v8f a[TILE_N][TILE_ROWS];                                                                                \
+        for (int r = 0; r < NR; r++)                                                                             \
+            for (int b = 0; b < NB; b++) a[r][b] = (v8f){0};                                                     \
+        int64_t i = 0;                                                                                           \
+        for (; i + 8 <= k; i += 8) {                                                                             \
+            v8f wv[TILE_N];                                                                                      \
+            for (int r = 0; r < NR; r++) wv[r] = LOADV(w + r * k + i);                                           \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                const v8f xv = load_f32(x + b * ldx + i);                                                        \
+                for (int r = 0; r < NR; r++) a[r][b] += wv[r] * xv;                                              \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < NR; r++)                                                                             \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                float s = hsum(a[r][b]);                                                                         \
+                for (int64_t j = i; j < k; j++) s += LOADS(w[r * k + j]) * x[b * ldx + j];                       \
+                acc[r][b] = s;                                                                                   \
+            }                                                                                                    \
+    }
+
+#define IDENTITY(v) (v)
+DEFINE_TILE(tile_f32, float, load_f32, IDENTITY)
+DEFINE_TILE(tile_bf16, uint16_t, load_bf16, scalar_bf16)
+
+/* One weight row against NB <= STREAM_ROWS input rows, 8 * U lanes per step in U independent sums
+ * per input row: a thread then walks its weight rows as one sequential stream, which the hardware
+ * prefetcher follows better than TILE_N interleaved ones (one row: 45 GB/s against 33-38 on this
+ * machine's 2 cores). NB and U are constants at every call site. */
+#define STREAM_ROWS 4
+#define STREAM_BLOCK 16
+#define DEFINE_ROW_DOT(NAME, WT, LOADV, LOADS)                                                                   \
+    static inline __attribute__((always_inline)) void NAME(const WT *w, const float *x, int64_t ldx, int64_t k,  \
+                                                           const int NB, const int U, float *dot) {              \
+        v8f a[STREAM_ROWS][4];                                                                                   \
+        for (int b = 0; b < NB; b++)                                                                             \
+            for (int u = 0; u < U; u++) a[b][u] = (v8f){0};                                                      \
+        int64_t i = 0;                                                                                           \
+        for (; i + 8 * U <= k; i += 8 * U)                                                                       \
+            for (int u = 0; u < U; u++) {                                                                        \
+                const v8f wv = LOADV(w + i + 8 * u);                                                             \
+                for (int b = 0; b < NB; b++) a[b][u] += wv * load_f32(x + b * ldx + i + 8 * u);                  \
+            }                                                                                                    \
+        for (; i + 8 <= k; i += 8) {                                                                             \
+            const v8f wv = LOADV(w + i);                                                                         \
+            for (int b = 0; b < NB; b++) a[b][0] += wv * load_f32(x + b * ldx + i);                              \
+        }                                                                                                        \
+        for (int b = 0; b < NB; b++) {                                                                           \
+            for (int u = 1; u < U; u++) a[b][0] += a[b][u];                                                      \
+            float s = hsum(a[b][0]);                                                                             \
+            for (int64_t j = i; j < k; j++) s += LOADS(w[j]) * x[b * ldx + j];                                   \
+            dot[b] = s;                                                                                          \
+        }                                                                                                        \
+    }
+
+DEFINE_ROW_DOT(row_dot_f32, float, load_f32, IDENTITY)
+DEFINE_ROW_DOT(row_dot_bf16, uint16_t, load_bf16, scalar_bf16)
+
+/* Four chains of FMAs per row whatever NB (FMA latency, not bandwidth, is the limit below that). */
+#define DEFINE_ROW_DISPATCH(NAME, DOT, WT)                                                                       \
+    static void NAME(const WT *w, const float *x, int64_t ldx, int64_t k, int nb, float *dot) {                  \
+        switch (nb) {                                                                                            \
+        case 1: DOT(w, x, ldx, k, 1, 4, dot); return;                                                            \
+        case 2: DOT(w, x, ldx, k, 2, 2, dot); return;                                                            \
+        case 3: DOT(w, x, ldx, k, 3, 2, dot); return;                                                            \
+        default: DOT(w, x, ldx, k, 4, 1, dot); return;                                                           \
+        }                                                                                                        \
+    }
+
+DEFINE_ROW_DISPATCH(run_row_f32, row_dot_f32, float)
+DEFINE_ROW_DISPATCH(run_row_bf16, row_dot_bf16, uint16_t)
+
+/* One tile with its shape chosen at run time: full TILE_N-row tiles by input-row count, the last
+ * partial tile one weight row at a time. */
+#define DEFINE_TILE_DISPATCH(NAME, TILE, WT)                                                                     \
+    static void NAME(const WT *w, int64_t k, const float *x, int64_t ldx, int nr, int nb,                         \
+                     float acc[TILE_N][TILE_ROWS]) {                                                             \
+        if (nr == TILE_N) {                                                                                      \
+            switch (nb) {                                                                                        \
+            case 1: TILE(w, k, x, ldx, TILE_N, 1, acc); return;                                                  \
+            case 2: TILE(w, k, x, ldx, TILE_N, 2, acc); return;                                                  \
+            case 3: TILE(w, k, x, ldx, TILE_N, 3, acc); return;                                                  \
+            default: TILE(w, k, x, ldx, TILE_N, TILE_ROWS, acc); return;                                         \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < nr; r++) {                                                                           \
+            float one[TILE_N][TILE_ROWS];                                                                        \
+            switch (nb) {                                                                                        \
+            case 1: TILE(w + r * k, k, x, ldx, 1, 1, one); break;                                                \
+            case 2: TILE(w + r * k, k, x, ldx, 1, 2, one); break;                                                \
+            case 3: TILE(w + r * k, k, x, ldx, 1, 3, one); break;                                                \
+            default: TILE(w + r * k, k, x, ldx, 1, TILE_ROWS, one); break;                                       \
+            }                                                                                                    \
+            for (int b = 0; b < nb; b++) acc[r][b] = one[0][b];                                                  \
+        }                                                                                                        \
+    }
+
+DEFINE_TILE_DISPATCH(run_tile_f32, tile_f32, float)
+DEFINE_TILE_DISPATCH(run_tile_bf16, tile_bf16, uint16_t)
+
+void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
+    const int64_t n = m->n, k = m->k;
+    if (rows <= STREAM_ROWS) {
+        /* Blocks of STREAM_BLOCK weight rows; 3-4 input rows go in two passes of at most two, the
+         * second reading the block from L2: four rows of x at once (48 KB at k = 3072) pushed the
+         * weight stream out of L1 and ran 2.3x slower. */
+        const int64_t blocks = (n + STREAM_BLOCK - 1) / STREAM_BLOCK;
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t r_end = (blk + 1) * STREAM_BLOCK < n ? (blk + 1) * STREAM_BLOCK : n;
+            for (int64_t b0 = 0; b0 < rows; b0 += 2) {
+                const int nb = rows - b0 < 2 ? 1 : 2;
+                for (int64_t r = blk * STREAM_BLOCK; r < r_end; r++) {
+                    float dot[2];
+                    if (m->weight_type == WEIGHT_BF16)
+                        run_row_bf16((const uint16_t *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
+                    else
+                        run_row_f32((const float *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
+                    for (int b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f);
+                }
             }
         }
-        if (bias != NULL) {
-            for (int64_t j = r; j < r + 4 && j < n; j++) y[j] += bias[j];
+        return;
+    }
+    const int64_t tiles = (n + TILE_N - 1) / TILE_N;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t r0 = t * TILE_N;
+        const int nr = n - r0 < TILE_N ? (int)(n - r0) : TILE_N;
+        for (int64_t b0 = 0; b0 < rows; b0 += TILE_ROWS) {
+            const int nb = rows - b0 < TILE_ROWS ? (int)(rows - b0) : TILE_ROWS;
+            float acc[TILE_N][TILE_ROWS];
+            if (m->weight_type == WEIGHT_BF16)
+                run_tile_bf16((const uint16_t *)m->weight + r0 * k, k, x + b0 * ldx, ldx, nr, nb, acc);
+            else
+                run_tile_f32((const float *)m->weight + r0 * k, k, x + b0 * ldx, ldx, nr, nb, acc);
+            for (int b = 0; b < nb; b++)
+                for (int r = 0; r < nr; r++)
+                    y[(b0 + b) * ldy + r0 + r] = acc[r][b] + (m->bias != NULL ? m->bias[r0 + r] : 0.0f);
         }
     }
+}
+
+/* y [rows, n] = x [rows, k] W^T (+ bias), all contiguous. */
+void linear_f32(const void *weight, int64_t weight_type, const float *bias, const float *x, float *y, int64_t rows,
+                int64_t n, int64_t k, int num_threads) {
+    const Linear m = {weight, bias, n, k, weight_type};
+#pragma omp parallel num_threads(num_threads)
+    linear_rows_for(&m, x, k, rows, y, n);
 }

@@ -1,6 +1,7 @@
-"""The CPU kernels in C (cpu_kernels.c), built once with the system C compiler into the nanovllm
-cache and loaded with ctypes: paged decode attention (TorchBackend.decode, fp32 caches on CPU) and
-the one-row GEMV (linear layers at batch 1, where the CPU platform keeps dense weights for it).
+"""The CPU kernels in C, built once with the system C compiler into the nanovllm cache and loaded
+with ctypes: paged decode attention (TorchBackend.decode, fp32 caches on CPU), linear layers over a
+few rows with fp32 or bf16 weights (cpu_kernels.c), and the whole decode step of a Llama-family
+model (cpu_decode.c, driven by executor/cpu_decode.py).
 
 Without a C compiler, or when the build fails, or with NANOVLLM_CPU_KERNEL=0, load() returns None
 and the callers keep their torch paths (same results; slower, see docs/performance.md).
@@ -21,11 +22,12 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c")]
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
 # -march=native: the library is built on, and cached for, the machine that runs it (the CPU's
 # flags are part of its file name).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _kernels = None
 _tried = False
@@ -33,7 +35,8 @@ _tried = False
 
 def library_path() -> Path:
     cpu = cpu_flags_line() or os.uname().machine
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + cpu.encode())
+    text = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    key = hashlib.sha256(text + " ".join(CFLAGS).encode() + cpu.encode())
     return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -47,7 +50,7 @@ def build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
                                 text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -58,7 +61,7 @@ def build(path: Path) -> None:
 
 
 class CpuKernels:
-    """The library's two functions, typed for ctypes."""
+    """The library's functions, typed for ctypes."""
 
     def __init__(self, lib: ctypes.CDLL):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -66,9 +69,12 @@ class CpuKernels:
         self.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                           ctypes.c_float, i64, ctypes.c_int]
         self.decode_attention.restype = ctypes.c_int
-        self.gemv = lib.gemv_f32
-        self.gemv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int]
-        self.gemv.restype = None
+        self.linear = lib.linear_f32
+        self.linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self.linear.restype = None
+        self.decode_forward = lib.decode_forward
+        self.decode_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+        self.decode_forward.restype = ctypes.c_int
 
 
 def load() -> CpuKernels | None:
@@ -90,13 +96,24 @@ def load() -> CpuKernels | None:
     return _kernels
 
 
-def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, k] @ weight[n, k]^T (+ bias) -> [1, n], fp32, dense contiguous weight."""
+# The kernels' weight element types (cpu_kernels.h).
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def weight_type(weight: torch.Tensor) -> int:
+    if weight.dtype not in WEIGHT_TYPES or not weight.is_contiguous():
+        raise ValueError(f"the C kernels take dense fp32 or bf16 weights, got {weight.dtype}")
+    return WEIGHT_TYPES[weight.dtype]
+
+
+def linear(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, k] (fp32) @ weight[n, k]^T (+ bias, fp32) -> [rows, n] fp32; weight dense fp32 or bf16."""
     x = x.contiguous()
+    assert x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
     n, k = weight.shape
-    y = torch.empty(1, n, dtype=x.dtype)
-    kernels.gemv(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, k,
-                 torch.get_num_threads())
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    kernels.linear(weight.data_ptr(), weight_type(weight), None if bias is None else bias.data_ptr(), x.data_ptr(),
+                   y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
     return y
 
 

@@ -21,6 +21,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # The model dtype: a table held narrower (bf16 weights on CPU, platforms/cpu.py) still
+        # gives rows of this dtype.
+        self.dtype = self.weight.dtype
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = self.num_embeddings_per_partition
@@ -29,9 +32,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(x, self.weight)
+            return F.embedding(x, self.weight).to(self.dtype)
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
+        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight).to(self.dtype)
         y = mask.unsqueeze(-1) * y  # rows owned by other ranks become 0 before the sum
         dist.all_reduce(y)
         return y

@@ -62,19 +62,28 @@ class PackedLinearMethod(LinearMethod):
         return packed_linear(x, layer.packed_weight, bias)
 
 
-class PackedGemvLinearMethod(PackedLinearMethod):
-    """PackedLinearMethod, but one-row inputs (batch-1 decode) go to the C GEMV on the dense
-    weight, which is therefore kept as well."""
+class PackedCKernelLinearMethod(PackedLinearMethod):
+    """PackedLinearMethod, but inputs of at most c_rows rows (decode at a few sequences) go to the
+    C kernel on a dense copy of the weight, held in dense_dtype: fp32, or bf16 for half the bytes
+    per step (widened inside the kernel, so the products are the fp32 ones of the upcast weights)."""
 
-    name = "oneDNN-packed + C GEMV at one row"
     keeps_dense_weight = True
 
-    def __init__(self, kernels: cpu_kernels.CpuKernels):
+    def __init__(self, kernels: cpu_kernels.CpuKernels, dense_dtype: torch.dtype = torch.float32, c_rows: int = 1):
         self.kernels = kernels
+        self.dense_dtype = dense_dtype
+        self.c_rows = c_rows
+        self.name = f"oneDNN-packed fp32 + C kernel at <= {c_rows} rows ({str(dense_dtype).removeprefix('torch.')})"
+
+    def process_weights(self, layer: nn.Module, is_shared: bool) -> None:
+        super().process_weights(layer, is_shared)
+        # NOTE: a shared weight (tied embedding table) is narrowed for its other user too; the
+        # embedding gives its rows in the model dtype whatever the table's (layers/embed_head.py).
+        layer.weight.data = layer.weight.data.to(self.dense_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return cpu_kernels.gemv(self.kernels, x, layer.weight, bias)
+        if x.shape[0] <= self.c_rows:
+            return cpu_kernels.linear(self.kernels, x, layer.weight, bias)
         return packed_linear(x, layer.packed_weight, bias)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.linear_methods import (PackedGemvLinearMethod, PackedLinearMethod, TransposedLinearMethod,
+from nanovllm.layers.linear_methods import (PackedCKernelLinearMethod, PackedLinearMethod, TransposedLinearMethod,
                                             install_linear_method)
 from nanovllm.platforms.interface import Platform, describe_linear_methods
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
@@ -27,6 +27,8 @@ KV_MAX_BYTES = 8 << 30
 # packed one-row path (docs/performance.md, item 14), at the price of holding both forms, so only
 # when the dense copies take at most this share of the available RAM.
 DENSE_COPY_RAM_SHARE = 0.15
+# Linear inputs of up to this many rows go to the C kernel (its streaming path), more to oneDNN.
+C_KERNEL_ROWS = 2
 
 
 def threads_per_rank(tp_size: int) -> int:
@@ -42,10 +44,11 @@ def can_pack_weights(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def dense_copies_fit(model: nn.Module) -> bool:
-    """Whether the linear weights can stay in RAM twice (dense for the one-row C GEMV, packed for
-    oneDNN): when they take at most DENSE_COPY_RAM_SHARE of the available memory."""
-    dense = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+def dense_copies_fit(model: nn.Module, dense_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the linear weights can stay in RAM twice (dense in dense_dtype for the C kernels,
+    packed for oneDNN): when the dense copies take at most DENSE_COPY_RAM_SHARE of the available
+    memory."""
+    dense = sum(p.numel() * dense_dtype.itemsize for name, p in model.named_parameters()
                 if p.dim() == 2 and "embed_tokens" not in name)
     return dense <= DENSE_COPY_RAM_SHARE * available_ram_bytes()
 
@@ -72,6 +75,15 @@ class CpuPlatform(Platform):
         # checkpoint is upcast once at load. dtype="bfloat16" still asks for bf16 explicitly.
         return torch.float32
 
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # bf16 on CPU means bf16 weights (weight_dtype) under fp32 activations and KV cache, as
+        # llama.cpp runs its F16 files: the bf16 matmuls and the torch attention they would need
+        # ran 2.5x slower than fp32 here (docs/performance.md, items 15-17).
+        return torch.float32 if dtype == torch.bfloat16 else dtype
+
+    def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
     def default_kvcache_bytes(self, tensor_parallel_size: int) -> int | None:
         # NOTE: the budget is per rank; N ranks share the machine's RAM.
         share = min(int(available_ram_bytes() * KV_RAM_SHARE), KV_MAX_BYTES)
@@ -86,13 +98,17 @@ class CpuPlatform(Platform):
     def prepare_process(self) -> None:
         keep_freed_memory()
 
-    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype) -> str:
-        """fp32: every linear layer on oneDNN-packed weights, one-row inputs on the C GEMV when the
-        dense copies fit and the kernels build. Otherwise MKL, in the transposed orientation for
-        layers whose output is at least as wide as their input."""
+    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
+                                      weight_dtype: torch.dtype | None = None) -> str:
+        """fp32: every linear layer on oneDNN-packed weights, inputs of up to C_KERNEL_ROWS rows on
+        the C kernel over a dense copy (bf16 when weight_dtype is) when the dense copies fit and
+        the kernels build; without them bf16 weights stay fp32 (the same values). Otherwise MKL,
+        in the transposed orientation for layers whose output is at least as wide as their input."""
         if can_pack_weights(dtype):
-            kernels = cpu_kernels.load() if dense_copies_fit(model) else None
-            install_linear_method(model, PackedLinearMethod() if kernels is None else PackedGemvLinearMethod(kernels))
+            dense_dtype = torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
+            kernels = cpu_kernels.load() if dense_copies_fit(model, dense_dtype) else None
+            install_linear_method(model, PackedLinearMethod() if kernels is None
+                                  else PackedCKernelLinearMethod(kernels, dense_dtype, C_KERNEL_ROWS))
         else:
             install_linear_method(model, TransposedLinearMethod(),
                                   where=lambda layer: layer.weight.shape[0] >= layer.weight.shape[1])
@@ -106,6 +122,10 @@ class CpuPlatform(Platform):
         multi-GB cache costs nothing at start-up. The tensor keeps the mapping alive."""
         buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)
         return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+    def fused_decode(self, model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tensor_parallel_size: int):
+        from nanovllm.executor.cpu_decode import build_fused_decode
+        return build_fused_decode(model, backend_name, kv_dtype, tensor_parallel_size)
 
     @property
     def random_sample(self) -> RandomSample:

@@ -42,6 +42,14 @@ class Platform:
         """The compute dtype for dtype="auto", given the checkpoint's."""
         return checkpoint_dtype
 
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of activations and the KV cache for the resolved Config dtype."""
+        return dtype
+
+    def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """How the linear weights are held for the resolved Config dtype."""
+        return dtype
+
     def default_kvcache_bytes(self, tensor_parallel_size: int) -> int | None:
         """Config.cpu_kvcache_bytes (per rank) when not given; None where the budget is measured."""
         return None
@@ -74,9 +82,11 @@ class Platform:
         """Start a fresh peak-memory measurement (see kv_cache_budget_bytes)."""
 
     # ---- model and KV cache ------------------------------------------------------------------
-    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype) -> str:
-        """Give the loaded model's linear layers their LinearMethod; returns how they multiply
-        (for the log)."""
+    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
+                                      weight_dtype: torch.dtype | None = None) -> str:
+        """Give the loaded model's linear layers their LinearMethod (dtype: the model's;
+        weight_dtype: how the weights are to be held, Config.weight_dtype); returns how they
+        multiply (for the log)."""
         return describe_linear_methods(model)
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
@@ -89,6 +99,12 @@ class Platform:
         NOTE: zeros, not garbage: attention reads (masked) unwritten slots, and a NaN there would
         poison the masked-out product."""
         return torch.zeros(shape, dtype=dtype, device=device)
+
+    def fused_decode(self, model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tensor_parallel_size: int):
+        """An object whose run(input_ids, positions, context) does a whole decode step without the
+        eager forward, where can_run(num_seqs, context) says so (executor/cpu_decode.py), built
+        after the KV cache exists; None: decode steps run the eager forward (or CUDA graphs)."""
+        return None
 
     # ---- sampling ----------------------------------------------------------------------------
     @property

@@ -1,0 +1,137 @@
+"""FusedDecode: a CPU decode step of a Llama-family model in one C call (kernels/cpu_decode.c), the
+CPU's counterpart of CUDA graphs: the eager forward dispatches ~140 torch ops per layer, which at a
+few sequences cost more than reading the weights (docs/performance.md, item 16).
+
+Built once after the KV cache exists, from the model's own tensors (weights, norms, the rotary
+cos/sin cache, the caches): pointers into them are laid out in ctypes structures that the C side
+reads every step. ModelRunner runs decode steps of at most MAX_ROWS sequences through it; larger
+batches, prefill and anything it cannot describe keep the eager forward.
+"""
+import ctypes
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.kernels import cpu_kernels
+from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.utils.context import Context
+
+# Decode batches up to this many sequences go through the fused step; above it the eager forward's
+# oneDNN GEMMs use the cores better (docs/performance.md, item 16).
+MAX_ROWS = 2
+DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
+
+logger = logging.getLogger(__name__)
+c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class LinearDesc(ctypes.Structure):
+    _fields_ = [("weight", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("weight_type", c_int64)]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
+                ("k_cache", c_void_p), ("v_cache", c_void_p)]
+
+
+class ModelDesc(ctypes.Structure):
+    _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
+                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("eps", c_float),
+                ("scale", c_float), ("cos_sin", c_void_p), ("final_norm", c_void_p),
+                ("layers", ctypes.POINTER(LayerDesc))]
+
+
+def pointer(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != dtype or not t.is_contiguous() or t.numel() == 0:
+        raise ValueError(f"not a dense {dtype} tensor: {t.dtype} {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+def linear_desc(layer: nn.Module) -> LinearDesc:
+    w = layer.weight
+    if w.numel() == 0:
+        raise ValueError(f"{type(layer).__name__} keeps no dense weight")
+    n, k = w.shape
+    return LinearDesc(w.data_ptr(), pointer(layer.bias), n, k, cpu_kernels.weight_type(w))
+
+
+class FusedDecode:
+    """The whole decode forward (embedding lookup in torch, then every layer and the final norm in C)."""
+
+    def __init__(self, model: DecoderForCausalLM, kernels: cpu_kernels.CpuKernels):
+        self.kernels = kernels
+        inner = model.model
+        self.embed = inner.embed_tokens
+        layers = list(inner.layers)
+        attn0 = layers[0].self_attn
+        self.hidden = inner.norm.weight.numel()
+        descs = []
+        for layer in layers:
+            a, mlp = layer.self_attn, layer.mlp
+            descs.append(LayerDesc(
+                pointer(layer.input_layernorm.weight), pointer(layer.post_attention_layernorm.weight),
+                pointer(a.q_norm.weight) if a.use_qk_norm else None,
+                pointer(a.k_norm.weight) if a.use_qk_norm else None,
+                linear_desc(a.qkv_proj), linear_desc(a.o_proj), linear_desc(mlp.gate_up_proj), linear_desc(mlp.down_proj),
+                pointer(a.attn.k_cache), pointer(a.attn.v_cache)))
+        eps = {layer.input_layernorm.eps for layer in layers} | {inner.norm.eps}
+        if attn0.use_qk_norm:
+            eps |= {layer.self_attn.q_norm.eps for layer in layers} | {layer.self_attn.k_norm.eps for layer in layers}
+        if len(eps) != 1:
+            raise ValueError(f"the fused decode step takes one RMSNorm eps, the model has {sorted(eps)}")
+        cos_sin = attn0.rotary_emb.cos_sin_cache
+        self.max_position = cos_sin.shape[0]
+        self.layers = (LayerDesc * len(descs))(*descs)
+        self.desc = ModelDesc(len(descs), self.hidden, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
+                              layers[0].mlp.down_proj.weight.shape[1], attn0.attn.k_cache.shape[1], eps.pop(),
+                              attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers)
+        # Keep every tensor whose address the structures hold alive as long as they are used.
+        self._keep = (cos_sin, [layer for layer in layers])
+
+    max_rows = MAX_ROWS
+
+    def can_run(self, num_seqs: int, context: Context) -> bool:
+        return num_seqs <= self.max_rows and context.attn_metadata.seqlens_k is not None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        meta = context.attn_metadata
+        embeds = F.embedding(input_ids, self.embed.weight).float().contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.context_lens.to(torch.int32).contiguous()
+        slots = context.slot_mapping.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        if int(positions.max()) >= self.max_position:
+            raise ValueError(f"position {int(positions.max())} is past the rotary cache ({self.max_position})")
+        out = torch.empty_like(embeds)
+        failed = self.kernels.decode_forward(
+            ctypes.byref(self.desc), embeds.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), embeds.shape[0], tables.shape[1], meta.max_seqlen_k, out.data_ptr(),
+            torch.get_num_threads())
+        if failed:
+            raise MemoryError("the fused CPU decode step could not allocate its buffers")
+        return out
+
+
+def build_fused_decode(model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tp_size: int) -> FusedDecode | None:
+    """A FusedDecode of model, or None where it does not apply (not a Llama-family decoder, tensor
+    parallel, another attention backend or KV dtype, layers without dense weights, no C compiler,
+    NANOVLLM_CPU_FUSED_DECODE=0); the eager forward then runs every step."""
+    if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
+        return None
+    if not isinstance(model, DecoderForCausalLM) or tp_size != 1 or backend_name != "torch" \
+            or kv_dtype != torch.float32:
+        return None
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return None
+    try:
+        return FusedDecode(model, kernels)
+    except ValueError as e:
+        logger.info("decode steps run the eager forward: %s", e)
+        return None

@@ -1,0 +1,143 @@
+/* The whole decode step of a Llama-family decoder (Llama, Qwen2, Qwen3) in one call: for every
+ * layer, residual add + RMSNorm, the qkv projection, q/k RMSNorm (Qwen3), rotary embedding, the
+ * KV-cache store, paged attention, the output projection, residual add + RMSNorm, the gated MLP;
+ * then the final norm. One token per sequence.
+ *
+ * The eager forward runs ~140 small torch ops per layer, whose dispatch costs more than the
+ * weight traffic at one or a few sequences; here one OpenMP parallel region covers the step and
+ * each phase is a worksharing loop (its end is the only synchronisation). Same math as the torch
+ * path, fp32 activations; weights fp32 or bf16 (widened as they are read). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim] each, or NULL (no q/k norm) */
+    Linear qkv, o, gate_up, down;        /* qkv: q, k, v rows stacked; gate_up: gate then up rows */
+    float *k_cache, *v_cache;            /* [num_blocks, block_size, num_kv_heads, head_dim] */
+} DecoderLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos_sin;    /* [max_position, head_dim]: cos of the head_dim / 2 frequencies, then sin */
+    const float *final_norm; /* [hidden] */
+    const DecoderLayer *layers;
+} DecoderModel;
+
+/* resid (+)= x; y = weight * (resid / rms(resid)), one row of n. */
+static void add_rms_norm_row(const float *x, float *resid, int first, const float *weight, float eps, int64_t n,
+                             float *y) {
+    float sq = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float r = first ? x[i] : resid[i] + x[i];
+        resid[i] = r;
+        sq += r * r;
+    }
+    const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = weight[i] * (resid[i] * inv);
+}
+
+/* In place: optional RMSNorm over the head (q/k norm), then neox-style rotation by cos/sin. */
+static void norm_rope_head(float *x, const float *norm, float eps, const float *cos_sin, int64_t head_dim) {
+    if (norm != NULL) {
+        float sq = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) sq += x[d] * x[d];
+        const float inv = 1.0f / sqrtf(sq / (float)head_dim + eps);
+        for (int64_t d = 0; d < head_dim; d++) x[d] = norm[d] * (x[d] * inv);
+    }
+    const int64_t half = head_dim / 2;
+    const float *cos = cos_sin, *sin = cos_sin + half;
+    for (int64_t d = 0; d < half; d++) {
+        const float x1 = x[d], x2 = x[d + half];
+        x[d] = x1 * cos[d] - x2 * sin[d];
+        x[d + half] = x2 * cos[d] + x1 * sin[d];
+    }
+}
+
+/* embeds [num_seqs, hidden] -> out [num_seqs, hidden] (after the final norm); positions, slots
+ * (cache slot of each new token; < 0: not stored), block_tables [num_seqs, max_blocks] and
+ * context_lens (the new token included, each <= max_context) as the torch decode path gets them.
+ * Returns 0, or 1 when a buffer could not be allocated (out is then incomplete). */
+int decode_forward(const DecoderModel *m, const float *embeds, const int64_t *positions, const int64_t *slots,
+                   const int32_t *block_tables, const int32_t *context_lens, int64_t num_seqs, int64_t max_blocks,
+                   int64_t max_context, float *out, int num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads;
+    const int64_t I = m->intermediate, Q = NH * D, KV = NKV * D, QKV = Q + 2 * KV;
+    const int64_t group = NH / NKV, B = num_seqs;
+    /* One buffer for the step's activations: residual stream, normed input, qkv, attention output,
+     * projection output, gate|up, act. */
+    const size_t floats = (size_t)B * (size_t)(3 * H + QKV + Q + 3 * I);
+    float *buf = malloc(sizeof(float) * floats);
+    if (buf == NULL) return 1;
+    float *resid = buf, *xn = resid + B * H, *proj = xn + B * H, *qkv = proj + B * H;
+    float *attn = qkv + B * QKV, *gu = attn + B * Q, *act = gu + B * 2 * I;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * max_context));
+        float *inv_sum = malloc(sizeof(float) * (size_t)group);
+        if (scores == NULL || inv_sum == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const DecoderLayer *L = &m->layers[l];
+#pragma omp for
+            for (int64_t b = 0; b < B; b++)
+                add_rms_norm_row((l == 0 ? embeds : proj) + b * H, resid + b * H, l == 0, L->input_norm, m->eps, H,
+                                 xn + b * H);
+            linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
+            /* q/k heads: norm + rotary; each k head also stores itself and its v head in the cache. */
+#pragma omp for
+            for (int64_t item = 0; item < B * (NH + NKV); item++) {
+                const int64_t b = item / (NH + NKV), h = item % (NH + NKV);
+                float *row = qkv + b * QKV;
+                const float *cs = m->cos_sin + positions[b] * D;
+                if (h < NH) {
+                    norm_rope_head(row + h * D, L->q_norm, m->eps, cs, D);
+                } else {
+                    const int64_t kh = h - NH;
+                    float *k = row + Q + kh * D;
+                    norm_rope_head(k, L->k_norm, m->eps, cs, D);
+                    if (slots[b] >= 0) {
+                        memcpy(L->k_cache + (slots[b] * NKV + kh) * D, k, sizeof(float) * (size_t)D);
+                        memcpy(L->v_cache + (slots[b] * NKV + kh) * D, row + Q + KV + kh * D,
+                               sizeof(float) * (size_t)D);
+                    }
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < B * NKV; item++) {
+                if (scores == NULL || inv_sum == NULL) continue;
+                const int64_t b = item / NKV, kh = item % NKV;
+                attend_item(qkv + b * QKV, L->k_cache, L->v_cache, block_tables + b * max_blocks, context_lens[b],
+                            attn + b * Q, NH, NKV, D, m->block_size, kh, kh + 1, m->scale, scores, max_context,
+                            inv_sum);
+            }
+            linear_rows_for(&L->o, attn, Q, B, proj, H);
+#pragma omp for
+            for (int64_t b = 0; b < B; b++)
+                add_rms_norm_row(proj + b * H, resid + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
+            linear_rows_for(&L->gate_up, xn, H, B, gu, 2 * I);
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < B * I; j++) {
+                const int64_t b = j / I, i = j % I;
+                const float g = gu[b * 2 * I + i], u = gu[b * 2 * I + I + i];
+                act[j] = g / (1.0f + expf(-g)) * u;
+            }
+            linear_rows_for(&L->down, act, I, B, proj, H);
+        }
+#pragma omp for
+        for (int64_t b = 0; b < B; b++)
+            add_rms_norm_row(proj + b * H, resid + b * H, 0, m->final_norm, m->eps, H, out + b * H);
+        free(scores);
+        free(inv_sum);
+    }
+    free(buf);
+    return failed;
+}

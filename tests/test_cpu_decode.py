@@ -1,0 +1,126 @@
+"""The CPU C kernels of small decode batches: the linear kernel (fp32 and bf16 weights, 1..9 rows,
+shapes off the kernel's 8-lane and tile multiples) against a plain-torch matmul; the fused decode
+step (executor/cpu_decode.py) against the eager forward on every model family's tiny checkpoint,
+tokens and logprobs, with fp32 and bf16 weights; and the engine without a C compiler."""
+import shutil
+
+import pytest
+import torch
+
+from helpers import make_qwen3
+from nanovllm import LLM, SamplingParams
+from nanovllm.executor import cpu_decode
+from nanovllm.kernels import cpu_kernels
+from test_models import make_tiny
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    assert k is not None
+    return k
+
+
+@pytest.mark.parametrize("n,k", [(37, 45), (4, 8), (33, 3), (64, 40), (5, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_linear_kernel_matches_torch(kernels, n, k, rows, weight_dtype):
+    torch.manual_seed(n * 100 + k + rows)
+    w = torch.randn(n, k).to(weight_dtype)
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    ref = x.double() @ w.double().T  # the bf16 values widened exactly, summed in fp64
+    torch.testing.assert_close(cpu_kernels.linear(kernels, x, w, None).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_kernels.linear(kernels, x, w, bias).double(), ref + bias.double(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_linear_kernel_rejects_other_weight_dtypes(kernels):
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        cpu_kernels.linear(kernels, torch.randn(1, 8), torch.randn(4, 8).half(), None)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    paths = {"qwen3_gqa": make_qwen3(str(root / "qwen3_gqa"), shape="gqa", seed=1),  # q/k norms, GQA 4:2
+             "qwen3_bias_tied": make_qwen3(str(root / "qwen3_bt"), shape="bias_tied", seed=2)}  # qkv + o bias
+    for name in ("qwen2_gqa", "llama_bias", "llama3_tied"):  # qkv bias; all biases; llama3 RoPE, 1 KV head
+        paths[name] = make_tiny(str(root / name), name, seed=3)
+    return paths
+
+
+def generate(llm, prompts, max_tokens=10):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    return llm.generate(prompts, sp, use_tqdm=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3_gqa", "qwen3_bias_tied", "qwen2_gqa", "llama_bias", "llama3_tied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch):
+    """Batches 1 and 2 (fused) and 3 (eager, above MAX_ROWS), prompts crossing KV blocks: the
+    same tokens and logprobs with the fused step as with the eager forward of the same engine."""
+    llm = LLM(checkpoints[name], dtype=dtype, kvcache_block_size=16, max_model_len=128,
+              cpu_kvcache_bytes=1 << 24)
+    try:
+        runner = llm.model_runner
+        fused = runner.fused_decode
+        assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == 2
+        calls = []
+        real_run = fused.run
+        monkeypatch.setattr(fused, "run", lambda *a: calls.append(a[0].shape[0]) or real_run(*a))
+        prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * i) for i in range(3)]  # 8, 20, 32 tokens
+        batches = [prompts[:1], prompts[1:], prompts]
+        with_fused = [generate(llm, b) for b in batches]
+        assert calls and set(calls) == {1, 2}  # batches of 1 and 2 ran fused, the batch of 3 did not
+        runner.fused_decode = None
+        eager = [generate(llm, b) for b in batches]
+        for fused_outs, eager_outs in zip(with_fused, eager):
+            for a, b in zip(fused_outs, eager_outs):
+                assert a["token_ids"] == b["token_ids"]
+                for la, lb in zip(a["logprobs"], b["logprobs"]):
+                    assert la.keys() == lb.keys()
+                    for tok in la:
+                        assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
+    finally:
+        llm.exit()
+
+
+def test_bf16_weights_are_held_in_bf16_under_fp32_activations(checkpoints):
+    llm = LLM(checkpoints["qwen3_bias_tied"], dtype="bfloat16", max_model_len=64, cpu_kvcache_bytes=1 << 22)
+    try:
+        runner = llm.model_runner
+        assert runner.dtype == torch.float32 and runner.kv_cache.dtype == torch.float32
+        model = runner.model
+        layer = model.model.layers[0]
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
+        assert layer.input_layernorm.weight.dtype == torch.float32
+        # The tied table is bf16 too, and its lookups still come out fp32.
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+        assert model.model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32
+    finally:
+        llm.exit()
+
+
+def test_engine_runs_without_a_c_compiler(checkpoints, monkeypatch, tmp_path):
+    """No compiler and no cached library: the torch paths run, the tokens are those of the C path."""
+    llm = LLM(checkpoints["qwen3_gqa"], max_model_len=64, cpu_kvcache_bytes=1 << 22)
+    try:
+        assert llm.model_runner.fused_decode is not None
+        expected = [o["token_ids"] for o in generate(llm, [[5, 6, 7]])]
+    finally:
+        llm.exit()
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_kernels", None)
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    llm = LLM(checkpoints["qwen3_gqa"], max_model_len=64, cpu_kvcache_bytes=1 << 22)
+    try:
+        assert cpu_kernels.load() is None and llm.model_runner.fused_decode is None
+        assert llm.model_runner.backend.cpu_kernel is None
+        assert [o["token_ids"] for o in generate(llm, [[5, 6, 7]])] == expected
+    finally:
+        llm.exit()
