@@ -25,8 +25,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default): float32 on CPUs (their fast paths are float32, even with bf16 "
                         "units), the checkpoint's dtype on GPUs. float32: exact, fast enough everywhere. "
-                        "bfloat16: half the memory, fast on GPUs; on CPUs slower than float32. float16: for "
-                        "GPUs; CPU float16 matmuls are not fast")
+                        "bfloat16: on GPUs bf16 throughout; on CPUs bf16 weights under float32 activations "
+                        "(half the weight bytes per decode step at 1-2 sequences, like llama.cpp's F16 files). "
+                        "float16: for GPUs; CPU float16 matmuls are not fast")
     return parser.parse_args()
 
 

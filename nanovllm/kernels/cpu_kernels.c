@@ -22,6 +22,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "cpu_kernels.h"
 
@@ -134,9 +137,16 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 static inline v8f load_f32(const float *p) { return *(const v8f_u *)p; }
 
 static inline v8f load_bf16(const uint16_t *p) {
-    /* bf16 is the top half of an fp32: widen each lane and shift it into place. */
+    /* bf16 is the top half of an fp32: widen each lane and shift it into place. With AVX2 one
+     * vpmovzxwd does the widening; GCC's generic form of it took four instructions, which made the
+     * bf16 kernel compute-bound at ~28 GB/s. */
+#ifdef __AVX2__
+    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (v8f)_mm256_castsi256_ps(u);
+#else
     v8u u = __builtin_convertvector(*(const v8h_u *)p, v8u) << 16;
     return (v8f)u;
+#endif
 }
 
 static inline float scalar_bf16(uint16_t h) {
