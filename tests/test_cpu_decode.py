@@ -60,21 +60,32 @@ def generate(llm, prompts, max_tokens=10):
 @pytest.mark.parametrize("name", ["qwen3_gqa", "qwen3_bias_tied", "qwen2_gqa", "llama_bias", "llama3_tied"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch):
-    """Batches 1 and 2 (fused) and 3 (eager, above MAX_ROWS), prompts crossing KV blocks: the
-    same tokens and logprobs with the fused step as with the eager forward of the same engine."""
+    """Batches of 1 and 2 (one C call per step) and 3 and 5 (C between oneDNN matmuls), prompts
+    crossing KV blocks: the same tokens and logprobs as the eager forward of the same engine."""
     llm = LLM(checkpoints[name], dtype=dtype, kvcache_block_size=16, max_model_len=128,
               cpu_kvcache_bytes=1 << 24)
     try:
         runner = llm.model_runner
         fused = runner.fused_decode
         assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == 2
-        calls = []
-        real_run = fused.run
-        monkeypatch.setattr(fused, "run", lambda *a: calls.append(a[0].shape[0]) or real_run(*a))
-        prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * i) for i in range(3)]  # 8, 20, 32 tokens
-        batches = [prompts[:1], prompts[1:], prompts]
+        calls = {"decode_forward": 0, "decode_attention_layer": 0}
+
+        def counted(name_):
+            real = getattr(fused.kernels, name_)
+
+            def call(*args):
+                calls[name_] += 1
+                return real(*args)
+            return call
+        for name_ in calls:
+            monkeypatch.setattr(fused.kernels, name_, counted(name_))
+        prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * i) for i in range(5)]  # 8 .. 56 tokens
+        batches = [prompts[:1], prompts[1:3], prompts[:3], prompts]
         with_fused = [generate(llm, b) for b in batches]
-        assert calls and set(calls) == {1, 2}  # batches of 1 and 2 ran fused, the batch of 3 did not
+        # Both C paths ran: one call per step of 1-2 sequences, one per layer and step above.
+        num_layers = len(fused.modules)
+        assert calls["decode_forward"] > 0 and calls["decode_attention_layer"] % num_layers == 0
+        assert calls["decode_attention_layer"] > 0
         runner.fused_decode = None
         eager = [generate(llm, b) for b in batches]
         for fused_outs, eager_outs in zip(with_fused, eager):

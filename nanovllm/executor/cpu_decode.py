@@ -1,26 +1,27 @@
-"""FusedDecode: a CPU decode step of a Llama-family model in one C call (kernels/cpu_decode.c), the
-CPU's counterpart of CUDA graphs: the eager forward dispatches ~140 torch ops per layer, which at a
-few sequences cost more than reading the weights (docs/performance.md, item 16).
+"""FusedDecode: CPU decode steps of a Llama-family model in C (kernels/cpu_decode.c), the CPU's
+counterpart of CUDA graphs: the eager forward dispatches ~140 torch ops per layer, which cost more
+than reading the weights at a few sequences and a good share of the step at more
+(docs/performance.md, items 16-19).
 
 Built once after the KV cache exists, from the model's own tensors (weights, norms, the rotary
 cos/sin cache, the caches): pointers into them are laid out in ctypes structures that the C side
-reads every step. ModelRunner runs decode steps of at most MAX_ROWS sequences through it; larger
-batches, prefill and anything it cannot describe keep the eager forward.
+reads every step. Decode steps of at most MAX_ROWS sequences are one C call (matmuls included);
+larger ones keep each layer's four matmuls on the layers' own linear methods (oneDNN) and do the
+rest in four C calls per layer. Prefill, and models it cannot describe, keep the eager forward.
 """
 import ctypes
 import logging
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.utils.context import Context
 
-# Decode batches up to this many sequences go through the fused step; above it the eager forward's
-# oneDNN GEMMs use the cores better (docs/performance.md, item 16).
+# Decode batches up to this many sequences run as one C call; above it oneDNN's matmuls use the
+# cores better than the C kernel (docs/performance.md, item 16).
 MAX_ROWS = 2
 DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
 
@@ -67,6 +68,8 @@ class FusedDecode:
     def __init__(self, model: DecoderForCausalLM, kernels: cpu_kernels.CpuKernels):
         self.kernels = kernels
         inner = model.model
+        self.modules = list(inner.layers)
+        self.final_norm = inner.norm
         self.embed = inner.embed_tokens
         layers = list(inner.layers)
         attn0 = layers[0].self_attn
@@ -97,25 +100,54 @@ class FusedDecode:
     max_rows = MAX_ROWS
 
     def can_run(self, num_seqs: int, context: Context) -> bool:
-        return num_seqs <= self.max_rows and context.attn_metadata.seqlens_k is not None
+        return context.attn_metadata.seqlens_k is not None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         meta = context.attn_metadata
-        embeds = F.embedding(input_ids, self.embed.weight).float().contiguous()
+        embeds = self.embed(input_ids).float().contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
         slots = context.slot_mapping.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         if int(positions.max()) >= self.max_position:
             raise ValueError(f"position {int(positions.max())} is past the rotary cache ({self.max_position})")
-        out = torch.empty_like(embeds)
-        failed = self.kernels.decode_forward(
-            ctypes.byref(self.desc), embeds.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            lens.data_ptr(), embeds.shape[0], tables.shape[1], meta.max_seqlen_k, out.data_ptr(),
-            torch.get_num_threads())
+        step = (positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), embeds.shape[0],
+                tables.shape[1], meta.max_seqlen_k)
+        if embeds.shape[0] <= self.max_rows:
+            out = torch.empty_like(embeds)
+            failed = self.kernels.decode_forward(ctypes.byref(self.desc), embeds.data_ptr(), *step, out.data_ptr(),
+                                                 torch.get_num_threads())
+        else:
+            out, failed = self.run_layers(embeds, step)
         if failed:
             raise MemoryError("the fused CPU decode step could not allocate its buffers")
         return out
+
+    def run_layers(self, embeds: torch.Tensor, step: tuple) -> tuple[torch.Tensor, int]:
+        """Each layer's matmuls through its own linear methods, everything between them in C."""
+        k, desc, threads = self.kernels, ctypes.byref(self.desc), torch.get_num_threads()
+        num_seqs = embeds.shape[0]
+        resid, xn = torch.empty_like(embeds), torch.empty_like(embeds)
+        x = embeds
+        for i, layer in enumerate(self.modules):
+            a, mlp = layer.self_attn, layer.mlp
+            k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), i == 0, layer.input_layernorm.weight.data_ptr(),
+                                  num_seqs, xn.data_ptr(), threads)
+            qkv = a.qkv_proj(xn).contiguous()
+            attn = torch.empty(num_seqs, a.q_size)
+            if k.decode_attention_layer(desc, i, qkv.data_ptr(), *step, attn.data_ptr(), threads):
+                return attn, 1
+            x = a.o_proj(attn).contiguous()
+            k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), 0,
+                                  layer.post_attention_layernorm.weight.data_ptr(), num_seqs, xn.data_ptr(), threads)
+            gate_up = mlp.gate_up_proj(xn).contiguous()
+            act = torch.empty(num_seqs, gate_up.shape[1] // 2)
+            k.decode_silu_mul(gate_up.data_ptr(), num_seqs, act.shape[1], act.data_ptr(), threads)
+            x = mlp.down_proj(act).contiguous()
+        out = torch.empty_like(embeds)
+        k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), 0, self.final_norm.weight.data_ptr(), num_seqs,
+                              out.data_ptr(), threads)
+        return out, 0
 
 
 def build_fused_decode(model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tp_size: int) -> FusedDecode | None:

@@ -6,7 +6,11 @@
  * The eager forward runs ~140 small torch ops per layer, whose dispatch costs more than the
  * weight traffic at one or a few sequences; here one OpenMP parallel region covers the step and
  * each phase is a worksharing loop (its end is the only synchronisation). Same math as the torch
- * path, fp32 activations; weights fp32 or bf16 (widened as they are read). */
+ * path, fp32 activations; weights fp32 or bf16 (widened as they are read).
+ *
+ * Larger batches keep their matmuls on oneDNN, which uses the cores better there, and call the
+ * phases between them one at a time (decode_add_rms_norm, decode_attention_layer,
+ * decode_silu_mul): four C calls per layer instead of ~130 torch ops. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,86 +62,163 @@ static void norm_rope_head(float *x, const float *norm, float eps, const float *
     }
 }
 
-/* embeds [num_seqs, hidden] -> out [num_seqs, hidden] (after the final norm); positions, slots
+/* ---- the phases of a layer: orphaned worksharing loops, run inside a parallel region ---------- */
+
+/* Rows b < B: resid (+)= x; y = norm(resid). */
+static void phase_add_norm(const float *x, float *resid, int first, const float *weight, float eps, int64_t B,
+                           int64_t H, float *y) {
+#pragma omp for
+    for (int64_t b = 0; b < B; b++) add_rms_norm_row(x + b * H, resid + b * H, first, weight, eps, H, y + b * H);
+}
+
+/* q/k heads of qkv [B, q | k | v]: norm + rotary in place; each k head also stores itself and its
+ * v head in the cache slot of its token (slots < 0: not stored). */
+static void phase_rope_store(const DecoderModel *m, const DecoderLayer *L, float *qkv, const int64_t *positions,
+                             const int64_t *slots, int64_t B) {
+    const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads;
+    const int64_t Q = NH * D, KV = NKV * D, QKV = Q + 2 * KV;
+#pragma omp for
+    for (int64_t item = 0; item < B * (NH + NKV); item++) {
+        const int64_t b = item / (NH + NKV), h = item % (NH + NKV);
+        float *row = qkv + b * QKV;
+        const float *cs = m->cos_sin + positions[b] * D;
+        if (h < NH) {
+            norm_rope_head(row + h * D, L->q_norm, m->eps, cs, D);
+        } else {
+            const int64_t kh = h - NH;
+            float *k = row + Q + kh * D;
+            norm_rope_head(k, L->k_norm, m->eps, cs, D);
+            if (slots[b] >= 0) {
+                memcpy(L->k_cache + (slots[b] * NKV + kh) * D, k, sizeof(float) * (size_t)D);
+                memcpy(L->v_cache + (slots[b] * NKV + kh) * D, row + Q + KV + kh * D, sizeof(float) * (size_t)D);
+            }
+        }
+    }
+}
+
+/* KV heads per attention work item: whole sequences when there are enough of them to keep every
+ * thread busy; else each sequence's KV heads split so that about 4 items per thread exist (one KV
+ * head per item at 32 sequences ran 3x slower: a cached token's K row is read in pieces). */
+static int64_t kv_heads_per_item(int64_t B, int64_t num_kv_heads, int num_threads) {
+    int64_t splits = (4 * (int64_t)num_threads + B - 1) / B;
+    splits = splits < num_kv_heads ? splits : num_kv_heads;
+    return (num_kv_heads + splits - 1) / splits;
+}
+
+/* attn [B, num_heads * head_dim] = paged attention of each row's q over its cached tokens.
+ * scores: per_item * num_heads / num_kv_heads * max_context floats per thread. */
+static void phase_attention(const DecoderModel *m, const DecoderLayer *L, const float *qkv,
+                            const int32_t *block_tables, const int32_t *context_lens, int64_t B, int64_t max_blocks,
+                            int64_t max_context, int64_t per_item, float *attn, float *scores, float *inv_sum) {
+    const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads;
+    const int64_t Q = NH * D, QKV = Q + 2 * NKV * D, items_per_seq = (NKV + per_item - 1) / per_item;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * items_per_seq; item++) {
+        if (scores == NULL || inv_sum == NULL) continue;
+        const int64_t b = item / items_per_seq, kv_first = (item % items_per_seq) * per_item;
+        const int64_t kv_end = kv_first + per_item < NKV ? kv_first + per_item : NKV;
+        attend_item(qkv + b * QKV, L->k_cache, L->v_cache, block_tables + b * max_blocks, context_lens[b],
+                    attn + b * Q, NH, NKV, D, m->block_size, kv_first, kv_end, m->scale, scores, max_context,
+                    inv_sum);
+    }
+}
+
+/* act [B, I] = silu(gate) * up of gu [B, gate | up]. */
+static void phase_silu_mul(const float *gu, int64_t B, int64_t I, float *act) {
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < B * I; j++) {
+        const int64_t b = j / I, i = j % I;
+        const float g = gu[b * 2 * I + i], u = gu[b * 2 * I + I + i];
+        act[j] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+/* Per-thread attention buffers; NULL (and *failed set) when they cannot be allocated. */
+static float *alloc_or_flag(size_t floats, int *failed) {
+    float *p = malloc(sizeof(float) * (floats > 0 ? floats : 1));
+    if (p == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return p;
+}
+
+/* ---- the whole step ------------------------------------------------------------------------------
+ * embeds [num_seqs, hidden] -> out [num_seqs, hidden] (after the final norm); positions, slots
  * (cache slot of each new token; < 0: not stored), block_tables [num_seqs, max_blocks] and
  * context_lens (the new token included, each <= max_context) as the torch decode path gets them.
  * Returns 0, or 1 when a buffer could not be allocated (out is then incomplete). */
 int decode_forward(const DecoderModel *m, const float *embeds, const int64_t *positions, const int64_t *slots,
                    const int32_t *block_tables, const int32_t *context_lens, int64_t num_seqs, int64_t max_blocks,
                    int64_t max_context, float *out, int num_threads) {
-    const int64_t H = m->hidden, D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads;
-    const int64_t I = m->intermediate, Q = NH * D, KV = NKV * D, QKV = Q + 2 * KV;
-    const int64_t group = NH / NKV, B = num_seqs;
-    /* One buffer for the step's activations: residual stream, normed input, qkv, attention output,
-     * projection output, gate|up, act. */
+    const int64_t H = m->hidden, NH = m->num_heads, NKV = m->num_kv_heads, D = m->head_dim;
+    const int64_t I = m->intermediate, Q = NH * D, QKV = Q + 2 * NKV * D, B = num_seqs;
+    /* One buffer for the step's activations: residual stream, normed input, projection output,
+     * qkv, attention output, gate|up, act. */
     const size_t floats = (size_t)B * (size_t)(3 * H + QKV + Q + 3 * I);
     float *buf = malloc(sizeof(float) * floats);
     if (buf == NULL) return 1;
     float *resid = buf, *xn = resid + B * H, *proj = xn + B * H, *qkv = proj + B * H;
     float *attn = qkv + B * QKV, *gu = attn + B * Q, *act = gu + B * 2 * I;
+    const int64_t per_item = kv_heads_per_item(B, NKV, num_threads), heads = per_item * (NH / NKV);
     int failed = 0;
-
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * max_context));
-        float *inv_sum = malloc(sizeof(float) * (size_t)group);
-        if (scores == NULL || inv_sum == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *scores = alloc_or_flag((size_t)(heads * max_context), &failed);
+        float *inv_sum = alloc_or_flag((size_t)heads, &failed);
         for (int64_t l = 0; l < m->num_layers; l++) {
             const DecoderLayer *L = &m->layers[l];
-#pragma omp for
-            for (int64_t b = 0; b < B; b++)
-                add_rms_norm_row((l == 0 ? embeds : proj) + b * H, resid + b * H, l == 0, L->input_norm, m->eps, H,
-                                 xn + b * H);
+            phase_add_norm(l == 0 ? embeds : proj, resid, l == 0, L->input_norm, m->eps, B, H, xn);
             linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
-            /* q/k heads: norm + rotary; each k head also stores itself and its v head in the cache. */
-#pragma omp for
-            for (int64_t item = 0; item < B * (NH + NKV); item++) {
-                const int64_t b = item / (NH + NKV), h = item % (NH + NKV);
-                float *row = qkv + b * QKV;
-                const float *cs = m->cos_sin + positions[b] * D;
-                if (h < NH) {
-                    norm_rope_head(row + h * D, L->q_norm, m->eps, cs, D);
-                } else {
-                    const int64_t kh = h - NH;
-                    float *k = row + Q + kh * D;
-                    norm_rope_head(k, L->k_norm, m->eps, cs, D);
-                    if (slots[b] >= 0) {
-                        memcpy(L->k_cache + (slots[b] * NKV + kh) * D, k, sizeof(float) * (size_t)D);
-                        memcpy(L->v_cache + (slots[b] * NKV + kh) * D, row + Q + KV + kh * D,
-                               sizeof(float) * (size_t)D);
-                    }
-                }
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < B * NKV; item++) {
-                if (scores == NULL || inv_sum == NULL) continue;
-                const int64_t b = item / NKV, kh = item % NKV;
-                attend_item(qkv + b * QKV, L->k_cache, L->v_cache, block_tables + b * max_blocks, context_lens[b],
-                            attn + b * Q, NH, NKV, D, m->block_size, kh, kh + 1, m->scale, scores, max_context,
+            phase_rope_store(m, L, qkv, positions, slots, B);
+            phase_attention(m, L, qkv, block_tables, context_lens, B, max_blocks, max_context, per_item, attn, scores,
                             inv_sum);
-            }
             linear_rows_for(&L->o, attn, Q, B, proj, H);
-#pragma omp for
-            for (int64_t b = 0; b < B; b++)
-                add_rms_norm_row(proj + b * H, resid + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
+            phase_add_norm(proj, resid, 0, L->post_norm, m->eps, B, H, xn);
             linear_rows_for(&L->gate_up, xn, H, B, gu, 2 * I);
-#pragma omp for schedule(static)
-            for (int64_t j = 0; j < B * I; j++) {
-                const int64_t b = j / I, i = j % I;
-                const float g = gu[b * 2 * I + i], u = gu[b * 2 * I + I + i];
-                act[j] = g / (1.0f + expf(-g)) * u;
-            }
+            phase_silu_mul(gu, B, I, act);
             linear_rows_for(&L->down, act, I, B, proj, H);
         }
-#pragma omp for
-        for (int64_t b = 0; b < B; b++)
-            add_rms_norm_row(proj + b * H, resid + b * H, 0, m->final_norm, m->eps, H, out + b * H);
+        phase_add_norm(proj, resid, 0, m->final_norm, m->eps, B, H, out);
         free(scores);
         free(inv_sum);
     }
     free(buf);
     return failed;
+}
+
+/* ---- a layer's phases one call each, between matmuls done elsewhere (larger batches: oneDNN) --- */
+
+void decode_add_rms_norm(const DecoderModel *m, const float *x, float *resid, int first, const float *weight,
+                         int64_t num_seqs, float *y, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    phase_add_norm(x, resid, first, weight, m->eps, num_seqs, m->hidden, y);
+}
+
+/* Layer `layer`'s rotary + KV store + attention: qkv [num_seqs, q | k | v] (q and k rotated in
+ * place) -> attn [num_seqs, num_heads * head_dim]. Returns 0, or 1 when a buffer could not be
+ * allocated. */
+int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, const int64_t *positions,
+                           const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
+                           int64_t num_seqs, int64_t max_blocks, int64_t max_context, float *attn, int num_threads) {
+    const DecoderLayer *L = &m->layers[layer];
+    const int64_t per_item = kv_heads_per_item(num_seqs, m->num_kv_heads, num_threads);
+    const int64_t heads = per_item * (m->num_heads / m->num_kv_heads);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = alloc_or_flag((size_t)(heads * max_context), &failed);
+        float *inv_sum = alloc_or_flag((size_t)heads, &failed);
+        phase_rope_store(m, L, qkv, positions, slots, num_seqs);
+        phase_attention(m, L, qkv, block_tables, context_lens, num_seqs, max_blocks, max_context, per_item, attn,
+                        scores, inv_sum);
+        free(scores);
+        free(inv_sum);
+    }
+    return failed;
+}
+
+void decode_silu_mul(const float *gu, int64_t num_seqs, int64_t intermediate, float *act, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    phase_silu_mul(gu, num_seqs, intermediate, act);
 }

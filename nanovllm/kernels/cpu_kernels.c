@@ -120,32 +120,39 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 }
 
 /* ---- linear layers over a few rows ------------------------------------------------------------
- * A tile is TILE_N weight rows times up to TILE_ROWS input rows: each 8-wide chunk of a weight row
- * is loaded (and, for bf16, widened) once and multiplied into every input row of the tile, so at
- * one input row the weights stream once at memory speed and at 2-4 rows they are read once for all
- * of them. Each thread takes a contiguous range of weight rows (static schedule) and runs all the
- * input-row tiles over it while it is in its caches. GCC vector types, so one source serves AVX2
- * and AVX-512 (-march=native). */
+ * Up to STREAM_ROWS input rows (decode batches): each thread takes a contiguous range of weight
+ * rows (static schedule) and walks it as one sequential stream, multiplying each vector of a weight
+ * row (widened once, for bf16) into every input row; the hardware prefetcher follows one stream
+ * better than interleaved ones (one row: 45 GB/s against 33-38 with 4-row tiles on this machine's
+ * 2 cores; 5-8 rows streamed ran at half oneDNN's speed). More rows: tiles of
+ * TILE_N weight rows x TILE_ROWS input rows, the weight tile reused from cache for every input
+ * tile. GCC vector types, VL lanes: 16 with AVX-512, else 8, so one source serves both. */
+#define STREAM_ROWS 4
 #define TILE_N 4
 #define TILE_ROWS 4
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
-typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2), may_alias));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-static inline v8f load_f32(const float *p) { return *(const v8f_u *)p; }
-
-static inline v8f load_bf16(const uint16_t *p) {
-    /* bf16 is the top half of an fp32: widen each lane and shift it into place. With AVX2 one
-     * vpmovzxwd does the widening; GCC's generic form of it took four instructions, which made the
-     * bf16 kernel compute-bound at ~28 GB/s. */
-#ifdef __AVX2__
-    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-    return (v8f)_mm256_castsi256_ps(u);
+#ifdef __AVX512F__
+#define VL 16
 #else
-    v8u u = __builtin_convertvector(*(const v8h_u *)p, v8u) << 16;
-    return (v8f)u;
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef float vf_u __attribute__((vector_size(4 * VL), aligned(4), may_alias));
+typedef uint16_t vh_u __attribute__((vector_size(2 * VL), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+
+static inline vf load_f32(const float *p) { return *(const vf_u *)p; }
+
+static inline vf load_bf16(const uint16_t *p) {
+    /* bf16 is the top half of an fp32: widen each lane and shift it into place. One vpmovzxwd
+     * does the widening; GCC's generic form of it took four instructions with AVX2, which made the
+     * bf16 kernel compute-bound at ~28 GB/s. */
+#if defined(__AVX512F__)
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(__AVX2__)
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    return (vf)(__builtin_convertvector(*(const vh_u *)p, vu) << 16);
 #endif
 }
 
@@ -156,60 +163,31 @@ static inline float scalar_bf16(uint16_t h) {
     return f;
 }
 
-static inline float hsum(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
 }
 
-/* acc[r][b] = W[r, :] . x[b, :] for r < NR weight rows and b < NB input rows; NR and NB are
- * constants at every call site (always_inline), so the accumulators live in registers. */
-#define DEFINE_TILE(NAME, WT, LOADV, LOADS)                                                                      \
-    static inline __attribute__((always_inline)) void NAME(const WT *w, int64_t k, const float *x, int64_t ldx,   \
-                                                           const int NR, const int NB,                           \
-                                                           float acc[TILE_N][TILE_ROWS]) {                       \
-        v8f a[TILE_N][TILE_ROWS];                                                                                \
-        for (int r = 0; r < NR; r++)                                                                             \
-            for (int b = 0; b < NB; b++) a[r][b] = (v8f){0};                                                     \
-        int64_t i = 0;                                                                                           \
-        for (; i + 8 <= k; i += 8) {                                                                             \
-            v8f wv[TILE_N];                                                                                      \
-            for (int r = 0; r < NR; r++) wv[r] = LOADV(w + r * k + i);                                           \
-            for (int b = 0; b < NB; b++) {                                                                       \
-                const v8f xv = load_f32(x + b * ldx + i);                                                        \
-                for (int r = 0; r < NR; r++) a[r][b] += wv[r] * xv;                                              \
-            }                                                                                                    \
-        }                                                                                                        \
-        for (int r = 0; r < NR; r++)                                                                             \
-            for (int b = 0; b < NB; b++) {                                                                       \
-                float s = hsum(a[r][b]);                                                                         \
-                for (int64_t j = i; j < k; j++) s += LOADS(w[r * k + j]) * x[b * ldx + j];                       \
-                acc[r][b] = s;                                                                                   \
-            }                                                                                                    \
-    }
-
 #define IDENTITY(v) (v)
-DEFINE_TILE(tile_f32, float, load_f32, IDENTITY)
-DEFINE_TILE(tile_bf16, uint16_t, load_bf16, scalar_bf16)
 
-/* One weight row against NB <= STREAM_ROWS input rows, 8 * U lanes per step in U independent sums
- * per input row: a thread then walks its weight rows as one sequential stream, which the hardware
- * prefetcher follows better than TILE_N interleaved ones (one row: 45 GB/s against 33-38 on this
- * machine's 2 cores). NB and U are constants at every call site. */
-#define STREAM_ROWS 4
-#define STREAM_BLOCK 16
+/* One weight row against NB input rows, VL * U lanes per step in U independent sums per input
+ * row (U chains of FMAs hide their latency when NB is small). NB and U are constants at every call
+ * site (always_inline), so the sums live in registers. */
 #define DEFINE_ROW_DOT(NAME, WT, LOADV, LOADS)                                                                   \
     static inline __attribute__((always_inline)) void NAME(const WT *w, const float *x, int64_t ldx, int64_t k,  \
                                                            const int NB, const int U, float *dot) {              \
-        v8f a[STREAM_ROWS][4];                                                                                   \
+        vf a[STREAM_ROWS][4];                                                                                    \
         for (int b = 0; b < NB; b++)                                                                             \
-            for (int u = 0; u < U; u++) a[b][u] = (v8f){0};                                                      \
+            for (int u = 0; u < U; u++) a[b][u] = (vf){0};                                                       \
         int64_t i = 0;                                                                                           \
-        for (; i + 8 * U <= k; i += 8 * U)                                                                       \
+        for (; i + VL * U <= k; i += VL * U)                                                                     \
             for (int u = 0; u < U; u++) {                                                                        \
-                const v8f wv = LOADV(w + i + 8 * u);                                                             \
-                for (int b = 0; b < NB; b++) a[b][u] += wv * load_f32(x + b * ldx + i + 8 * u);                  \
+                const vf wv = LOADV(w + i + VL * u);                                                             \
+                for (int b = 0; b < NB; b++) a[b][u] += wv * load_f32(x + b * ldx + i + VL * u);                 \
             }                                                                                                    \
-        for (; i + 8 <= k; i += 8) {                                                                             \
-            const v8f wv = LOADV(w + i);                                                                         \
+        for (; i + VL <= k; i += VL) {                                                                           \
+            const vf wv = LOADV(w + i);                                                                          \
             for (int b = 0; b < NB; b++) a[b][0] += wv * load_f32(x + b * ldx + i);                              \
         }                                                                                                        \
         for (int b = 0; b < NB; b++) {                                                                           \
@@ -223,7 +201,6 @@ DEFINE_TILE(tile_bf16, uint16_t, load_bf16, scalar_bf16)
 DEFINE_ROW_DOT(row_dot_f32, float, load_f32, IDENTITY)
 DEFINE_ROW_DOT(row_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 
-/* Four chains of FMAs per row whatever NB (FMA latency, not bandwidth, is the limit below that). */
 #define DEFINE_ROW_DISPATCH(NAME, DOT, WT)                                                                       \
     static void NAME(const WT *w, const float *x, int64_t ldx, int64_t k, int nb, float *dot) {                  \
         switch (nb) {                                                                                            \
@@ -236,6 +213,34 @@ DEFINE_ROW_DOT(row_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 
 DEFINE_ROW_DISPATCH(run_row_f32, row_dot_f32, float)
 DEFINE_ROW_DISPATCH(run_row_bf16, row_dot_bf16, uint16_t)
+
+/* acc[r][b] = W[r, :] . x[b, :] for r < NR weight rows and b < NB input rows (constants). */
+#define DEFINE_TILE(NAME, WT, LOADV, LOADS)                                                                      \
+    static inline __attribute__((always_inline)) void NAME(const WT *w, int64_t k, const float *x, int64_t ldx,   \
+                                                           const int NR, const int NB,                           \
+                                                           float acc[TILE_N][TILE_ROWS]) {                       \
+        vf a[TILE_N][TILE_ROWS];                                                                                 \
+        for (int r = 0; r < NR; r++)                                                                             \
+            for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                      \
+        int64_t i = 0;                                                                                           \
+        for (; i + VL <= k; i += VL) {                                                                           \
+            vf wv[TILE_N];                                                                                       \
+            for (int r = 0; r < NR; r++) wv[r] = LOADV(w + r * k + i);                                           \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                const vf xv = load_f32(x + b * ldx + i);                                                         \
+                for (int r = 0; r < NR; r++) a[r][b] += wv[r] * xv;                                              \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < NR; r++)                                                                             \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                float s = hsum(a[r][b]);                                                                         \
+                for (int64_t j = i; j < k; j++) s += LOADS(w[r * k + j]) * x[b * ldx + j];                       \
+                acc[r][b] = s;                                                                                   \
+            }                                                                                                    \
+    }
+
+DEFINE_TILE(tile_f32, float, load_f32, IDENTITY)
+DEFINE_TILE(tile_bf16, uint16_t, load_bf16, scalar_bf16)
 
 /* One tile with its shape chosen at run time: full TILE_N-row tiles by input-row count, the last
  * partial tile one weight row at a time. */
@@ -268,24 +273,14 @@ DEFINE_TILE_DISPATCH(run_tile_bf16, tile_bf16, uint16_t)
 void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
     const int64_t n = m->n, k = m->k;
     if (rows <= STREAM_ROWS) {
-        /* Blocks of STREAM_BLOCK weight rows; 3-4 input rows go in two passes of at most two, the
-         * second reading the block from L2: four rows of x at once (48 KB at k = 3072) pushed the
-         * weight stream out of L1 and ran 2.3x slower. */
-        const int64_t blocks = (n + STREAM_BLOCK - 1) / STREAM_BLOCK;
 #pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t r_end = (blk + 1) * STREAM_BLOCK < n ? (blk + 1) * STREAM_BLOCK : n;
-            for (int64_t b0 = 0; b0 < rows; b0 += 2) {
-                const int nb = rows - b0 < 2 ? 1 : 2;
-                for (int64_t r = blk * STREAM_BLOCK; r < r_end; r++) {
-                    float dot[2];
-                    if (m->weight_type == WEIGHT_BF16)
-                        run_row_bf16((const uint16_t *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
-                    else
-                        run_row_f32((const float *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
-                    for (int b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f);
-                }
-            }
+        for (int64_t r = 0; r < n; r++) {
+            float dot[STREAM_ROWS];
+            if (m->weight_type == WEIGHT_BF16)
+                run_row_bf16((const uint16_t *)m->weight + r * k, x, ldx, k, (int)rows, dot);
+            else
+                run_row_f32((const float *)m->weight + r * k, x, ldx, k, (int)rows, dot);
+            for (int64_t b = 0; b < rows; b++) y[b * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f);
         }
         return;
     }

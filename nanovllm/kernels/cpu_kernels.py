@@ -75,6 +75,15 @@ class CpuKernels:
         self.decode_forward = lib.decode_forward
         self.decode_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
         self.decode_forward.restype = ctypes.c_int
+        self.decode_add_rms_norm = lib.decode_add_rms_norm
+        self.decode_add_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
+        self.decode_add_rms_norm.restype = None
+        self.decode_attention_layer = lib.decode_attention_layer
+        self.decode_attention_layer.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+        self.decode_attention_layer.restype = ctypes.c_int
+        self.decode_silu_mul = lib.decode_silu_mul
+        self.decode_silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+        self.decode_silu_mul.restype = None
 
 
 def load() -> CpuKernels | None:
