@@ -35,6 +35,7 @@ LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_
           "ours_bf16": "nano-vLLM bf16 weights"}
 # Each of our rows against the llama.cpp row at the same weight width.
 RATIOS = {"ours": "f32", "ours_bf16": "f16"}
+OUR_DTYPES = {"ours": "float32", "ours_bf16": "bfloat16"}
 
 
 def model_folder(name: str) -> str:
@@ -199,16 +200,18 @@ def main() -> None:
         for name in args.models:
             path = model_folder(name)
             results = report["models"][name] = {"path": path, "threads": args.threads}
-            if bins is not None:
-                for quant in QUANTS:
+            # NOTE: each of our runs right after llama.cpp's at the same weight width: this VM's
+            # memory bandwidth drifts by a third over minutes, and batch-1 decode follows it.
+            for quant in QUANTS:
+                if bins is not None:
                     gguf = llamacpp_build.convert_to_gguf(cache, path, f"{name}-{Path(path).name}", quant)
                     print(f"llama.cpp: {gguf.name} ...", flush=True)
                     results[quant] = run_llamacpp(bins, gguf, args.batches, args.threads,
                                                   llamacpp_build.work_dir(cache) / "logs")
-            if not args.skip_ours:
-                print(f"nano-vLLM: {path} ...", flush=True)
-                results["ours"] = run_ours(path, args.batches, args.threads)
-                results["ours_bf16"] = run_ours(path, args.batches, args.threads, dtype="bfloat16")
+                ours = next((key for key, ref in RATIOS.items() if ref == quant), None)
+                if ours is not None and not args.skip_ours:
+                    print(f"{LABELS[ours]}: {path} ...", flush=True)
+                    results[ours] = run_ours(path, args.batches, args.threads, dtype=OUR_DTYPES[ours])
             print("\n" + table(f"{name}: {Path(path).name}", results, args.batches) + "\n", flush=True)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
