@@ -117,3 +117,12 @@ def test_our_timing_counts_prefill_and_decode_steps_apart(bench, qwen3_gqa):
         llm.exit()
     assert (t["prefill_tokens"], t["decode_tokens"]) == (15, 12)
     assert t["prefill_s"] > 0 and t["decode_s"] > 0
+
+
+def test_rounds_keep_each_engines_best_figure(bench):
+    results = {}
+    bench.keep_best(results, "ours", {"decode": {1: 80.0, 8: 500.0}, "prefill": 250.0})
+    bench.keep_best(results, "ours", {"decode": {1: 90.0, 8: 450.0}, "prefill": None})
+    assert results["ours"]["decode"] == {1: 90.0, 8: 500.0} and results["ours"]["prefill"] == 250.0
+    assert len(results["ours"]["rounds"]) == 2
+    assert "| nano-vLLM fp32 | 90.0 | 500.0 | 250.0 |" in bench.table("m", {"threads": 2, **results}, [1, 8])
