@@ -69,16 +69,17 @@ class CpuPlatform(Platform):
         return False
 
     def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        # fp32 on every CPU: the fast CPU paths (oneDNN-packed weights, the C GEMV and decode
-        # attention) are fp32, and bf16 ran slower end to end even on a CPU with AVX512-BF16
+        # fp32 on every CPU: the fast CPU paths (oneDNN-packed weights, the C kernels) compute in
+        # fp32, and bf16 compute ran slower end to end even on a CPU with AVX512-BF16
         # (docs/performance.md, items 1 and 15); fp16 matmuls are slow on any CPU. A 16-bit
-        # checkpoint is upcast once at load. dtype="bfloat16" still asks for bf16 explicitly.
+        # checkpoint is upcast once at load. dtype="bfloat16" asks for bf16 weights under fp32
+        # activations (compute_dtype, item 18).
         return torch.float32
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # bf16 on CPU means bf16 weights (weight_dtype) under fp32 activations and KV cache, as
         # llama.cpp runs its F16 files: the bf16 matmuls and the torch attention they would need
-        # ran 2.5x slower than fp32 here (docs/performance.md, items 15-17).
+        # ran 2.5x slower than fp32 here (docs/performance.md, items 15 and 18).
         return torch.float32 if dtype == torch.bfloat16 else dtype
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
