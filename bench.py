@@ -150,14 +150,16 @@ def main() -> int:
                            f"max_model_len ({cfg.max_model_len})")
     prompts, max_tokens = make_requests(args, llm.vocab_size)
     total = sum(max_tokens)
-    results = {"device": cfg.device, "dtype": str(cfg.torch_dtype).split(".")[-1], "num_seqs": args.num_seqs,
+    results = {"device": cfg.device, "dtype": str(cfg.torch_dtype).split(".")[-1],
+               "weight_dtype": str(cfg.weight_dtype).split(".")[-1], "num_seqs": args.num_seqs,
                "input_len": [args.min_input_len, args.max_input_len],
                "output_len": [args.min_output_len, args.max_output_len], "output_tokens": total,
                "threads": torch.get_num_threads()}
     elapsed = run_engine(llm, prompts, max_tokens)
     results["nanovllm"] = {"time_s": elapsed, "tok_s": total / elapsed}
     print(f"nano-vLLM     Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s "
-          f"({args.num_seqs} requests, {cfg.device}, {results['dtype']})")
+          f"({args.num_seqs} requests, {cfg.device}, {results['dtype']}"
+          + ("" if results["weight_dtype"] == results["dtype"] else f", {results['weight_dtype']} weights") + ")")
     if args.efficiency:
         from nanovllm.utils.efficiency import measure_efficiency
         results["efficiency"] = measure_efficiency(llm)

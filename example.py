@@ -56,8 +56,10 @@ def main() -> int:
     for prompt, out in zip(PROMPTS, outputs):
         print(f"\nPrompt: {prompt}\nAnswer: {out['text'].strip()}")
     num_tokens = sum(len(o["token_ids"]) for o in outputs)
-    print(f"\n{llm.config.torch_dtype}, load {loaded - start:.1f} s, generate {num_tokens} tokens in "
-          f"{done - loaded:.1f} s")
+    cfg = llm.config
+    dtype = str(cfg.torch_dtype) if cfg.weight_dtype == cfg.torch_dtype else \
+        f"{cfg.torch_dtype} activations, {cfg.weight_dtype} weights"
+    print(f"\n{dtype}, load {loaded - start:.1f} s, generate {num_tokens} tokens in {done - loaded:.1f} s")
     llm.exit()
     return 0
 
