@@ -46,11 +46,12 @@ class ModelDesc(ctypes.Structure):
                 ("layers", ctypes.POINTER(LayerDesc))]
 
 
-def pointer(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
+def pointer(t: torch.Tensor | None) -> int | None:
+    """The address of a dense fp32 tensor (None stays None)."""
     if t is None:
         return None
-    if t.dtype != dtype or not t.is_contiguous() or t.numel() == 0:
-        raise ValueError(f"not a dense {dtype} tensor: {t.dtype} {tuple(t.shape)}")
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() == 0:
+        raise ValueError(f"not a dense fp32 tensor: {t.dtype} {tuple(t.shape)}")
     return t.data_ptr()
 
 
@@ -68,12 +69,11 @@ class FusedDecode:
     def __init__(self, model: DecoderForCausalLM, kernels: cpu_kernels.CpuKernels):
         self.kernels = kernels
         inner = model.model
-        self.modules = list(inner.layers)
+        # NOTE: the modules also keep alive every tensor whose address the structures hold.
+        self.modules = layers = list(inner.layers)
         self.final_norm = inner.norm
         self.embed = inner.embed_tokens
-        layers = list(inner.layers)
         attn0 = layers[0].self_attn
-        self.hidden = inner.norm.weight.numel()
         descs = []
         for layer in layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -91,11 +91,9 @@ class FusedDecode:
         cos_sin = attn0.rotary_emb.cos_sin_cache
         self.max_position = cos_sin.shape[0]
         self.layers = (LayerDesc * len(descs))(*descs)
-        self.desc = ModelDesc(len(descs), self.hidden, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
+        self.desc = ModelDesc(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                               layers[0].mlp.down_proj.weight.shape[1], attn0.attn.k_cache.shape[1], eps.pop(),
                               attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers)
-        # Keep every tensor whose address the structures hold alive as long as they are used.
-        self._keep = (cos_sin, [layer for layer in layers])
 
     max_rows = MAX_ROWS
 
@@ -104,7 +102,7 @@ class FusedDecode:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         meta = context.attn_metadata
-        embeds = self.embed(input_ids).float().contiguous()
+        embeds = self.embed(input_ids).contiguous()  # fp32 whatever the table's dtype
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
         slots = context.slot_mapping.to(torch.int64).contiguous()

@@ -120,16 +120,14 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 }
 
 /* ---- linear layers over a few rows ------------------------------------------------------------
- * Up to STREAM_ROWS input rows (decode batches): each thread takes a contiguous range of weight
- * rows (static schedule) and walks it as one sequential stream, multiplying each vector of a weight
- * row (widened once, for bf16) into every input row; the hardware prefetcher follows one stream
- * better than interleaved ones (one row: 45 GB/s against 33-38 with 4-row tiles on this machine's
- * 2 cores; 5-8 rows streamed ran at half oneDNN's speed). More rows: tiles of
- * TILE_N weight rows x TILE_ROWS input rows, the weight tile reused from cache for every input
- * tile. GCC vector types of VL lanes, so one source serves AVX2 and AVX-512 (-march=native). */
+ * Decode batches of 1-2 rows (more go to oneDNN, which reads the weights at bandwidth from 4 rows
+ * up; 5-8 rows streamed here ran at half its speed, and 4-row tiles lost too). Each thread takes a
+ * contiguous range of weight rows (static schedule) and walks it as one sequential stream,
+ * multiplying each vector of a weight row (widened once, for bf16) into every input row: the
+ * hardware prefetcher follows one stream better than interleaved ones (one row: 45 GB/s against
+ * 33-38 with 4-row tiles on this machine's 2 cores). GCC vector types of VL lanes, so one source
+ * serves AVX2 and AVX-512 (-march=native). */
 #define STREAM_ROWS 4
-#define TILE_N 4
-#define TILE_ROWS 4
 
 /* 8 lanes (256 bits) even with AVX-512: 16-lane vectors streamed one weight row at 33 GB/s against
  * 45 here. */
@@ -210,91 +208,19 @@ DEFINE_ROW_DOT(row_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 DEFINE_ROW_DISPATCH(run_row_f32, row_dot_f32, float)
 DEFINE_ROW_DISPATCH(run_row_bf16, row_dot_bf16, uint16_t)
 
-/* acc[r][b] = W[r, :] . x[b, :] for r < NR weight rows and b < NB input rows (constants). */
-#define DEFINE_TILE(NAME, WT, LOADV, LOADS)                                                                      \
-    static inline __attribute__((always_inline)) void NAME(const WT *w, int64_t k, const float *x, int64_t ldx,   \
-                                                           const int NR, const int NB,                           \
-                                                           float acc[TILE_N][TILE_ROWS]) {                       \
-        vf a[TILE_N][TILE_ROWS];                                                                                 \
-        for (int r = 0; r < NR; r++)                                                                             \
-            for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                      \
-        int64_t i = 0;                                                                                           \
-        for (; i + VL <= k; i += VL) {                                                                           \
-            vf wv[TILE_N];                                                                                       \
-            for (int r = 0; r < NR; r++) wv[r] = LOADV(w + r * k + i);                                           \
-            for (int b = 0; b < NB; b++) {                                                                       \
-                const vf xv = load_f32(x + b * ldx + i);                                                         \
-                for (int r = 0; r < NR; r++) a[r][b] += wv[r] * xv;                                              \
-            }                                                                                                    \
-        }                                                                                                        \
-        for (int r = 0; r < NR; r++)                                                                             \
-            for (int b = 0; b < NB; b++) {                                                                       \
-                float s = hsum(a[r][b]);                                                                         \
-                for (int64_t j = i; j < k; j++) s += LOADS(w[r * k + j]) * x[b * ldx + j];                       \
-                acc[r][b] = s;                                                                                   \
-            }                                                                                                    \
-    }
-
-DEFINE_TILE(tile_f32, float, load_f32, IDENTITY)
-DEFINE_TILE(tile_bf16, uint16_t, load_bf16, scalar_bf16)
-
-/* One tile with its shape chosen at run time: full TILE_N-row tiles by input-row count, the last
- * partial tile one weight row at a time. */
-#define DEFINE_TILE_DISPATCH(NAME, TILE, WT)                                                                     \
-    static void NAME(const WT *w, int64_t k, const float *x, int64_t ldx, int nr, int nb,                         \
-                     float acc[TILE_N][TILE_ROWS]) {                                                             \
-        if (nr == TILE_N) {                                                                                      \
-            switch (nb) {                                                                                        \
-            case 1: TILE(w, k, x, ldx, TILE_N, 1, acc); return;                                                  \
-            case 2: TILE(w, k, x, ldx, TILE_N, 2, acc); return;                                                  \
-            case 3: TILE(w, k, x, ldx, TILE_N, 3, acc); return;                                                  \
-            default: TILE(w, k, x, ldx, TILE_N, TILE_ROWS, acc); return;                                         \
-            }                                                                                                    \
-        }                                                                                                        \
-        for (int r = 0; r < nr; r++) {                                                                           \
-            float one[TILE_N][TILE_ROWS];                                                                        \
-            switch (nb) {                                                                                        \
-            case 1: TILE(w + r * k, k, x, ldx, 1, 1, one); break;                                                \
-            case 2: TILE(w + r * k, k, x, ldx, 1, 2, one); break;                                                \
-            case 3: TILE(w + r * k, k, x, ldx, 1, 3, one); break;                                                \
-            default: TILE(w + r * k, k, x, ldx, 1, TILE_ROWS, one); break;                                       \
-            }                                                                                                    \
-            for (int b = 0; b < nb; b++) acc[r][b] = one[0][b];                                                  \
-        }                                                                                                        \
-    }
-
-DEFINE_TILE_DISPATCH(run_tile_f32, tile_f32, float)
-DEFINE_TILE_DISPATCH(run_tile_bf16, tile_bf16, uint16_t)
-
 void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
     const int64_t n = m->n, k = m->k;
-    if (rows <= STREAM_ROWS) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
+    for (int64_t r = 0; r < n; r++) {
+        /* More than STREAM_ROWS input rows: the weight row again (from cache) per group of them. */
+        for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {
+            const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;
             float dot[STREAM_ROWS];
             if (m->weight_type == WEIGHT_BF16)
-                run_row_bf16((const uint16_t *)m->weight + r * k, x, ldx, k, (int)rows, dot);
+                run_row_bf16((const uint16_t *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
             else
-                run_row_f32((const float *)m->weight + r * k, x, ldx, k, (int)rows, dot);
-            for (int64_t b = 0; b < rows; b++) y[b * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f);
-        }
-        return;
-    }
-    const int64_t tiles = (n + TILE_N - 1) / TILE_N;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t r0 = t * TILE_N;
-        const int nr = n - r0 < TILE_N ? (int)(n - r0) : TILE_N;
-        for (int64_t b0 = 0; b0 < rows; b0 += TILE_ROWS) {
-            const int nb = rows - b0 < TILE_ROWS ? (int)(rows - b0) : TILE_ROWS;
-            float acc[TILE_N][TILE_ROWS];
-            if (m->weight_type == WEIGHT_BF16)
-                run_tile_bf16((const uint16_t *)m->weight + r0 * k, k, x + b0 * ldx, ldx, nr, nb, acc);
-            else
-                run_tile_f32((const float *)m->weight + r0 * k, k, x + b0 * ldx, ldx, nr, nb, acc);
-            for (int b = 0; b < nb; b++)
-                for (int r = 0; r < nr; r++)
-                    y[(b0 + b) * ldy + r0 + r] = acc[r][b] + (m->bias != NULL ? m->bias[r0 + r] : 0.0f);
+                run_row_f32((const float *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
+            for (int b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f);
         }
     }
 }

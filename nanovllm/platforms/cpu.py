@@ -82,9 +82,6 @@ class CpuPlatform(Platform):
         # ran 2.5x slower than fp32 here (docs/performance.md, items 15 and 18).
         return torch.float32 if dtype == torch.bfloat16 else dtype
 
-    def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return dtype
-
     def default_kvcache_bytes(self, tensor_parallel_size: int) -> int | None:
         # NOTE: the budget is per rank; N ranks share the machine's RAM.
         share = min(int(available_ram_bytes() * KV_RAM_SHARE), KV_MAX_BYTES)
