@@ -42,6 +42,20 @@ def test_linear_kernel_rejects_other_weight_dtypes(kernels):
         cpu_kernels.linear(kernels, torch.randn(1, 8), torch.randn(4, 8).half(), None)
 
 
+@pytest.mark.parametrize("rows,intermediate", [(1, 8), (3, 37), (2, 5)])
+def test_silu_mul_kernel_matches_torch(kernels, rows, intermediate):
+    """The C SiLU-and-multiply (its vectorised exp) against torch, gates from -100 to 100 (past the
+    exp's clamping range at both ends), widths off the 8-lane step."""
+    torch.manual_seed(rows * 10 + intermediate)
+    gate = torch.linspace(-100, 100, rows * intermediate)[torch.randperm(rows * intermediate)]
+    gate = gate.view(rows, intermediate)
+    gu = torch.cat([gate, torch.randn(rows, intermediate)], dim=1).contiguous()
+    act = torch.empty(rows, intermediate)
+    kernels.decode_silu_mul(gu.data_ptr(), rows, intermediate, act.data_ptr(), 2)
+    ref = torch.nn.functional.silu(gate.double()) * gu[:, intermediate:].double()
+    torch.testing.assert_close(act.double(), ref, rtol=2e-6, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")

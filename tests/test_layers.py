@@ -212,11 +212,13 @@ def test_grouped_decode_matches_naive():
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(2, 2, 8, 4), (8, 2, 8, 4),
-                                                                        (6, 2, 24, 16), (16, 8, 128, 16)])
+                                                                        (6, 2, 24, 16), (16, 8, 128, 16),
+                                                                        (4, 2, 20, 12)])
 @pytest.mark.parametrize("copies", [1, 6])
 def test_cpu_kernel_decode_matches_naive(num_heads, num_kv_heads, head_dim, block_size, copies):
     """The C decode kernel (built here with the system compiler) against naive attention: GQA
-    groups 1/3/4/2, contexts ending mid-block and on block edges, scattered block tables; 6
+    groups 1/3/4/2, contexts ending mid-block and on block edges, scattered block tables, blocks
+    and head dims off its 8-token and 8-lane steps (12 tokens, 20 dims); 6
     sequences (KV heads split across work items) and 36 (one item per sequence)."""
     from nanovllm.kernels import cpu_kernels
     assert cpu_kernels.load() is not None

@@ -123,13 +123,21 @@ static void phase_attention(const DecoderModel *m, const DecoderLayer *L, const 
     }
 }
 
-/* act [B, I] = silu(gate) * up of gu [B, gate | up]. */
+/* act [B, I] = silu(gate) * up of gu [B, gate | up], VL lanes at a time (vexp: glibc's scalar
+ * expf made this a tenth of the step at 64 sequences). */
 static void phase_silu_mul(const float *gu, int64_t B, int64_t I, float *act) {
+    const int64_t chunks = (I + VL - 1) / VL;
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < B * I; j++) {
-        const int64_t b = j / I, i = j % I;
-        const float g = gu[b * 2 * I + i], u = gu[b * 2 * I + I + i];
-        act[j] = g / (1.0f + expf(-g)) * u;
+    for (int64_t j = 0; j < B * chunks; j++) {
+        const int64_t b = j / chunks, i = (j % chunks) * VL;
+        const float *g = gu + b * 2 * I + i, *u = g + I;
+        float *a = act + b * I + i;
+        if (i + VL <= I) {
+            const vf gv = load_f32(g);
+            store_f32(a, gv / (1.0f + vexp(-gv)) * load_f32(u));
+        } else {
+            for (int64_t c = 0; c < I - i; c++) a[c] = g[c] / (1.0f + sexp(-g[c])) * u[c];
+        }
     }
 }
 

@@ -31,4 +31,52 @@ void attend_item(const float *q, const float *k_cache, const float *v_cache, con
                  int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
                  float *inv_sum);
 
+/* ---- GCC vector types of VL lanes: one source serves AVX2 and AVX-512 (-march=native) ---------
+ * 8 lanes (256 bits) even with AVX-512: 16-lane vectors streamed one weight row at 33 GB/s against
+ * 45 with these. */
+#define VL 8
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef float vf_u __attribute__((vector_size(4 * VL), aligned(4), may_alias)); /* unaligned access */
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+
+static inline vf load_f32(const float *p) { return *(const vf_u *)p; }
+
+static inline void store_f32(float *p, vf v) { *(vf_u *)p = v; }
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+/* Lanes of a where mask is set (all ones), else of b. */
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* e^x of each lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
+ * (truncation error < 1e-8 relative there), 2^n through the exponent bits. Lanes are clamped to
+ * [-87, 88], where 2^n stays a normal float: e^-87 ~ 1.6e-38 stands in for anything smaller (a
+ * softmax numerator next to the max's 1), e^88 for anything larger (SiLU of x < -88 is then
+ * x / 1.6e38, not -0). glibc's expf is scalar and took a tenth of the attention time. */
+static inline vf vexp(vf x) {
+    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
+    x = vselect(x < lo, lo, x);
+    x = vselect(x > hi, hi, x);
+    /* n = round(x / ln2): adding 1.5 * 2^23 leaves the integer part in the float's last place. */
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    /* r = x - n ln2, ln2 in two parts (Cody-Waite) so that n * hi is exact. */
+    const vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+/* e^x of one float, the same function as vexp's lanes. */
+static inline float sexp(float x) { return vexp((vf){0} + x)[0]; }
+
 #endif
