@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, dest, type_, help_ in _ENGINE_OPTIONS:
         engine.add_argument(flag, dest=dest, type=type_, default=None, help=help_)
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    engine.add_argument("--kvcache-prefault", action="store_true", default=None,
+                        help="CPU: map every KV cache page at start-up (steadier first steps, slower start)")
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=None, help="turn prefix caching off")
     _add_data_parallel_options(serve)
@@ -118,7 +120,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine options given on the command line (unset ones keep Config's defaults)."""
-    names = [dest for _, dest, _, _ in _ENGINE_OPTIONS] + ["enforce_eager", "enable_prefix_caching"]
+    names = [dest for _, dest, _, _ in _ENGINE_OPTIONS] + ["enforce_eager", "enable_prefix_caching", "kvcache_prefault"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -62,6 +62,7 @@ def test_unknown_engine_kwarg(qwen3_gqa):
     (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
     (dict(attention_backend="magic"), ValueError, "attention_backend must be one of"),
     (dict(enforce_eager="yes"), TypeError, "enforce_eager must be a bool"),
+    (dict(kvcache_prefault=1), TypeError, "kvcache_prefault must be a bool"),
     (dict(seed=-1), ValueError, r"seed must be in \[0, 2\*\*63\), got -1"),
     (dict(seed="1"), TypeError, "seed must be an int"),
 ])

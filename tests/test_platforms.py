@@ -108,6 +108,25 @@ def test_cpu_kv_cache_is_zeroed_and_writable(dtype):
     assert cache.sum().item() == 3.0 and cache.view(-1)[-1].item() == 3.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_cache_prefault_maps_every_page_up_front(dtype):
+    """Writing one value into every page of a 16 MiB cache: without prefault each page's first
+    write is a page fault (>= one per page), with it (MAP_POPULATE) none are left to take."""
+    import mmap
+    import resource
+    shape = (2, 4, 8, 256, 2, 64)
+    pages = 2 * 4 * 8 * 256 * 2 * 64 * dtype.itemsize // mmap.PAGESIZE
+    faults = {}
+    for prefault in (False, True):
+        cache = CpuPlatform().allocate_kv_cache(shape, dtype, torch.device("cpu"), prefault=prefault)
+        assert not cache.any() if prefault else True  # (reading a lazy cache would map it: not here)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cache.view(-1)[:: mmap.PAGESIZE // dtype.itemsize].fill_(1.0)
+        faults[prefault] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert cache.sum().item() == pages
+    assert faults[False] >= pages and faults[True] < pages // 10, (pages, faults)
+
+
 # ---- the CUDA platform (its decisions need no GPU) ----------------------------------------------
 def test_cuda_platform_decisions(monkeypatch):
     p = CudaPlatform()

@@ -188,6 +188,8 @@ def test_serve_command_line(qwen3_gqa, ref_llm):
     args = build_parser().parse_args(["serve", "m", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
     assert (args.host, args.port) == ("127.0.0.1", 8000)
     assert engine_kwargs(args) == {"max_num_seqs": 4, "enable_prefix_caching": False}
+    args = build_parser().parse_args(["serve", "m", "--kvcache-prefault"])
+    assert engine_kwargs(args) == {"kvcache_prefault": True}
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -196,7 +198,7 @@ def test_serve_command_line(qwen3_gqa, ref_llm):
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "nanovllm.cli", "serve", qwen3_gqa, "--port", str(port), "--api-key", API_KEY,
            "--served-model-name", "served", "--max-model-len", "256", "--kvcache-block-size", "16",
-           "--cpu-kvcache-bytes", str(128 * 16384), "--log-level", "warning"]
+           "--cpu-kvcache-bytes", str(128 * 16384), "--kvcache-prefault", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

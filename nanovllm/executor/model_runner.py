@@ -112,7 +112,7 @@ class ModelRunner:
         layer = self.attention_layers[0]
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-        self.kv_cache = self.platform.allocate_kv_cache(shape, self.dtype, self.device)
+        self.kv_cache = self.platform.allocate_kv_cache(shape, self.dtype, self.device, self.config.kvcache_prefault)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks

@@ -115,10 +115,19 @@ class CpuPlatform(Platform):
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         return config.cpu_kvcache_bytes
 
-    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                          prefault: bool = False) -> torch.Tensor:
         """Backed by an anonymous mmap, whose pages the OS zeroes lazily on first touch: a
-        multi-GB cache costs nothing at start-up. The tensor keeps the mapping alive."""
-        buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)
+        multi-GB cache costs nothing at start-up. prefault: the OS maps (and zeroes) every page
+        now instead (MAP_POPULATE), so no KV write of a step waits for a fresh page. The tensor
+        keeps the mapping alive."""
+        flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS
+        if prefault:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize, flags=flags)
+        if prefault and not hasattr(mmap, "MAP_POPULATE"):  # not Linux: touch a value in every page
+            page = mmap.PAGESIZE // dtype.itemsize
+            torch.frombuffer(buffer, dtype=dtype)[::page].zero_()
         return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
     def fused_decode(self, model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tensor_parallel_size: int):

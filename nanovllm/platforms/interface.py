@@ -94,8 +94,9 @@ class Platform:
         for platforms that measure what the activations need."""
         raise NotImplementedError
 
-    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zero-filled cache tensor.
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                          prefault: bool = False) -> torch.Tensor:
+        """A zero-filled cache tensor (written, so its pages are mapped whatever prefault says).
         NOTE: zeros, not garbage: attention reads (masked) unwritten slots, and a NaN there would
         poison the masked-out product."""
         return torch.zeros(shape, dtype=dtype, device=device)
