@@ -75,14 +75,15 @@ def generate(llm, prompts, max_tokens=10):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch):
     """Batches of 1 and 2 (one C call per step) and 3 and 5 (C between oneDNN matmuls), prompts
-    crossing KV blocks: the same tokens and logprobs as the eager forward of the same engine."""
+    crossing KV blocks, prefills with and without a cached prefix (the later batches repeat the
+    earlier prompts): the same tokens and logprobs as the eager forward of the same engine."""
     llm = LLM(checkpoints[name], dtype=dtype, kvcache_block_size=16, max_model_len=128,
               cpu_kvcache_bytes=1 << 24)
     try:
         runner = llm.model_runner
         fused = runner.fused_decode
         assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == 2
-        calls = {"decode_forward": 0, "decode_attention_layer": 0}
+        calls = {"decode_forward": 0, "decode_attention_layer": 0, "rope_store_layer": 0}
 
         def counted(name_):
             real = getattr(fused.kernels, name_)
@@ -93,13 +94,23 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
             return call
         for name_ in calls:
             monkeypatch.setattr(fused.kernels, name_, counted(name_))
+        prefix_hits = []
+        real_prefill = runner.backend.prefill
+
+        def prefill(q, k, v, k_cache, v_cache, meta, scale):
+            prefix_hits.append(meta.block_tables is not None)  # set when some sequence has a cached prefix
+            return real_prefill(q, k, v, k_cache, v_cache, meta, scale)
+        monkeypatch.setattr(runner.backend, "prefill", prefill)
         prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * i) for i in range(5)]  # 8 .. 56 tokens
         batches = [prompts[:1], prompts[1:3], prompts[:3], prompts]
         with_fused = [generate(llm, b) for b in batches]
-        # Both C paths ran: one call per step of 1-2 sequences, one per layer and step above.
+        # Every C path ran: one call per step of 1-2 sequences, one per layer and step above, one
+        # per layer and prefill step.
         num_layers = len(fused.modules)
         assert calls["decode_forward"] > 0 and calls["decode_attention_layer"] % num_layers == 0
         assert calls["decode_attention_layer"] > 0
+        assert calls["rope_store_layer"] >= len(batches) * num_layers and calls["rope_store_layer"] % num_layers == 0
+        assert any(prefix_hits) and not all(prefix_hits)
         runner.fused_decode = None
         eager = [generate(llm, b) for b in batches]
         for fused_outs, eager_outs in zip(with_fused, eager):

@@ -1,17 +1,19 @@
 """FusedDecode: CPU decode steps of a Llama-family model in C (kernels/cpu_decode.c), the CPU's
 counterpart of CUDA graphs: the eager forward dispatches ~140 torch ops per layer, which cost more
 than reading the weights at a few sequences and a good share of the step at more
-(docs/performance.md, items 16-19).
+(docs/performance.md, items 16-21).
 
 Built once after the KV cache exists, from the model's own tensors (weights, norms, the rotary
 cos/sin cache, the caches): pointers into them are laid out in ctypes structures that the C side
 reads every step. Decode steps of at most MAX_ROWS sequences are one C call (matmuls included);
 larger ones keep each layer's four matmuls on the layers' own linear methods (oneDNN) and do the
-rest in four C calls per layer. Prefill, and models it cannot describe, keep the eager forward.
+rest in four C calls per layer. Prefill steps run the same way, with the backend's attention (SDPA)
+after the C rotary + KV store. Models it cannot describe keep the eager forward.
 """
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -106,46 +108,76 @@ class FusedDecode:
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
         slots = context.slot_mapping.to(torch.int64).contiguous()
-        positions = positions.to(torch.int64).contiguous()
-        if int(positions.max()) >= self.max_position:
-            raise ValueError(f"position {int(positions.max())} is past the rotary cache ({self.max_position})")
+        positions = self.checked_positions(positions)
         step = (positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), embeds.shape[0],
                 tables.shape[1], meta.max_seqlen_k)
         if embeds.shape[0] <= self.max_rows:
             out = torch.empty_like(embeds)
-            failed = self.kernels.decode_forward(ctypes.byref(self.desc), embeds.data_ptr(), *step, out.data_ptr(),
-                                                 torch.get_num_threads())
-        else:
-            out, failed = self.run_layers(embeds, step)
-        if failed:
-            raise MemoryError("the fused CPU decode step could not allocate its buffers")
-        return out
+            if self.kernels.decode_forward(ctypes.byref(self.desc), embeds.data_ptr(), *step, out.data_ptr(),
+                                           torch.get_num_threads()):
+                raise MemoryError("the fused CPU decode step could not allocate its buffers")
+            return out
+        k, desc = self.kernels, ctypes.byref(self.desc)
 
-    def run_layers(self, embeds: torch.Tensor, step: tuple) -> tuple[torch.Tensor, int]:
-        """Each layer's matmuls through its own linear methods, everything between them in C."""
+        def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
+            attn = torch.empty(qkv.shape[0], layer.self_attn.q_size)
+            if k.decode_attention_layer(desc, i, qkv.data_ptr(), *step, attn.data_ptr(), torch.get_num_threads()):
+                raise MemoryError("the fused CPU decode step could not allocate its buffers")
+            return attn
+        return self.run_layers(embeds, attend)
+
+    def can_run_prefill(self, context: Context) -> bool:
+        """Prefill steps that store into the cache (the engine's; not the warm-up's)."""
+        return context.slot_mapping is not None
+
+    def run_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        """A prefill step: run_layers with the rotary + KV store in C and the attention of the
+        backend (SDPA over the new tokens, and over a cached prefix where there is one)."""
+        embeds = self.embed(input_ids).contiguous()
+        slots = context.slot_mapping.to(torch.int64).contiguous()
+        positions = self.checked_positions(positions)
+        k, desc, meta = self.kernels, ctypes.byref(self.desc), context.attn_metadata
+
+        def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
+            a = layer.self_attn
+            k.rope_store_layer(desc, i, qkv.data_ptr(), positions.data_ptr(), slots.data_ptr(), qkv.shape[0],
+                               torch.get_num_threads())
+            q, key, value = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+            shape = (qkv.shape[0], -1, a.head_dim)
+            attn = a.attn
+            return attn.backend.prefill(q.view(shape), key.view(shape), value.view(shape), attn.k_cache,
+                                        attn.v_cache, meta, attn.scale).flatten(1, -1)
+        return self.run_layers(embeds, attend)
+
+    def checked_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(torch.int64).contiguous()
+        if int(positions.max()) >= self.max_position:
+            raise ValueError(f"position {int(positions.max())} is past the rotary cache ({self.max_position})")
+        return positions
+
+    def run_layers(self, embeds: torch.Tensor,
+                   attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Each layer's matmuls through its own linear methods, norms and SiLU in C, and
+        attend(layer index, layer, qkv [rows, q | k | v]) -> [rows, num_heads * head_dim] between."""
         k, desc, threads = self.kernels, ctypes.byref(self.desc), torch.get_num_threads()
-        num_seqs = embeds.shape[0]
+        rows = embeds.shape[0]
         resid, xn = torch.empty_like(embeds), torch.empty_like(embeds)
         x = embeds
         for i, layer in enumerate(self.modules):
             a, mlp = layer.self_attn, layer.mlp
             k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), i == 0, layer.input_layernorm.weight.data_ptr(),
-                                  num_seqs, xn.data_ptr(), threads)
-            qkv = a.qkv_proj(xn).contiguous()
-            attn = torch.empty(num_seqs, a.q_size)
-            if k.decode_attention_layer(desc, i, qkv.data_ptr(), *step, attn.data_ptr(), threads):
-                return attn, 1
-            x = a.o_proj(attn).contiguous()
+                                  rows, xn.data_ptr(), threads)
+            x = a.o_proj(attend(i, layer, a.qkv_proj(xn).contiguous()).contiguous()).contiguous()
             k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), 0,
-                                  layer.post_attention_layernorm.weight.data_ptr(), num_seqs, xn.data_ptr(), threads)
+                                  layer.post_attention_layernorm.weight.data_ptr(), rows, xn.data_ptr(), threads)
             gate_up = mlp.gate_up_proj(xn).contiguous()
-            act = torch.empty(num_seqs, gate_up.shape[1] // 2)
-            k.decode_silu_mul(gate_up.data_ptr(), num_seqs, act.shape[1], act.data_ptr(), threads)
+            act = torch.empty(rows, gate_up.shape[1] // 2)
+            k.decode_silu_mul(gate_up.data_ptr(), rows, act.shape[1], act.data_ptr(), threads)
             x = mlp.down_proj(act).contiguous()
         out = torch.empty_like(embeds)
-        k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), 0, self.final_norm.weight.data_ptr(), num_seqs,
+        k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), 0, self.final_norm.weight.data_ptr(), rows,
                               out.data_ptr(), threads)
-        return out, 0
+        return out
 
 
 def build_fused_decode(model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tp_size: int) -> FusedDecode | None:

@@ -78,7 +78,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
                                        self.block_size, hf_config.hidden_size, self.dtype, self.device)
             self.graphs.capture()
-        # The CPU's whole-step decode in C (executor/cpu_decode.py) where it applies.
+        # The CPU's whole-step decode in C (executor/cpu_decode.py) where it applies; prefill steps
+        # use its C norms, rotary + KV store and SiLU between the matmuls too.
         self.fused_decode = None if use_graphs else platform.fused_decode(
             self.model, backend_name, self.dtype, config.tensor_parallel_size)
         if rank == 0 and self.fused_decode is not None:
@@ -194,6 +195,8 @@ class ModelRunner:
         elif (self.fused_decode is not None and not context.is_prefill
               and self.fused_decode.can_run(input_ids.shape[0], context)):
             hidden_states = self.fused_decode.run(input_ids, positions, context)
+        elif self.fused_decode is not None and context.is_prefill and self.fused_decode.can_run_prefill(context):
+            hidden_states = self.fused_decode.run_prefill(input_ids, positions, context)
         else:
             with forward_context(context):
                 hidden_states = self.model(input_ids, positions)

@@ -10,7 +10,8 @@
  *
  * Larger batches keep their matmuls on oneDNN, which uses the cores better there, and call the
  * phases between them one at a time (decode_add_rms_norm, decode_attention_layer,
- * decode_silu_mul): four C calls per layer instead of ~130 torch ops. */
+ * decode_silu_mul): four C calls per layer instead of ~130 torch ops. Prefill steps do the same with
+ * rope_store_layer in place of decode_attention_layer (their attention stays torch's SDPA). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -224,6 +225,14 @@ int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, con
         free(inv_sum);
     }
     return failed;
+}
+
+/* Layer `layer`'s q/k norm + rotary (in place) and KV store of num_rows tokens, qkv [num_rows, q | k | v]
+ * (a prefill's tokens, whose attention runs elsewhere). */
+void rope_store_layer(const DecoderModel *m, int64_t layer, float *qkv, const int64_t *positions, const int64_t *slots,
+                      int64_t num_rows, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    phase_rope_store(m, &m->layers[layer], qkv, positions, slots, num_rows);
 }
 
 void decode_silu_mul(const float *gu, int64_t num_seqs, int64_t intermediate, float *act, int num_threads) {

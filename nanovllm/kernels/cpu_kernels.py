@@ -81,6 +81,9 @@ class CpuKernels:
         self.decode_attention_layer = lib.decode_attention_layer
         self.decode_attention_layer.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
         self.decode_attention_layer.restype = ctypes.c_int
+        self.rope_store_layer = lib.rope_store_layer
+        self.rope_store_layer.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+        self.rope_store_layer.restype = None
         self.decode_silu_mul = lib.decode_silu_mul
         self.decode_silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
         self.decode_silu_mul.restype = None
