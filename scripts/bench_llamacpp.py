@@ -1,16 +1,19 @@
 """Side-by-side CPU benchmark: llama.cpp (llama-bench, llama-batched-bench on F32 / F16 / Q8_0 GGUFs of
-the same checkpoint) then nano-vLLM on the same shapes, fp32 weights and bf16 weights (fp32 activations,
+the same checkpoint) and nano-vLLM on the same shapes, fp32 weights and bf16 weights (fp32 activations,
 as llama.cpp runs its F16 files); one markdown table per model, with ours fp32 / F32 and ours bf16 / F16.
 
     python scripts/bench_llamacpp.py [--models default,qwen3] [--batches 1,8,32,64] [--threads N]
                                      [--rounds N] [--json FILE] [--skip-llamacpp | --skip-ours]
 
 Shapes: random 64-token prompts, greedy decoding, 64 decode steps per sequence, at each batch size
-(llama-batched-bench -npp 64 -ntg 64 -npl ...; llama.cpp's batch-1 decode is llama-bench -n 64), and a
+(llama-batched-bench -npp 64 -ntg 64 -npl B; llama.cpp's batch-1 decode is llama-bench -n 64), and a
 batch-1 prefill of 128 tokens (llama-bench -p 128). Decode tok/s = sequences x decode steps / decode
 time; prefill tok/s = prompt tokens / prefill time. Our steps are whole engine steps (scheduling and
-greedy sampling included); llama.cpp's time llama_decode. Both engines' KV caches are mapped before the
-timed runs (llama.cpp clears its cache at start-up; ours runs with kvcache_prefault). Both use --threads (default: every core).
+greedy sampling included); llama.cpp's time llama_decode. Both use --threads (default: every core).
+Both engines' KV caches are mapped before the timed runs (llama.cpp clears its cache at start-up; ours
+runs with kvcache_prefault). Each figure is measured --rounds times, llama.cpp's and ours alternating
+figure by figure (seconds apart, so both see the same memory bandwidth), and each engine's best is
+reported; every sample goes to --json.
 llama.cpp is built once into the nanovllm cache (see scripts/llamacpp_build.py) and the GGUFs are
 converted once. Benchmarks run without OMP_WAIT_POLICY=PASSIVE: this script unsets it (sleeping
 OpenMP threads wake late between ops; the llama.cpp build uses OpenMP too).
@@ -70,28 +73,33 @@ def parse_batched_bench(stdout: str) -> dict[int, dict]:
     return {int(row["pl"]): row for row in rows}
 
 
-def run_llamacpp(bins: dict[str, Path], gguf: Path, batches: list[int], threads: int, logs: Path) -> dict:
-    """llama-bench then llama-batched-bench on one GGUF; the tok/s of each column plus their raw rows."""
-    stem = gguf.stem
+def llamacpp_point(bins: dict[str, Path], gguf: Path, point: tuple[str, int], threads: int, logs: Path,
+                   raw: list) -> float:
+    """One figure of llama.cpp on one GGUF (tok/s): ("decode", 1) from llama-bench -n 64 (the figure
+    llama.cpp users quote), ("decode", B) from llama-batched-bench -npl B, ("prefill", N) from
+    llama-bench -p N; one repetition each (after llama-bench's own warm-up run). Its raw rows go to raw."""
+    kind, n = point
+    stem = f"{gguf.stem}-{kind}{n}"
+    if kind == "decode" and n > 1:
+        out = logs / f"batched-bench-{stem}.jsonl"
+        llamacpp_build.run_step(f"llama-batched-bench on {gguf.name}",
+                                [str(bins["llama-batched-bench"]), "-m", str(gguf),
+                                 "-c", str(n * (PROMPT_LEN + DECODE_STEPS)), "-b", "2048", "-ub", "512",
+                                 "-npp", str(PROMPT_LEN), "-ntg", str(DECODE_STEPS), "-npl", str(n),
+                                 "-t", str(threads), "--output-format", "jsonl"],
+                                logs / f"batched-bench-{stem}.log", stdout=out)
+        row = parse_batched_bench(out.read_text())[n]
+        raw.append(row)
+        return row["speed_tg"]
+    prompt, gen = (n, 0) if kind == "prefill" else (0, DECODE_STEPS)
     out = logs / f"bench-{stem}.json"
     llamacpp_build.run_step(f"llama-bench on {gguf.name}",
-                            [str(bins["llama-bench"]), "-m", str(gguf), "-p", str(PREFILL_LEN),
-                             "-n", str(DECODE_STEPS), "-t", str(threads), "-o", "json"],
+                            [str(bins["llama-bench"]), "-m", str(gguf), "-p", str(prompt), "-n", str(gen),
+                             "-r", "1", "-t", str(threads), "-o", "json"],
                             logs / f"bench-{stem}.log", stdout=out)
-    single = parse_llama_bench(out.read_text())
-    out = logs / f"batched-bench-{stem}.jsonl"
-    llamacpp_build.run_step(f"llama-batched-bench on {gguf.name}",
-                            [str(bins["llama-batched-bench"]), "-m", str(gguf),
-                             "-c", str(max(batches) * (PROMPT_LEN + DECODE_STEPS)), "-b", "2048", "-ub", "512",
-                             "-npp", str(PROMPT_LEN), "-ntg", str(DECODE_STEPS),
-                             "-npl", ",".join(map(str, batches)), "-t", str(threads), "--output-format", "jsonl"],
-                            logs / f"batched-bench-{stem}.log", stdout=out)
-    batched = parse_batched_bench(out.read_text())
-    decode = {b: batched[b]["speed_tg"] for b in batches if b in batched}
-    if "decode" in single:  # batch 1 from llama-bench -n 64, the figure llama.cpp users quote
-        decode[1] = single["decode"]
-    return {"decode": decode, "prefill": single.get("prefill"), "llama_bench": single["rows"],
-            "batched_bench": list(batched.values())}
+    parsed = parse_llama_bench(out.read_text())
+    raw.extend(parsed["rows"])
+    return parsed[kind]
 
 
 # ---- nano-vLLM ----------------------------------------------------------------------------------
@@ -112,36 +120,35 @@ def time_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     return t
 
 
-def run_ours(path: str, batches: list[int], threads: int, seed: int = 0, dtype: str = "float32") -> dict:
-    """nano-vLLM on the llama.cpp shapes; every prompt is fresh random tokens (no prefix hits)."""
+def start_ours(path: str, batches: list[int], threads: int, dtype: str):
+    """Our engine for every point of one weight width (it stays loaded while llama.cpp runs)."""
     import torch
     from nanovllm import LLM
     torch.set_num_threads(threads)
     # NOTE: kvcache_prefault: llama.cpp clears its KV cache when it creates its context, so no
     # timed step of its writes to a fresh page; ours maps its (benchmark-sized) cache up front too.
-    llm = LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(batches),
-              max_model_len=PROMPT_LEN + DECODE_STEPS + PREFILL_LEN, kvcache_prefault=True)
-    rng = random.Random(seed)
+    return LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(batches),
+               max_model_len=PROMPT_LEN + DECODE_STEPS + PREFILL_LEN, kvcache_prefault=True)
 
-    def prompts(n: int, length: int) -> list[list[int]]:
-        return [[rng.randrange(llm.vocab_size) for _ in range(length)] for _ in range(n)]
 
-    result = {"decode": {}, "runs": {}}
-    try:
-        for b in batches:
-            time_batch(llm, prompts(b, PROMPT_LEN), max_tokens=3)  # warm-up at this shape
-            # NOTE: prefill samples the first token, so max_tokens = 1 + the decode steps.
-            t = time_batch(llm, prompts(b, PROMPT_LEN), max_tokens=1 + DECODE_STEPS)
-            assert t["decode_tokens"] == b * DECODE_STEPS, t
-            result["decode"][b] = t["decode_tokens"] / t["decode_s"]
-            result["runs"][b] = t
-        time_batch(llm, prompts(1, PREFILL_LEN), max_tokens=1)  # warm-up
-        runs = [time_batch(llm, prompts(1, PREFILL_LEN), max_tokens=1) for _ in range(3)]
-        result["prefill"] = 3 * PREFILL_LEN / sum(r["prefill_s"] for r in runs)
-        result["runs"]["prefill"] = runs
-    finally:
-        llm.exit()
-    return result
+def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> float:
+    """One figure of our engine (tok/s) on the shape of llamacpp_point's, after a warm-up at that
+    shape; every prompt is fresh random tokens (no prefix hits). Its step timings go to raw."""
+    kind, n = point
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(llm.vocab_size) for _ in range(length)] for _ in range(count)]
+    if kind == "prefill":
+        time_batch(llm, prompts(1, n), max_tokens=1)  # warm-up
+        t = time_batch(llm, prompts(1, n), max_tokens=1)
+        raw.append(t)
+        return t["prefill_tokens"] / t["prefill_s"]
+    time_batch(llm, prompts(n, PROMPT_LEN), max_tokens=3)  # warm-up at this shape
+    # NOTE: prefill samples the first token, so max_tokens = 1 + the decode steps.
+    t = time_batch(llm, prompts(n, PROMPT_LEN), max_tokens=1 + DECODE_STEPS)
+    assert t["decode_tokens"] == n * DECODE_STEPS, t
+    raw.append(t)
+    return t["decode_tokens"] / t["decode_s"]
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -165,16 +172,16 @@ def table(name: str, results: dict, batches: list[int]) -> str:
     return "\n".join(lines)
 
 
-def keep_best(results: dict, key: str, run: dict) -> None:
-    """results[key]: the best decode rate per batch size and the best prefill rate over the runs so
-    far; every run is kept in results[key]["rounds"]."""
-    best = results.setdefault(key, {"decode": {}, "prefill": None, "rounds": []})
-    best["rounds"].append(run)
-    for b, rate in run.get("decode", {}).items():
-        if rate is not None and (best["decode"].get(b) is None or rate > best["decode"][b]):
-            best["decode"][b] = rate
-    if run.get("prefill") is not None and (best["prefill"] is None or run["prefill"] > best["prefill"]):
-        best["prefill"] = run["prefill"]
+def keep_best(results: dict, key: str, point: tuple[str, int], rate: float) -> None:
+    """results[key]: each point's best rate over the rounds so far (decode by batch size, prefill);
+    every rate is kept in results[key]["samples"]."""
+    best = results.setdefault(key, {"decode": {}, "prefill": None, "samples": {}})
+    kind, n = point
+    best["samples"].setdefault(f"{kind} {n}", []).append(rate)
+    if kind == "prefill":
+        best["prefill"] = rate if best["prefill"] is None else max(best["prefill"], rate)
+    else:
+        best["decode"][n] = max(best["decode"].get(n, rate), rate)
 
 
 def parse_args() -> argparse.Namespace:
@@ -183,8 +190,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--threads", type=int, default=cores, help="default: every core")
-    p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, alternating, and "
-                   "report each one's best figure (default: 1)")
+    p.add_argument("--rounds", type=int, default=3, help="measure every figure this many times, alternating the "
+                   "engines, and report each one's best (default: 3)")
     p.add_argument("--json", help="save every figure and llama.cpp's raw rows to this file")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")
@@ -218,20 +225,37 @@ def main() -> None:
         for name in args.models:
             path = model_folder(name)
             results = report["models"][name] = {"path": path, "threads": args.threads}
-            # NOTE: each of our runs right after llama.cpp's at the same weight width, and each
-            # engine's best of --rounds: this VM's memory bandwidth drifts by a third over minutes,
-            # and batch-1 decode follows it.
-            for _ in range(args.rounds):
-                for quant in QUANTS:
-                    if bins is not None:
-                        gguf = llamacpp_build.convert_to_gguf(cache, path, f"{name}-{Path(path).name}", quant)
-                        print(f"llama.cpp: {gguf.name} ...", flush=True)
-                        keep_best(results, quant, run_llamacpp(bins, gguf, args.batches, args.threads,
-                                                               llamacpp_build.work_dir(cache) / "logs"))
-                    ours = next((key for key, ref in RATIOS.items() if ref == quant), None)
-                    if ours is not None and not args.skip_ours:
-                        print(f"{LABELS[ours]}: {path} ...", flush=True)
-                        keep_best(results, ours, run_ours(path, args.batches, args.threads, dtype=OUR_DTYPES[ours]))
+            # NOTE: every figure is measured --rounds times, alternating llama.cpp and ours point by
+            # point, and each engine's best counts: this VM's memory bandwidth drifts by a third over
+            # minutes, and batch-1 decode follows it.
+            points = [("decode", b) for b in args.batches] + [("prefill", PREFILL_LEN)]
+            raw = results.setdefault("raw", {})
+            for quant in QUANTS:
+                ours = next((key for key, ref in RATIOS.items() if ref == quant), None)
+                if args.skip_ours:
+                    ours = None
+                gguf = None
+                if bins is not None:
+                    gguf = llamacpp_build.convert_to_gguf(cache, path, f"{name}-{Path(path).name}", quant)
+                if gguf is None and ours is None:
+                    continue
+                engines = [LABELS[key] for key, runs in ((quant, gguf is not None), (ours, ours is not None)) if runs]
+                print(f"{' vs '.join(engines)}: {path} ...", flush=True)
+                llm = start_ours(path, args.batches, args.threads, OUR_DTYPES[ours]) if ours else None
+                rng = random.Random(0)
+                try:
+                    for point in points:
+                        for _ in range(args.rounds):
+                            if gguf is not None:
+                                keep_best(results, quant, point,
+                                          llamacpp_point(bins, gguf, point, args.threads,
+                                                         llamacpp_build.work_dir(cache) / "logs",
+                                                         raw.setdefault(quant, [])))
+                            if llm is not None:
+                                keep_best(results, ours, point, ours_point(llm, point, rng, raw.setdefault(ours, [])))
+                finally:
+                    if llm is not None:
+                        llm.exit()
             print("\n" + table(f"{name}: {Path(path).name}", results, args.batches) + "\n", flush=True)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -121,8 +121,69 @@ def test_our_timing_counts_prefill_and_decode_steps_apart(bench, qwen3_gqa):
 
 def test_rounds_keep_each_engines_best_figure(bench):
     results = {}
-    bench.keep_best(results, "ours", {"decode": {1: 80.0, 8: 500.0}, "prefill": 250.0})
-    bench.keep_best(results, "ours", {"decode": {1: 90.0, 8: 450.0}, "prefill": None})
+    for point, rate in [(("decode", 1), 80.0), (("decode", 8), 500.0), (("prefill", 128), 250.0),
+                        (("decode", 1), 90.0), (("decode", 8), 450.0), (("prefill", 128), 240.0)]:
+        bench.keep_best(results, "ours", point, rate)
     assert results["ours"]["decode"] == {1: 90.0, 8: 500.0} and results["ours"]["prefill"] == 250.0
-    assert len(results["ours"]["rounds"]) == 2
+    assert results["ours"]["samples"] == {"decode 1": [80.0, 90.0], "decode 8": [500.0, 450.0],
+                                          "prefill 128": [250.0, 240.0]}
     assert "| nano-vLLM fp32 | 90.0 | 500.0 | 250.0 |" in bench.table("m", {"threads": 2, **results}, [1, 8])
+
+
+def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys):
+    """main() with both engines stubbed: for each weight width, every figure's --rounds measurements
+    alternate llama.cpp and ours (ours on one engine per width, closed after), Q8_0 runs alone, and
+    the table holds each engine's best."""
+    calls = []
+    rates = iter(range(1, 1000))
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", lambda cache, jobs: {"fake": tmp_path})
+    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
+                        lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
+    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+
+    def llamacpp_point(bins, gguf, point, threads, logs, raw):
+        calls.append((gguf.stem.split("-")[1], point))
+        return float(next(rates))
+
+    class Engine:
+        def __init__(self, dtype):
+            self.dtype, self.closed = dtype, False
+
+        def exit(self):
+            self.closed = True
+            calls.append((self.dtype, "exit"))
+
+    engines = []
+
+    def start_ours(path, batches, threads, dtype):
+        engines.append(Engine(dtype))
+        return engines[-1]
+
+    def ours_point(llm, point, rng, raw):
+        calls.append((llm.dtype, point))
+        return float(next(rates))
+    monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
+    monkeypatch.setattr(bench, "start_ours", start_ours)
+    monkeypatch.setattr(bench, "ours_point", ours_point)
+    monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1,8",
+                                      "--rounds", "2", "--json", str(tmp_path / "out.json")])
+    bench.main()
+    points = [("decode", 1), ("decode", 8), ("prefill", 128)]
+    expected = []
+    for quant, dtype in (("f32", "float32"), ("f16", "bfloat16"), ("q8_0", None)):
+        for point in points:
+            for _ in range(2):
+                expected.append((quant, point))
+                if dtype:
+                    expected.append((dtype, point))
+        if dtype:
+            expected.append((dtype, "exit"))
+    assert calls == expected
+    assert [e.dtype for e in engines] == ["float32", "bfloat16"] and all(e.closed for e in engines)
+    # Rates were handed out 1, 2, 3, ... in call order: the best of each is its second round's.
+    out = capsys.readouterr().out
+    assert "| llama.cpp F32 | 3.0 | 7.0 | 11.0 |" in out and "| nano-vLLM fp32 | 4.0 | 8.0 | 12.0 |" in out
+    assert "| nano-vLLM fp32 / llama.cpp F32 | 1.33x | 1.14x | 1.09x |" in out
+    import json
+    saved = json.loads((tmp_path / "out.json").read_text())["models"]["default"]
+    assert saved["ours"]["samples"]["decode 1"] == [2.0, 4.0]
