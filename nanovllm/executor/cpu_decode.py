@@ -45,7 +45,8 @@ class ModelDesc(ctypes.Structure):
     _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
                 ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("eps", c_float),
                 ("scale", c_float), ("cos_sin", c_void_p), ("final_norm", c_void_p),
-                ("layers", ctypes.POINTER(LayerDesc))]
+                ("layers", ctypes.POINTER(LayerDesc)), ("embed", c_void_p), ("embed_type", c_int64),
+                ("head", LinearDesc)]
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -62,11 +63,12 @@ def linear_desc(layer: nn.Module) -> LinearDesc:
     if w.numel() == 0:
         raise ValueError(f"{type(layer).__name__} keeps no dense weight")
     n, k = w.shape
-    return LinearDesc(w.data_ptr(), pointer(layer.bias), n, k, cpu_kernels.weight_type(w))
+    return LinearDesc(w.data_ptr(), pointer(getattr(layer, "bias", None)), n, k, cpu_kernels.weight_type(w))
 
 
 class FusedDecode:
-    """The whole decode forward (embedding lookup in torch, then every layer and the final norm in C)."""
+    """The decode forward (the embedding lookup, every layer, the final norm and, in the one-call
+    path, the LM head) and the prefill layers, in C where it can."""
 
     def __init__(self, model: DecoderForCausalLM, kernels: cpu_kernels.CpuKernels):
         self.kernels = kernels
@@ -75,6 +77,7 @@ class FusedDecode:
         self.modules = layers = list(inner.layers)
         self.final_norm = inner.norm
         self.embed = inner.embed_tokens
+        self.lm_head = model.lm_head
         attn0 = layers[0].self_attn
         descs = []
         for layer in layers:
@@ -93,9 +96,11 @@ class FusedDecode:
         cos_sin = attn0.rotary_emb.cos_sin_cache
         self.max_position = cos_sin.shape[0]
         self.layers = (LayerDesc * len(descs))(*descs)
+        table = self.embed.weight
         self.desc = ModelDesc(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                               layers[0].mlp.down_proj.weight.shape[1], attn0.attn.k_cache.shape[1], eps.pop(),
-                              attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers)
+                              attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers,
+                              table.data_ptr(), cpu_kernels.weight_type(table), linear_desc(self.lm_head))
 
     max_rows = MAX_ROWS
 
@@ -103,20 +108,25 @@ class FusedDecode:
         return context.attn_metadata.seqlens_k is not None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        """A decode step: the logits [num_seqs, vocab]."""
         meta = context.attn_metadata
-        embeds = self.embed(input_ids).contiguous()  # fp32 whatever the table's dtype
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
         slots = context.slot_mapping.to(torch.int64).contiguous()
         positions = self.checked_positions(positions)
-        step = (positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), embeds.shape[0],
+        num_seqs = input_ids.shape[0]
+        step = (positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), num_seqs,
                 tables.shape[1], meta.max_seqlen_k)
-        if embeds.shape[0] <= self.max_rows:
-            out = torch.empty_like(embeds)
-            if self.kernels.decode_forward(ctypes.byref(self.desc), embeds.data_ptr(), *step, out.data_ptr(),
-                                           torch.get_num_threads()):
+        if num_seqs <= self.max_rows:
+            ids = input_ids.to(torch.int64).contiguous()
+            logits = torch.empty(num_seqs, self.lm_head.weight.shape[0])
+            failed = self.kernels.decode_forward(ctypes.byref(self.desc), ids.data_ptr(), *step, logits.data_ptr(),
+                                                 torch.get_num_threads())
+            if failed == 2:
+                raise ValueError(f"a token id of {ids.tolist()} is outside the vocabulary ({logits.shape[1]})")
+            if failed:
                 raise MemoryError("the fused CPU decode step could not allocate its buffers")
-            return out
+            return logits
         k, desc = self.kernels, ctypes.byref(self.desc)
 
         def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
@@ -124,7 +134,7 @@ class FusedDecode:
             if k.decode_attention_layer(desc, i, qkv.data_ptr(), *step, attn.data_ptr(), torch.get_num_threads()):
                 raise MemoryError("the fused CPU decode step could not allocate its buffers")
             return attn
-        return self.run_layers(embeds, attend)
+        return self.lm_head(self.run_layers(self.embed(input_ids).contiguous(), attend))
 
     def can_run_prefill(self, context: Context) -> bool:
         """Prefill steps that store into the cache (the engine's; not the warm-up's)."""

@@ -194,7 +194,7 @@ class ModelRunner:
             hidden_states = self.graphs.replay(input_ids, positions, context)
         elif (self.fused_decode is not None and not context.is_prefill
               and self.fused_decode.can_run(input_ids.shape[0], context)):
-            hidden_states = self.fused_decode.run(input_ids, positions, context)
+            return self.fused_decode.run(input_ids, positions, context)  # the logits, LM head included
         elif self.fused_decode is not None and context.is_prefill and self.fused_decode.can_run_prefill(context):
             hidden_states = self.fused_decode.run_prefill(input_ids, positions, context)
         else:

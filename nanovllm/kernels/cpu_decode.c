@@ -1,7 +1,7 @@
-/* The whole decode step of a Llama-family decoder (Llama, Qwen2, Qwen3) in one call: for every
- * layer, residual add + RMSNorm, the qkv projection, q/k RMSNorm (Qwen3), rotary embedding, the
- * KV-cache store, paged attention, the output projection, residual add + RMSNorm, the gated MLP;
- * then the final norm. One token per sequence.
+/* The whole decode step of a Llama-family decoder (Llama, Qwen2, Qwen3) in one call: the
+ * embedding lookup; for every layer, residual add + RMSNorm, the qkv projection, q/k RMSNorm
+ * (Qwen3), rotary embedding, the KV-cache store, paged attention, the output projection, residual
+ * add + RMSNorm, the gated MLP; then the final norm and the LM head. One token per sequence.
  *
  * The eager forward runs ~140 small torch ops per layer, whose dispatch costs more than the
  * weight traffic at one or a few sequences; here one OpenMP parallel region covers the step and
@@ -31,6 +31,9 @@ typedef struct {
     const float *cos_sin;    /* [max_position, head_dim]: cos of the head_dim / 2 frequencies, then sin */
     const float *final_norm; /* [hidden] */
     const DecoderLayer *layers;
+    const void *embed;       /* [vocab, hidden], fp32 or bf16 (embed_type, a WEIGHT_ value) */
+    int64_t embed_type;
+    Linear head;             /* the LM head: [vocab, hidden] (the embedding table itself when tied) */
 } DecoderModel;
 
 /* resid (+)= x; y = weight * (resid / rms(resid)), one row of n. */
@@ -64,6 +67,24 @@ static void norm_rope_head(float *x, const float *norm, float eps, const float *
 }
 
 /* ---- the phases of a layer: orphaned worksharing loops, run inside a parallel region ---------- */
+
+/* x [B, H] = the embedding rows of ids (bf16 rows widened). */
+static void phase_embed(const DecoderModel *m, const int64_t *ids, int64_t B, float *x) {
+    const int64_t H = m->hidden;
+#pragma omp for
+    for (int64_t b = 0; b < B; b++) {
+        if (m->embed_type == WEIGHT_BF16) {
+            const uint16_t *row = (const uint16_t *)m->embed + ids[b] * H;
+            for (int64_t i = 0; i < H; i++) {
+                const uint32_t u = (uint32_t)row[i] << 16;
+                memcpy(x + b * H + i, &u, sizeof u);
+            }
+        } else {
+            memcpy(x + b * H, (const float *)m->embed + ids[b] * H, sizeof(float) * (size_t)H);
+        }
+    }
+}
+
 
 /* Rows b < B: resid (+)= x; y = norm(resid). */
 static void phase_add_norm(const float *x, float *resid, int first, const float *weight, float eps, int64_t B,
@@ -153,17 +174,20 @@ static float *alloc_or_flag(size_t floats, int *failed) {
 }
 
 /* ---- the whole step ------------------------------------------------------------------------------
- * embeds [num_seqs, hidden] -> out [num_seqs, hidden] (after the final norm); positions, slots
- * (cache slot of each new token; < 0: not stored), block_tables [num_seqs, max_blocks] and
- * context_lens (the new token included, each <= max_context) as the torch decode path gets them.
- * Returns 0, or 1 when a buffer could not be allocated (out is then incomplete). */
-int decode_forward(const DecoderModel *m, const float *embeds, const int64_t *positions, const int64_t *slots,
+ * ids [num_seqs] -> logits [num_seqs, vocab]: embedding, every layer, the final norm and the LM
+ * head; positions, slots (cache slot of each new token; < 0: not stored), block_tables
+ * [num_seqs, max_blocks] and context_lens (the new token included, each <= max_context) as the
+ * torch decode path gets them. Returns 0; 1 when a buffer could not be allocated, 2 for a token id
+ * outside the vocabulary (logits are then incomplete). */
+int decode_forward(const DecoderModel *m, const int64_t *ids, const int64_t *positions, const int64_t *slots,
                    const int32_t *block_tables, const int32_t *context_lens, int64_t num_seqs, int64_t max_blocks,
-                   int64_t max_context, float *out, int num_threads) {
+                   int64_t max_context, float *logits, int num_threads) {
     const int64_t H = m->hidden, NH = m->num_heads, NKV = m->num_kv_heads, D = m->head_dim;
     const int64_t I = m->intermediate, Q = NH * D, QKV = Q + 2 * NKV * D, B = num_seqs;
-    /* One buffer for the step's activations: residual stream, normed input, projection output,
-     * qkv, attention output, gate|up, act. */
+    for (int64_t b = 0; b < B; b++)
+        if (ids[b] < 0 || ids[b] >= m->head.n) return 2;
+    /* One buffer for the step's activations: residual stream, normed input, projection output
+     * (the embeddings first), qkv, attention output, gate|up, act. */
     const size_t floats = (size_t)B * (size_t)(3 * H + QKV + Q + 3 * I);
     float *buf = malloc(sizeof(float) * floats);
     if (buf == NULL) return 1;
@@ -175,9 +199,10 @@ int decode_forward(const DecoderModel *m, const float *embeds, const int64_t *po
     {
         float *scores = alloc_or_flag((size_t)(heads * max_context), &failed);
         float *inv_sum = alloc_or_flag((size_t)heads, &failed);
+        phase_embed(m, ids, B, proj);
         for (int64_t l = 0; l < m->num_layers; l++) {
             const DecoderLayer *L = &m->layers[l];
-            phase_add_norm(l == 0 ? embeds : proj, resid, l == 0, L->input_norm, m->eps, B, H, xn);
+            phase_add_norm(proj, resid, l == 0, L->input_norm, m->eps, B, H, xn);
             linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
             phase_rope_store(m, L, qkv, positions, slots, B);
             phase_attention(m, L, qkv, block_tables, context_lens, B, max_blocks, max_context, per_item, attn, scores,
@@ -188,7 +213,8 @@ int decode_forward(const DecoderModel *m, const float *embeds, const int64_t *po
             phase_silu_mul(gu, B, I, act);
             linear_rows_for(&L->down, act, I, B, proj, H);
         }
-        phase_add_norm(proj, resid, 0, m->final_norm, m->eps, B, H, out);
+        phase_add_norm(proj, resid, 0, m->final_norm, m->eps, B, H, xn);
+        linear_rows_for(&m->head, xn, H, B, logits, m->head.n);
         free(scores);
         free(inv_sum);
     }
