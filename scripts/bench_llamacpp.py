@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -152,23 +153,38 @@ def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> fl
 
 
 # ---- the table ----------------------------------------------------------------------------------
+def paired_median(ours: dict, ref: dict, point: str) -> float | None:
+    """The median over the rounds of ours / ref at one point, each round's two samples measured
+    seconds apart (None without samples of both)."""
+    a, b = ours.get("samples", {}).get(point, []), ref.get("samples", {}).get(point, [])
+    if not a or len(a) != len(b):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def table(name: str, results: dict, batches: list[int]) -> str:
-    """One markdown table: a row per engine, then our/their ratios at the same weight width."""
+    """One markdown table: a row per engine (each figure its best round), then our/their ratios at
+    the same weight width: of the best figures, and the median of the rounds' pairs."""
     cols = [f"decode @{b}" for b in batches] + [f"prefill {PREFILL_LEN}"]
+    points = [f"decode {b}" for b in batches] + [f"prefill {PREFILL_LEN}"]
 
     def values(r: dict) -> list:
         return [r["decode"].get(b) for b in batches] + [r.get("prefill")]
 
+    def row(label: str, vals: list, fmt: str) -> str:
+        return f"| {label} | " + " | ".join("-" if v is None else fmt.format(v) for v in vals) + " |"
     lines = [f"### {name} (tok/s, {results['threads']} threads)", "",
              "| engine | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     rows = {k: values(results[k]) for k in (*QUANTS, *RATIOS) if k in results}
     for key, vals in rows.items():
-        lines.append(f"| {LABELS[key]} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " |")
+        lines.append(row(LABELS[key], vals, "{:.1f}"))
     for ours, ref in RATIOS.items():
         if ours in rows and ref in rows:
             ratio = [None if a is None or b is None else a / b for a, b in zip(rows[ours], rows[ref])]
-            lines.append(f"| {LABELS[ours]} / {LABELS[ref]} | "
-                         + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratio) + " |")
+            lines.append(row(f"{LABELS[ours]} / {LABELS[ref]}", ratio, "{:.2f}x"))
+            medians = [paired_median(results[ours], results[ref], point) for point in points]
+            if any(m is not None for m in medians):
+                lines.append(row(f"{LABELS[ours]} / {LABELS[ref]}, median of the rounds' pairs", medians, "{:.2f}x"))
     return "\n".join(lines)
 
 

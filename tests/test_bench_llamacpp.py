@@ -184,6 +184,8 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
     out = capsys.readouterr().out
     assert "| llama.cpp F32 | 3.0 | 7.0 | 11.0 |" in out and "| nano-vLLM fp32 | 4.0 | 8.0 | 12.0 |" in out
     assert "| nano-vLLM fp32 / llama.cpp F32 | 1.33x | 1.14x | 1.09x |" in out
+    # Round by round the pairs are (1, 2), (3, 4), ...: the median of 2/1 and 4/3, of 6/5 and 8/7, ...
+    assert "| nano-vLLM fp32 / llama.cpp F32, median of the rounds' pairs | 1.67x | 1.17x | 1.10x |" in out
     import json
     saved = json.loads((tmp_path / "out.json").read_text())["models"]["default"]
     assert saved["ours"]["samples"]["decode 1"] == [2.0, 4.0]
