@@ -1,7 +1,7 @@
 """FusedDecode: CPU decode steps of a Llama-family model in C (kernels/cpu_decode.c), the CPU's
 counterpart of CUDA graphs: the eager forward dispatches ~140 torch ops per layer, which cost more
 than reading the weights at a few sequences and a good share of the step at more
-(docs/performance.md, items 16-21).
+(docs/performance.md, items 16-23).
 
 Built once after the KV cache exists, from the model's own tensors (weights, norms, the rotary
 cos/sin cache, the caches): pointers into them are laid out in ctypes structures that the C side

@@ -83,8 +83,8 @@ class ModelRunner:
         self.fused_decode = None if use_graphs else platform.fused_decode(
             self.model, backend_name, self.dtype, config.tensor_parallel_size)
         if rank == 0 and self.fused_decode is not None:
-            logger.info("decode steps in C: one call up to %d sequences, four per layer between the matmuls above",
-                        self.fused_decode.max_rows)
+            logger.info("decode steps in C: one call up to %d sequences, four per layer between the matmuls above "
+                        "(and in prefill steps)", self.fused_decode.max_rows)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
