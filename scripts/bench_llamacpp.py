@@ -153,6 +153,12 @@ def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> fl
 
 
 # ---- the table ----------------------------------------------------------------------------------
+def point_key(point: tuple[str, int]) -> str:
+    """The name a figure's samples are kept under: "decode 8", "prefill 128"."""
+    kind, n = point
+    return f"{kind} {n}"
+
+
 def paired_median(ours: dict, ref: dict, point: str) -> float | None:
     """The median over the rounds of ours / ref at one point, each round's two samples measured
     seconds apart (None without samples of both)."""
@@ -166,7 +172,7 @@ def table(name: str, results: dict, batches: list[int]) -> str:
     """One markdown table: a row per engine (each figure its best round), then our/their ratios at
     the same weight width: of the best figures, and the median of the rounds' pairs."""
     cols = [f"decode @{b}" for b in batches] + [f"prefill {PREFILL_LEN}"]
-    points = [f"decode {b}" for b in batches] + [f"prefill {PREFILL_LEN}"]
+    points = [point_key(("decode", b)) for b in batches] + [point_key(("prefill", PREFILL_LEN))]
 
     def values(r: dict) -> list:
         return [r["decode"].get(b) for b in batches] + [r.get("prefill")]
@@ -193,7 +199,7 @@ def keep_best(results: dict, key: str, point: tuple[str, int], rate: float) -> N
     every rate is kept in results[key]["samples"]."""
     best = results.setdefault(key, {"decode": {}, "prefill": None, "samples": {}})
     kind, n = point
-    best["samples"].setdefault(f"{kind} {n}", []).append(rate)
+    best["samples"].setdefault(point_key(point), []).append(rate)
     if kind == "prefill":
         best["prefill"] = rate if best["prefill"] is None else max(best["prefill"], rate)
     else:

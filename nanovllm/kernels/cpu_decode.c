@@ -68,21 +68,18 @@ static void norm_rope_head(float *x, const float *norm, float eps, const float *
     }
 }
 
-/* ---- the phases of a layer: orphaned worksharing loops, run inside a parallel region ---------- */
-
 /* x [H] = the embedding row of token id (a bf16 row widened). */
 static void embed_row(const DecoderModel *m, int64_t id, float *x) {
     const int64_t H = m->hidden;
     if (m->embed_type == WEIGHT_BF16) {
         const uint16_t *row = (const uint16_t *)m->embed + id * H;
-        for (int64_t i = 0; i < H; i++) {
-            const uint32_t u = (uint32_t)row[i] << 16;
-            memcpy(x + i, &u, sizeof u);
-        }
+        for (int64_t i = 0; i < H; i++) x[i] = scalar_bf16(row[i]);
     } else {
         memcpy(x, (const float *)m->embed + id * H, sizeof(float) * (size_t)H);
     }
 }
+
+/* ---- the phases of a layer: orphaned worksharing loops, run inside a parallel region ---------- */
 
 /* Rows b < B: resid (+)= x; y = norm(resid). */
 static void phase_add_norm(const float *x, float *resid, int first, const float *weight, float eps, int64_t B,

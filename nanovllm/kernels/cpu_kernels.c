@@ -44,13 +44,6 @@ static inline vf load_bf16(const uint16_t *p) {
 #endif
 }
 
-static inline float scalar_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* The 8 sums of a[0..8), one per lane (lane i: the sum of a[i]'s lanes). */
 static inline vf reduce8(const vf a[8]) {
 #if defined(__AVX2__) && VL == 8

@@ -4,6 +4,7 @@
 #define NANOVLLM_CPU_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
 /* Element type of a weight matrix. bf16 weights are widened to fp32 as they are loaded, so the
  * products are the ones an fp32 matmul over the upcast weights computes. */
@@ -74,6 +75,14 @@ static inline vf vexp(vf x) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+/* A bf16 value as the fp32 it is the top half of. */
+static inline float scalar_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 /* e^x of one float, the same function as vexp's lanes. */

@@ -124,11 +124,10 @@ class CpuPlatform(Platform):
         flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS
         if prefault:
             flags |= getattr(mmap, "MAP_POPULATE", 0)
-        buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize, flags=flags)
+        cache = torch.frombuffer(mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize, flags=flags), dtype=dtype)
         if prefault and not hasattr(mmap, "MAP_POPULATE"):  # not Linux: touch a value in every page
-            page = mmap.PAGESIZE // dtype.itemsize
-            torch.frombuffer(buffer, dtype=dtype)[::page].zero_()
-        return torch.frombuffer(buffer, dtype=dtype).view(shape)
+            cache[:: mmap.PAGESIZE // dtype.itemsize].zero_()
+        return cache.view(shape)
 
     def fused_decode(self, model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tensor_parallel_size: int):
         from nanovllm.executor.cpu_decode import build_fused_decode
