@@ -11,6 +11,7 @@ from helpers import make_qwen3
 from nanovllm import LLM, SamplingParams
 from nanovllm.executor import cpu_decode
 from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.quantization.unquantized import dense_c_view
 from test_models import make_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -24,6 +25,10 @@ def kernels():
     return k
 
 
+def c_linear(kernels, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_kernels.linear(kernels, cpu_kernels.linear_struct(kernels, dense_c_view(w)), x, bias)
+
+
 @pytest.mark.parametrize("n,k", [(37, 45), (4, 8), (33, 3), (64, 40), (5, 1)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
@@ -32,14 +37,25 @@ def test_linear_kernel_matches_torch(kernels, n, k, rows, weight_dtype):
     w = torch.randn(n, k).to(weight_dtype)
     x, bias = torch.randn(rows, k), torch.randn(n)
     ref = x.double() @ w.double().T  # the bf16 values widened exactly, summed in fp64
-    torch.testing.assert_close(cpu_kernels.linear(kernels, x, w, None).double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cpu_kernels.linear(kernels, x, w, bias).double(), ref + bias.double(),
+    torch.testing.assert_close(c_linear(kernels, x, w, None).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c_linear(kernels, x, w, bias).double(), ref + bias.double(),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_linear_kernel_rejects_other_weight_dtypes(kernels):
-    with pytest.raises(ValueError, match="fp32 or bf16"):
-        cpu_kernels.linear(kernels, torch.randn(1, 8), torch.randn(4, 8).half(), None)
+    """fp16 has no row in the C weight-type table: no view, no type code; a description with a code
+    outside the table, or rows of the wrong size, is refused by the C side, not run as fp32."""
+    assert dense_c_view(torch.randn(4, 8).half()) is None
+    with pytest.raises(ValueError, match="no weight type 'f16'"):
+        kernels.weight_type("f16")
+    w = torch.randn(4, 8)
+    good = cpu_kernels.linear_struct(kernels, dense_c_view(w))
+    torch.testing.assert_close(cpu_kernels.linear(kernels, good, torch.ones(1, 8), None), w.sum(1, keepdim=True).T)
+    for field, value in (("type", 99), ("type", -1), ("row_bytes", 16)):
+        bad = cpu_kernels.linear_struct(kernels, dense_c_view(w))
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match="refused"):
+            cpu_kernels.linear(kernels, bad, torch.ones(1, 8), None)
 
 
 @pytest.mark.parametrize("rows,intermediate", [(1, 8), (3, 37), (2, 5)])
@@ -83,7 +99,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
         runner = llm.model_runner
         fused = runner.fused_decode
         assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == 2
-        calls = {"decode_forward": 0, "decode_attention_layer": 0, "rope_store_layer": 0}
+        calls = {"decode_layers": 0, "decode_attention_layer": 0, "rope_store_layer": 0}
 
         def counted(name_):
             real = getattr(fused.kernels, name_)
@@ -107,7 +123,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
         # Every C path ran: one call per step of 1-2 sequences, one per layer and step above, one
         # per layer and prefill step.
         num_layers = len(fused.modules)
-        assert calls["decode_forward"] > 0 and calls["decode_attention_layer"] % num_layers == 0
+        assert calls["decode_layers"] > 0 and calls["decode_attention_layer"] % num_layers == 0
         assert calls["decode_attention_layer"] > 0
         assert calls["rope_store_layer"] >= len(batches) * num_layers and calls["rope_store_layer"] % num_layers == 0
         assert any(prefix_hits) and not all(prefix_hits)

@@ -13,8 +13,7 @@ from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.linear_methods import (LinearMethod, PackedCKernelLinearMethod, PackedLinearMethod,
-                                            install_linear_method)
+from nanovllm.layers.quantization import LinearKernels, UnquantizedLinearMethod, process_weights_after_loading
 from nanovllm.platforms.cpu import can_pack_weights
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.sample.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
@@ -90,15 +89,16 @@ def test_onednn_packed_weights_match_plain_matmul():
     model.down = RowParallelLinear(48, 32, bias=True)
     model.embed = VocabParallelEmbedding(100, 32)
     model.head = ParallelLMHead(100, 32)
-    model.head.weight = model.embed.weight  # tied
+    model.head.tie_weights(model.embed)
     model.untied_head = ParallelLMHead(100, 32)
     for p in model.parameters():
         p.data.normal_()
     dense = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
-    assert type(model.qkv.linear_method) is LinearMethod  # built dense
-    assert install_linear_method(model, PackedLinearMethod()) == 4
-    assert all(isinstance(m.linear_method, PackedLinearMethod) for m in (model.qkv, model.down, model.head,
-                                                                          model.untied_head))
+    linears = (model.qkv, model.down, model.head, model.untied_head)
+    assert all(type(m.quant_method) is UnquantizedLinearMethod and m.quant_method.kernel == "dense"
+               for m in linears)  # built dense
+    assert process_weights_after_loading(model, LinearKernels(onednn_packing=True)) == "oneDNN-packed"
+    assert all(m.quant_method.kernel == "packed" for m in linears)
     for rows in (1, 3, 70):
         x, h = torch.randn(rows, 32), torch.randn(rows, 48)
         torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])
@@ -130,7 +130,8 @@ def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
     for p in model.parameters():
         p.data.normal_()
     dense = {name: p.detach().clone() for name, p in model.named_parameters()}
-    assert install_linear_method(model, PackedCKernelLinearMethod(kernels)) == 3
+    process_weights_after_loading(model, LinearKernels(onednn_packing=True, c_kernels=kernels, c_max_rows=1))
+    assert all(m.quant_method.kernel == "packed+c" for m in (model.qkv, model.down, model.head))
     assert model.qkv.weight.numel() == dense["qkv.weight"].numel()  # kept for the GEMV
     x, h = torch.randn(1, 32), torch.randn(1, 48)
     torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm.config import Config
 from nanovllm.models import get_model_class
-from nanovllm.utils.loader import load_model
+from nanovllm.loader import load_model
 
 
 def build(path: str):

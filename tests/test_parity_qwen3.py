@@ -7,7 +7,7 @@ import torch
 
 from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.linear_methods import PackedLinearMethod, linear_layers
+from nanovllm.layers.quantization import linear_layers
 from nanovllm.platforms.cpu import can_pack_weights
 
 MAX_NEW = 40
@@ -26,7 +26,7 @@ def test_greedy_matches_transformers(fixture, request):
     with LLM(path, kvcache_block_size=16, dtype="float32") as llm:
         # On CPU the projections run on oneDNN-packed weights: this parity covers that path.
         layers = linear_layers(llm.model_runner.model)
-        assert layers and all(isinstance(m.linear_method, PackedLinearMethod) == can_pack_weights(torch.float32)
+        assert layers and all(m.quant_method.kernel.startswith("packed") == can_pack_weights(torch.float32)
                               for m in layers)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                             use_tqdm=False)

@@ -12,8 +12,7 @@ from nanovllm.config import Config
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.linear_methods import (LinearMethod, PackedCKernelLinearMethod, PackedLinearMethod,
-                                            TransposedLinearMethod)
+from nanovllm.layers.quantization import UnquantizedLinearMethod
 from nanovllm.platforms import CpuPlatform, CudaPlatform, get_platform
 from nanovllm.platforms import cpu as cpu_platform
 from nanovllm.sample.sampler import exponential_race_sample, inverse_cdf_sample
@@ -171,20 +170,22 @@ def test_cpu_weight_processing_matches_f_linear(dtype):
     model = small_model(dtype)
     dense = {name: p.detach().clone() for name, p in model.named_parameters()}
     layers = {"qkv": model.qkv, "down": model.down, "head": model.head}
-    assert all(type(m.linear_method) is LinearMethod for m in layers.values())
+    assert all(type(m.quant_method) is UnquantizedLinearMethod and m.quant_method.kernel == "dense"
+               for m in layers.values())
     described = CpuPlatform().process_weights_after_loading(model, dtype)
     if dtype == torch.float32 and cpu_platform.can_pack_weights(dtype):
         # tiny weights always fit twice: the C GEMV is used wherever the kernels build
-        packed = PackedCKernelLinearMethod if cpu_kernels.load() is not None else PackedLinearMethod
+        packed = "packed+c" if cpu_kernels.load() is not None else "packed"
         expected = {name: packed for name in layers}
     else:
         # MKL, transposed where the output is at least as wide as the input
-        expected = {"qkv": TransposedLinearMethod, "down": LinearMethod, "head": TransposedLinearMethod}
-    assert {name: type(m.linear_method) for name, m in layers.items()} == expected
-    if expected["qkv"] is PackedCKernelLinearMethod:
-        assert described == f"oneDNN-packed fp32 + C kernel at <= {cpu_platform.C_KERNEL_ROWS} rows (float32)"
+        expected = {"qkv": "transposed", "down": "dense", "head": "transposed"}
+    assert {name: m.quant_method.kernel for name, m in layers.items()} == expected
+    if expected["qkv"] == "packed+c":
+        assert described == f"oneDNN-packed fp32 + C kernel at <= {cpu_kernels.MAX_ROWS} rows (float32)"
     else:
-        assert described == ", ".join(sorted({cls.name for cls in expected.values()}))
+        names = {"packed": "oneDNN-packed", "transposed": "transposed", "dense": "dense"}
+        assert described == ", ".join(sorted({names[kernel] for kernel in expected.values()}))
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-1)
     for rows in (1, 3, 70):
         x, h = torch.randn(rows, 32, dtype=dtype), torch.randn(rows, 48, dtype=dtype)

@@ -66,7 +66,7 @@ def workers_of(llm: LLM) -> list[mp.Process]:
 def build_shard(path: str, rank: int, monkeypatch) -> torch.nn.Module:
     from nanovllm.layers import embed_head, linear
     from nanovllm.models import get_model_class
-    from nanovllm.utils.loader import load_model
+    from nanovllm.loader import load_model
 
     for module in (linear, embed_head):
         monkeypatch.setattr(module, "get_tp_rank", lambda: rank)

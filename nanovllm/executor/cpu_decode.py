@@ -3,12 +3,14 @@ counterpart of CUDA graphs: the eager forward dispatches ~140 torch ops per laye
 than reading the weights at a few sequences and a good share of the step at more
 (docs/performance.md, items 16-23).
 
-Built once after the KV cache exists, from the model's own tensors (weights, norms, the rotary
-cos/sin cache, the caches): pointers into them are laid out in ctypes structures that the C side
-reads every step. Decode steps of at most MAX_ROWS sequences are one C call (matmuls included);
-larger ones keep each layer's four matmuls on the layers' own linear methods (oneDNN) and do the
-rest in four C calls per layer. Prefill steps run the same way, with the backend's attention (SDPA)
-after the C rotary + KV store. Models it cannot describe keep the eager forward.
+Built once after the KV cache exists, from the model's own tensors: each linear layer (and the
+embedding) gives a C view of its weights through its method, or None; norms, the rotary cos/sin
+cache and the caches are read directly. Pointers are laid out in ctypes structures
+(kernels/cpu_kernels.py) that the C side reads every step. Decode steps of at most
+cpu_kernels.MAX_ROWS sequences run each range of layers whose weights all have views (and whose
+MLP is the gated one) as one C call; a layer without them runs its own modules between the C
+phases. Larger decode steps and prefill steps run every layer that way: the matmuls on the
+layers' own methods (oneDNN), norms, rotary + KV store, attention (decode) and SiLU in C.
 """
 import ctypes
 import logging
@@ -19,34 +21,13 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear
+from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
 from nanovllm.utils.context import Context
 
-# Decode batches up to this many sequences run as one C call; above it oneDNN's matmuls use the
-# cores better than the C kernel (docs/performance.md, item 16).
-MAX_ROWS = 2
 DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
 
 logger = logging.getLogger(__name__)
-c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-class LinearDesc(ctypes.Structure):
-    _fields_ = [("weight", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("weight_type", c_int64)]
-
-
-class LayerDesc(ctypes.Structure):
-    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
-                ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
-                ("k_cache", c_void_p), ("v_cache", c_void_p)]
-
-
-class ModelDesc(ctypes.Structure):
-    _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
-                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("eps", c_float),
-                ("scale", c_float), ("cos_sin", c_void_p), ("final_norm", c_void_p),
-                ("layers", ctypes.POINTER(LayerDesc)), ("embed", c_void_p), ("embed_type", c_int64),
-                ("head", LinearDesc)]
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -58,17 +39,37 @@ def pointer(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def linear_desc(layer: nn.Module) -> LinearDesc:
-    w = layer.weight
-    if w.numel() == 0:
-        raise ValueError(f"{type(layer).__name__} keeps no dense weight")
-    n, k = w.shape
-    return LinearDesc(w.data_ptr(), pointer(getattr(layer, "bias", None)), n, k, cpu_kernels.weight_type(w))
+def described(kernels: cpu_kernels.CpuKernels, module: nn.Module, bias: torch.Tensor | None = None) -> Linear | None:
+    """The C description of module's weights (its method's view), or None where it has none."""
+    view = module.quant_method.c_view(module)
+    return None if view is None else cpu_kernels.linear_struct(kernels, view, bias)
+
+
+def layer_linears(kernels: cpu_kernels.CpuKernels, layer: nn.Module) -> list[Linear] | None:
+    """qkv, o, gate_up, down of a layer the one-call step can run whole, else None."""
+    a, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, GatedMLP):
+        return None
+    linears = [described(kernels, m, m.bias) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    return None if any(lin is None for lin in linears) else linears
+
+
+def segments(in_c: list[bool]) -> list[tuple[int, int, bool]]:
+    """Maximal runs (first, end, in_c) of consecutive layers alike."""
+    runs: list[tuple[int, int, bool]] = []
+    for i, flag in enumerate(in_c):
+        if runs and runs[-1][2] == flag:
+            runs[-1] = (runs[-1][0], i + 1, flag)
+        else:
+            runs.append((i, i + 1, flag))
+    return runs
 
 
 class FusedDecode:
     """The decode forward (the embedding lookup, every layer, the final norm and, in the one-call
     path, the LM head) and the prefill layers, in C where it can."""
+
+    max_rows = cpu_kernels.MAX_ROWS
 
     def __init__(self, model: DecoderForCausalLM, kernels: cpu_kernels.CpuKernels):
         self.kernels = kernels
@@ -78,16 +79,19 @@ class FusedDecode:
         self.final_norm = inner.norm
         self.embed = inner.embed_tokens
         self.lm_head = model.lm_head
+        if not all(isinstance(layer.self_attn, DecoderAttention) for layer in layers):
+            raise ValueError("a layer's attention is not the shared decoder attention")
         attn0 = layers[0].self_attn
-        descs = []
+        descs, in_c = [], []
         for layer in layers:
-            a, mlp = layer.self_attn, layer.mlp
-            descs.append(LayerDesc(
+            a = layer.self_attn
+            linears = layer_linears(kernels, layer)
+            in_c.append(linears is not None)
+            descs.append(DecoderLayer(
                 pointer(layer.input_layernorm.weight), pointer(layer.post_attention_layernorm.weight),
                 pointer(a.q_norm.weight) if a.use_qk_norm else None,
                 pointer(a.k_norm.weight) if a.use_qk_norm else None,
-                linear_desc(a.qkv_proj), linear_desc(a.o_proj), linear_desc(mlp.gate_up_proj), linear_desc(mlp.down_proj),
-                pointer(a.attn.k_cache), pointer(a.attn.v_cache)))
+                *(linears or [Linear()] * 4), pointer(a.attn.k_cache), pointer(a.attn.v_cache), int(linears is not None)))
         eps = {layer.input_layernorm.eps for layer in layers} | {inner.norm.eps}
         if attn0.use_qk_norm:
             eps |= {layer.self_attn.q_norm.eps for layer in layers} | {layer.self_attn.k_norm.eps for layer in layers}
@@ -95,14 +99,20 @@ class FusedDecode:
             raise ValueError(f"the fused decode step takes one RMSNorm eps, the model has {sorted(eps)}")
         cos_sin = attn0.rotary_emb.cos_sin_cache
         self.max_position = cos_sin.shape[0]
-        self.layers = (LayerDesc * len(descs))(*descs)
-        table = self.embed.weight
-        self.desc = ModelDesc(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
-                              layers[0].mlp.down_proj.weight.shape[1], attn0.attn.k_cache.shape[1], eps.pop(),
-                              attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers,
-                              table.data_ptr(), cpu_kernels.weight_type(table), linear_desc(self.lm_head))
-
-    max_rows = MAX_ROWS
+        self.segments = segments(in_c)
+        self.layers = (DecoderLayer * len(descs))(*descs)
+        embed, head = described(kernels, self.embed), described(kernels, self.lm_head)
+        self.embed_in_c, self.head_in_c = embed is not None, head is not None
+        intermediate = max([d.down.k for d in descs if d.in_c], default=0)
+        self.desc = DecoderModel(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads,
+                                 attn0.head_dim, intermediate, attn0.attn.k_cache.shape[1], eps.pop(),
+                                 attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers,
+                                 embed or Linear(), head or Linear())
+        bad = kernels.decode_check_model(ctypes.byref(self.desc))
+        if bad >= 0:
+            raise ValueError(f"the C description of {'layer %d' % bad if bad < len(descs) else 'the embedding or head'}"
+                             " is not valid")
+        self.one_call_layers = sum(in_c)
 
     def can_run(self, num_seqs: int, context: Context) -> bool:
         return context.attn_metadata.seqlens_k is not None
@@ -115,26 +125,49 @@ class FusedDecode:
         slots = context.slot_mapping.to(torch.int64).contiguous()
         positions = self.checked_positions(positions)
         num_seqs = input_ids.shape[0]
-        step = (positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), num_seqs,
-                tables.shape[1], meta.max_seqlen_k)
-        if num_seqs <= self.max_rows:
-            ids = input_ids.to(torch.int64).contiguous()
-            logits = torch.empty(num_seqs, self.lm_head.weight.shape[0])
-            failed = self.kernels.decode_forward(ctypes.byref(self.desc), ids.data_ptr(), *step, logits.data_ptr(),
-                                                 torch.get_num_threads())
-            if failed == 2:
-                raise ValueError(f"a token id of {ids.tolist()} is outside the vocabulary ({logits.shape[1]})")
-            if failed:
-                raise MemoryError("the fused CPU decode step could not allocate its buffers")
-            return logits
-        k, desc = self.kernels, ctypes.byref(self.desc)
+        # NOTE: the step points into tables, lens, slots and positions: they live until it returns.
+        step = DecodeStep(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), num_seqs,
+                          tables.shape[1], meta.max_seqlen_k)
+        k, desc, step_ref = self.kernels, ctypes.byref(self.desc), ctypes.byref(step)
 
         def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
             attn = torch.empty(qkv.shape[0], layer.self_attn.q_size)
-            if k.decode_attention_layer(desc, i, qkv.data_ptr(), *step, attn.data_ptr(), torch.get_num_threads()):
+            if k.decode_attention_layer(desc, i, qkv.data_ptr(), step_ref, attn.data_ptr(), torch.get_num_threads()):
                 raise MemoryError("the fused CPU decode step could not allocate its buffers")
             return attn
+        if num_seqs <= self.max_rows:
+            return self.run_one_call(input_ids, step_ref, attend)
         return self.lm_head(self.run_layers(self.embed(input_ids).contiguous(), attend))
+
+    def run_one_call(self, input_ids: torch.Tensor, step_ref,
+                     attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Each run of C-described layers one C call (the embedding and LM head inside where they
+        have views), the other layers through run_layer."""
+        rows, hidden_size = input_ids.shape[0], self.desc.hidden
+        ids = input_ids.to(torch.int64).contiguous()
+        hidden = self.embed(ids).contiguous() if not self.embed_in_c else torch.empty(rows, hidden_size)
+        resid = torch.empty(rows, hidden_size)
+        started = False
+        for first, end, in_c in self.segments:
+            if not in_c:
+                for i in range(first, end):
+                    hidden = self.run_layer(i, hidden, resid, started, attend)
+                    started = True
+                continue
+            logits = (torch.empty(rows, self.desc.head.n) if end == len(self.modules) and self.head_in_c
+                      else None)
+            failed = self.kernels.decode_layers(
+                ctypes.byref(self.desc), step_ref, ids.data_ptr() if first == 0 and self.embed_in_c else None,
+                first, end, hidden.data_ptr(), resid.data_ptr(), started,
+                None if logits is None else logits.data_ptr(), torch.get_num_threads())
+            if failed == 2:
+                raise ValueError(f"a token id of {ids.tolist()} is outside the vocabulary ({self.desc.embed.n})")
+            if failed:
+                raise MemoryError(f"the fused CPU decode step failed ({failed}: 1 no memory, 3 bad range)")
+            if logits is not None:
+                return logits
+            started = True
+        return self.lm_head(self.final_normed(hidden, resid))
 
     def can_run_prefill(self, context: Context) -> bool:
         """Prefill steps that store into the cache (the engine's; not the warm-up's)."""
@@ -165,35 +198,50 @@ class FusedDecode:
             raise ValueError(f"position {int(positions.max())} is past the rotary cache ({self.max_position})")
         return positions
 
+    def run_layer(self, i: int, hidden: torch.Tensor, resid: torch.Tensor, started: bool,
+                  attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Layer i on the stream (hidden, resid; resid = hidden first when not started, updated in
+        place): its matmuls (or MLP module) through its own methods, norms and SiLU in C, and
+        attend(layer index, layer, qkv [rows, q | k | v]) -> [rows, num_heads * head_dim] between.
+        Returns the layer's output."""
+        k, desc, threads = self.kernels, ctypes.byref(self.desc), torch.get_num_threads()
+        layer = self.modules[i]
+        a, mlp = layer.self_attn, layer.mlp
+        rows = hidden.shape[0]
+        xn = torch.empty_like(hidden)
+        k.decode_add_rms_norm(desc, hidden.data_ptr(), resid.data_ptr(), not started,
+                              layer.input_layernorm.weight.data_ptr(), rows, xn.data_ptr(), threads)
+        hidden = a.o_proj(attend(i, layer, a.qkv_proj(xn).contiguous()).contiguous()).contiguous()
+        k.decode_add_rms_norm(desc, hidden.data_ptr(), resid.data_ptr(), 0,
+                              layer.post_attention_layernorm.weight.data_ptr(), rows, xn.data_ptr(), threads)
+        if not isinstance(mlp, GatedMLP):
+            return mlp(xn).contiguous()
+        gate_up = mlp.gate_up_proj(xn).contiguous()
+        act = torch.empty(rows, gate_up.shape[1] // 2)
+        k.decode_silu_mul(gate_up.data_ptr(), rows, act.shape[1], act.data_ptr(), threads)
+        return mlp.down_proj(act).contiguous()
+
     def run_layers(self, embeds: torch.Tensor,
                    attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Each layer's matmuls through its own linear methods, norms and SiLU in C, and
-        attend(layer index, layer, qkv [rows, q | k | v]) -> [rows, num_heads * head_dim] between."""
-        k, desc, threads = self.kernels, ctypes.byref(self.desc), torch.get_num_threads()
-        rows = embeds.shape[0]
-        resid, xn = torch.empty_like(embeds), torch.empty_like(embeds)
+        """Every layer through run_layer, then the final norm: the hidden states [rows, hidden]."""
+        resid = torch.empty_like(embeds)
         x = embeds
-        for i, layer in enumerate(self.modules):
-            a, mlp = layer.self_attn, layer.mlp
-            k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), i == 0, layer.input_layernorm.weight.data_ptr(),
-                                  rows, xn.data_ptr(), threads)
-            x = a.o_proj(attend(i, layer, a.qkv_proj(xn).contiguous()).contiguous()).contiguous()
-            k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), 0,
-                                  layer.post_attention_layernorm.weight.data_ptr(), rows, xn.data_ptr(), threads)
-            gate_up = mlp.gate_up_proj(xn).contiguous()
-            act = torch.empty(rows, gate_up.shape[1] // 2)
-            k.decode_silu_mul(gate_up.data_ptr(), rows, act.shape[1], act.data_ptr(), threads)
-            x = mlp.down_proj(act).contiguous()
-        out = torch.empty_like(embeds)
-        k.decode_add_rms_norm(desc, x.data_ptr(), resid.data_ptr(), 0, self.final_norm.weight.data_ptr(), rows,
-                              out.data_ptr(), threads)
+        for i in range(len(self.modules)):
+            x = self.run_layer(i, x, resid, i > 0, attend)
+        return self.final_normed(x, resid)
+
+    def final_normed(self, hidden: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(hidden)
+        self.kernels.decode_add_rms_norm(ctypes.byref(self.desc), hidden.data_ptr(), resid.data_ptr(), 0,
+                                         self.final_norm.weight.data_ptr(), hidden.shape[0], out.data_ptr(),
+                                         torch.get_num_threads())
         return out
 
 
 def build_fused_decode(model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tp_size: int) -> FusedDecode | None:
     """A FusedDecode of model, or None where it does not apply (not a Llama-family decoder, tensor
-    parallel, another attention backend or KV dtype, layers without dense weights, no C compiler,
-    NANOVLLM_CPU_FUSED_DECODE=0); the eager forward then runs every step."""
+    parallel, another attention backend or KV dtype, no C compiler, NANOVLLM_CPU_FUSED_DECODE=0);
+    the eager forward then runs every step."""
     if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
         return None
     if not isinstance(model, DecoderForCausalLM) or tp_size != 1 or backend_name != "torch" \

@@ -19,7 +19,8 @@ from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
 from nanovllm.executor.compile import compile_fused_ops
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.loader import load_model
+from nanovllm.layers.quantization import quant_config_for_model
+from nanovllm.loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,10 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         platform.prepare_process()
         hf_config = config.hf_config
+        # The weight format picks each layer's method as the model is built (layers/quantization).
+        quant_config = quant_config_for_model(config.model, hf_config)
         with default_dtype(self.dtype), self.device:
-            self.model = get_model_class(hf_config)(hf_config)
+            self.model = get_model_class(hf_config)(hf_config, quant_config)
         load_model(self.model, config.model)
         self.model.eval()
         self.linear_methods = platform.process_weights_after_loading(self.model, self.dtype, config.weight_dtype)

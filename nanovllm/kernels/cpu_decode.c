@@ -1,42 +1,27 @@
-/* The whole decode step of a Llama-family decoder (Llama, Qwen2, Qwen3) in one call: the
- * embedding lookup; for every layer, residual add + RMSNorm, the qkv projection, q/k RMSNorm
- * (Qwen3), rotary embedding, the KV-cache store, paged attention, the output projection, residual
- * add + RMSNorm, the gated MLP; then the final norm and the LM head. One token per sequence.
+/* The decode step of a Llama-family decoder (Llama, Qwen2, Qwen3) in C: the embedding lookup;
+ * for every layer, residual add + RMSNorm, the qkv projection, q/k RMSNorm (Qwen3), rotary
+ * embedding, the KV-cache store, paged attention, the output projection, residual add + RMSNorm,
+ * the gated MLP; then the final norm and the LM head. One token per sequence.
  *
  * The eager forward runs ~140 small torch ops per layer, whose dispatch costs more than the
- * weight traffic at one or a few sequences; here one OpenMP parallel region covers the step: the
- * matmuls and the attention (each work item rotating and storing its own heads first) are
- * worksharing loops, whose ends are the only synchronisation, and every thread computes the norms
- * and SiLU of the few rows itself. Same math as the torch path, fp32 activations; weights fp32 or
- * bf16 (widened as they are read).
+ * weight traffic at one or a few sequences; decode_layers runs a range of layers in one OpenMP
+ * parallel region: the matmuls and the attention (each work item rotating and storing its own
+ * heads first) are worksharing loops, whose ends are the only synchronisation, and every thread
+ * computes the norms and SiLU of the few rows itself. Same math as the torch path, fp32
+ * activations; weights in any format of the weight-type table (cpu_kernels.c). A layer whose
+ * matrices the description lacks (in_c 0) is run between ranges by its own module, calling the
+ * phases below.
  *
  * Larger batches keep their matmuls on oneDNN, which uses the cores better there, and call the
  * phases between them one at a time (decode_add_rms_norm, decode_attention_layer,
  * decode_silu_mul): four C calls per layer instead of ~130 torch ops. Prefill steps do the same with
- * rope_store_layer in place of decode_attention_layer (their attention stays torch's SDPA).*/
+ * rope_store_layer in place of decode_attention_layer (their attention stays torch's SDPA).
+ * The structures are declared in cpu_kernels.h. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
-
-typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] */
-    const float *q_norm, *k_norm;        /* [head_dim] each, or NULL (no q/k norm) */
-    Linear qkv, o, gate_up, down;        /* qkv: q, k, v rows stacked; gate_up: gate then up rows */
-    float *k_cache, *v_cache;            /* [num_blocks, block_size, num_kv_heads, head_dim] */
-} DecoderLayer;
-
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-    float eps, scale;
-    const float *cos_sin;    /* [max_position, head_dim]: cos of the head_dim / 2 frequencies, then sin */
-    const float *final_norm; /* [hidden] */
-    const DecoderLayer *layers;
-    const void *embed;       /* [vocab, hidden], fp32 or bf16 (embed_type, a WEIGHT_ value) */
-    int64_t embed_type;
-    Linear head;             /* the LM head: [vocab, hidden] (the embedding table itself when tied) */
-} DecoderModel;
 
 /* resid (+)= x; y = weight * (resid / rms(resid)), one row of n. */
 static void add_rms_norm_row(const float *x, float *resid, int first, const float *weight, float eps, int64_t n,
@@ -68,16 +53,8 @@ static void norm_rope_head(float *x, const float *norm, float eps, const float *
     }
 }
 
-/* x [H] = the embedding row of token id (a bf16 row widened). */
-static void embed_row(const DecoderModel *m, int64_t id, float *x) {
-    const int64_t H = m->hidden;
-    if (m->embed_type == WEIGHT_BF16) {
-        const uint16_t *row = (const uint16_t *)m->embed + id * H;
-        for (int64_t i = 0; i < H; i++) x[i] = scalar_bf16(row[i]);
-    } else {
-        memcpy(x, (const float *)m->embed + id * H, sizeof(float) * (size_t)H);
-    }
-}
+/* x [H] = the embedding row of token id, as fp32. */
+static void embed_row(const DecoderModel *m, int64_t id, float *x) { weight_types[m->embed.type].row_to_f32(&m->embed, id, x); }
 
 /* ---- the phases of a layer: orphaned worksharing loops, run inside a parallel region ---------- */
 
@@ -130,20 +107,18 @@ static int64_t kv_heads_per_item(int64_t B, int64_t num_kv_heads, int num_thread
  * work item first rotating its own q/k heads and storing its new K/V rows (rope_store_heads: the
  * item's heads are the only ones it reads, so no barrier is needed between the two).
  * scores: per_item * num_heads / num_kv_heads * max_context floats per thread. */
-static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, float *qkv, const int64_t *positions,
-                                 const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
-                                 int64_t B, int64_t max_blocks, int64_t max_context, int64_t per_item, float *attn,
-                                 float *scores, float *inv_sum) {
-    const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads;
+static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, float *qkv, const DecodeStep *s,
+                                 int64_t per_item, float *attn, float *scores, float *inv_sum) {
+    const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads, B = s->num_seqs;
     const int64_t Q = NH * D, QKV = Q + 2 * NKV * D, items_per_seq = (NKV + per_item - 1) / per_item;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < B * items_per_seq; item++) {
         if (scores == NULL || inv_sum == NULL) continue;
         const int64_t b = item / items_per_seq, kv_first = (item % items_per_seq) * per_item;
         const int64_t kv_end = kv_first + per_item < NKV ? kv_first + per_item : NKV;
-        rope_store_heads(m, L, qkv, positions, slots, b, kv_first, kv_end);
-        attend_item(qkv + b * QKV, L->k_cache, L->v_cache, block_tables + b * max_blocks, context_lens[b],
-                    attn + b * Q, NH, NKV, D, m->block_size, kv_first, kv_end, m->scale, scores, max_context,
+        rope_store_heads(m, L, qkv, s->positions, s->slots, b, kv_first, kv_end);
+        attend_item(qkv + b * QKV, L->k_cache, L->v_cache, s->block_tables + b * s->max_blocks, s->context_lens[b],
+                    attn + b * Q, NH, NKV, D, m->block_size, kv_first, kv_end, m->scale, scores, s->max_context,
                     inv_sum);
     }
 }
@@ -179,29 +154,50 @@ static float *alloc_or_flag(size_t floats, int *failed) {
     return p;
 }
 
-/* ---- the whole step ------------------------------------------------------------------------------
- * ids [num_seqs] -> logits [num_seqs, vocab]: embedding, every layer, the final norm and the LM
- * head; positions, slots (cache slot of each new token; < 0: not stored), block_tables
- * [num_seqs, max_blocks] and context_lens (the new token included, each <= max_context) as the
- * torch decode path gets them. Returns 0; 1 when a buffer could not be allocated, 2 for a token id
- * outside the vocabulary (logits are then incomplete). */
-int decode_forward(const DecoderModel *m, const int64_t *ids, const int64_t *positions, const int64_t *slots,
-                   const int32_t *block_tables, const int32_t *context_lens, int64_t num_seqs, int64_t max_blocks,
-                   int64_t max_context, float *logits, int num_threads) {
+/* Whether m can be run: every matrix of the layers marked in_c, the embedding and the head where
+ * given, valid (linear_is_valid). Returns -1, or the index of the first layer with a bad matrix
+ * (num_layers: the embedding or the head). Called once, when the description is built. */
+int64_t decode_check_model(const DecoderModel *m) {
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const DecoderLayer *L = &m->layers[l];
+        if (L->in_c && !(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && linear_is_valid(&L->gate_up) &&
+                         linear_is_valid(&L->down) && L->down.k <= m->intermediate))
+            return l;
+    }
+    if ((m->embed.data != NULL && !linear_is_valid(&m->embed)) || (m->head.data != NULL && !linear_is_valid(&m->head)))
+        return m->num_layers;
+    return -1;
+}
+
+/* ---- layers [first_layer, end_layer) of a decode step in one call ------------------------------
+ * The residual stream between layers is (hidden, resid): a layer's input is norm(resid += hidden)
+ * (resid = hidden when resid_started is 0, before the first layer). ids != NULL: hidden is the
+ * embedding of ids (first_layer 0). On return hidden is the last layer's output and resid the
+ * stream so far; with logits != NULL (end_layer == num_layers, head given) the final norm and the
+ * LM head fill logits [num_seqs, vocab] instead. Every layer in the range must be in_c.
+ * Returns 0; 1 when a buffer could not be allocated, 2 for a token id outside the vocabulary, 3
+ * for a range or layer the description cannot run (nothing is computed then). */
+int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids, int64_t first_layer,
+                  int64_t end_layer, float *hidden, float *resid, int resid_started, float *logits, int num_threads) {
     const int64_t H = m->hidden, NH = m->num_heads, NKV = m->num_kv_heads, D = m->head_dim;
-    const int64_t I = m->intermediate, Q = NH * D, QKV = Q + 2 * NKV * D, B = num_seqs;
-    for (int64_t b = 0; b < B; b++)
-        if (ids[b] < 0 || ids[b] >= m->head.n) return 2;
-    /* The activations every thread writes a share of: projection outputs, qkv, attention output,
-     * gate|up. */
-    float *buf = malloc(sizeof(float) * (size_t)B * (size_t)(H + QKV + Q + 2 * I));
+    const int64_t I = m->intermediate, Q = NH * D, QKV = Q + 2 * NKV * D, B = s->num_seqs;
+    if (first_layer < 0 || end_layer > m->num_layers || first_layer >= end_layer ||
+        (logits != NULL && (end_layer != m->num_layers || m->head.data == NULL)) ||
+        (ids != NULL && (first_layer != 0 || m->embed.data == NULL)))
+        return 3;
+    for (int64_t l = first_layer; l < end_layer; l++)
+        if (!m->layers[l].in_c) return 3;
+    for (int64_t b = 0; ids != NULL && b < B; b++)
+        if (ids[b] < 0 || ids[b] >= m->embed.n) return 2;
+    /* The activations every thread writes a share of: qkv, attention output, gate|up. */
+    float *buf = malloc(sizeof(float) * (size_t)B * (size_t)(QKV + Q + 2 * I));
     if (buf == NULL) return 1;
-    float *proj = buf, *qkv = proj + B * H, *attn = qkv + B * QKV, *gu = attn + B * Q;
+    float *qkv = buf, *attn = qkv + B * QKV, *gu = attn + B * Q;
     const int64_t per_item = kv_heads_per_item(B, NKV, num_threads), heads = per_item * (NH / NKV);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = alloc_or_flag((size_t)(heads * max_context), &failed);
+        float *scores = alloc_or_flag((size_t)(heads * s->max_context), &failed);
         float *inv_sum = alloc_or_flag((size_t)heads, &failed);
         /* Each thread's own residual stream, normed input and SiLU output: the norms and SiLU
          * (a few thousand floats at 1-2 rows) are computed by every thread alike, so the matmul
@@ -209,26 +205,41 @@ int decode_forward(const DecoderModel *m, const int64_t *ids, const int64_t *pos
         float *mine = alloc_or_flag((size_t)B * (size_t)(2 * H + I), &failed);
 #pragma omp barrier
         if (!failed) {
-            float *resid = mine, *xn = resid + B * H, *act = xn + B * H;
-            for (int64_t b = 0; b < B; b++) embed_row(m, ids[b], xn + b * H);
-            for (int64_t l = 0; l < m->num_layers; l++) {
-                const DecoderLayer *L = &m->layers[l];
-                for (int64_t b = 0; b < B; b++)
-                    add_rms_norm_row(l == 0 ? xn + b * H : proj + b * H, resid + b * H, l == 0, L->input_norm, m->eps,
-                                     H, xn + b * H);
-                linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
-                phase_rope_attention(m, L, qkv, positions, slots, block_tables, context_lens, B, max_blocks,
-                                     max_context, per_item, attn, scores, inv_sum);
-                linear_rows_for(&L->o, attn, Q, B, proj, H);
-                for (int64_t b = 0; b < B; b++)
-                    add_rms_norm_row(proj + b * H, resid + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
-                linear_rows_for(&L->gate_up, xn, H, B, gu, 2 * I);
-                for (int64_t b = 0; b < B; b++) silu_mul_span(gu + b * 2 * I, gu + b * 2 * I + I, 0, I, act + b * I);
-                linear_rows_for(&L->down, act, I, B, proj, H);
+            float *rs = mine, *xn = rs + B * H, *act = xn + B * H;
+            const float *first_in = hidden;
+            int started = resid_started;
+            if (ids != NULL) {
+                for (int64_t b = 0; b < B; b++) embed_row(m, ids[b], xn + b * H);
+                first_in = xn;
+                started = 0;
+            } else if (started) {
+                memcpy(rs, resid, sizeof(float) * (size_t)(B * H));
             }
-            for (int64_t b = 0; b < B; b++)
-                add_rms_norm_row(proj + b * H, resid + b * H, 0, m->final_norm, m->eps, H, xn + b * H);
-            linear_rows_for(&m->head, xn, H, B, logits, m->head.n);
+            /* NOTE: hidden is read by every thread here and written by the o and down matmuls:
+             * the worksharing loops between them end in barriers. */
+            for (int64_t l = first_layer; l < end_layer; l++) {
+                const DecoderLayer *L = &m->layers[l];
+                const int64_t Il = L->down.k;
+                for (int64_t b = 0; b < B; b++)
+                    add_rms_norm_row((l == first_layer ? first_in : hidden) + b * H, rs + b * H,
+                                     l == first_layer && !started, L->input_norm, m->eps, H, xn + b * H);
+                linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
+                phase_rope_attention(m, L, qkv, s, per_item, attn, scores, inv_sum);
+                linear_rows_for(&L->o, attn, Q, B, hidden, H);
+                for (int64_t b = 0; b < B; b++)
+                    add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
+                linear_rows_for(&L->gate_up, xn, H, B, gu, 2 * Il);
+                for (int64_t b = 0; b < B; b++) silu_mul_span(gu + b * 2 * Il, gu + b * 2 * Il + Il, 0, Il, act + b * Il);
+                linear_rows_for(&L->down, act, Il, B, hidden, H);
+            }
+            if (logits != NULL) {
+                for (int64_t b = 0; b < B; b++)
+                    add_rms_norm_row(hidden + b * H, rs + b * H, 0, m->final_norm, m->eps, H, xn + b * H);
+                linear_rows_for(&m->head, xn, H, B, logits, m->head.n);
+            } else {
+#pragma omp single
+                memcpy(resid, rs, sizeof(float) * (size_t)(B * H));
+            }
         }
         free(mine);
         free(scores);
@@ -249,19 +260,17 @@ void decode_add_rms_norm(const DecoderModel *m, const float *x, float *resid, in
 /* Layer `layer`'s rotary + KV store + attention: qkv [num_seqs, q | k | v] (q and k rotated in
  * place) -> attn [num_seqs, num_heads * head_dim]. Returns 0, or 1 when a buffer could not be
  * allocated. */
-int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, const int64_t *positions,
-                           const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
-                           int64_t num_seqs, int64_t max_blocks, int64_t max_context, float *attn, int num_threads) {
+int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, const DecodeStep *s, float *attn,
+                           int num_threads) {
     const DecoderLayer *L = &m->layers[layer];
-    const int64_t per_item = kv_heads_per_item(num_seqs, m->num_kv_heads, num_threads);
+    const int64_t per_item = kv_heads_per_item(s->num_seqs, m->num_kv_heads, num_threads);
     const int64_t heads = per_item * (m->num_heads / m->num_kv_heads);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = alloc_or_flag((size_t)(heads * max_context), &failed);
+        float *scores = alloc_or_flag((size_t)(heads * s->max_context), &failed);
         float *inv_sum = alloc_or_flag((size_t)heads, &failed);
-        phase_rope_attention(m, L, qkv, positions, slots, block_tables, context_lens, num_seqs, max_blocks,
-                             max_context, per_item, attn, scores, inv_sum);
+        phase_rope_attention(m, L, qkv, s, per_item, attn, scores, inv_sum);
         free(scores);
         free(inv_sum);
     }

@@ -1,4 +1,5 @@
-/* CPU kernels in C: paged decode attention, and linear layers over a few rows.
+/* CPU kernels in C: paged decode attention, linear layers over a few rows, the weight-type table
+ * and the ABI checks.
  *
  * paged_decode_attention_f32: decode attention over the paged KV cache, one query token per sequence.
  *
@@ -19,7 +20,9 @@
  *   out          [num_seqs, num_heads, head_dim]
  * Returns 0, or 1 when a thread could not allocate its score buffer (out is then incomplete).
  *
- * linear_f32: y = x W^T (+ bias) for a few rows x (decode batches), W fp32 or bf16 (see linear_rows_for).
+ * linear_f32: y = x W^T (+ bias) for a few rows x (decode batches), W in any format of the
+ * weight-type table (weight_types, below linear_rows_for's helpers), each a row of block size,
+ * bytes per block, row dot product and row-to-fp32.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -235,7 +238,6 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
  * hardware prefetcher follows one stream better than interleaved ones (one row: 45 GB/s against
  * 33-38 with 4-row tiles on this machine's 2 cores). GCC vector types of VL lanes, so one source
  * serves AVX2 and AVX-512 (-march=native). */
-#define STREAM_ROWS 4
 
 #define IDENTITY(v) (v)
 
@@ -282,27 +284,88 @@ DEFINE_ROW_DOT(row_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 DEFINE_ROW_DISPATCH(run_row_f32, row_dot_f32, float)
 DEFINE_ROW_DISPATCH(run_row_bf16, row_dot_bf16, uint16_t)
 
+/* ---- the weight-type table: one entry per format ---------------------------------------------- */
+static inline const void *row_of(const Linear *m, int64_t r) { return (const char *)m->data + r * m->row_bytes; }
+
+static void dot_rows_f32(const Linear *m, int64_t r, const float *x, int64_t ldx, int nb, float *dot) {
+    run_row_f32((const float *)row_of(m, r), x, ldx, m->k, nb, dot);
+}
+
+static void dot_rows_bf16(const Linear *m, int64_t r, const float *x, int64_t ldx, int nb, float *dot) {
+    run_row_bf16((const uint16_t *)row_of(m, r), x, ldx, m->k, nb, dot);
+}
+
+static void to_f32_f32(const Linear *m, int64_t r, float *out) {
+    memcpy(out, row_of(m, r), sizeof(float) * (size_t)m->k);
+}
+
+static void to_f32_bf16(const Linear *m, int64_t r, float *out) {
+    const uint16_t *row = (const uint16_t *)row_of(m, r);
+    for (int64_t i = 0; i < m->k; i++) out[i] = scalar_bf16(row[i]);
+}
+
+const WeightType weight_types[] = {
+    {"f32", 1, 4, dot_rows_f32, to_f32_f32},
+    {"bf16", 1, 2, dot_rows_bf16, to_f32_bf16},
+};
+const int64_t num_weight_types = sizeof weight_types / sizeof weight_types[0];
+
+/* The table's index of a format's name, or -1. */
+int64_t weight_type_index(const char *name) {
+    for (int64_t t = 0; t < num_weight_types; t++)
+        if (strcmp(weight_types[t].name, name) == 0) return t;
+    return -1;
+}
+
+/* A format's block size and bytes per block; returns 1 for an unknown type. */
+int weight_type_layout(int64_t type, int64_t *block_size, int64_t *block_bytes) {
+    if (type < 0 || type >= num_weight_types) return 1;
+    *block_size = weight_types[type].block_size;
+    *block_bytes = weight_types[type].block_bytes;
+    return 0;
+}
+
+int linear_is_valid(const Linear *m) {
+    if (m->data == NULL || m->type < 0 || m->type >= num_weight_types || m->n <= 0 || m->k <= 0) return 0;
+    const WeightType *t = &weight_types[m->type];
+    return m->k % t->block_size == 0 && m->row_bytes == m->k / t->block_size * t->block_bytes;
+}
+
+/* ---- the ABI the ctypes side checks at load --------------------------------------------------- */
+int64_t nanovllm_abi_version(void) { return NANOVLLM_ABI_VERSION; }
+
+/* sizeof the named structure, or -1. */
+int64_t nanovllm_struct_size(const char *name) {
+    if (strcmp(name, "Linear") == 0) return (int64_t)sizeof(Linear);
+    if (strcmp(name, "DecoderLayer") == 0) return (int64_t)sizeof(DecoderLayer);
+    if (strcmp(name, "DecoderModel") == 0) return (int64_t)sizeof(DecoderModel);
+    if (strcmp(name, "DecodeStep") == 0) return (int64_t)sizeof(DecodeStep);
+    return -1;
+}
+
+/* NOTE: m must be valid (linear_is_valid): the callers check every matrix once. */
 void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
-    const int64_t n = m->n, k = m->k;
+    const int64_t n = m->n;
+    const RowDot row_dot = weight_types[m->type].row_dot;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; r++) {
         /* More than STREAM_ROWS input rows: the weight row again (from cache) per group of them. */
         for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {
             const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;
             float dot[STREAM_ROWS];
-            if (m->weight_type == WEIGHT_BF16)
-                run_row_bf16((const uint16_t *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
-            else
-                run_row_f32((const float *)m->weight + r * k, x + b0 * ldx, ldx, k, nb, dot);
+            row_dot(m, r, x + b0 * ldx, ldx, nb, dot);
             for (int b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f);
         }
     }
 }
 
-/* y [rows, n] = x [rows, k] W^T (+ bias), all contiguous. */
-void linear_f32(const void *weight, int64_t weight_type, const float *bias, const float *x, float *y, int64_t rows,
-                int64_t n, int64_t k, int num_threads) {
-    const Linear m = {weight, bias, n, k, weight_type};
+/* y [rows, n] = x [rows, k] W^T (+ bias: this call's, not w's), all contiguous. Returns 1 (and
+ * computes nothing) when w is not a valid matrix. */
+int linear_f32(const Linear *w, const float *bias, const float *x, float *y, int64_t rows, int num_threads) {
+    if (!linear_is_valid(w)) return 1;
+    Linear m = *w;
+    m.bias = bias;
 #pragma omp parallel num_threads(num_threads)
-    linear_rows_for(&m, x, k, rows, y, n);
+    linear_rows_for(&m, x, m.k, rows, y, m.n);
+    return 0;
 }

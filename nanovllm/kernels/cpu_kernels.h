@@ -6,17 +6,43 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Element type of a weight matrix. bf16 weights are widened to fp32 as they are loaded, so the
- * products are the ones an fp32 matmul over the upcast weights computes. */
-enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1 };
+/* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
+ * refuses a library whose version or structure sizes differ from its own. */
+#define NANOVLLM_ABI_VERSION 2
 
-/* A linear layer: y = x W^T (+ bias), W [n, k] row-major and dense. */
+/* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
+ * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
+ * types). y = x W^T (+ bias). */
 typedef struct {
-    const void *weight;
-    const float *bias; /* [n] or NULL */
+    const void *data;
+    const float *bias;   /* [n] or NULL */
+    const void *scales;
     int64_t n, k;
-    int64_t weight_type; /* WEIGHT_F32 or WEIGHT_BF16 */
+    int64_t type;        /* index into weight_types[] */
+    int64_t row_bytes;
 } Linear;
+
+/* dot[b] = W[r, :] . x[b, :] for b < nb (at most STREAM_ROWS rows, row stride ldx). */
+typedef void (*RowDot)(const Linear *m, int64_t r, const float *x, int64_t ldx, int nb, float *dot);
+/* out[0, k) = W[r, :] as fp32 (embedding lookups). */
+typedef void (*RowToF32)(const Linear *m, int64_t r, float *out);
+
+/* One row per weight format (ggml's type_traits): a new format is one entry in cpu_kernels.c. */
+typedef struct {
+    const char *name;
+    int64_t block_size;  /* weights per block */
+    int64_t block_bytes; /* bytes per block */
+    RowDot row_dot;
+    RowToF32 row_to_f32;
+} WeightType;
+
+extern const WeightType weight_types[];
+extern const int64_t num_weight_types;
+
+/* Whether m's type is a row of weight_types and its rows are laid out as that type says. */
+int linear_is_valid(const Linear *m);
+
+#define STREAM_ROWS 4
 
 /* y[r, :] = W x[r, :] (+ bias) for rows r < rows (x row stride ldx, y row stride ldy).
  * An orphaned `omp for` over W's rows: inside a parallel region the threads share the work;
@@ -31,6 +57,34 @@ void attend_item(const float *q, const float *k_cache, const float *v_cache, con
                  float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
                  float *inv_sum);
+
+/* ---- the decode step's description (cpu_decode.c) ---------------------------------------------- */
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim] each, or NULL (no q/k norm) */
+    Linear qkv, o, gate_up, down;        /* qkv: q, k, v rows stacked; gate_up: gate then up rows */
+    float *k_cache, *v_cache;            /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    int64_t in_c;                        /* 1: the four matmuls and the gated MLP run here; 0: the layer's
+                                          * own module runs them (only its phases are called) */
+} DecoderLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos_sin;    /* [max_position, head_dim]: cos of the head_dim / 2 frequencies, then sin */
+    const float *final_norm; /* [hidden] */
+    const DecoderLayer *layers;
+    Linear embed;            /* [vocab, hidden]; data NULL: the lookup runs outside */
+    Linear head;             /* [vocab, hidden] (the embedding table itself when tied); data NULL: outside */
+} DecoderModel;
+
+/* One decode step's batch, as the torch decode path gets it. */
+typedef struct {
+    const int64_t *positions, *slots;   /* slots: cache slot of each new token (< 0: not stored) */
+    const int32_t *block_tables;        /* [num_seqs, max_blocks] */
+    const int32_t *context_lens;        /* the new token included, each <= max_context */
+    int64_t num_seqs, max_blocks, max_context;
+} DecodeStep;
 
 /* ---- GCC vector types of VL lanes: one source serves AVX2 and AVX-512 (-march=native) ---------
  * 8 lanes (256 bits) even with AVX-512: 16-lane vectors streamed one weight row at 33 GB/s against

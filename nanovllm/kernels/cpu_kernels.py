@@ -1,7 +1,8 @@
 """The CPU kernels in C, built once with the system C compiler into the nanovllm cache and loaded
 with ctypes: paged decode attention (TorchBackend.decode, fp32 caches on CPU), linear layers over a
-few rows with fp32 or bf16 weights (cpu_kernels.c), and the whole decode step of a Llama-family
-model (cpu_decode.c, driven by executor/cpu_decode.py).
+few rows in the formats of its weight-type table (cpu_kernels.c), and the decode step of a
+Llama-family model (cpu_decode.c, driven by executor/cpu_decode.py). The structures both sides lay
+out are declared here and in cpu_kernels.h; load() checks the library's ABI version and their sizes.
 
 Without a C compiler, or when the build fails, or with NANOVLLM_CPU_KERNEL=0, load() returns None
 and the callers keep their torch paths (same results; slower, see docs/performance.md).
@@ -60,33 +61,89 @@ def build(path: Path) -> None:
             os.unlink(tmp)
 
 
+# Linear inputs of up to this many rows (decode batches of 1-2 sequences) go to the C kernels, as
+# does the one-call decode step; more rows go to oneDNN, which uses the cores better there
+# (docs/performance.md, items 14 and 16). The one crossover of both.
+MAX_ROWS = 2
+
+c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+# ---- the C structures (cpu_kernels.h); load() checks their sizes against the library's ----------
+class Linear(ctypes.Structure):
+    _fields_ = [("data", c_void_p), ("bias", c_void_p), ("scales", c_void_p), ("n", c_int64), ("k", c_int64),
+                ("type", c_int64), ("row_bytes", c_int64)]
+
+
+class DecoderLayer(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64)]
+
+
+class DecoderModel(ctypes.Structure):
+    _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
+                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("eps", c_float),
+                ("scale", c_float), ("cos_sin", c_void_p), ("final_norm", c_void_p),
+                ("layers", ctypes.POINTER(DecoderLayer)), ("embed", Linear), ("head", Linear)]
+
+
+class DecodeStep(ctypes.Structure):
+    _fields_ = [("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p), ("context_lens", c_void_p),
+                ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64)]
+
+
+ABI_VERSION = 2  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+STRUCTS = (Linear, DecoderLayer, DecoderModel, DecodeStep)
+
+
+def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:
+    """RuntimeError unless the library speaks this module's ABI: its version and the size of every
+    structure both sides lay out."""
+    lib.nanovllm_abi_version.restype = c_int64
+    lib.nanovllm_struct_size.restype = c_int64
+    lib.nanovllm_struct_size.argtypes = [ctypes.c_char_p]
+    version = lib.nanovllm_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"the C library has ABI version {version}, this module expects {ABI_VERSION}")
+    for struct in structs:
+        size = lib.nanovllm_struct_size(struct.__name__.encode())
+        if size != ctypes.sizeof(struct):
+            raise RuntimeError(f"struct {struct.__name__} is {size} bytes in C, {ctypes.sizeof(struct)} in ctypes")
+
+
 class CpuKernels:
     """The library's functions, typed for ctypes."""
 
     def __init__(self, lib: ctypes.CDLL):
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.decode_attention = lib.paged_decode_attention_f32
-        self.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                                          ctypes.c_float, i64, ctypes.c_int]
-        self.decode_attention.restype = ctypes.c_int
-        self.linear = lib.linear_f32
-        self.linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        self.linear.restype = None
-        self.decode_forward = lib.decode_forward
-        self.decode_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-        self.decode_forward.restype = ctypes.c_int
-        self.decode_add_rms_norm = lib.decode_add_rms_norm
-        self.decode_add_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
-        self.decode_add_rms_norm.restype = None
-        self.decode_attention_layer = lib.decode_attention_layer
-        self.decode_attention_layer.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-        self.decode_attention_layer.restype = ctypes.c_int
-        self.rope_store_layer = lib.rope_store_layer
-        self.rope_store_layer.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
-        self.rope_store_layer.restype = None
-        self.decode_silu_mul = lib.decode_silu_mul
-        self.decode_silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-        self.decode_silu_mul.restype = None
+        check_abi(lib)
+        i64, ptr, cint = c_int64, c_void_p, ctypes.c_int
+        self.lib = lib
+
+        def typed(name: str, restype, *argtypes):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, list(argtypes)
+            return fn
+        self.decode_attention = typed("paged_decode_attention_f32", cint, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                      i64, i64, i64, i64, c_float, i64, cint)
+        self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
+        self.weight_type_index = typed("weight_type_index", i64, ctypes.c_char_p)
+        self.weight_type_layout = typed("weight_type_layout", cint, i64, ptr, ptr)
+        self.decode_check_model = typed("decode_check_model", i64, ptr)
+        self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, cint)
+        self.decode_add_rms_norm = typed("decode_add_rms_norm", None, ptr, ptr, ptr, cint, ptr, i64, ptr, cint)
+        self.decode_attention_layer = typed("decode_attention_layer", cint, ptr, i64, ptr, ptr, ptr, cint)
+        self.rope_store_layer = typed("rope_store_layer", None, ptr, i64, ptr, ptr, ptr, i64, cint)
+        self.decode_silu_mul = typed("decode_silu_mul", None, ptr, i64, i64, ptr, cint)
+
+    def weight_type(self, name: str) -> tuple[int, int, int]:
+        """(type code, block size, bytes per block) of a row of the C weight-type table."""
+        code = self.weight_type_index(name.encode())
+        if code < 0:
+            raise ValueError(f"the C kernels have no weight type {name!r}")
+        block_size, block_bytes = c_int64(), c_int64()
+        self.weight_type_layout(code, ctypes.byref(block_size), ctypes.byref(block_bytes))
+        return code, block_size.value, block_bytes.value
 
 
 def load() -> CpuKernels | None:
@@ -108,24 +165,30 @@ def load() -> CpuKernels | None:
     return _kernels
 
 
-# The kernels' weight element types (cpu_kernels.h).
-WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+def linear_struct(kernels: CpuKernels, view, bias: torch.Tensor | None = None) -> Linear:
+    """The C description of a weight view (layers/quantization/base.py, CWeightView), checked
+    against the C table's layout for its type. NOTE: it points into the view's tensors, which the
+    layer keeps alive."""
+    code, block_size, block_bytes = kernels.weight_type(view.type_name)
+    if view.k % block_size or view.row_bytes != view.k // block_size * block_bytes:
+        raise ValueError(f"a {view.type_name} row of {view.k} weights is {view.k // block_size * block_bytes} bytes "
+                         f"in blocks of {block_size}, the view says {view.row_bytes}")
+    if not view.data.is_contiguous() or view.data.numel() * view.data.element_size() != view.n * view.row_bytes:
+        raise ValueError(f"a {view.type_name} view's data is not {view.n} contiguous rows of {view.row_bytes} bytes")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != view.n):
+        raise ValueError(f"the C kernels take a dense fp32 bias of {view.n}, got {bias.dtype} {tuple(bias.shape)}")
+    return Linear(view.data.data_ptr(), None if bias is None else bias.data_ptr(),
+                  None if view.scales is None else view.scales.data_ptr(), view.n, view.k, code, view.row_bytes)
 
 
-def weight_type(weight: torch.Tensor) -> int:
-    if weight.dtype not in WEIGHT_TYPES or not weight.is_contiguous():
-        raise ValueError(f"the C kernels take dense fp32 or bf16 weights, got {weight.dtype}")
-    return WEIGHT_TYPES[weight.dtype]
-
-
-def linear(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, k] (fp32) @ weight[n, k]^T (+ bias, fp32) -> [rows, n] fp32; weight dense fp32 or bf16."""
+def linear(kernels: CpuKernels, weight: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, k] (fp32) @ W^T (+ bias, fp32) -> [rows, n] fp32, W described by linear_struct."""
     x = x.contiguous()
     assert x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-    n, k = weight.shape
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    kernels.linear(weight.data_ptr(), weight_type(weight), None if bias is None else bias.data_ptr(), x.data_ptr(),
-                   y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+    y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+    if kernels.linear(ctypes.byref(weight), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(),
+                      x.shape[0], torch.get_num_threads()):
+        raise ValueError("the C linear kernel refused its weight description")
     return y
 
 

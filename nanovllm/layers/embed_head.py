@@ -1,58 +1,90 @@
-"""Vocab-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+"""Vocab-parallel token embedding and LM head: each rank holds a contiguous slice of the
+vocabulary. The embedding's table is held and read by its embedding method, the head multiplies
+through its linear method (layers/quantization), each chosen at construction."""
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import copy_checked
-from nanovllm.layers.linear_methods import LinearMethod
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
+from nanovllm.layers.quantization import QuantizationConfig, embedding_method_for, linear_method_for
+from nanovllm.layers.quantization.parameter import copy_checked, shard_of, tagged_parameter
 
 
-class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+class VocabParallelBase(nn.Module):
+    """A [num_embeddings, embedding_dim] table split over the ranks by rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str):
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
         self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocabulary size")
         self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
         self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        # The model dtype: a table held narrower (bf16 weights on CPU, platforms/cpu.py) still
-        # gives rows of this dtype.
-        self.dtype = self.weight.dtype
+        self.prefix = prefix
+        # The model dtype: a table held narrower (bf16 weights on CPU) still gives rows of it.
+        self.dtype = torch.get_default_dtype()
+
+    def register_weight(self, name: str, data: torch.Tensor, **tags) -> nn.Parameter:
+        param = tagged_parameter(data, self.weight_loader, **tags)
+        self.register_parameter(name, param)
+        return param
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        size = self.num_embeddings_per_partition
-        copy_checked(param.data, loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded,
-                     type(self).__name__)
+        if self.tp_size > 1 and param.output_dim is not None:
+            loaded = shard_of(loaded, param.output_dim, self.tp_rank, self.tp_size, "vocabulary size")
+        copy_checked(param.data, loaded, self.prefix or type(self).__name__)
+
+
+class VocabParallelEmbedding(VocabParallelBase):
+    def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
+        super().__init__(num_embeddings, embedding_dim, prefix)
+        self.quant_method = embedding_method_for(quant_config, self, prefix)
+        self.quant_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim,
+                                         torch.get_default_dtype())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(x, self.weight).to(self.dtype)
+            return self.quant_method.embedding(self, x)
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight).to(self.dtype)
+        y = self.quant_method.embedding(self, mask * (x - self.vocab_start_idx))
         y = mask.unsqueeze(-1) * y  # rows owned by other ranks become 0 before the sum
         dist.all_reduce(y)
         return y
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelBase):
     """logits = h W^T over this rank's vocab slice, gathered to rank 0 (other ranks get None)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         if bias:
             raise ValueError("an LM head bias is not supported")
-        super().__init__(num_embeddings, embedding_dim)
-        # NOTE: with tied embeddings self.weight is also the embedding table: a method that
-        # repacks it must keep the dense form (install_linear_method tells it so).
-        self.linear_method: LinearMethod = LinearMethod()
+        super().__init__(num_embeddings, embedding_dim, prefix)
+        # The linear-layer view of the table, for the methods (and the C decode's descriptors).
+        self.input_size, self.output_size = embedding_dim, self.num_embeddings_per_partition
+        self.is_tied = False
+        self.quant_method = linear_method_for(quant_config, self, prefix)
+        self.quant_method.create_weights(self, embedding_dim, [self.num_embeddings_per_partition],
+                                         torch.get_default_dtype())
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
+        """Multiply by the embedding's table itself (tie_word_embeddings).
+        NOTE: a method that repacks the table must keep the form the embedding reads
+        (process_weights_after_loading passes is_shared)."""
+        mine = {name for name, _ in self.named_parameters(recurse=False)}
+        theirs = {name for name, _ in embedding.named_parameters(recurse=False)}
+        if mine != theirs:
+            raise ValueError(f"cannot tie {self.prefix!r} to {embedding.prefix!r}: their weight formats differ "
+                             f"({sorted(mine)} vs {sorted(theirs)})")
+        for name, param in embedding.named_parameters(recurse=False):
+            setattr(self, name, param)
+        self.is_tied = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = self.linear_method.apply(self, x, None)
+        logits = self.quant_method.apply(self, x, None)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -1,5 +1,10 @@
 """Shared blocks of decoder-only transformers (Qwen3, Qwen2, Llama): attention with optional
-q/k RMSNorm and qkv bias, SiLU-gated MLP, pre-norm layers, and the causal-LM wrapper."""
+q/k RMSNorm and qkv bias, SiLU-gated MLP, pre-norm layers, and the causal-LM wrapper. Every layer
+gets its module prefix (the checkpoint's names) and the quantization config, which picks how its
+weights are held; each decoder layer asks the model for its MLP (make_mlp), so a model can put
+another block (a sparse MoE) in some layers."""
+from collections.abc import Callable, Iterable
+
 import torch
 from torch import nn
 
@@ -8,7 +13,9 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_settings
+from nanovllm.loader import StackedParam, load_weights
 
 
 def head_dim_of(config) -> int:
@@ -23,19 +30,22 @@ def build_rope(config) -> RotaryEmbedding:
 
 class DecoderAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
-                 rotary_emb: RotaryEmbedding | None = None):
+                 rotary_emb: RotaryEmbedding | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
         super().__init__()
         hidden_size = config.hidden_size
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, self.total_num_heads,
-                                          self.total_num_kv_heads, bias=qkv_bias)
+                                          self.total_num_kv_heads, bias=qkv_bias, quant_config=quant_config,
+                                          prefix=f"{prefix}.qkv_proj")
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb if rotary_emb is not None else build_rope(config)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.use_qk_norm = use_qk_norm
@@ -57,26 +67,39 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# make_mlp(config, layer_idx, prefix, quant_config) -> the layer's MLP module
+MakeMLP = Callable[[object, int, str, QuantizationConfig | None], nn.Module]
+
+
+def gated_mlp(config, layer_idx: int, prefix: str, quant_config: QuantizationConfig | None) -> nn.Module:
+    return GatedMLP(config, quant_config, prefix)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
-                 rotary_emb: RotaryEmbedding | None = None):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
+                 rotary_emb: RotaryEmbedding | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "", make_mlp: MakeMLP = gated_mlp):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, use_qk_norm, rotary_emb)
-        self.mlp = GatedMLP(config)
+        self.layer_idx = layer_idx
+        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, use_qk_norm, rotary_emb, quant_config,
+                                          f"{prefix}.self_attn")
+        self.mlp = make_mlp(config, layer_idx, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -92,14 +115,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model", make_mlp: MakeMLP = gated_mlp):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config,
+                                                   f"{prefix}.embed_tokens")
         # NOTE: one cos/sin cache shared by all layers; per-layer copies of a 128k-position cache
         # (Llama 3.1) would cost gigabytes.
         rotary_emb = build_rope(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, use_qk_norm, rotary_emb)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, o_bias, use_qk_norm, rotary_emb, quant_config,
+                                                 f"{prefix}.layers.{i}", make_mlp)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -124,13 +150,24 @@ class DecoderForCausalLM(nn.Module):
     }
     use_qk_norm = False
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None):
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = DecoderModel(config, qkv_bias, o_bias, self.use_qk_norm)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = DecoderModel(config, qkv_bias, o_bias, self.use_qk_norm, quant_config, "model", self.make_mlp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                      prefix="lm_head")
         if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def make_mlp(self, config, layer_idx: int, prefix: str, quant_config: QuantizationConfig | None) -> nn.Module:
+        """The MLP of layer layer_idx: the gated MLP; a subclass may give some layers another block."""
+        return gated_mlp(config, layer_idx, prefix, quant_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint (name, tensor) pairs into the parameters (loader/weights.py)."""
+        stacked = [StackedParam(param_part, part, shard_id)
+                   for part, (param_part, shard_id) in self.packed_modules_mapping.items()]
+        load_weights(self, weights, stacked)
 
     def attention_biases(self, config) -> tuple[bool, bool]:
         """(qkv_proj has bias, o_proj has bias): `attention_bias` covers all four by default."""

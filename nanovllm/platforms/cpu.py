@@ -1,5 +1,5 @@
 """CpuPlatform: the engine on the host CPU: eager forward, gloo for tensor parallelism, a KV budget
-from a share of free RAM, oneDNN-packed fp32 weights (+ the C GEMV at one row)."""
+from a share of free RAM, oneDNN packing for fp32 weights and the C kernels for few-row inputs."""
 import mmap
 import os
 from collections.abc import Callable
@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.linear_methods import (PackedCKernelLinearMethod, PackedLinearMethod, TransposedLinearMethod,
-                                            install_linear_method)
-from nanovllm.platforms.interface import Platform, describe_linear_methods
+from nanovllm.layers.quantization import LinearKernels, linear_layers
+from nanovllm.platforms.interface import Platform
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes
 from nanovllm.utils.cpu_memory import keep_freed_memory
@@ -27,8 +26,6 @@ KV_MAX_BYTES = 8 << 30
 # packed one-row path (docs/performance.md, item 14), at the price of holding both forms, so only
 # when the dense copies take at most this share of the available RAM.
 DENSE_COPY_RAM_SHARE = 0.15
-# Linear inputs of up to this many rows go to the C kernel (its streaming path), more to oneDNN.
-C_KERNEL_ROWS = 2
 
 
 def threads_per_rank(tp_size: int) -> int:
@@ -48,8 +45,9 @@ def dense_copies_fit(model: nn.Module, dense_dtype: torch.dtype = torch.float32)
     """Whether the linear weights can stay in RAM twice (dense in dense_dtype for the C kernels,
     packed for oneDNN): when the dense copies take at most DENSE_COPY_RAM_SHARE of the available
     memory."""
-    dense = sum(p.numel() * dense_dtype.itemsize for name, p in model.named_parameters()
-                if p.dim() == 2 and "embed_tokens" not in name)
+    # A tied LM head keeps its dense table for the embedding anyway.
+    dense = sum(layer.output_size * layer.input_size * dense_dtype.itemsize for layer in linear_layers(model)
+                if not getattr(layer, "is_tied", False))
     return dense <= DENSE_COPY_RAM_SHARE * available_ram_bytes()
 
 
@@ -96,21 +94,20 @@ class CpuPlatform(Platform):
     def prepare_process(self) -> None:
         keep_freed_memory()
 
-    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
-                                      weight_dtype: torch.dtype | None = None) -> str:
-        """fp32: every linear layer on oneDNN-packed weights, inputs of up to C_KERNEL_ROWS rows on
-        the C kernel over a dense copy (bf16 when weight_dtype is) when the dense copies fit and
-        the kernels build; without them bf16 weights stay fp32 (the same values). Otherwise MKL,
-        in the transposed orientation for layers whose output is at least as wide as their input."""
-        if can_pack_weights(dtype):
-            dense_dtype = torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
-            kernels = cpu_kernels.load() if dense_copies_fit(model, dense_dtype) else None
-            install_linear_method(model, PackedLinearMethod() if kernels is None
-                                  else PackedCKernelLinearMethod(kernels, dense_dtype, C_KERNEL_ROWS))
-        else:
-            install_linear_method(model, TransposedLinearMethod(),
-                                  where=lambda layer: layer.weight.shape[0] >= layer.weight.shape[1])
-        return describe_linear_methods(model)
+    def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
+                       weight_dtype: torch.dtype | None = None) -> LinearKernels:
+        """fp32: oneDNN packing, and the C kernels for inputs of up to cpu_kernels.MAX_ROWS rows
+        over dense copies (bf16 when weight_dtype is) when the copies fit and the kernels build;
+        without them bf16 weights stay fp32 (the same values). Otherwise MKL, in the transposed
+        orientation for layers whose output is at least as wide as their input."""
+        if not can_pack_weights(dtype):
+            return LinearKernels(transposed_when_wide=True)
+        dense_dtype = torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
+        kernels = cpu_kernels.load() if dense_copies_fit(model, dense_dtype) else None
+        if kernels is None:
+            return LinearKernels(onednn_packing=True)
+        return LinearKernels(onednn_packing=True, c_kernels=kernels, c_weight_dtype=dense_dtype,
+                             c_max_rows=cpu_kernels.MAX_ROWS)
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         return config.cpu_kvcache_bytes

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from nanovllm.layers.linear_methods import LinearMethod, linear_layers
+from nanovllm.layers.quantization import LinearKernels, process_weights_after_loading
 from nanovllm.sample.sampler import RandomSample
 
 if TYPE_CHECKING:
@@ -82,12 +82,17 @@ class Platform:
         """Start a fresh peak-memory measurement (see kv_cache_budget_bytes)."""
 
     # ---- model and KV cache ------------------------------------------------------------------
+    def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
+                       weight_dtype: torch.dtype | None = None) -> LinearKernels:
+        """The kernels the layers' methods may use on this machine (dtype: the model's;
+        weight_dtype: how dense weights are to be held, Config.weight_dtype)."""
+        return LinearKernels()
+
     def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
                                       weight_dtype: torch.dtype | None = None) -> str:
-        """Give the loaded model's linear layers their LinearMethod (dtype: the model's;
-        weight_dtype: how the weights are to be held, Config.weight_dtype); returns how they
-        multiply (for the log)."""
-        return describe_linear_methods(model)
+        """Every layer's method turns its loaded weights into the form it multiplies from, with
+        the kernels of linear_kernels; returns how the linear layers multiply (for the log)."""
+        return process_weights_after_loading(model, self.linear_kernels(model, dtype, weight_dtype))
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         """Bytes this rank may give the KV cache. warmup() runs the largest forward without a cache,
@@ -113,8 +118,3 @@ class Platform:
         """The sampler's draw of one token per row (a function of sample/sampler.py)."""
         raise NotImplementedError
 
-
-def describe_linear_methods(model: nn.Module) -> str:
-    """The distinct LinearMethod names of model's linear layers, e.g. "dense" or "dense, transposed"."""
-    names = sorted({layer.linear_method.name for layer in linear_layers(model)})
-    return ", ".join(names) or LinearMethod.name

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanovllm import SamplingParams
+from nanovllm.layers.quantization import linear_layers
 
 
 def _best_time(fn: Callable[[], object], synchronize: Callable[[], None], repeat: int = 5) -> float:
@@ -46,17 +47,9 @@ def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
 
 
 def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
-    """Weights multiplied every step: every linear projection plus the LM head (the oneDNN-packed
-    copy where the platform packed them, since the dense one is then empty)."""
-    weights = []
-    for name, m in model.named_modules():
-        packed = getattr(m, "packed_weight", None)
-        if packed is not None:
-            weights.append(packed)
-        elif (hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
-              and "embed_tokens" not in name):
-            weights.append(m.weight)
-    return weights
+    """Weights multiplied every step: every linear projection plus the LM head, in the form their
+    methods read them (the oneDNN-packed copy where the platform packed them)."""
+    return [w for layer in linear_layers(model) for w in layer.quant_method.streamed_weights(layer)]
 
 
 def time_decode_steps(llm, batch: int, prompt_len: int, steps: int) -> float:
@@ -85,7 +78,7 @@ def measure_efficiency(llm, large_batch: int = 64, steps: int = 8) -> dict:
     peak = matmul_peak_flops(dtype, device, synchronize)
     bandwidth = copy_bandwidth(device, synchronize=synchronize)
     weights = matmul_weights(runner.model)
-    params = sum(w.numel() for w in weights)
+    params = sum(layer.output_size * layer.input_size for layer in linear_layers(runner.model))
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     batch = min(large_batch, llm.config.max_num_seqs)
     t_large = time_decode_steps(llm, batch, 32, steps)

@@ -1,0 +1,106 @@
+"""Weight formats behind a registry keyed by name (config.json's quantization_config.quant_method,
+vLLM's rule): a QuantizationConfig per format gives each layer its method at construction
+(base.py); plain checkpoints are the "unquantized" format (unquantized.py). A new format is one
+module here that registers its config class."""
+from typing import Any
+
+from torch import nn
+
+from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase,
+                                               QuantizationConfig, QuantizeMethodBase)
+from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
+                                                      UnquantizedLinearMethod)
+
+_REGISTRY: dict[str, type[QuantizationConfig]] = {}
+
+
+def register_quantization_config(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
+    """Class decorator: the format answers to cls.name from now on."""
+    name = cls.name.lower()
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"quantization method {name!r} is already registered ({_REGISTRY[name].__name__})")
+    _REGISTRY[name] = cls
+    return cls
+
+
+register_quantization_config(UnquantizedConfig)
+
+
+def quantization_methods() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def quant_method_of(hf_config: Any) -> str | None:
+    """config.json's quantization_config.quant_method (None: no quantization_config)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers keeps some as enums
+    if not isinstance(method, str) or not method:
+        raise ValueError(f"config.json has a quantization_config without a quant_method: {qc!r}")
+    return method.lower()
+
+
+def quant_config_for_model(path: str, hf_config: Any) -> QuantizationConfig:
+    """The weight format of the checkpoint folder at path, as its config.json names it."""
+    method = quant_method_of(hf_config) or UnquantizedConfig.name
+    cls = _REGISTRY.get(method)
+    if cls is None:
+        raise ValueError(f"quantization method {method!r} (config.json quantization_config.quant_method) is not "
+                         f"supported; supported: {quantization_methods()}")
+    config = cls.from_model(path, hf_config)
+    if config is None:
+        raise ValueError(f"{path!r} is not a {method!r} checkpoint its quantization_config describes")
+    return config
+
+
+def linear_method_for(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str) -> LinearMethodBase:
+    method = quant_config.method_for(layer, prefix) if quant_config is not None else None
+    if method is not None and not isinstance(method, LinearMethodBase):
+        raise TypeError(f"{type(quant_config).__name__} gave {prefix!r} a {type(method).__name__}, not a linear method")
+    return method or UnquantizedLinearMethod()
+
+
+def embedding_method_for(quant_config: QuantizationConfig | None, layer: nn.Module,
+                         prefix: str) -> EmbeddingMethodBase:
+    method = quant_config.method_for(layer, prefix) if quant_config is not None else None
+    if method is not None and not isinstance(method, EmbeddingMethodBase):
+        raise TypeError(f"{type(quant_config).__name__} gave {prefix!r} a {type(method).__name__}, "
+                        "not an embedding method")
+    return method or UnquantizedEmbeddingMethod()
+
+
+def quantized_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of model whose weights a method holds (linears, embeddings, LM heads)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), QuantizeMethodBase)]
+
+
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of model that multiply through a linear method (linears and LM heads)."""
+    return [m for m in quantized_layers(model) if isinstance(m.quant_method, LinearMethodBase)]
+
+
+def process_weights_after_loading(model: nn.Module, kernels: LinearKernels) -> str:
+    """Every method turns its layer's loaded parameters into the form it multiplies from, with the
+    kernels the machine offers; returns how the linear layers multiply (for the log)."""
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            users[id(param)] = users.get(id(param), 0) + 1
+    for layer in quantized_layers(model):
+        params = list(layer.parameters(recurse=False))
+        layer.quant_method.process_weights_after_loading(layer, kernels, any(users[id(p)] > 1 for p in params))
+    return describe_linear_methods(model)
+
+
+def describe_linear_methods(model: nn.Module) -> str:
+    """The distinct method names of model's linear layers, e.g. "dense" or "dense, transposed"."""
+    return ", ".join(sorted({layer.quant_method.name for layer in linear_layers(model)})) or "dense"
+
+
+__all__ = ["CWeightView", "EmbeddingMethodBase", "LinearKernels", "LinearMethodBase", "QuantizationConfig",
+           "QuantizeMethodBase", "UnquantizedConfig", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod",
+           "describe_linear_methods", "embedding_method_for", "linear_layers", "linear_method_for",
+           "process_weights_after_loading", "quant_config_for_model", "quant_method_of", "quantization_methods",
+           "quantized_layers", "register_quantization_config"]

@@ -1,0 +1,95 @@
+"""The seat of a weight format: a QuantizationConfig (what a checkpoint says about its weights)
+gives each layer, at construction, a method that creates the layer's parameters, turns them after
+loading into the form it multiplies from, and multiplies (vLLM's QuantizationConfig /
+LinearMethodBase). Platforms answer only which kernels the machine has (LinearKernels)."""
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from nanovllm.kernels.cpu_kernels import CpuKernels
+
+
+@dataclass(frozen=True)
+class LinearKernels:
+    """What the machine offers the methods, decided once per model by the platform
+    (Platform.linear_kernels): each method picks its kernel from it."""
+
+    onednn_packing: bool = False          # fp32 weights reordered once into oneDNN's blocked layout
+    transposed_when_wide: bool = False    # MKL: x W^T as (W x^T)^T where output >= input
+    c_kernels: "CpuKernels | None" = None  # the C library (kernels/cpu_kernels.py), for few-row inputs
+    c_weight_dtype: torch.dtype = torch.float32  # how a dense copy for the C kernels is held
+    c_max_rows: int = 0                   # inputs of at most this many rows go to the C kernels
+
+
+@dataclass(frozen=True)
+class CWeightView:
+    """A weight matrix as the C kernels stream it (kernels/cpu_kernels.h, `Linear`): n rows of
+    row_bytes each, in the C weight-type table's row `type_name`, plus format-specific side data."""
+
+    type_name: str
+    data: torch.Tensor
+    n: int
+    k: int
+    row_bytes: int
+    scales: torch.Tensor | None = None
+
+
+class QuantizeMethodBase:
+    """How one layer holds and reads its weights."""
+
+    name: str = "?"
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
+        """Turn the loaded parameters into the form apply() reads, once. is_shared: another module
+        uses the same parameter (a tied embedding table), so its loaded form must stay usable."""
+
+    def c_view(self, layer: nn.Module) -> CWeightView | None:
+        """The weights as the C decode step reads them, or None: the layer then runs its own
+        module inside the step (executor/cpu_decode.py)."""
+        return None
+
+    def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        """The tensors one multiplication reads (for the memory-floor estimate, utils/efficiency.py)."""
+        return []
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register the layer's parameters for this rank's [sum(output_partition_sizes), input_size]
+        weight through layer.register_weight, each tagged with its output / input / packed dims."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [num_tokens, input_size] -> x W^T (+ bias) [num_tokens, output_size]."""
+        raise NotImplementedError
+
+
+class EmbeddingMethodBase(QuantizeMethodBase):
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
+                       params_dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the table for ids (all within this rank's slice), in layer.dtype."""
+        raise NotImplementedError
+
+
+class QuantizationConfig:
+    """One weight format of a checkpoint. Subclasses register under a name (registry.py), the
+    value of config.json's quantization_config.quant_method they answer to."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def from_model(cls, path: str, hf_config: Any) -> "QuantizationConfig | None":
+        """This format's config for the checkpoint folder, or None when it is not in this format."""
+        raise NotImplementedError
+
+    def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method of the layer named prefix (e.g. "model.layers.0.mlp.down_proj"); None: the
+        layer keeps dense weights (ignored modules such as lm_head, routers)."""
+        raise NotImplementedError

@@ -1,0 +1,128 @@
+"""Dense weights, the format of plain checkpoints: a linear layer's [output, input] matrix and the
+embedding table in the model dtype. After loading, the linear method picks the kernel the machine
+has (LinearKernels): F.linear; MKL in the transposed orientation for wide layers; oneDNN on a
+packed fp32 copy; that plus the C kernel over a dense copy (fp32 or bf16) for inputs of a few rows."""
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase,
+                                               QuantizationConfig, QuantizeMethodBase)
+
+# The C kernels' name of a dense weight's element type (kernels/cpu_kernels.c, weight_types).
+C_TYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [output_size, input_size] reordered once into oneDNN's blocked layout (an opaque tensor)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) against a weight from pack_weight()."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def dense_c_view(weight: torch.Tensor) -> CWeightView | None:
+    """A dense fp32 / bf16 matrix as the C kernels read it; None for another dtype or layout."""
+    if weight.dtype not in C_TYPE_NAMES or weight.dim() != 2 or not weight.is_contiguous() or weight.numel() == 0:
+        return None
+    n, k = weight.shape
+    return CWeightView(C_TYPE_NAMES[weight.dtype], weight, n, k, k * weight.element_size())
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """x W^T (+ bias) over the layer's dense weight, with the kernel chosen after loading."""
+
+    def __init__(self):
+        self.kernel = "dense"  # dense | transposed | packed | packed+c
+        self.c_kernels: cpu_kernels.CpuKernels | None = None
+        self.c_max_rows = 0
+        self.c_dtype = torch.float32
+        self.c_linear = None  # the C kernel's description of the weight (cpu_kernels.Linear)
+
+    @property
+    def name(self) -> str:
+        if self.kernel == "packed+c":
+            dtype = str(self.c_dtype).removeprefix("torch.")
+            return f"oneDNN-packed fp32 + C kernel at <= {self.c_max_rows} rows ({dtype})"
+        return {"dense": "dense", "transposed": "transposed", "packed": "oneDNN-packed"}[self.kernel]
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        layer.register_weight("weight", torch.empty(sum(output_partition_sizes), input_size, dtype=params_dtype),
+                              output_dim=0, input_dim=1)
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
+        weight = layer.weight
+        n, k = weight.shape
+        if kernels.onednn_packing:
+            # oneDNN reads this copy; the dense one is freed unless the C kernel streams it or
+            # another module (a tied embedding) reads it.
+            layer.packed_weight = pack_weight(weight)
+            if kernels.c_kernels is not None:
+                # NOTE: a shared weight (tied embedding table) is narrowed for its other user too;
+                # the embedding gives its rows in the model dtype whatever the table's.
+                weight.data = weight.data.to(kernels.c_weight_dtype)
+                self.kernel, self.c_kernels, self.c_max_rows = "packed+c", kernels.c_kernels, kernels.c_max_rows
+                self.c_dtype = kernels.c_weight_dtype
+                self.c_linear = cpu_kernels.linear_struct(self.c_kernels, self.c_view(layer))
+            else:
+                self.kernel = "packed"
+                if not is_shared:
+                    weight.data = weight.data.new_empty(0)
+        elif kernels.transposed_when_wide and n >= k:
+            # MKL runs (W x^T)^T faster for outputs at least as wide as the input and 2-1024 rows
+            # (docs/performance.md, "Linear orientation").
+            self.kernel = "transposed"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernel = self.kernel
+        if kernel == "packed+c" and x.shape[0] <= self.c_max_rows:
+            return cpu_kernels.linear(self.c_kernels, self.c_linear, x, bias)
+        if kernel == "packed" or kernel == "packed+c":
+            return packed_linear(x, layer.packed_weight, bias)
+        if kernel == "transposed":
+            y = torch.mm(layer.weight, x.t()).t().contiguous()  # [num_tokens, output_size]
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, layer.weight, bias)
+
+    def c_view(self, layer: nn.Module) -> CWeightView | None:
+        return dense_c_view(layer.weight) if self.kernel == "packed+c" else None
+
+    def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        return [layer.packed_weight] if self.kernel.startswith("packed") else [layer.weight]
+
+
+class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
+    """The table as loaded (or as a tied LM head's method left it: bf16 for the C kernel)."""
+
+    name = "dense"
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
+                       params_dtype: torch.dtype) -> None:
+        layer.register_weight("weight", torch.empty(num_embeddings, embedding_dim, dtype=params_dtype),
+                              output_dim=0, input_dim=1)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight).to(layer.dtype)
+
+    def c_view(self, layer: nn.Module) -> CWeightView | None:
+        return dense_c_view(layer.weight)
+
+
+class UnquantizedConfig(QuantizationConfig):
+    """Plain checkpoints: every layer dense."""
+
+    name = "unquantized"
+
+    @classmethod
+    def from_model(cls, path: str, hf_config: Any) -> "UnquantizedConfig | None":
+        return cls() if getattr(hf_config, "quantization_config", None) is None else None
+
+    def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        return None
