@@ -86,8 +86,9 @@ class ModelRunner:
         self.fused_decode = None if use_graphs else platform.fused_decode(
             self.model, backend_name, self.dtype, config.tensor_parallel_size)
         if rank == 0 and self.fused_decode is not None:
-            logger.info("decode steps in C: one call up to %d sequences, four per layer between the matmuls above "
-                        "(and in prefill steps)", self.fused_decode.max_rows)
+            logger.info("decode steps in C: one call up to %d sequences (%d of %d layers; the others through their "
+                        "own modules), four per layer between the matmuls above (and in prefill steps)",
+                        self.fused_decode.max_rows, self.fused_decode.one_call_layers, len(self.fused_decode.modules))
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:

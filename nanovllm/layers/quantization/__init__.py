@@ -51,7 +51,8 @@ def quant_config_for_model(path: str, hf_config: Any) -> QuantizationConfig:
                          f"supported; supported: {quantization_methods()}")
     config = cls.from_model(path, hf_config)
     if config is None:
-        raise ValueError(f"{path!r} is not a {method!r} checkpoint its quantization_config describes")
+        raise ValueError(f"config.json of {path!r} names quantization method {method!r}, but {cls.__name__} "
+                         "does not recognise the checkpoint's quantization_config")
     return config
 
 
