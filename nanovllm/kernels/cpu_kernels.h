@@ -22,8 +22,10 @@ typedef struct {
     int64_t row_bytes;
 } Linear;
 
-/* dot[b] = W[r, :] . x[b, :] for b < nb (at most STREAM_ROWS rows, row stride ldx). */
-typedef void (*RowDot)(const Linear *m, int64_t r, const float *x, int64_t ldx, int nb, float *dot);
+/* y[b, r] = W[r, :] . x[b, :] (+ bias[r]) for b < rows and every weight row r, as an orphaned `omp
+ * for` over the rows (see linear_rows_for). One per format, generated from the format's row dot
+ * product (DEFINE_LINEAR_ROWS in cpu_kernels.c), so the dot is inlined in the row loop. */
+typedef void (*LinearRows)(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);
 /* out[0, k) = W[r, :] as fp32 (embedding lookups). */
 typedef void (*RowToF32)(const Linear *m, int64_t r, float *out);
 
@@ -32,7 +34,7 @@ typedef struct {
     const char *name;
     int64_t block_size;  /* weights per block */
     int64_t block_bytes; /* bytes per block */
-    RowDot row_dot;
+    LinearRows linear_rows;
     RowToF32 row_to_f32;
 } WeightType;
 
