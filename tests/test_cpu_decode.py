@@ -176,3 +176,29 @@ def test_engine_runs_without_a_c_compiler(checkpoints, monkeypatch, tmp_path):
         assert [o["token_ids"] for o in generate(llm, [[5, 6, 7]])] == expected
     finally:
         llm.exit()
+
+
+def test_the_avx2_build_is_forced_by_the_march_setting(tmp_path):
+    """NANOVLLM_CPU_MARCH=x86-64-v3 builds the AVX2 + FMA library (no AVX-512 register in its code:
+    zmm, ymm16-31, mask registers; its own cache file) and its kernels give the same results: the
+    path AVX2-only machines run."""
+    import os
+    import re
+    import subprocess
+    import sys
+    code = ("import torch; from nanovllm.kernels import cpu_kernels as ck; "
+            "from nanovllm.layers.quantization.unquantized import dense_c_view; k = ck.load(); "
+            "w = torch.randn(37, 45).bfloat16(); x = torch.randn(3, 45); "
+            "y = ck.linear(k, ck.linear_struct(k, dense_c_view(w)), x, None); "
+            "assert torch.allclose(y.double(), x.double() @ w.double().T, atol=1e-5); print(ck.library_path())")
+    env = {**os.environ, "NANOVLLM_CPU_MARCH": "x86-64-v3", "NANOVLLM_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    library = out.stdout.strip().splitlines()[-1]
+    assert library.startswith(str(tmp_path)) and os.path.isfile(library)
+    if shutil.which("objdump") is not None:
+        disassembly = subprocess.run(["objdump", "-d", library], capture_output=True, text=True).stdout
+        assert "ymm" in disassembly and not re.search(r"zmm|ymm(1[6-9]|2[0-9]|3[01])|%k[1-7]", disassembly)
+    bad = subprocess.run([sys.executable, "-c", "from nanovllm.kernels import cpu_kernels; print(cpu_kernels.load())"],
+                         env={**env, "NANOVLLM_CPU_MARCH": "native; rm -rf /"}, capture_output=True, text=True)
+    assert bad.stdout.strip() == "None" and "is not a -march value" in bad.stderr

@@ -26,9 +26,18 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
-# -march=native: the library is built on, and cached for, the machine that runs it (the CPU's
-# flags are part of its file name).
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# -march=native by default: the library is built on, and cached for, the machine that runs it (the
+# CPU's flags are part of its file name). NANOVLLM_CPU_MARCH=x86-64-v3 builds the AVX2 + FMA path
+# on a machine with more (AVX-512), to measure what AVX2-only machines run.
+MARCH_ENV = "NANOVLLM_CPU_MARCH"
+BASE_CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def cflags() -> list[str]:
+    march = os.environ.get(MARCH_ENV, "native")
+    if not march.replace("-", "").replace("_", "").isalnum():
+        raise RuntimeError(f"{MARCH_ENV}={march!r} is not a -march value")
+    return [*BASE_CFLAGS, f"-march={march}"]
 
 _kernels = None
 _tried = False
@@ -37,7 +46,7 @@ _tried = False
 def library_path() -> Path:
     cpu = cpu_flags_line() or os.uname().machine
     text = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
-    key = hashlib.sha256(text + " ".join(CFLAGS).encode() + cpu.encode())
+    key = hashlib.sha256(text + " ".join(cflags()).encode() + cpu.encode())
     return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -51,7 +60,7 @@ def build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *cflags(), *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
                                 text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
