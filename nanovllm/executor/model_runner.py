@@ -86,9 +86,10 @@ class ModelRunner:
         self.fused_decode = None if use_graphs else platform.fused_decode(
             self.model, backend_name, self.dtype, config.tensor_parallel_size)
         if rank == 0 and self.fused_decode is not None:
-            logger.info("decode steps in C: one call up to %d sequences (%d of %d layers; the others through their "
-                        "own modules), four per layer between the matmuls above (and in prefill steps)",
-                        self.fused_decode.max_rows, self.fused_decode.one_call_layers, len(self.fused_decode.modules))
+            fused, layers = self.fused_decode, len(self.fused_decode.modules)
+            others = "" if fused.one_call_layers == layers else "; the others through their own modules"
+            logger.info("decode steps in C: one call up to %d sequences (%d of %d layers%s), four per layer between "
+                        "the matmuls above (and in prefill steps)", fused.max_rows, fused.one_call_layers, layers, others)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
