@@ -215,6 +215,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="measure every figure this many times, alternating the "
                    "engines, and report each one's best (default: 3)")
     p.add_argument("--json", help="save every figure and llama.cpp's raw rows to this file")
+    p.add_argument("--isa", default="native", choices=sorted(llamacpp_build.ISA_FLAGS),
+                   help="instruction set of both engines' kernels: native (llama.cpp without AMX, ours "
+                   "-march=native) or avx2 (llama.cpp AVX2 + FMA, ours NANOVLLM_CPU_MARCH=x86-64-v3)")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")
     skip.add_argument("--skip-ours", action="store_true", help="run only llama.cpp")
@@ -238,12 +241,16 @@ def main() -> None:
     if os.environ.pop("OMP_WAIT_POLICY", None) is not None:
         print("note: OMP_WAIT_POLICY unset: benchmarks run without it", file=sys.stderr)
     args = parse_args()
+    from nanovllm.kernels.cpu_kernels import MARCH_ENV
+    if args.isa == "avx2":  # before our kernels are built or loaded (at the first engine)
+        os.environ.setdefault(MARCH_ENV, "x86-64-v3")
     from nanovllm.utils.default_model import cache_root
     cache = cache_root()
     report = {"threads": args.threads, "batches": args.batches, "llama_cpp_python": llamacpp_build.VERSION,
-              "models": {}}
+              "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native"), "models": {}}
     try:
-        bins = None if args.skip_llamacpp else llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count())
+        bins = None if args.skip_llamacpp else llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count(),
+                                                                              isa=args.isa)
         for name in args.models:
             path = model_folder(name)
             results = report["models"][name] = {"path": path, "threads": args.threads}

@@ -16,6 +16,16 @@ TARGETS = ("llama-bench", "llama-batched-bench")
 OUTTYPES = ("f32", "f16", "q8_0")
 CONVERTER_DEPS = ("numpy", "sentencepiece", "safetensors", "torch", "transformers")
 QWEN2_VOCAB = "models/ggml-vocab-qwen2.gguf"  # 151936 tokens, the Qwen2/Qwen3 tokenizer
+# The instruction sets llama.cpp is built for. "native": every extension of this CPU but AMX (ggml's
+# AMX matmul dies at its first `ldtilecfg` on VMs that list AMX: SIGSEGV on Q8_0 files; nano-vLLM
+# has no AMX path either). "avx2": AVX2 + FMA + F16C, what AVX2-only machines run (pair it with
+# NANOVLLM_CPU_MARCH=x86-64-v3 on our side).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+ISA_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON"],
+}
 
 
 class BuildError(RuntimeError):
@@ -93,28 +103,32 @@ def ensure_converter_deps() -> None:
                  Path(tempfile.gettempdir()) / "nanovllm-pip-converter.log")
 
 
-def build_llamacpp(cache: Path, jobs: int | None = None) -> dict[str, Path]:
-    """Paths of the built TARGETS, configuring and building them only when the stamp is missing."""
+def build_llamacpp(cache: Path, jobs: int | None = None, isa: str = "native") -> dict[str, Path]:
+    """Paths of the TARGETS built for isa (a key of ISA_FLAGS), configuring and building them only
+    when the stamp (which names the flags) is missing or differs."""
+    if isa not in ISA_FLAGS:
+        raise BuildError(f"no llama.cpp build for instruction set {isa!r}; choose from {sorted(ISA_FLAGS)}")
     work = work_dir(cache)
-    build = work / "build"
+    build = work / f"build-{isa}"
     bins = {t: build / "bin" / t for t in TARGETS}
-    stamp = work / "build-ok.json"
-    if stamp.is_file() and all(p.is_file() for p in bins.values()):
+    stamp = work / f"build-{isa}-ok.json"
+    recipe = {"llama_cpp_python": VERSION, "targets": list(TARGETS), "flags": ISA_FLAGS[isa]}
+    if stamp.is_file() and json.loads(stamp.read_text()) == recipe and all(p.is_file() for p in bins.values()):
         return bins
     llama = fetch_source(cache)
     cmake, ninja = build_tool("cmake"), build_tool("ninja")
-    print(f"building llama.cpp ({', '.join(TARGETS)}) in {build} (once; minutes) ...", flush=True)
+    print(f"building llama.cpp ({', '.join(TARGETS)}, {isa}) in {build} (once; minutes) ...", flush=True)
     run_step("cmake configure of llama.cpp",
              [cmake, "-S", str(llama), "-B", str(build), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
-              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-             work / "logs" / "configure.log")
+              *ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+             work / "logs" / f"configure-{isa}.log")
     run_step("cmake build of llama.cpp",
              [cmake, "--build", str(build), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 1)],
-             work / "logs" / "build.log")
+             work / "logs" / f"build-{isa}.log")
     missing = [str(p) for p in bins.values() if not p.is_file()]
     if missing:
         raise BuildError(f"the llama.cpp build finished but left no {', '.join(missing)}")
-    stamp.write_text(json.dumps({"llama_cpp_python": VERSION, "targets": TARGETS}))
+    stamp.write_text(json.dumps(recipe))
     return bins
 
 

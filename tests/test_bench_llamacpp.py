@@ -136,7 +136,9 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
     the table holds each engine's best."""
     calls = []
     rates = iter(range(1, 1000))
-    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", lambda cache, jobs: {"fake": tmp_path})
+    builds = []
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
+                        lambda cache, jobs, isa: builds.append(isa) or {"fake": tmp_path})
     monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
                         lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
     monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
@@ -189,3 +191,31 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
     import json
     saved = json.loads((tmp_path / "out.json").read_text())["models"]["default"]
     assert saved["ours"]["samples"]["decode 1"] == [2.0, 4.0]
+
+
+def test_isa_choice_reaches_both_engines(bench, monkeypatch, tmp_path):
+    """--isa avx2 builds llama.cpp for AVX2 and our kernels for x86-64-v3 (set before any engine
+    starts); native keeps -march=native; an unknown instruction set is a build error."""
+    real_build = bench.llamacpp_build.build_llamacpp
+    builds = []
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
+                        lambda cache, jobs, isa: builds.append(isa) or {"fake": tmp_path})
+    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf", lambda cache, path, name, quant: None)
+    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+    marches = []
+    monkeypatch.setattr(bench, "start_ours", lambda *a: marches.append(os.environ.get("NANOVLLM_CPU_MARCH"))
+                        or (_ for _ in ()).throw(KeyboardInterrupt))
+    for isa, march in (("native", None), ("avx2", "x86-64-v3")):
+        monkeypatch.delenv("NANOVLLM_CPU_MARCH", raising=False)
+        monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--isa", isa,
+                                          "--json", str(tmp_path / f"{isa}.json")])
+        with pytest.raises(KeyboardInterrupt):
+            bench.main()
+        assert builds[-1] == isa and marches[-1] == march
+        import json
+        report = json.loads((tmp_path / f"{isa}.json").read_text())
+        assert report["isa"] == isa and report["our_march"] == (march or "native")
+    with pytest.raises(bench.BuildError, match="no llama.cpp build for instruction set 'avx1'"):
+        real_build(tmp_path, isa="avx1")
+    assert set(bench.llamacpp_build.ISA_FLAGS) == {"native", "avx2"}
+    assert "-mno-amx-int8" in " ".join(bench.llamacpp_build.ISA_FLAGS["native"])
