@@ -276,10 +276,15 @@ def main() -> None:
                     for point in points:
                         for _ in range(args.rounds):
                             if gguf is not None:
-                                keep_best(results, quant, point,
-                                          llamacpp_point(bins, gguf, point, args.threads,
-                                                         llamacpp_build.work_dir(cache) / "logs",
-                                                         raw.setdefault(quant, [])))
+                                try:
+                                    keep_best(results, quant, point,
+                                              llamacpp_point(bins, gguf, point, args.threads,
+                                                             llamacpp_build.work_dir(cache) / "logs",
+                                                             raw.setdefault(quant, [])))
+                                except BuildError as e:  # a crashed run: this format's other figures are skipped
+                                    print(f"error: {e}\n(no more {LABELS[quant]} figures)", file=sys.stderr)
+                                    results.setdefault("failed", {})[quant] = str(e)
+                                    gguf = None
                             if llm is not None:
                                 keep_best(results, ours, point, ours_point(llm, point, rng, raw.setdefault(ours, [])))
                 finally:

@@ -219,3 +219,38 @@ def test_isa_choice_reaches_both_engines(bench, monkeypatch, tmp_path):
         real_build(tmp_path, isa="avx1")
     assert set(bench.llamacpp_build.ISA_FLAGS) == {"native", "avx2"}
     assert "-mno-amx-int8" in " ".join(bench.llamacpp_build.ISA_FLAGS["native"])
+
+
+def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, monkeypatch, tmp_path, capsys):
+    """A llama.cpp run that fails (e.g. a kernel the VM traps) ends that format's figures only: the
+    error is printed and saved, the other formats and our engine are still measured."""
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", lambda cache, jobs, isa: {"fake": tmp_path})
+    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
+                        lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
+    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+    tried = []
+
+    def llamacpp_point(bins, gguf, point, threads, logs, raw):
+        quant = gguf.stem.split("-")[1]
+        tried.append(quant)
+        if quant == "f16":
+            raise bench.BuildError("llama-batched-bench on m-f16.gguf failed (exit code -11)")
+        return 10.0
+
+    class Engine:
+        def exit(self):
+            pass
+    monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
+    monkeypatch.setattr(bench, "start_ours", lambda *a: Engine())
+    monkeypatch.setattr(bench, "ours_point", lambda llm, point, rng, raw: 20.0)
+    monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1,8",
+                                      "--rounds", "2", "--json", str(tmp_path / "out.json")])
+    bench.main()
+    assert tried.count("f16") == 1 and tried.count("f32") == tried.count("q8_0") == 6
+    captured = capsys.readouterr()
+    assert "failed (exit code -11)" in captured.err and "no more llama.cpp F16 figures" in captured.err
+    assert "| llama.cpp F32 | 10.0 | 10.0 | 10.0 |" in captured.out
+    assert "| nano-vLLM bf16 weights | 20.0 | 20.0 | 20.0 |" in captured.out
+    import json
+    saved = json.loads((tmp_path / "out.json").read_text())["models"]["default"]
+    assert "exit code -11" in saved["failed"]["f16"]
