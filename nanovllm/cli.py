@@ -12,7 +12,7 @@ import sys
 from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 
 
-# Engine options: (flag, Config field, type, help). Defaults stay Config's own.
+# Engine options: (flag, Config field, type, help). Defaults stay Config's own (shown by --help).
 _ENGINE_OPTIONS = [
     ("--device", "device", str, "auto, cpu or cuda"),
     ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16"),
@@ -22,7 +22,8 @@ _ENGINE_OPTIONS = [
     ("--kvcache-block-size", "kvcache_block_size", int, "tokens per KV cache block (multiple of 16)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "share of GPU memory to use"),
     ("--cpu-kvcache-bytes", "cpu_kvcache_bytes", int, "KV cache size on CPU, in bytes"),
-    ("--tensor-parallel-size", "tensor_parallel_size", int, "number of GPUs (tensor parallel)"),
+    ("--tensor-parallel-size", "tensor_parallel_size", int,
+     "tensor-parallel ranks: one per GPU on CUDA, processes sharing the cores on CPU"),
     ("--attention-backend", "attention_backend", str, "auto, torch, flash or triton"),
     ("--seed", "seed", int, "engine seed"),
     ("--nnodes", "nnodes", int, "machines the tensor-parallel ranks are spread over"),
@@ -31,6 +32,25 @@ _ENGINE_OPTIONS = [
     ("--dist-timeout-s", "dist_timeout_s", float, "start-up and collectives give up after this long"),
 ]
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+# Short aliases (vLLM's, bench.py's) of engine flags.
+_ALIASES = {"--tensor-parallel-size": "-tp"}
+# Defaults that Config leaves to the platform (None there), as --help states them.
+_PLATFORM_DEFAULTS = {
+    "kvcache_block_size": "16 on CPU, 256 on CUDA",
+    "cpu_kvcache_bytes": "a quarter of the available RAM, at most 8 GiB",
+    "dist_init_addr": "none",
+}
+
+
+def config_default(dest: str) -> str:
+    """Config's default of a field, as --help shows it."""
+    import dataclasses
+
+    from nanovllm.config import Config
+    if dest in _PLATFORM_DEFAULTS:
+        return _PLATFORM_DEFAULTS[dest]
+    default = {f.name: f.default for f in dataclasses.fields(Config)}[dest]
+    return str(default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="accept a chat_template in requests (it runs on the engine's thread)")
     engine = serve.add_argument_group("engine options")
     for flag, dest, type_, help_ in _ENGINE_OPTIONS:
-        engine.add_argument(flag, dest=dest, type=type_, default=None, help=help_)
+        flags = [flag, _ALIASES[flag]] if flag in _ALIASES else [flag]
+        engine.add_argument(*flags, dest=dest, type=type_, default=None,
+                            help=f"{help_} (default: {config_default(dest)})")
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     engine.add_argument("--kvcache-prefault", action="store_true", default=None,
                         help="CPU: map every KV cache page at start-up (steadier first steps, slower start)")
@@ -71,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=None, help="turn prefix caching off")
     _add_data_parallel_options(serve)
     serve.set_defaults(serve_parser=serve)  # replicas.py rebuilds a replica's command from its actions
-    add_worker_command(commands)
+    # Each command's parser reports a flag it does not know (parse_command_line).
+    parser.command_parsers = {"serve": serve, "worker": add_worker_command(commands)}
     return parser
 
 
@@ -90,7 +113,7 @@ def _add_data_parallel_options(serve: argparse.ArgumentParser) -> None:
                     help="how the router picks a replica (default: %(default)s)")
 
 
-def add_worker_command(commands) -> None:
+def add_worker_command(commands) -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run the tensor-parallel ranks of node K >= 1 of a multi-node engine")
     worker.add_argument("model", help="the checkpoint folder on this machine (node 0's other settings apply)")
     worker.add_argument("--nnodes", type=int, required=True, help="machines in the engine, as on node 0")
@@ -100,6 +123,7 @@ def add_worker_command(commands) -> None:
                         help="how long to wait for node 0 (default: %(default)s)")
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="logging (default: %(default)s)")
+    return worker
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -147,8 +171,18 @@ def check_port(host: str, port: int) -> str | None:
     return None
 
 
+def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; flags no command knows are refused by that command's parser, so the
+    one error line names it (`nanovllm serve: error: unrecognized arguments: ...`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.command_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "worker" or (args.command == "serve" and args.node_rank):
         return run_worker(args)

@@ -8,6 +8,7 @@ body {"error": {"message", "type", "param", "code"}}. Every request's work is bo
 queued (limits.py).
 """
 import asyncio
+import difflib
 import hmac
 import logging
 import time
@@ -194,8 +195,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(e.body, status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_body(e), status_code=400)
+    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(e, _request_fields(request)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -265,8 +266,19 @@ def _as_bad_request():
 _BOUND_WORDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
-def _validation_body(e: RequestValidationError) -> dict:
-    """The first few pydantic errors as one message; param names the first bad field."""
+def _request_fields(request: Request) -> list[str]:
+    """The field names of the body model of the route that refused a request ([] if it has none)."""
+    route = request.scope.get("route")
+    for param in getattr(getattr(route, "dependant", None), "body_params", []):
+        fields = getattr(getattr(param.field_info, "annotation", None), "model_fields", None)
+        if fields:
+            return [info.alias or name for name, info in fields.items()]
+    return []
+
+
+def _validation_body(e: RequestValidationError, known_fields: list[str] = ()) -> dict:
+    """The first few pydantic errors as one message; param names the first bad field. An unknown
+    field gets the nearest known one suggested ("temprature": did you mean "temperature"?)."""
     errors = e.errors()
     if errors and errors[0].get("type") == "json_invalid":
         return error_body(f"request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
@@ -278,6 +290,9 @@ def _validation_body(e: RequestValidationError) -> dict:
         elif err.get("type") in _BOUND_WORDS:  # the documented bounds, in SamplingParams' words
             (bound,) = err["ctx"].values()
             messages.append(f"{field} must be {_BOUND_WORDS[err['type']]} {bound}, got {err.get('input')!r}")
+        elif err.get("type") == "extra_forbidden" and field:
+            near = difflib.get_close_matches(field, known_fields, n=1, cutoff=0.75)
+            messages.append(f"{field}: unknown field" + (f"; did you mean {near[0]!r}?" if near else ""))
         else:
             messages.append(f"{field or 'request body'}: {err.get('msg')}")
         params.append(field or None)

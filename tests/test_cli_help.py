@@ -1,0 +1,47 @@
+"""`nanovllm serve --help` and flag mistakes as a new user meets them: every engine option states
+its default (Config's own, or the platform's rule), `-tp` is `--tensor-parallel-size`, and an
+unknown flag is refused by the command that was given, in one line (`nanovllm serve: error:`)."""
+import dataclasses
+import re
+
+import pytest
+
+from nanovllm.cli import _ENGINE_OPTIONS, build_parser
+from nanovllm.config import Config
+
+from test_user_errors import one_error_line, run
+
+
+def serve_help() -> str:
+    return build_parser().command_parsers["serve"].format_help()
+
+
+def test_every_engine_option_states_its_default():
+    text = " ".join(serve_help().split())  # argparse wraps the help lines
+    text = text[text.index("engine options:"):]  # past the usage line, which names every flag too
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for flag, dest, _, _ in _ENGINE_OPTIONS:
+        block = text[text.index(flag + " "):]
+        stated = re.search(r"\(default: ([^)]*)\)", block).group(1)
+        if defaults[dest] is None:  # decided by the platform: said in words
+            assert stated and stated != "None", flag
+        else:
+            assert stated == str(defaults[dest]), (flag, stated, defaults[dest])
+    assert "(default: 16 on CPU, 256 on CUDA)" in text
+    assert "number of GPUs" not in text and "processes sharing the cores on CPU" in text
+
+
+def test_tp_alias():
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m", "-tp", "2"]).tensor_parallel_size == 2
+    assert parser.parse_args(["serve", "m", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("argv, prefix", [
+    (["serve", "m", "--temprature", "1"], "nanovllm serve: error: unrecognized arguments: --temprature 1"),
+    (["worker", "m", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:1", "--zz"],
+     "nanovllm worker: error: unrecognized arguments: --zz"),
+])
+def test_unknown_flags_are_refused_by_their_command(argv, prefix, tmp_path):
+    line = one_error_line(run("-m", "nanovllm.cli", *argv, cache=tmp_path))
+    assert line.startswith(prefix) and line.endswith("(see --help)")
