@@ -45,3 +45,24 @@ def test_tp_alias():
 def test_unknown_flags_are_refused_by_their_command(argv, prefix, tmp_path):
     line = one_error_line(run("-m", "nanovllm.cli", *argv, cache=tmp_path))
     assert line.startswith(prefix) and line.endswith("(see --help)")
+
+
+def test_start_up_says_what_a_user_wants_to_know(qwen3_gqa, caplog):
+    """One INFO line: the model, device and dtypes, the KV capacity in tokens (blocks x block size,
+    hand count) and its memory, the process's peak RSS; the C decode's internals only at DEBUG."""
+    import logging
+
+    from nanovllm import LLM
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        with LLM(qwen3_gqa, dtype="bfloat16", kvcache_block_size=16, max_model_len=64,
+                 cpu_kvcache_bytes=1 << 22) as llm:
+            blocks = llm.num_kvcache_blocks
+            per_block = llm.model_runner.kv_block_bytes()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    summary = [line for line in lines if line.startswith("model ")]
+    assert len(summary) == 1, lines
+    assert summary[0].startswith(f"model {qwen3_gqa.rstrip('/').rsplit('/', 1)[-1]} (Qwen3ForCausalLM) on cpu, "
+                                 "float32 activations, bfloat16 weights; ")
+    assert f"KV cache {blocks * 16} tokens ({blocks} blocks of 16, {blocks * per_block / 2**20:.0f} MiB" in summary[0]
+    assert re.search(r"peak RSS \d+ MiB$", summary[0])
+    assert not any("decode steps in C" in line for line in lines)

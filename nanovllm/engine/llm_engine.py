@@ -2,6 +2,7 @@
 and the ModelRunner."""
 import logging
 import os
+import resource
 from collections.abc import Iterator
 from contextlib import closing
 from typing import NamedTuple
@@ -43,6 +44,22 @@ class StepOutput(NamedTuple):
     deltas: list[StreamDelta]  # each streamed request's new tokens and text (add_request_group(stream=True))
 
 
+def startup_summary(config: Config, runner: ModelRunner, num_blocks: int) -> str:
+    """What a user wants to know once the engine is up: the model, where and in which dtypes it
+    runs, the memory taken, how many tokens the KV cache holds."""
+    arch = (getattr(config.hf_config, "architectures", None) or ["?"])[0]
+    dtypes = str(config.torch_dtype).removeprefix("torch.")
+    if config.weight_dtype != config.torch_dtype:
+        dtypes += f" activations, {str(config.weight_dtype).removeprefix('torch.')} weights"
+    tp = f", {config.tensor_parallel_size} tensor-parallel ranks" if config.tensor_parallel_size > 1 else ""
+    tokens = num_blocks * config.kvcache_block_size
+    kv_mib = num_blocks * runner.kv_block_bytes() / 2**20
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return (f"model {os.path.basename(config.model.rstrip('/'))} ({arch}) on {config.device}{tp}, {dtypes}; "
+            f"KV cache {tokens} tokens ({num_blocks} blocks of {config.kvcache_block_size}, {kv_mib:.0f} MiB per "
+            f"rank); peak RSS {peak_rss_mib:.0f} MiB")
+
+
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         unknown = sorted(set(kwargs) - CONFIG_FIELDS)
@@ -56,6 +73,8 @@ class LLMEngine:
         else:
             self.model_runner = ModelRunner(config)
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
+        logger.info("%s", startup_summary(config, getattr(self.model_runner, "runner", self.model_runner),
+                                          self.num_kvcache_blocks))
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -88,7 +88,7 @@ class ModelRunner:
         if rank == 0 and self.fused_decode is not None:
             fused, layers = self.fused_decode, len(self.fused_decode.modules)
             others = "" if fused.one_call_layers == layers else "; the others through their own modules"
-            logger.info("decode steps in C: one call up to %d sequences (%d of %d layers%s), four per layer between "
+            logger.debug("decode steps in C: one call up to %d sequences (%d of %d layers%s), four per layer between "
                         "the matmuls above (and in prefill steps)", fused.max_rows, fused.one_call_layers, layers, others)
 
     # ---- KV cache ---------------------------------------------------------------------------
