@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    serve.add_argument("--served-model-name", default=None, help="model name clients ask for (default: MODEL)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients ask for (default: MODEL; without MODEL: SmolLM2-135M-Instruct, its cache folder accepted too)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="server and engine logging (default: %(default)s)")
     limits = serve.add_argument_group("request limits (each checked before a request is queued; 400/413 beyond)")
@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             return print_error("nanovllm serve", e)
         except DefaultModelError as e:  # the default model could not be fetched: not a usage mistake
             return print_error("nanovllm serve", e, status=1)
-        run_server(llm, args.served_model_name or model, host=args.host, port=args.port,
-                   api_key=args.api_key, log_level=args.log_level, limits=limits, chat=chat)
+        name, aliases = served_names(args, model)
+        run_server(llm, name, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
+                   limits=limits, chat=chat, model_aliases=aliases)
     return 0
 
 
@@ -248,6 +249,17 @@ def serve_replicas(args: argparse.Namespace) -> int:
         return run_replicas(args.serve_parser, args, model, config)
     except ValueError as e:  # the platform cannot give every replica its own devices
         return print_error("nanovllm serve", e)
+
+
+def served_names(args: argparse.Namespace, model: str) -> tuple[str, tuple[str, ...]]:
+    """(the name clients ask for, other names accepted): --served-model-name; else, for the default
+    model, its name (SmolLM2-135M-Instruct), its cache folder still accepted; else MODEL as given."""
+    if args.served_model_name:
+        return args.served_model_name, ()
+    if args.model is None:
+        from nanovllm.utils.default_model import MODEL_DIRNAME
+        return MODEL_DIRNAME, (model,)
+    return model, ()
 
 
 def model_path(args: argparse.Namespace) -> str:

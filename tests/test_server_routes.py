@@ -199,3 +199,36 @@ def test_serve_without_model_uses_the_default_model(monkeypatch, qwen3_gqa):
     args = build_parser().parse_args(["serve", "--port", "9"])
     assert args.model is None and model_path(args) == qwen3_gqa
     assert model_path(build_parser().parse_args(["serve", "/some/dir"])) == "/some/dir"
+
+
+def test_the_default_model_is_served_by_its_name(monkeypatch, qwen3_gqa):
+    """Without MODEL the server answers to SmolLM2-135M-Instruct (its cache folder still accepted);
+    --served-model-name wins; a given MODEL is served as given."""
+    import nanovllm.utils.default_model as default_model
+    from nanovllm.cli import build_parser, model_path, served_names
+
+    monkeypatch.setattr(default_model, "default_model_path", lambda cache_dir=None: qwen3_gqa)
+    args = build_parser().parse_args(["serve"])
+    assert served_names(args, model_path(args)) == ("SmolLM2-135M-Instruct", (qwen3_gqa,))
+    args = build_parser().parse_args(["serve", "--served-model-name", "mine"])
+    assert served_names(args, model_path(args)) == ("mine", ())
+    args = build_parser().parse_args(["serve", "/some/dir"])
+    assert served_names(args, model_path(args)) == ("/some/dir", ())
+
+
+def test_model_may_be_left_out_or_named_by_an_alias(served, ref_llm, qwen3_gqa):
+    """vLLM's rule with one model served: no `model` means that one; an alias (the default model's
+    folder) is accepted too, and answers carry the served name."""
+    from nanovllm.entrypoints.openai_server import ApiError, _check_model
+    url = served[1]
+    ref = ref_llm.generate(["the fox"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "the fox", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL and r.json()["choices"][0]["text"] == ref["text"]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    assert r.status_code == 200, r.text and r.json()["model"] == MODEL
+    accepted = frozenset({"SmolLM2-135M-Instruct", qwen3_gqa})
+    _check_model(qwen3_gqa, "SmolLM2-135M-Instruct", accepted)
+    _check_model(None, "SmolLM2-135M-Instruct", accepted)
+    with pytest.raises(ApiError, match="'other' does not exist; this server serves 'SmolLM2-135M-Instruct'"):
+        _check_model("other", "SmolLM2-135M-Instruct", accepted)

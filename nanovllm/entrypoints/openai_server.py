@@ -12,6 +12,7 @@ import difflib
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
@@ -62,8 +63,10 @@ class ApiKeyMiddleware:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None, chat: ChatSettings | None = None) -> FastAPI:
-    """The FastAPI app serving one model under `served_model_name`. The engine must be started."""
+              limits: ServerLimits | None = None, chat: ChatSettings | None = None,
+              model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app serving one model under `served_model_name` (requests may also name it by
+    one of model_aliases, or leave `model` out). The engine must be started."""
     limits = limits or ServerLimits()
     chat = chat or ChatSettings()
     app = FastAPI(title="nano-vLLM OpenAI-compatible server")
@@ -76,8 +79,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     _add_error_handlers(app)
     _document_errors_only_as_sent(app)
 
-    def check_model(name: str) -> None:
-        _check_model(name, served_model_name)
+    accepted = frozenset((served_model_name, *model_aliases))
+
+    def check_model(name: str | None) -> None:
+        _check_model(name, served_model_name, accepted)
 
     @app.get("/health", responses=error_responses(503))
     async def health() -> JSONResponse:
@@ -91,7 +96,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "max_model_len": engine.llm.config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    _add_generation_routes(app, engine, served_model_name, limits, metrics, chat)
+    _add_generation_routes(app, engine, served_model_name, limits, metrics, chat, check_model)
     add_tokenize_routes(app, engine, check_model, chat.trust_request_chat_template)
     _add_info_routes(app, engine, metrics)
     add_sglang_routes(app, engine, served_model_name, _version())  # what sglang-router probes
@@ -99,7 +104,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
 
 def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str, limits: ServerLimits,
-                           metrics: ServerMetrics, chat: ChatSettings) -> None:
+                           metrics: ServerMetrics, chat: ChatSettings,
+                           check_model: Callable[[str | None], None]) -> None:
     """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
     max_model_len = engine.llm.config.max_model_len
 
@@ -110,7 +116,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
     @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        _check_model(body.model, served_model_name)
+        check_model(body.model)
         with _as_bad_request():
             body.check_supported()
             prompts = body.prompts()
@@ -128,7 +134,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
-        _check_model(body.model, served_model_name)
+        check_model(body.model)
         with _as_bad_request():
             body.check_supported()
             check_request(body, 1, limits)
@@ -248,8 +254,9 @@ async def _finish_unless_disconnected(gen: Generation, request: Request) -> bool
     return True
 
 
-def _check_model(name: str, served_model_name: str) -> None:
-    if name != served_model_name:  # OpenAI's and vLLM's answer: 404, model_not_found
+def _check_model(name: str | None, served_model_name: str, accepted: frozenset[str]) -> None:
+    """None (no `model` given: the one model served, as vLLM does) or an accepted name; else 404."""
+    if name is not None and name not in accepted:  # OpenAI's and vLLM's answer: 404, model_not_found
         raise ApiError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}",
                        param="model", code="model_not_found")
 
@@ -301,7 +308,8 @@ def _validation_body(e: RequestValidationError, known_fields: list[str] = ()) ->
 
 def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log_level: str = "info", limits: ServerLimits | None = None,
-          shutdown_timeout: float = 2.0, chat: ChatSettings | None = None) -> None:
+          shutdown_timeout: float = 2.0, chat: ChatSettings | None = None,
+          model_aliases: tuple[str, ...] = ()) -> None:
     """Run the server until SIGINT/SIGTERM (the `nanovllm serve` command); then stop the engine
     loop and the LLM (its workers included) before returning.
 
@@ -318,7 +326,7 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
         # exception like SIGINT's, so the cleanup below runs instead of the process just dying.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     engine = AsyncEngine(llm).start()
-    app = build_app(engine, served_model_name, api_key, limits, chat)
+    app = build_app(engine, served_model_name, api_key, limits, chat, model_aliases)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
     except KeyboardInterrupt:

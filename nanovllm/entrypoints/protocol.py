@@ -77,7 +77,7 @@ class _SamplingRequest(SGLangSamplingFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None  # left out: the one model served (vLLM's rule)
     # NOTE: the bounds below are SamplingParams' own, stated here too so /openapi.json documents them
     # (clients and fuzzers see them); SamplingParams still checks every value it is given.
     max_tokens: int | None = Field(None, ge=1)
