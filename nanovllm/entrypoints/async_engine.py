@@ -46,6 +46,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
+        self._stop_reason = "the engine loop stopped"
         self._closed = False  # set by the engine thread as it exits; _post refuses from then on
         self._post_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}  # engine thread only
@@ -59,7 +60,11 @@ class AsyncEngine:
         self._thread.start()
         return self
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def shutdown(self, timeout: float | None = None, reason: str | None = None) -> None:
+        """Stop the engine loop, waiting up to timeout for it (0: return at once). Open requests
+        end with an EngineStepError saying reason (default: the engine loop stopped)."""
+        if reason is not None and not self._stopping:
+            self._stop_reason = reason
         self._stopping = True
         self._wakeup.set()
         if self._thread.is_alive():
@@ -114,7 +119,7 @@ class AsyncEngine:
             self._closed = True
         self._drain_inbox()  # adds posted before closing are refused below
         for request_id in list(self._requests):
-            self._fail(request_id, "the engine loop stopped")
+            self._fail(request_id, self._stop_reason)
 
     def _run_once(self) -> None:
         self._drain_inbox()

@@ -11,6 +11,7 @@ import asyncio
 import difflib
 import hmac
 import logging
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -327,8 +328,20 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     engine = AsyncEngine(llm).start()
     app = build_app(engine, served_model_name, api_key, limits, chat, model_aliases)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # The engine loop stops first, so every open response ends now, within the graceful
+            # window: a stream with a last error event and [DONE], others with an error body;
+            # none is left for uvicorn to cancel (a CancelledError traceback, a cut connection).
+            engine.shutdown(timeout=0, reason="the server is shutting down")
+            super().handle_exit(sig, frame)
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=shutdown_timeout))
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+        server.run()
+        if not server.started:  # it could not listen (uvicorn logged why): uvicorn.run's exit status
+            sys.exit(3)
     except KeyboardInterrupt:
         logger.info("stopping on signal")
     finally:
