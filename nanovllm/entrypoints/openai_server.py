@@ -8,7 +8,6 @@ body {"error": {"message", "type", "param", "code"}}. Every request's work is bo
 queued (limits.py).
 """
 import asyncio
-import difflib
 import hmac
 import logging
 import sys
@@ -32,6 +31,7 @@ from nanovllm.entrypoints.sglang_compat import add_sglang_routes
 from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts,
                                                prompt_token_ids)
 from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, template_tools, tool_choice_of, with_forced_call
+from nanovllm.entrypoints.validation_errors import request_fields, validation_body
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_body(e, _request_fields(request)), status_code=400)
+        return JSONResponse(validation_body(e, request_fields(request)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -269,42 +269,6 @@ def _as_bad_request():
         yield
     except (ValueError, TypeError) as e:
         raise ApiError(400, str(e)) from e
-
-
-_BOUND_WORDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-
-
-def _request_fields(request: Request) -> list[str]:
-    """The field names of the body model of the route that refused a request ([] if it has none)."""
-    route = request.scope.get("route")
-    for param in getattr(getattr(route, "dependant", None), "body_params", []):
-        fields = getattr(getattr(param.field_info, "annotation", None), "model_fields", None)
-        if fields:
-            return [info.alias or name for name, info in fields.items()]
-    return []
-
-
-def _validation_body(e: RequestValidationError, known_fields: list[str] = ()) -> dict:
-    """The first few pydantic errors as one message; param names the first bad field. An unknown
-    field gets the nearest known one suggested ("temprature": did you mean "temperature"?)."""
-    errors = e.errors()
-    if errors and errors[0].get("type") == "json_invalid":
-        return error_body(f"request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
-    messages, params = [], []
-    for err in errors[:4]:
-        field = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        if err.get("type") == "model_attributes_type" and not field:
-            messages.append("request body must be a JSON object (send Content-Type: application/json)")
-        elif err.get("type") in _BOUND_WORDS:  # the documented bounds, in SamplingParams' words
-            (bound,) = err["ctx"].values()
-            messages.append(f"{field} must be {_BOUND_WORDS[err['type']]} {bound}, got {err.get('input')!r}")
-        elif err.get("type") == "extra_forbidden" and field:
-            near = difflib.get_close_matches(field, known_fields, n=1, cutoff=0.75)
-            messages.append(f"{field}: unknown field" + (f"; did you mean {near[0]!r}?" if near else ""))
-        else:
-            messages.append(f"{field or 'request body'}: {err.get('msg')}")
-        params.append(field or None)
-    return error_body("; ".join(messages) or "invalid request", param=params[0] if params else None)
 
 
 def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,

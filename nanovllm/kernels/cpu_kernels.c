@@ -328,14 +328,6 @@ int64_t weight_type_index(const char *name) {
     return -1;
 }
 
-/* A format's block size and bytes per block; returns 1 for an unknown type. */
-int weight_type_layout(int64_t type, int64_t *block_size, int64_t *block_bytes) {
-    if (type < 0 || type >= num_weight_types) return 1;
-    *block_size = weight_types[type].block_size;
-    *block_bytes = weight_types[type].block_bytes;
-    return 0;
-}
-
 int linear_is_valid(const Linear *m) {
     if (m->data == NULL || m->type < 0 || m->type >= num_weight_types || m->n <= 0 || m->k <= 0) return 0;
     const WeightType *t = &weight_types[m->type];

@@ -137,7 +137,7 @@ class CpuKernels:
                                       i64, i64, i64, i64, c_float, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
         self.weight_type_index = typed("weight_type_index", i64, ctypes.c_char_p)
-        self.weight_type_layout = typed("weight_type_layout", cint, i64, ptr, ptr)
+        self.linear_is_valid = typed("linear_is_valid", cint, ptr)
         self.decode_check_model = typed("decode_check_model", i64, ptr)
         self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, cint)
         self.decode_add_rms_norm = typed("decode_add_rms_norm", None, ptr, ptr, ptr, cint, ptr, i64, ptr, cint)
@@ -145,14 +145,12 @@ class CpuKernels:
         self.rope_store_layer = typed("rope_store_layer", None, ptr, i64, ptr, ptr, ptr, i64, cint)
         self.decode_silu_mul = typed("decode_silu_mul", None, ptr, i64, i64, ptr, cint)
 
-    def weight_type(self, name: str) -> tuple[int, int, int]:
-        """(type code, block size, bytes per block) of a row of the C weight-type table."""
+    def weight_type(self, name: str) -> int:
+        """The type code of a row of the C weight-type table."""
         code = self.weight_type_index(name.encode())
         if code < 0:
             raise ValueError(f"the C kernels have no weight type {name!r}")
-        block_size, block_bytes = c_int64(), c_int64()
-        self.weight_type_layout(code, ctypes.byref(block_size), ctypes.byref(block_bytes))
-        return code, block_size.value, block_bytes.value
+        return code
 
 
 def load() -> CpuKernels | None:
@@ -176,18 +174,18 @@ def load() -> CpuKernels | None:
 
 def linear_struct(kernels: CpuKernels, view, bias: torch.Tensor | None = None) -> Linear:
     """The C description of a weight view (layers/quantization/base.py, CWeightView), checked
-    against the C table's layout for its type. NOTE: it points into the view's tensors, which the
-    layer keeps alive."""
-    code, block_size, block_bytes = kernels.weight_type(view.type_name)
-    if view.k % block_size or view.row_bytes != view.k // block_size * block_bytes:
-        raise ValueError(f"a {view.type_name} row of {view.k} weights is {view.k // block_size * block_bytes} bytes "
-                         f"in blocks of {block_size}, the view says {view.row_bytes}")
+    against the C table's layout for its type (linear_is_valid). NOTE: it points into the view's
+    tensors, which the layer keeps alive."""
     if not view.data.is_contiguous() or view.data.numel() * view.data.element_size() != view.n * view.row_bytes:
         raise ValueError(f"a {view.type_name} view's data is not {view.n} contiguous rows of {view.row_bytes} bytes")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != view.n):
         raise ValueError(f"the C kernels take a dense fp32 bias of {view.n}, got {bias.dtype} {tuple(bias.shape)}")
-    return Linear(view.data.data_ptr(), None if bias is None else bias.data_ptr(),
-                  None if view.scales is None else view.scales.data_ptr(), view.n, view.k, code, view.row_bytes)
+    linear = Linear(view.data.data_ptr(), None if bias is None else bias.data_ptr(),
+                    None if view.scales is None else view.scales.data_ptr(), view.n, view.k,
+                    kernels.weight_type(view.type_name), view.row_bytes)
+    if not kernels.linear_is_valid(ctypes.byref(linear)):  # the C table's own block layout for the type
+        raise ValueError(f"{view.n} x {view.k} {view.type_name} weights cannot be rows of {view.row_bytes} bytes")
+    return linear
 
 
 def linear(kernels: CpuKernels, weight: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

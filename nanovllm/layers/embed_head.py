@@ -7,10 +7,10 @@ from torch import nn
 
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
 from nanovllm.layers.quantization import QuantizationConfig, embedding_method_for, linear_method_for
-from nanovllm.layers.quantization.parameter import copy_checked, shard_of, tagged_parameter
+from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, shard_of
 
 
-class VocabParallelBase(nn.Module):
+class VocabParallelBase(TaggedWeights):
     """A [num_embeddings, embedding_dim] table split over the ranks by rows."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str):
@@ -25,11 +25,6 @@ class VocabParallelBase(nn.Module):
         self.prefix = prefix
         # The model dtype: a table held narrower (bf16 weights on CPU) still gives rows of it.
         self.dtype = torch.get_default_dtype()
-
-    def register_weight(self, name: str, data: torch.Tensor, **tags) -> nn.Parameter:
-        param = tagged_parameter(data, self.weight_loader, **tags)
-        self.register_parameter(name, param)
-        return param
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_size > 1 and param.output_dim is not None:

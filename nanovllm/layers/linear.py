@@ -8,10 +8,10 @@ from torch import nn
 
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
 from nanovllm.layers.quantization import QuantizationConfig, linear_method_for
-from nanovllm.layers.quantization.parameter import copy_checked, in_param_units, shard_of, tagged_parameter
+from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, in_param_units, shard_of
 
 
-class LinearBase(nn.Module):
+class LinearBase(TaggedWeights):
     """y = x W^T (+ b) for this rank's W, logically [output_size, input_size].
 
     tp_dim: which logical dimension is split across ranks (0: output, 1: input, None: replicated).
@@ -34,12 +34,6 @@ class LinearBase(nn.Module):
             self.register_weight("bias", torch.empty(output_size), output_dim=0)
         else:
             self.register_parameter("bias", None)
-
-    def register_weight(self, name: str, data: torch.Tensor, **tags) -> nn.Parameter:
-        """A parameter of this layer, loaded by its weight_loader (tags: parameter.tagged_parameter)."""
-        param = tagged_parameter(data, self.weight_loader, **tags)
-        self.register_parameter(name, param)
-        return param
 
     def sharded_dim(self, param: nn.Parameter) -> int | None:
         """param's dimension split across ranks (None: each rank loads it whole)."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.layers.quantization.parameter import copy_checked
+
 
 @dataclass(frozen=True)
 class StackedParam:
@@ -21,9 +23,7 @@ class StackedParam:
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    copy_checked(param.data, loaded, "a plain parameter")
 
 
 def _stacked_entry(name: str, stacked: Sequence[StackedParam]) -> StackedParam | None:

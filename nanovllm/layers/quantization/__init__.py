@@ -56,20 +56,23 @@ def quant_config_for_model(path: str, hf_config: Any) -> QuantizationConfig:
     return config
 
 
-def linear_method_for(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str) -> LinearMethodBase:
+def _method_of(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str,
+               kind: type[QuantizeMethodBase], dense: type[QuantizeMethodBase]) -> QuantizeMethodBase:
+    """quant_config's method of kind for the layer, or the dense one where it gives none."""
     method = quant_config.method_for(layer, prefix) if quant_config is not None else None
-    if method is not None and not isinstance(method, LinearMethodBase):
-        raise TypeError(f"{type(quant_config).__name__} gave {prefix!r} a {type(method).__name__}, not a linear method")
-    return method or UnquantizedLinearMethod()
+    if method is not None and not isinstance(method, kind):
+        raise TypeError(f"{type(quant_config).__name__} gave {prefix!r} a {type(method).__name__}, "
+                        f"not a {kind.__name__}")
+    return method or dense()
+
+
+def linear_method_for(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str) -> LinearMethodBase:
+    return _method_of(quant_config, layer, prefix, LinearMethodBase, UnquantizedLinearMethod)
 
 
 def embedding_method_for(quant_config: QuantizationConfig | None, layer: nn.Module,
                          prefix: str) -> EmbeddingMethodBase:
-    method = quant_config.method_for(layer, prefix) if quant_config is not None else None
-    if method is not None and not isinstance(method, EmbeddingMethodBase):
-        raise TypeError(f"{type(quant_config).__name__} gave {prefix!r} a {type(method).__name__}, "
-                        "not an embedding method")
-    return method or UnquantizedEmbeddingMethod()
+    return _method_of(quant_config, layer, prefix, EmbeddingMethodBase, UnquantizedEmbeddingMethod)
 
 
 def quantized_layers(model: nn.Module) -> list[nn.Module]:

@@ -21,6 +21,20 @@ def tagged_parameter(data: torch.Tensor, weight_loader: Callable, output_dim: in
     return param
 
 
+class TaggedWeights(nn.Module):
+    """A layer whose method registers its parameters through register_weight, each loaded by the
+    layer's weight_loader."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
+        raise NotImplementedError
+
+    def register_weight(self, name: str, data: torch.Tensor, **tags) -> nn.Parameter:
+        """A parameter of this layer (tags: tagged_parameter's)."""
+        param = tagged_parameter(data, self.weight_loader, **tags)
+        self.register_parameter(name, param)
+        return param
+
+
 def in_param_units(param: nn.Parameter, dim: int, count: int, what: str) -> int:
     """count logical elements along dim as entries of param (divided by its packing there)."""
     if getattr(param, "packed_dim", None) != dim:
