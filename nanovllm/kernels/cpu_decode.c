@@ -160,11 +160,16 @@ static float *alloc_or_flag(size_t floats, int *failed) {
 int64_t decode_check_model(const DecoderModel *m) {
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecoderLayer *L = &m->layers[l];
+        const int64_t H = m->hidden, QKV = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
         if (L->in_c && !(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && linear_is_valid(&L->gate_up) &&
-                         linear_is_valid(&L->down) && L->down.k <= m->intermediate))
+                         linear_is_valid(&L->down) && L->down.k <= m->intermediate && L->qkv.k == H &&
+                         linear_outputs(&L->qkv) == QKV && L->o.k == m->num_heads * m->head_dim &&
+                         linear_outputs(&L->o) == H && L->gate_up.k == H &&
+                         linear_outputs(&L->gate_up) == 2 * L->down.k && linear_outputs(&L->down) == H))
             return l;
     }
-    if ((m->embed.data != NULL && !linear_is_valid(&m->embed)) || (m->head.data != NULL && !linear_is_valid(&m->head)))
+    if ((m->embed.data != NULL && (!linear_is_valid(&m->embed) || m->embed.next != NULL || m->embed.k != m->hidden)) ||
+        (m->head.data != NULL && (!linear_is_valid(&m->head) || m->head.next != NULL || m->head.k != m->hidden)))
         return m->num_layers;
     return -1;
 }

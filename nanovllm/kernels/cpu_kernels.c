@@ -315,9 +315,18 @@ static void to_f32_bf16(const Linear *m, int64_t r, float *out) {
     for (int64_t i = 0; i < m->k; i++) out[i] = scalar_bf16(row[i]);
 }
 
+/* Names are GGUF's type names in lower case; block sizes and bytes are ggml's (cpu_quant.c). */
 const WeightType weight_types[] = {
     {"f32", 1, 4, linear_rows_f32, to_f32_f32},
     {"bf16", 1, 2, linear_rows_bf16, to_f32_bf16},
+    {"f16", 1, 2, linear_rows_f16, to_f32_f16},
+    {"q8_0", 32, 34, linear_rows_q8_0, to_f32_q8_0},
+    {"q4_0", 32, 18, linear_rows_q4_0, to_f32_q4_0},
+    {"q4_1", 32, 20, linear_rows_q4_1, to_f32_q4_1},
+    {"q5_0", 32, 22, linear_rows_q5_0, to_f32_q5_0},
+    {"q5_1", 32, 24, linear_rows_q5_1, to_f32_q5_1},
+    {"q4_k", 256, 144, linear_rows_q4_k, to_f32_q4_k},
+    {"q6_k", 256, 210, linear_rows_q6_k, to_f32_q6_k},
 };
 const int64_t num_weight_types = sizeof weight_types / sizeof weight_types[0];
 
@@ -328,10 +337,29 @@ int64_t weight_type_index(const char *name) {
     return -1;
 }
 
+/* Chains longer than this are refused (a stacked layer has at most three parts). */
+#define MAX_CHAIN 8
+
 int linear_is_valid(const Linear *m) {
-    if (m->data == NULL || m->type < 0 || m->type >= num_weight_types || m->n <= 0 || m->k <= 0) return 0;
-    const WeightType *t = &weight_types[m->type];
-    return m->k % t->block_size == 0 && m->row_bytes == m->k / t->block_size * t->block_bytes;
+    const int64_t k = m->k;
+    for (int parts = 0; m != NULL; m = m->next, parts++) {
+        if (parts == MAX_CHAIN || m->data == NULL || m->type < 0 || m->type >= num_weight_types || m->n <= 0 ||
+            m->k <= 0 || m->k != k)
+            return 0;
+        const WeightType *t = &weight_types[m->type];
+        /* the K-quants' input groups are their blocks; the others' are 32 (and 16 for the sums) */
+        if (m->k % t->block_size != 0 || m->row_bytes != m->k / t->block_size * t->block_bytes ||
+            (t->block_size > 1 && m->k % 32 != 0))
+            return 0;
+    }
+    return 1;
+}
+
+/* The outputs of m and every matrix chained after it. */
+int64_t linear_outputs(const Linear *m) {
+    int64_t n = 0;
+    for (; m != NULL; m = m->next) n += m->n;
+    return n;
 }
 
 /* ---- the ABI the ctypes side checks at load --------------------------------------------------- */
@@ -348,16 +376,35 @@ int64_t nanovllm_struct_size(const char *name) {
 
 /* NOTE: m must be valid (linear_is_valid): the callers check every matrix once. */
 void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
-    weight_types[m->type].linear_rows(m, x, ldx, rows, y, ldy);
+    for (; m != NULL; y += m->n, m = m->next) weight_types[m->type].linear_rows(m, x, ldx, rows, y, ldy);
 }
 
-/* y [rows, n] = x [rows, k] W^T (+ bias: this call's, not w's), all contiguous. Returns 1 (and
- * computes nothing) when w is not a valid matrix. */
+/* y [rows, n] = x [rows, k] W^T (+ bias: this call's, not w's; over all outputs of a chain), all
+ * contiguous, n the outputs of w's chain. Returns 1 (and computes nothing) when w is not a valid
+ * matrix. */
 int linear_f32(const Linear *w, const float *bias, const float *x, float *y, int64_t rows, int num_threads) {
     if (!linear_is_valid(w)) return 1;
-    Linear m = *w;
-    m.bias = bias;
+    Linear parts[MAX_CHAIN];
+    int64_t count = 0, offset = 0;
+    for (const Linear *p = w; p != NULL; p = p->next, count++) {
+        parts[count] = *p;
+        parts[count].bias = bias != NULL ? bias + offset : NULL;
+        parts[count].next = NULL;
+        if (count > 0) parts[count - 1].next = &parts[count];
+        offset += p->n;
+    }
 #pragma omp parallel num_threads(num_threads)
-    linear_rows_for(&m, x, m.k, rows, y, m.n);
+    linear_rows_for(parts, x, w->k, rows, y, offset);
+    return 0;
+}
+
+/* out [count, k] = rows ids of m as fp32 (embedding lookups). Returns 1 for an id outside [0, n)
+ * or an invalid matrix (nothing is computed then). */
+int linear_rows_to_f32(const Linear *m, const int64_t *ids, int64_t count, float *out, int num_threads) {
+    if (!linear_is_valid(m) || m->next != NULL) return 1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= m->n) return 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) weight_types[m->type].row_to_f32(m, ids[i], out + i * m->k);
     return 0;
 }

@@ -8,18 +8,21 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 2
+#define NANOVLLM_ABI_VERSION 3
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
  * types). y = x W^T (+ bias). */
-typedef struct {
+typedef struct Linear {
     const void *data;
     const float *bias;   /* [n] or NULL */
     const void *scales;
     int64_t n, k;
     int64_t type;        /* index into weight_types[] */
     int64_t row_bytes;
+    /* The outputs after these n come from another matrix of the same k (a stacked layer whose
+     * parts are stored in different formats, e.g. Q4_K q/k and Q6_K v), or NULL. */
+    const struct Linear *next;
 } Linear;
 
 /* y[b, r] = W[r, :] . x[b, :] (+ bias[r]) for b < rows and every weight row r, as an orphaned `omp
@@ -41,12 +44,25 @@ typedef struct {
 extern const WeightType weight_types[];
 extern const int64_t num_weight_types;
 
-/* Whether m's type is a row of weight_types and its rows are laid out as that type says. */
+/* The formats of cpu_quant.c (row loops and row-to-fp32 of the table's entries). */
+#define QUANT_FORMATS(X) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q6_k) X(f16)
+#define DECLARE_FORMAT(F)                                                                                      \
+    void linear_rows_##F(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);    \
+    void to_f32_##F(const Linear *m, int64_t r, float *out);
+QUANT_FORMATS(DECLARE_FORMAT)
+#undef DECLARE_FORMAT
+
+/* Whether m's type is a row of weight_types and its rows are laid out as that type says (and so
+ * every matrix chained after it, each of the same k). */
 int linear_is_valid(const Linear *m);
+
+/* The outputs of m and every matrix chained after it. */
+int64_t linear_outputs(const Linear *m);
 
 #define STREAM_ROWS 4
 
-/* y[r, :] = W x[r, :] (+ bias) for rows r < rows (x row stride ldx, y row stride ldy).
+/* y[r, :] = W x[r, :] (+ bias) for rows r < rows (x row stride ldx, y row stride ldy), W's
+ * chained matrices writing the outputs after its own.
  * An orphaned `omp for` over W's rows: inside a parallel region the threads share the work;
  * outside one it runs on the calling thread. */
 void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);

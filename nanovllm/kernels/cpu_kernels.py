@@ -23,7 +23,7 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c", "cpu_quant.c")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
 # -march=native by default: the library is built on, and cached for, the machine that runs it (the
@@ -81,7 +81,7 @@ c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # ---- the C structures (cpu_kernels.h); load() checks their sizes against the library's ----------
 class Linear(ctypes.Structure):
     _fields_ = [("data", c_void_p), ("bias", c_void_p), ("scales", c_void_p), ("n", c_int64), ("k", c_int64),
-                ("type", c_int64), ("row_bytes", c_int64)]
+                ("type", c_int64), ("row_bytes", c_int64), ("next", c_void_p)]
 
 
 class DecoderLayer(ctypes.Structure):
@@ -102,7 +102,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64)]
 
 
-ABI_VERSION = 2  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 3  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, DecoderLayer, DecoderModel, DecodeStep)
 
 
@@ -137,6 +137,8 @@ class CpuKernels:
                                       i64, i64, i64, i64, c_float, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
         self.weight_type_index = typed("weight_type_index", i64, ctypes.c_char_p)
+        self.rows_to_f32 = typed("linear_rows_to_f32", cint, ptr, ptr, i64, ptr, cint)
+        self.quant_simd = typed("quant_simd", i64)
         self.linear_is_valid = typed("linear_is_valid", cint, ptr)
         self.decode_check_model = typed("decode_check_model", i64, ptr)
         self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, cint)
@@ -173,30 +175,57 @@ def load() -> CpuKernels | None:
 
 
 def linear_struct(kernels: CpuKernels, view, bias: torch.Tensor | None = None) -> Linear:
-    """The C description of a weight view (layers/quantization/base.py, CWeightView), checked
-    against the C table's layout for its type (linear_is_valid). NOTE: it points into the view's
-    tensors, which the layer keeps alive."""
-    if not view.data.is_contiguous() or view.data.numel() * view.data.element_size() != view.n * view.row_bytes:
-        raise ValueError(f"a {view.type_name} view's data is not {view.n} contiguous rows of {view.row_bytes} bytes")
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != view.n):
-        raise ValueError(f"the C kernels take a dense fp32 bias of {view.n}, got {bias.dtype} {tuple(bias.shape)}")
-    linear = Linear(view.data.data_ptr(), None if bias is None else bias.data_ptr(),
-                    None if view.scales is None else view.scales.data_ptr(), view.n, view.k,
-                    kernels.weight_type(view.type_name), view.row_bytes)
-    if not kernels.linear_is_valid(ctypes.byref(linear)):  # the C table's own block layout for the type
-        raise ValueError(f"{view.n} x {view.k} {view.type_name} weights cannot be rows of {view.row_bytes} bytes")
+    """The C description of a weight view (layers/quantization/base.py, CWeightView, with the views
+    chained after it), checked against the C table's layout for its type (linear_is_valid). NOTE:
+    it points into the views' tensors, which the layer keeps alive; the chained descriptions are
+    kept alive by the returned one (its `chain`)."""
+    outputs = view.outputs
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != outputs):
+        raise ValueError(f"the C kernels take a dense fp32 bias of {outputs}, got {bias.dtype} {tuple(bias.shape)}")
+    parts, offset = [], 0
+    while view is not None:
+        if not view.data.is_contiguous() or view.data.numel() * view.data.element_size() != view.n * view.row_bytes:
+            raise ValueError(f"a {view.type_name} view's data is not {view.n} contiguous rows of {view.row_bytes} "
+                             "bytes")
+        part_bias = None if bias is None else bias.data_ptr() + 4 * offset
+        parts.append(Linear(view.data.data_ptr(), part_bias, None if view.scales is None else view.scales.data_ptr(),
+                            view.n, view.k, kernels.weight_type(view.type_name), view.row_bytes, None))
+        offset += view.n
+        view = view.next
+    for first, second in zip(parts, parts[1:]):
+        first.next = ctypes.addressof(second)
+    linear = parts[0]
+    linear.chain = parts  # keeps the chained structures alive
+    if not kernels.linear_is_valid(ctypes.byref(linear)):  # the C table's own block layout for each type
+        shapes = ", ".join(f"{p.n} x {p.k} {p.type}" for p in parts)
+        raise ValueError(f"weights {shapes} (type codes) do not match their rows' byte layout")
     return linear
+
+
+def linear_outputs(weight: Linear) -> int:
+    """The outputs of a description from linear_struct (its chain included)."""
+    return sum(part.n for part in getattr(weight, "chain", [weight]))
 
 
 def linear(kernels: CpuKernels, weight: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, k] (fp32) @ W^T (+ bias, fp32) -> [rows, n] fp32, W described by linear_struct."""
     x = x.contiguous()
     assert x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-    y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+    y = torch.empty(x.shape[0], linear_outputs(weight), dtype=torch.float32)
     if kernels.linear(ctypes.byref(weight), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(),
                       x.shape[0], torch.get_num_threads()):
         raise ValueError("the C linear kernel refused its weight description")
     return y
+
+
+def rows_to_f32(kernels: CpuKernels, weight: Linear, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of W (an embedding table in any format of the C table) as fp32 [len(ids), k]."""
+    ids = ids.to(torch.int64).contiguous().reshape(-1)
+    out = torch.empty(ids.numel(), weight.k, dtype=torch.float32)
+    if kernels.rows_to_f32(ctypes.byref(weight), ids.data_ptr(), ids.numel(), out.data_ptr(),
+                           torch.get_num_threads()):
+        raise ValueError(f"token ids outside [0, {weight.n}) or a table the C kernels cannot read")
+    return out
 
 
 def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -35,6 +35,13 @@ class CWeightView:
     k: int
     row_bytes: int
     scales: torch.Tensor | None = None
+    next: "CWeightView | None" = None  # the matrix whose rows give the outputs after these n (a stacked
+                                       # layer whose parts are held in different formats)
+
+    @property
+    def outputs(self) -> int:
+        """The outputs of this matrix and those chained after it."""
+        return self.n + (self.next.outputs if self.next is not None else 0)
 
 
 class QuantizeMethodBase:
