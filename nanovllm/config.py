@@ -44,8 +44,11 @@ def _missing_folder_message(model: str) -> str:
 
 def _load_hf_config(model: str):
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path to a checkpoint folder, got {type(model).__name__}")
+        raise TypeError(f"model must be a path to a checkpoint folder or a .gguf file, got {type(model).__name__}")
     model = str(model)
+    from nanovllm.loader.gguf import is_gguf_path, open_gguf
+    if is_gguf_path(model):
+        return open_gguf(model).hf_config()  # ValueError for a missing, malformed or unsupported file
     if not os.path.isdir(model):
         raise ValueError(_missing_folder_message(model))
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -118,6 +121,9 @@ class Config:
     nnodes: int = 1  # machines the tensor-parallel ranks are spread over (tensor_parallel_size / nnodes each)
     node_rank: int = 0  # this machine's index; node 0 runs the engine (rank 0)
     dist_init_addr: str | None = None  # "HOST:PORT" of node 0's rendezvous; required when nnodes > 1
+    # A dense checkpoint's weights quantized at load into a GGUF block format ("q8_0", "q4_0", ...);
+    # None: the checkpoint's own format (a .gguf file always keeps its own).
+    quantization: str | None = None
     # Derived, filled in __post_init__.
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)  # activations and KV cache
@@ -130,6 +136,8 @@ class Config:
         self.model = str(self.model)
         from nanovllm.models import get_model_class
         get_model_class(self.hf_config)  # unsupported architectures fail here, naming the supported ones
+        from nanovllm.layers.quantization import check_quantization
+        check_quantization(self.model, self.hf_config, self.quantization)
         self.platform = get_platform(self.device)  # raises on an unknown or absent device
         self.device = self.platform.device_name
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

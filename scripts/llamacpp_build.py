@@ -1,5 +1,5 @@
 """llama.cpp for scripts/bench_llamacpp.py: fetches the llama.cpp vendored in the llama-cpp-python sdist,
-builds llama-bench and llama-batched-bench, and converts HF folders to GGUF, all cached in the nanovllm
+builds llama-bench, llama-batched-bench, llama-quantize and llama-perplexity, and converts HF folders to GGUF, all cached in the nanovllm
 cache folder (keyed by version) so a second run does none of it again."""
 import hashlib
 import json
@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python release; it vendors llama.cpp commit 0c1e570
-TARGETS = ("llama-bench", "llama-batched-bench")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity")
 OUTTYPES = ("f32", "f16", "q8_0")
 CONVERTER_DEPS = ("numpy", "sentencepiece", "safetensors", "torch", "transformers")
 QWEN2_VOCAB = "models/ggml-vocab-qwen2.gguf"  # 151936 tokens, the Qwen2/Qwen3 tokenizer
@@ -161,6 +161,26 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
              [sys.executable, str(llama / "convert_hf_to_gguf.py"), model_dir, "--outtype", outtype,
               "--outfile", str(tmp)],
              work_dir(cache) / "logs" / f"convert-{name}-{outtype}.log")
+    os.replace(tmp, out)
+    return out
+
+
+# llama-quantize presets the benchmark writes (from the F32 conversion), by our name for them.
+PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+
+
+def quantize_gguf(cache: Path, bins: dict[str, Path], source: Path, preset: str) -> Path:
+    """source (an F32 GGUF) written by llama.cpp's own llama-quantize in a preset of PRESETS,
+    cached beside it (…-<preset>.gguf)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    out = source.with_name(source.name.replace("-f32.gguf", f"-lq-{preset}.gguf"))
+    if out.is_file():
+        return out
+    tmp = out.with_name(f".{out.name}.tmp")
+    print(f"llama-quantize {source.name} -> {out.name} (once) ...", flush=True)
+    run_step(f"llama-quantize {PRESETS[preset]}", [str(bins["llama-quantize"]), str(source), str(tmp), PRESETS[preset]],
+             work_dir(cache) / "logs" / f"quantize-{out.stem}.log")
     os.replace(tmp, out)
     return out
 

@@ -123,3 +123,45 @@ def check_tokens_close(ours: list[list[int]], ref: list[tuple[list[int], "torch.
             our_top = our_logprobs[i][pos].topk(k).indices.tolist()
             assert ref_tokens[pos] in our_top, f"prompt {i}: HF token not in our top-{k}"
     return exact
+
+
+# ---- GGUF block formats -----------------------------------------------------------------------------
+# Byte offsets of each block's fp16 fields (d, m / dmin), which random bytes must not fill with
+# infinities or NaNs.
+HALF_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}
+
+
+def qtype(name: str):
+    import gguf
+    return gguf.GGMLQuantizationType[name.upper()]
+
+
+def random_weights(name: str, n: int, k: int, rng, unit_scales: bool = False, std: float | None = None):
+    """n x k weights of a GGUF block format (or f16) as raw rows (uint8 [n, row bytes]): random
+    values, sane fp16 scales (1 and 0 / 1 with unit_scales, so that every weight is an integer;
+    std: scaled so that the weights have about that standard deviation)."""
+    import gguf
+    import numpy as np
+    if name == "f16":
+        return np.ascontiguousarray(rng.standard_normal((n, k)).astype(np.float16)).view(np.uint8).reshape(n, 2 * k)
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype(name)]
+    blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
+    for i, offset in enumerate(HALF_FIELDS[name]):
+        if unit_scales:
+            value = np.full(len(blocks), 1.0 if i == 0 else float(rng.integers(0, 3)), np.float16)
+        else:
+            value = (rng.uniform(0.002, 0.02, len(blocks)) * (1 if i == 0 else rng.choice([-1, 1]))).astype(np.float16)
+        blocks[:, offset:offset + 2] = value.view(np.uint8).reshape(-1, 2)
+    if name == "q6_k" and unit_scales:
+        blocks[:, 192:208] = rng.integers(-4, 5, size=(len(blocks), 16)).astype(np.int8).view(np.uint8)
+    if std is not None and name == "q4_k":
+        # model-like blocks: sub-block mins of 0-3 against scales of 0-63 (random bytes give mins as
+        # large as the scales, so each sub-block a large common offset)
+        blocks[:, 8:12] &= 0x03
+        blocks[:, 12:16] &= 0x3F
+    if std is not None:  # every weight is linear in the block's fp16 fields
+        factor = std / gguf.quants.dequantize(blocks.reshape(n, -1), qtype(name)).std()
+        for offset in HALF_FIELDS[name]:
+            field = blocks[:, offset:offset + 2].copy().view(np.float16)
+            blocks[:, offset:offset + 2] = (field.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, k // size * nbytes)

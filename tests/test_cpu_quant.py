@@ -13,39 +13,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from helpers import qtype, random_weights  # noqa: E402
 from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.quantization.base import CWeightView  # noqa: E402
 
 TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "f16"]
-# Byte offsets of each block's fp16 fields (d, m / dmin), which random bytes must not fill with
-# infinities or NaNs.
-HALF_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}
-
-
-def qtype(name):
-    return gguf.GGMLQuantizationType[name.upper()]
-
-
-def block_shape(name):
-    return gguf.GGML_QUANT_SIZES[qtype(name)]  # (weights per block, bytes per block)
-
-
-def random_weights(name, n, k, rng, unit_scales=False):
-    """n x k weights of the format as raw rows: random values, sane fp16 scales (1 and 0 / 1 with
-    unit_scales, so that every weight is an integer)."""
-    if name == "f16":
-        return np.ascontiguousarray(rng.standard_normal((n, k)).astype(np.float16)).view(np.uint8).reshape(n, 2 * k)
-    size, nbytes = block_shape(name)
-    blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
-    for i, offset in enumerate(HALF_FIELDS[name]):
-        if unit_scales:
-            value = np.full(len(blocks), 1.0 if i == 0 else float(rng.integers(0, 3)), np.float16)
-        else:
-            value = (rng.uniform(0.002, 0.02, len(blocks)) * (1 if i == 0 else rng.choice([-1, 1]))).astype(np.float16)
-        blocks[:, offset:offset + 2] = value.view(np.uint8).reshape(-1, 2)
-    if name == "q6_k" and unit_scales:
-        blocks[:, 192:208] = rng.integers(-4, 5, size=(len(blocks), 16)).astype(np.int8).view(np.uint8)
-    return blocks.reshape(n, k // size * nbytes)
 
 
 def dequantized(name, raw, k):

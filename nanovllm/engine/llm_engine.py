@@ -25,7 +25,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_tokenizer(path: str):
-    """The folder's HF tokenizer, or None for a weights-only folder (then prompts must be token ids)."""
+    """The folder's HF tokenizer (a GGUF file's own, built by transformers from its metadata), or
+    None for a weights-only folder (then prompts must be token ids)."""
+    from nanovllm.loader.gguf import is_gguf_path, open_gguf
+    if is_gguf_path(path):
+        if open_gguf(path).field("tokenizer.ggml.model", None) is None:
+            logger.info("%s has no vocabulary: prompts must be token ids and outputs carry no text", path)
+            return None
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         # INFO, not a warning: weights-only folders are meant for token-id prompts (bench.py's), and
         # a string prompt or stop string then fails with a ValueError that says why.

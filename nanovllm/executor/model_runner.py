@@ -51,7 +51,7 @@ class ModelRunner:
         platform.prepare_process()
         hf_config = config.hf_config
         # The weight format picks each layer's method as the model is built (layers/quantization).
-        quant_config = quant_config_for_model(config.model, hf_config)
+        quant_config = quant_config_for_model(config.model, hf_config, config.quantization)
         with default_dtype(self.dtype), self.device:
             self.model = get_model_class(hf_config)(hf_config, quant_config)
         load_model(self.model, config.model)

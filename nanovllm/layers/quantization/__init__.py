@@ -8,6 +8,7 @@ from torch import nn
 
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase,
                                                QuantizationConfig, QuantizeMethodBase)
+from nanovllm.layers.quantization.gguf import ONLINE_FORMATS, GGUFConfig, OnlineQuantConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
                                                       UnquantizedLinearMethod)
 
@@ -24,6 +25,7 @@ def register_quantization_config(cls: type[QuantizationConfig]) -> type[Quantiza
 
 
 register_quantization_config(UnquantizedConfig)
+register_quantization_config(GGUFConfig)
 
 
 def quantization_methods() -> list[str]:
@@ -42,8 +44,33 @@ def quant_method_of(hf_config: Any) -> str | None:
     return method.lower()
 
 
-def quant_config_for_model(path: str, hf_config: Any) -> QuantizationConfig:
-    """The weight format of the checkpoint folder at path, as its config.json names it."""
+def check_quantization(path: str, hf_config: Any, quantization: str | None) -> None:
+    """ValueError unless `quantization=` (None: the checkpoint's own format) can apply to the checkpoint."""
+    if quantization is None:
+        return
+    if not isinstance(quantization, str):
+        raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__} {quantization!r}")
+    from nanovllm.loader.gguf import is_gguf_path
+    if is_gguf_path(path):
+        raise ValueError(f"quantization={quantization!r} cannot apply to a GGUF file, whose tensors keep the "
+                         "formats the file stores them in; leave quantization unset")
+    if quantization not in ONLINE_FORMATS:
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of {list(ONLINE_FORMATS)} "
+                         "(or leave it unset)")
+    if quant_method_of(hf_config) is not None:
+        raise ValueError(f"the checkpoint is already quantized ({quant_method_of(hf_config)}); "
+                         f"quantization={quantization!r} applies to dense checkpoints only")
+
+
+def quant_config_for_model(path: str, hf_config: Any, quantization: str | None = None) -> QuantizationConfig:
+    """The weight format of the checkpoint at path: a GGUF file's own, the one its config.json
+    names, or, with quantization= ("q8_0", ...), a dense checkpoint quantized at load."""
+    from nanovllm.loader.gguf import is_gguf_path
+    check_quantization(path, hf_config, quantization)
+    if quantization is not None:
+        return OnlineQuantConfig(quantization)
+    if is_gguf_path(path):
+        return GGUFConfig.from_model(path, hf_config)
     method = quant_method_of(hf_config) or UnquantizedConfig.name
     cls = _REGISTRY.get(method)
     if cls is None:
@@ -103,7 +130,7 @@ def describe_linear_methods(model: nn.Module) -> str:
     return ", ".join(sorted({layer.quant_method.name for layer in linear_layers(model)})) or "dense"
 
 
-__all__ = ["CWeightView", "EmbeddingMethodBase", "LinearKernels", "LinearMethodBase", "QuantizationConfig",
+__all__ = ["ONLINE_FORMATS", "CWeightView", "GGUFConfig", "OnlineQuantConfig", "check_quantization", "EmbeddingMethodBase", "LinearKernels", "LinearMethodBase", "QuantizationConfig",
            "QuantizeMethodBase", "UnquantizedConfig", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod",
            "describe_linear_methods", "embedding_method_for", "linear_layers", "linear_method_for",
            "process_weights_after_loading", "quant_config_for_model", "quant_method_of", "quantization_methods",

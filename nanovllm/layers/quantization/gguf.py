@@ -1,0 +1,248 @@
+"""GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, F16, BF16) as layer weights.
+
+Two configs give the same methods: GGUFConfig for a .gguf file (each tensor in the format the file
+stores it, loader/gguf.py), and OnlineQuantConfig for `quantization="q8_0" | "q4_0" | ...` on a
+safetensors checkpoint (every linear weight and the embedding quantized at load by the `gguf`
+package's reference quantizers, so the blocks are bit-identical to theirs).
+
+A layer holds its weight once, as raw rows of blocks (uint8 [rows, row bytes], the parameter
+`weight`) and multiplies from them with the C kernels (kernels/cpu_quant.c): inputs are quantized
+to int8 once per call, the dot products run in integers. A stacked layer (q/k/v, gate/up) whose
+parts the file stores in different formats (Q4_K_M's Q6_K v next to Q4_K q and k) keeps one matrix
+per part, chained so that the kernels write each part's outputs after the previous one's.
+Tensor parallelism splits rows freely and columns only on block boundaries."""
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase,
+                                               QuantizationConfig, QuantizeMethodBase)
+from nanovllm.layers.quantization.parameter import tagged_parameter
+
+logger = logging.getLogger(__name__)
+
+# (weights, bytes) per block of each format the C kernels multiply (ggml's sizes).
+BLOCKS = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20),
+          "q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q6_k": (256, 210)}
+# Formats `quantization=` offers: the ones gguf.quants has a reference quantizer for.
+ONLINE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+def row_bytes(type_name: str, k: int, what: str) -> int:
+    size, nbytes = BLOCKS[type_name]
+    if k % size:
+        raise ValueError(f"{what}: {k} inputs are not whole {type_name} blocks of {size}")
+    return k // size * nbytes
+
+
+def quantize_rows(weight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A dense [n, k] weight as raw rows of type_name, by gguf.quants' reference quantizer."""
+    from gguf import GGMLQuantizationType, quants
+    data = weight.detach().to(torch.float32).contiguous().numpy()
+    raw = quants.quantize(data, GGMLQuantizationType[type_name.upper()])
+    return torch.from_numpy(np.ascontiguousarray(raw).reshape(weight.shape[0], -1))
+
+
+def _need_kernels(kernels: LinearKernels, what: str):
+    if kernels.c_kernels is None:
+        raise RuntimeError(f"{what}: block-quantized weights are multiplied by the CPU C kernels, which are "
+                           "unavailable here (no C compiler, or NANOVLLM_CPU_KERNEL=0)")
+    return kernels.c_kernels
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """x W^T over raw block rows, one matrix per run of parts in the same format.
+
+    types: the format of each stacked part (one entry for a plain layer). online: the checkpoint
+    gives dense weights, quantized into types[0] after loading."""
+
+    def __init__(self, types: list[str], online: bool = False):
+        self.types = types
+        self.online = online
+        self.c_kernels = None
+        self.c_linear = None
+        self.views: list[CWeightView] = []
+        self.parts: dict[int, torch.Tensor] = {}
+
+    @property
+    def name(self) -> str:
+        return f"{'/'.join(dict.fromkeys(self.types))} (C kernel{', quantized at load' if self.online else ''})"
+
+    @property
+    def mixed(self) -> bool:
+        return len(set(self.types)) > 1
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        what = getattr(layer, "prefix", "") or type(layer).__name__
+        for type_name in set(self.types):
+            row_bytes(type_name, input_size, what)  # whole blocks on this rank, else a ValueError
+        self.sizes = list(output_partition_sizes)
+        self.k = input_size
+        if self.online:
+            layer.register_weight("weight", torch.empty(sum(self.sizes), input_size, dtype=params_dtype),
+                                  output_dim=0, input_dim=1)
+        elif not self.mixed:
+            layer.register_weight("weight", torch.empty(sum(self.sizes), row_bytes(self.types[0], input_size, what),
+                                                        dtype=torch.uint8), output_dim=0, input_dim=1)
+        else:
+            # One matrix per part, filled by load_part; the parameter only names the checkpoint seat.
+            param = tagged_parameter(torch.empty(0, dtype=torch.uint8), self.load_part, output_dim=0, input_dim=1)
+            layer.register_parameter("weight", param)
+            self.layer_ref = layer
+
+    def load_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        layer = self.layer_ref
+        index = layer.shard_index(shard_id)
+        part = layer.rank_part(param, loaded)
+        expected = (self.sizes[index], row_bytes(self.types[index], self.k, layer.prefix))
+        if tuple(part.shape) != expected or part.dtype != torch.uint8:
+            raise ValueError(f"{layer.prefix}[{shard_id}]: a {self.types[index]} part of shape {expected} was expected, "
+                             f"got {part.dtype} {tuple(part.shape)}")
+        self.parts[index] = part.contiguous().clone()
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
+        what = getattr(layer, "prefix", "") or type(layer).__name__
+        self.c_kernels = _need_kernels(kernels, what)
+        weight = layer.weight
+        if self.online and weight.dtype != torch.uint8:  # a tied table may have been quantized by its embedding
+            weight.data = quantize_rows(weight.data, self.types[0])
+        if self.mixed:
+            if len(self.parts) != len(self.types):
+                raise ValueError(f"{what}: parts {sorted(self.parts)} of {len(self.types)} were loaded")
+            datas, types, sizes = [self.parts[i] for i in range(len(self.types))], self.types, self.sizes
+        else:
+            datas, types, sizes = [weight.data], self.types[:1], [sum(self.sizes)]
+        views = None
+        for data, type_name, n in reversed(list(zip(datas, types, sizes))):
+            views = CWeightView(type_name, data, n, self.k, data.shape[1], next=views)
+        self.views = views
+        self.c_linear = cpu_kernels.linear_struct(self.c_kernels, views)
+        del self.parts
+        self.layer_ref = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = x.dtype
+        y = cpu_kernels.linear(self.c_kernels, self.c_linear, x.to(torch.float32),
+                               None if bias is None else bias.to(torch.float32))
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def c_view(self, layer: nn.Module) -> CWeightView | None:
+        return self.views
+
+    def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        out, view = [], self.views
+        while view is not None:
+            out.append(view.data)
+            view = view.next
+        return out
+
+
+class GGUFEmbeddingMethod(EmbeddingMethodBase):
+    """The table as raw block rows; a lookup dequantizes the rows it reads (C kernels)."""
+
+    def __init__(self, type_name: str, online: bool = False):
+        self.type_name = type_name
+        self.online = online
+        self.c_kernels = None
+        self.c_table = None
+
+    @property
+    def name(self) -> str:
+        return self.type_name
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
+                       params_dtype: torch.dtype) -> None:
+        self.k = embedding_dim
+        if self.online:
+            data = torch.empty(num_embeddings, embedding_dim, dtype=params_dtype)
+        else:
+            data = torch.empty(num_embeddings, row_bytes(self.type_name, embedding_dim, layer.prefix), dtype=torch.uint8)
+        layer.register_weight("weight", data, output_dim=0, input_dim=1)
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
+        self.c_kernels = _need_kernels(kernels, layer.prefix)
+        if self.online and layer.weight.dtype != torch.uint8:
+            layer.weight.data = quantize_rows(layer.weight.data, self.type_name)
+        self.view = CWeightView(self.type_name, layer.weight.data, layer.weight.shape[0], self.k, layer.weight.shape[1])
+        self.c_table = cpu_kernels.linear_struct(self.c_kernels, self.view)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = cpu_kernels.rows_to_f32(self.c_kernels, self.c_table, ids.reshape(-1).cpu())
+        return rows.reshape(*ids.shape, self.k).to(device=ids.device, dtype=layer.dtype)
+
+    def c_view(self, layer: nn.Module) -> CWeightView | None:
+        return self.view
+
+
+def _stacked_parts(layer: nn.Module, prefix: str, packed_modules_mapping: dict) -> list[str]:
+    """The checkpoint names of the parts stacked in the layer at prefix (itself when not stacked)."""
+    base, _, last = prefix.rpartition(".")
+    parts = [(layer.shard_index(shard), f"{base}.{ckpt}.weight")
+             for ckpt, (param, shard) in packed_modules_mapping.items() if param == last]
+    return [name for _, name in sorted(parts)] or [f"{prefix}.weight"]
+
+
+class GGUFConfig(QuantizationConfig):
+    """A .gguf file: each layer in the format the file stores its tensors (loader/gguf.py).
+    Layers whose tensors are all F32 stay dense (the fp32 path)."""
+
+    name = "gguf"
+
+    def __init__(self, types: dict[str, str], packed_modules_mapping: dict):
+        self.types = types  # HF tensor name -> lower-case GGUF type name
+        self.packed_modules_mapping = packed_modules_mapping
+
+    @classmethod
+    def from_model(cls, path: str, hf_config: Any) -> "GGUFConfig | None":
+        from nanovllm.loader.gguf import is_gguf_path, open_gguf
+        from nanovllm.models import get_model_class
+        if not is_gguf_path(path):
+            return None
+        types = {name: info.type_name for name, info in open_gguf(path).tensors.items()}
+        return cls(types, getattr(get_model_class(hf_config), "packed_modules_mapping", {}))
+
+    def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+        if isinstance(layer, VocabParallelEmbedding) or (isinstance(layer, ParallelLMHead)
+                                                         and "lm_head.weight" not in self.types):
+            type_name = self.types["model.embed_tokens.weight"]  # a tied head multiplies by the table
+            if type_name == "f32":
+                return None
+            if isinstance(layer, VocabParallelEmbedding):
+                return GGUFEmbeddingMethod(type_name)
+            return GGUFLinearMethod([type_name])
+        names = _stacked_parts(layer, prefix, self.packed_modules_mapping) if hasattr(layer, "shard_index") \
+            else [f"{prefix}.weight"]
+        missing = [n for n in names if n not in self.types]
+        if missing:
+            raise ValueError(f"the GGUF file has no tensor for {missing} (layer {prefix})")
+        types = [self.types[n] for n in names]
+        return None if all(t == "f32" for t in types) else GGUFLinearMethod(types)
+
+
+class OnlineQuantConfig(QuantizationConfig):
+    """quantization="q8_0" | ...: a dense checkpoint's linear layers, LM head and embedding
+    quantized at load into one GGUF block format."""
+
+    name = "online"
+
+    def __init__(self, type_name: str):
+        if type_name not in ONLINE_FORMATS:
+            raise ValueError(f"quantization {type_name!r} is not supported; choose one of {list(ONLINE_FORMATS)}")
+        self.type_name = type_name
+
+    @classmethod
+    def from_model(cls, path: str, hf_config: Any) -> None:
+        return None  # chosen by the user (quantization=), never by the checkpoint
+
+    def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from nanovllm.layers.embed_head import VocabParallelEmbedding
+        if isinstance(layer, VocabParallelEmbedding):
+            return GGUFEmbeddingMethod(self.type_name, online=True)
+        parts = len(getattr(layer, "output_partition_sizes", [0]))
+        return GGUFLinearMethod([self.type_name] * parts, online=True)

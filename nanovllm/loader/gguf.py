@@ -1,0 +1,204 @@
+"""GGUF files as models: the config, the tokenizer and the tensors read from the file itself
+(llama.cpp's format; the `gguf` package's reader, memory-mapped, nothing executed).
+
+GGUFFile opens and checks a file once: its architecture (llama, qwen2, qwen3), every tensor's type
+(the block formats the C kernels multiply, cpu_quant.c) and that every tensor lies inside the
+file, before anything is allocated. hf_config() builds the transformers config from the
+metadata; weights() yields the tensors under their HuggingFace names: block-quantized and
+half-precision matrices as their raw rows (uint8 [rows, row bytes], multiplied as they are by
+layers/quantization/gguf.py), F32 ones as float tensors. llama.cpp's converter permutes the rows
+of llama's q and k projections for its rotary layout; they are put back in HF order here (whole
+rows move, so quantized rows move as they are)."""
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF tensor types held and multiplied as they are (names as the C weight-type table spells them).
+NATIVE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+_open_files: dict[tuple[str, float], "GGUFFile"] = {}
+
+
+def open_gguf(path: str) -> "GGUFFile":
+    """The checked GGUFFile of path, parsed once per process (the reader builds every metadata
+    array, a 49k-token vocabulary included, in about 2 s) until release_gguf(path)."""
+    key = (os.path.abspath(str(path)), os.path.getmtime(path) if os.path.isfile(path) else 0.0)
+    if key not in _open_files:
+        _open_files.clear()  # one model at a time: never keep another file mapped
+        _open_files[key] = GGUFFile(path)
+    return _open_files[key]
+
+
+def release_gguf(path: str) -> None:
+    """Forget path's parsed file, unmapping it (called once its weights are loaded)."""
+    for key in [k for k in _open_files if k[0] == os.path.abspath(str(path))]:
+        _open_files.pop(key).close()
+
+
+def is_gguf_path(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and str(path).lower().endswith(".gguf")
+
+
+def hf_name(name: str) -> str | None:
+    """The HuggingFace parameter name of a GGUF tensor name, or None for one the model lacks."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    gguf_name: str
+    type_name: str           # lower-case GGUF type name, e.g. "q4_k"
+    shape: tuple[int, ...]   # HuggingFace order: [rows, columns] for a matrix
+    row_bytes: int           # bytes of one row as stored (0 for a vector)
+
+
+class GGUFFile:
+    """A checked GGUF model file (ValueError naming what is wrong otherwise)."""
+
+    def __init__(self, path: str):
+        path = str(path)
+        if not os.path.isfile(path):
+            raise ValueError(f"GGUF file {path!r} does not exist")
+        try:
+            from gguf import GGUFReader
+        except ImportError as e:
+            raise ValueError(f"reading {path!r} needs the `gguf` package: pip install 'nano-vllm[gguf]'") from e
+        self.path = path
+        try:
+            self.reader = GGUFReader(path, "r")
+        except Exception as e:  # bad magic, truncated header or tensor data past the end
+            raise ValueError(f"{path!r} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{path!r}: GGUF architecture {self.arch!r} is not supported; supported: "
+                             f"{sorted(ARCHITECTURES)}")
+        self.tensors: dict[str, TensorInfo] = {}
+        unsupported, unknown = {}, []
+        size = os.path.getsize(path)
+        for t in self.reader.tensors:
+            type_name = t.tensor_type.name.lower()
+            if t.data_offset + t.n_bytes > size:
+                raise ValueError(f"{path!r}: tensor {t.name} lies past the end of the file (truncated?)")
+            name = hf_name(t.name)
+            if name is None:
+                if t.name != "rope_freqs.weight":
+                    unknown.append(t.name)
+                continue
+            if type_name not in NATIVE_TYPES:
+                unsupported.setdefault(type_name, t.name)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
+            row_bytes = t.n_bytes // shape[0] if len(shape) == 2 else 0
+            self.tensors[name] = TensorInfo(t.name, type_name, shape, row_bytes)
+        if unsupported:
+            listed = ", ".join(f"{k} (e.g. {v})" for k, v in sorted(unsupported.items()))
+            raise ValueError(f"{path!r} holds tensor types {listed} that nano-vLLM does not multiply; supported: "
+                             f"{', '.join(NATIVE_TYPES)}")
+        if unknown:
+            raise ValueError(f"{path!r} has tensors a {self.arch} model does not have: {unknown[:8]}")
+        if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
+            raise ValueError(f"{path!r} carries per-frequency rope factors (rope_freqs, Llama 3.1's rope scaling), "
+                             "which are not supported for GGUF files yet; use the HF checkpoint")
+        for key in ("rope.scaling.type",):
+            value = self.field(f"{self.arch}.{key}", None)
+            if value not in (None, "none"):
+                raise ValueError(f"{path!r}: rope scaling {value!r} is not supported for GGUF files")
+
+    def field(self, key: str, default=KeyError):
+        f = self.reader.fields.get(key)
+        if f is None:
+            if default is KeyError:
+                raise ValueError(f"{self.path!r} lacks the GGUF metadata key {key!r}")
+            return default
+        value = f.contents()
+        return value
+
+    def hf_config(self):
+        """The transformers config of the model the file holds."""
+        import transformers
+        a = self.arch
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        vocab = self.field(f"{a}.vocab_size", None)
+        if vocab is None:
+            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        kwargs = dict(
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            num_hidden_layers=int(self.field(f"{a}.block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(self.field(f"{a}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self.field(f"{a}.context_length")),
+            vocab_size=int(vocab),
+            tie_word_embeddings="lm_head.weight" not in self.tensors,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id", None),
+            architectures=[ARCHITECTURES[a]],
+            dtype="float32",
+        )
+        if a != "qwen2":
+            kwargs["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config}[a]
+        return cls(**kwargs)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every tensor, copied out of the file (which is closed afterwards)."""
+        heads = int(self.field(f"{self.arch}.attention.head_count"))
+        kv_heads = int(self.field(f"{self.arch}.attention.head_count_kv", heads))
+        by_name = {t.name: t for t in self.reader.tensors}
+        for name, info in self.tensors.items():
+            data = by_name[info.gguf_name].data
+            if info.type_name == "f32":
+                tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(info.shape))
+            else:
+                # the reader gives F16 / BF16 data as 16-bit values: their bytes, as for the blocks
+                tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(info.shape[0], info.row_bytes))
+            if self.arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+                tensor = unpermute_rows(tensor, heads if "q_proj" in name else kv_heads)
+            yield name, tensor
+
+    def close(self) -> None:
+        """Drop the reader and with it the file's mapping (the tensors yielded are copies)."""
+        self.reader = None
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """A llama q or k projection back in HF row order: llama.cpp's converter interleaves the two
+    halves of each head's rows for its rotary layout (HF row j * head_dim / 2 + i of a head is
+    stored as row 2 i + j)."""
+    rows = w.shape[0]
+    if rows % (2 * heads):
+        raise ValueError(f"cannot restore the row order of a {tuple(w.shape)} projection over {heads} heads")
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

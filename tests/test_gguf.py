@@ -1,0 +1,349 @@
+"""GGUF files as models and online quantization, against independent references:
+- the default model's shipped Q4_1 file (from PyPI) against transformers on the same file
+  (transformers dequantizes it itself): perplexity scored as llama-perplexity scores, greedy answer;
+- tiny random llama / qwen2 / qwen3 files written with the `gguf` package's GGUFWriter in every
+  block format (blocks from gguf.quants, llama.cpp's q/k row order for llama), against
+  transformers' reading of the same file;
+- quantization="q8_0" | ...: the held blocks bit-identical to gguf.quants.quantize of the checkpoint;
+- malformed and unsupported files, and misuse of quantization=, refused with clear errors."""
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from helpers import make_qwen3, qtype, random_weights  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.layers.quantization import linear_layers  # noqa: E402
+from nanovllm.utils import default_model as dm  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = (REPO / "tests" / "data" / "english.txt").read_text()
+CHUNK = 128
+
+
+def model_of(llm):
+    return llm.model_runner.model
+
+
+# ---- perplexity as llama-perplexity scores it -----------------------------------------------------
+def chunks_of(tokenizer) -> list[list[int]]:
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    return [ids[i:i + CHUNK] for i in range(0, len(ids) - CHUNK + 1, CHUNK)]
+
+
+def scored(nll_per_position: list[float]) -> list[float]:
+    """llama-perplexity's scoring of one chunk: only the predictions of its second half (the tokens
+    after position CHUNK / 2)."""
+    return nll_per_position[CHUNK // 2 + 1:]
+
+
+def our_perplexity(llm, chunks) -> float:
+    outs = llm.generate(chunks, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll = []
+    for chunk, out in zip(chunks, outs):
+        entries = out["prompt_logprobs"]
+        nll += scored([0.0] + [-entries[j][chunk[j]] for j in range(1, len(chunk))])
+    return math.exp(sum(nll) / len(nll))
+
+
+def hf_perplexity(model, chunks) -> float:
+    nll = []
+    for chunk in chunks:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([chunk])).logits[0].float(), -1)
+        nll += scored([0.0] + [-logp[j - 1, chunk[j]].item() for j in range(1, len(chunk))])
+    return math.exp(sum(nll) / len(nll))
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """(the shipped Q4_1 GGUF, the fp32 folder transformers dequantized from it)."""
+    cache = Path(os.environ.get(dm.CACHE_ENV) or REPO / ".cache" / "nanovllm")
+    folder = dm.default_model_path(cache)
+    return str(cache / "downloads" / dm.GGUF_NAME), folder
+
+
+def test_shipped_q4_1_file(shipped):
+    path, folder = shipped
+    from transformers import AutoModelForCausalLM
+    with LLM(path, max_num_seqs=8, max_model_len=512) as llm:
+        held = {layer.quant_method.name for layer in linear_layers(model_of(llm))}
+        assert held == {"q4_1 (C kernel)", "q8_0 (C kernel)"}  # the file's own formats: no fp32 copy
+        chunks = chunks_of(llm.tokenizer)
+        assert len(chunks) >= 6
+        ours = our_perplexity(llm, chunks)
+        prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
+    ref = hf_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), chunks)
+    assert abs(ours / ref - 1) < 0.02, (ours, ref)
+    assert "Paris" in answer, answer
+
+
+# ---- tiny files in every block format ----------------------------------------------------------
+ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def llama_cpp_row_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's order of a llama q / k projection's rows: each head's two halves
+    interleaved (its rotary layout)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=512, layers=2, heads=4,
+               kv_heads=2, vocab=320, seed=0, untied=False) -> Path:
+    """A random model as a GGUF file; types: tensor role (attn_q, ffn_down, token_embd, output,
+    ...) -> GGUF type name (default F32)."""
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+
+    def add(name: str, role: str, value: np.ndarray) -> None:
+        kind = types.get(role, "f32")
+        if value.ndim == 1 or kind == "f32":
+            w.add_tensor(name, value.astype(np.float32))
+        elif kind in ("q4_k", "q6_k"):  # gguf.quants has no quantizer for these: random blocks
+            w.add_tensor(name, random_weights(kind, *value.shape, rng, std=float(value.std())), raw_dtype=qtype(kind))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype(kind)), raw_dtype=qtype(kind))
+
+    def mat(n, k, scale=None):
+        return rng.standard_normal((n, k)).astype(np.float32) * (scale or k ** -0.5)
+
+    add("token_embd.weight", "token_embd", mat(vocab, hidden, 0.1))
+    if untied:
+        add("output.weight", "output", mat(vocab, hidden))
+    add("output_norm.weight", "norm", 1 + 0.1 * rng.standard_normal(hidden))
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    for i in range(layers):
+        for role, shape in shapes.items():
+            value = mat(*shape)
+            if arch == "llama" and role in ("attn_q", "attn_k"):
+                value = llama_cpp_row_order(value, heads if role == "attn_q" else kv_heads)
+            add(f"blk.{i}.{role}.weight", role, value)
+        for role in ("attn_norm", "ffn_norm"):
+            add(f"blk.{i}.{role}.weight", role, 1 + 0.1 * rng.standard_normal(hidden))
+        if arch == "qwen2":
+            for role in ("attn_q", "attn_k", "attn_v"):
+                add(f"blk.{i}.{role}.bias", role, 0.1 * rng.standard_normal(shapes[role][0]))
+        if arch == "qwen3":
+            for role in ("attn_q_norm", "attn_k_norm"):
+                add(f"blk.{i}.{role}.weight", role, 1 + 0.1 * rng.standard_normal(head_dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def quantized_like_kernels(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded as the C kernels quantize a linear layer's input: int8 per group of `group`
+    values, scale max|x| / 127, round half to even."""
+    g = x.reshape(*x.shape[:-1], -1, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, g * (127 / amax.clamp_min(1e-30)), torch.zeros_like(g)).round().clamp(-127, 127)
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+def hf_logprobs_of_file(path: Path, prompt: list[int], input_groups: dict[str, int] | None = None) -> torch.Tensor:
+    """transformers' log-probabilities on the file (it dequantizes the tensors itself); with
+    input_groups (HF module name suffix -> group), each such linear layer's input quantized as the
+    C kernels quantize it, so that the result differs from ours only by the order of float sums."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        group = next((g for suffix, g in (input_groups or {}).items() if name.endswith(suffix)), None)
+        if group is not None and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda m, args, g=group: (quantized_like_kernels(args[0], g),))
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+
+
+HF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+              "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj", "output": "lm_head"}
+
+
+def kernel_input_groups(types: dict[str, str], tied: bool) -> dict[str, int]:
+    """The input quantization of each HF linear layer the C kernels multiply in integers."""
+    groups = {}
+    roles = {**types, **({"output": types["token_embd"]} if tied and "token_embd" in types else {})}
+    for role, kind in roles.items():
+        if role in HF_MODULES and kind not in ("f32", "f16", "bf16"):
+            groups[HF_MODULES[role]] = 256 if kind.endswith("_k") else 32
+    return groups
+
+
+def our_logprobs(llm, prompt: list[int], vocab: int) -> torch.Tensor:
+    """Our log-probabilities of every prompt token given the ones before it [len - 1], and of our
+    top-5 at each position (the rest -inf), as rows comparable to HF's."""
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+    rows = torch.full((len(prompt) - 1, vocab), -math.inf)
+    for j, entry in enumerate(out["prompt_logprobs"][1:]):
+        for token, logprob in entry.items():
+            rows[j, token] = logprob
+    return rows
+
+
+# One file per case: (arch, tensor types); 'all' covers each format at least once, stacked parts in
+# different formats included (Q4_K q / k with Q6_K v, as llama-quantize's Q4_K_M writes them).
+CASES = {
+    "llama-f32": ("llama", {}),
+    "llama-q8_0": ("llama", {r: "q8_0" for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                  "ffn_down", "token_embd")}),
+    "llama-q4_k_m": ("llama", {"attn_q": "q4_k", "attn_k": "q4_k", "attn_v": "q6_k", "attn_output": "q4_k",
+                               "ffn_gate": "q4_k", "ffn_up": "q4_k", "ffn_down": "q6_k", "token_embd": "q4_k"}),
+    "qwen2-mixed": ("qwen2", {"attn_q": "q4_0", "attn_k": "q4_1", "attn_v": "q5_0", "attn_output": "q5_1",
+                              "ffn_gate": "f16", "ffn_up": "bf16", "ffn_down": "q8_0", "token_embd": "q6_k"}),
+    "qwen3-q4_0": ("qwen3", {r: "q4_0" for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                 "ffn_down", "token_embd", "output")}),
+}
+# Mean |logprob error| against plain transformers: our inputs are quantized to int8 per group,
+# which moves these random models' log-probabilities by a few hundredths (F32 weights multiply in
+# fp32: no such error).
+TOLERANCE = {"llama-f32": 1e-4}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tiny_files_match_transformers(tmp_path, case):
+    arch, types = CASES[case]
+    # NOTE: transformers reads no head_dim from a qwen3 GGUF (it takes 128): two heads of 128 here.
+    shape = dict(heads=2, kv_heads=1, untied=True) if arch == "qwen3" else {}
+    path = write_tiny(tmp_path / f"{case}.gguf", arch, types, **shape)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 40)]
+    ref = hf_logprobs_of_file(path, prompt)
+    same_inputs = hf_logprobs_of_file(path, prompt, kernel_input_groups(types, tied=arch != "qwen3"))
+    with LLM(str(path), max_num_seqs=4, max_model_len=256) as llm:
+        assert llm.tokenizer is None  # no vocabulary in the file: token-id prompts
+        assert llm.config.hf_config.architectures == [ARCH_CLASSES[arch]]
+        ours = our_logprobs(llm, prompt, 320)
+    tol = TOLERANCE.get(case, 0.08)
+    def errors(reference: torch.Tensor) -> torch.Tensor:
+        """|ours - reference| of each position's prompt token and our top 5."""
+        out = []
+        for j in range(len(prompt) - 1):
+            ids = torch.cat([ours[j].topk(5).indices, torch.tensor([prompt[j + 1]])])
+            out.append((ours[j, ids] - reference[j, ids]).abs())
+        return torch.stack(out)
+    plain, same = errors(ref), errors(same_inputs)
+    print(case, "|logprob error| max / mean", plain.max().item(), plain.mean().item(),
+          "with the kernels' input rounding", same.max().item(), same.mean().item())
+    # With the same input rounding only the order of float sums differs (which can move a value
+    # across a rounding boundary of the next layer's input now and then).
+    assert same.mean() < 0.02 and same.max() < 0.15, case
+    assert plain.mean() < tol, case
+
+
+def test_tensor_parallel_gguf(tmp_path):
+    """Two CPU ranks on a mixed-format file give the one-rank output; a split that would cut a
+    block is refused naming the layer."""
+    arch, types = CASES["llama-q4_k_m"]
+    path = write_tiny(tmp_path / "tp.gguf", arch, types)
+    prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 320, 20)] for s in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), max_num_seqs=4, max_model_len=128) as llm:
+        one = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    with LLM(str(path), max_num_seqs=4, max_model_len=128, tensor_parallel_size=2) as llm:
+        two = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert one == two
+    # o_proj and down_proj take 256 and 512 inputs: over 4 ranks a Q4_K row of 256 would be cut.
+    with pytest.raises(Exception, match="q4_k blocks|not whole"):
+        LLM(str(path), max_num_seqs=4, max_model_len=128, tensor_parallel_size=4)
+
+
+# ---- online quantization ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_online_quantization(tmp_path, fmt):
+    folder = make_qwen3(str(tmp_path / "qwen3"), shape="gqa", hidden_size=128, intermediate_size=256, seed=3)
+    from safetensors.torch import load_file
+    state = {}
+    for f in Path(folder).glob("*.safetensors"):
+        state.update(load_file(str(f)))
+    qt = gguf.GGMLQuantizationType[fmt.upper()]
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 256, 30)]
+    with LLM(folder, quantization=fmt, max_num_seqs=4, max_model_len=128) as llm:
+        model = model_of(llm)
+        down = model.model.layers[0].mlp.down_proj
+        want = gguf.quants.quantize(state["model.layers.0.mlp.down_proj.weight"].float().numpy(), qt)
+        assert np.array_equal(down.weight.numpy(), want.reshape(down.weight.shape))  # bit-identical blocks
+        qkv = model.model.layers[1].self_attn.qkv_proj.weight.numpy()
+        ref = np.concatenate([gguf.quants.quantize(state[f"model.layers.1.self_attn.{p}_proj.weight"].float().numpy(), qt)
+                              for p in "qkv"])
+        assert np.array_equal(qkv, ref.reshape(qkv.shape))
+        table = model.model.embed_tokens.weight
+        assert table.dtype == torch.uint8 and model.lm_head.weight is table  # tied: one quantized table
+        ours = our_logprobs(llm, prompt, 256)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    tol = 0.05 if fmt == "q8_0" else 0.3  # 4-bit weights move the distribution further
+    err = max(abs(ours[j, prompt[j + 1]].item() - ref_lp[j, prompt[j + 1]].item()) for j in range(len(prompt) - 1))
+    assert err < tol, err
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+def test_bad_files_and_options(tmp_path):
+    good = write_tiny(tmp_path / "good.gguf", "qwen3", {"attn_q": "q8_0"})
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing.gguf"))
+    bad_magic = tmp_path / "magic.gguf"
+    bad_magic.write_bytes(b"GGUX" + good.read_bytes()[4:])
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        LLM(str(bad_magic))
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(str(truncated))
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(str(empty))
+    gpt2 = write_tiny(tmp_path / "gpt2.gguf", "gpt2", {})
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: \['llama', 'qwen2', 'qwen3'\]"):
+        LLM(str(gpt2))
+    with pytest.raises(ValueError, match="quantization 'q8_0' cannot apply to a GGUF file"):
+        LLM(str(good), quantization="q8_0")
+    folder = make_qwen3(str(tmp_path / "qwen3"))
+    with pytest.raises(ValueError, match=r"quantization 'int3' is not supported; choose one of \['q8_0'"):
+        LLM(folder, quantization="int3")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    """A tensor type the kernels do not multiply (here IQ4_NL, written as raw blocks) is refused
+    before anything is allocated, naming it and the supported list."""
+    path = tmp_path / "iq4.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("add_block_count", 1), ("add_context_length", 64), ("add_embedding_length", 32),
+                       ("add_feed_forward_length", 64), ("add_head_count", 2), ("add_layer_norm_rms_eps", 1e-6)):
+        getattr(w, key)(value)
+    w.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+    w.add_tensor("blk.0.ffn_down.weight", np.zeros((32, 2 * 18), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"tensor types iq4_nl \(e.g. blk.0.ffn_down.weight\).*supported: f32, f16"):
+        LLM(str(path))
