@@ -186,6 +186,8 @@ class Config:
             raise ValueError(f"give dist_init_addr ({self.dist_init_addr!r}) or dist_port ({self.dist_port}), "
                              "not both: the address holds the port")
         self.platform.check_tensor_parallel_size(tp // self.nnodes)  # the ranks of one node
+        from nanovllm.layers.quantization.gguf import check_tensor_parallel
+        check_tensor_parallel(self.model, self.hf_config, self.quantization, tp)  # block formats split on blocks
         if self.dist_port is not None:
             _positive_int("dist_port", self.dist_port)
             if self.dist_port > 65535:

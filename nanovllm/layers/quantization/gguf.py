@@ -39,6 +39,36 @@ def row_bytes(type_name: str, k: int, what: str) -> int:
     return k // size * nbytes
 
 
+# The layers whose inputs tensor parallelism splits (row-parallel), by their checkpoint names.
+ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def check_split(name: str, type_name: str, k: int, tp_size: int) -> None:
+    """ValueError unless k inputs of type_name split over tp_size ranks on block boundaries."""
+    size = BLOCKS[type_name][0]
+    if k % tp_size or (k // tp_size) % size:
+        raise ValueError(f"tensor_parallel_size={tp_size} would split {name} ({type_name}, {k} inputs) into parts of "
+                         f"{k / tp_size:g} inputs, not whole {type_name} blocks of {size}; use a tensor_parallel_size "
+                         f"that divides {k // size} blocks")
+
+
+def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, tp_size: int) -> None:
+    """Before any rank starts: every row-parallel weight of a GGUF file (or of a checkpoint
+    quantized at load) splits over tp_size ranks on block boundaries."""
+    from nanovllm.loader.gguf import is_gguf_path, open_gguf
+    if tp_size == 1:
+        return
+    if is_gguf_path(path):
+        for name, info in open_gguf(path).tensors.items():
+            if name.endswith(ROW_PARALLEL):
+                check_split(name, info.type_name, info.shape[1], tp_size)
+    elif quantization is not None:
+        for name, k in (("o_proj", hf_config.num_attention_heads * (getattr(hf_config, "head_dim", None) or
+                                                                     hf_config.hidden_size // hf_config.num_attention_heads)),
+                        ("down_proj", hf_config.intermediate_size)):
+            check_split(name, quantization, k, tp_size)
+
+
 def quantize_rows(weight: torch.Tensor, type_name: str) -> torch.Tensor:
     """A dense [n, k] weight as raw rows of type_name, by gguf.quants' reference quantizer."""
     from gguf import GGMLQuantizationType, quants
