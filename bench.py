@@ -41,12 +41,14 @@ def random_qwen3_checkpoint() -> str:
 def build_parser() -> ArgumentParser:
     on_cuda = torch.cuda.is_available()
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF checkpoint folder (default: a random-weight Qwen3-0.6B-shaped bf16 "
+    p.add_argument("--model", help="HF checkpoint folder or .gguf file (default: a random-weight Qwen3-0.6B-shaped bf16 "
                    "checkpoint, built once in $NANOVLLM_CACHE or ~/.cache/nanovllm)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (default): CUDA if available, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float32 on CPUs, the checkpoint's on GPUs")
+    p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+                   help="quantize the weights at load into this GGUF block format (CPU; default: none)")
     # Workload defaults depend on the device: the original's on CUDA, a few minutes' worth on CPU.
     for flag, cuda, cpu, help_ in [
         ("--num-seqs", 256, 64, "requests to generate"),
@@ -137,7 +139,8 @@ def main() -> int:
     from nanovllm import LLM
     path = args.model or random_qwen3_checkpoint()
     try:
-        llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+        llm = LLM(path, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                  enforce_eager=args.enforce_eager,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag

@@ -18,8 +18,11 @@ PROMPTS = [
 
 def parse_args() -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--model", help="HF model folder (config.json, *.safetensors, tokenizer); "
-                        "default: SmolLM2-135M-Instruct, downloaded and converted on first use")
+    parser.add_argument("--model", help="HF model folder (config.json, *.safetensors, tokenizer) or a .gguf "
+                        "file; default: SmolLM2-135M-Instruct, downloaded and converted on first use")
+    parser.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+                        help="quantize a dense model's weights at load into this GGUF block format "
+                        "(default: none; a .gguf file keeps its own formats)")
     parser.add_argument("--max-tokens", type=positive_int, default=64,
                         help="new tokens per answer at most (default: 64)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -41,7 +44,8 @@ def main() -> int:
         model = args.model or default_model_path()
         start = time.perf_counter()
         # A small KV cache is plenty for three short chats and is allocated in a blink.
-        llm = LLM(model, dtype=args.dtype, max_num_seqs=len(PROMPTS), max_model_len=2048)
+        llm = LLM(model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=len(PROMPTS),
+                  max_model_len=2048)
     except DefaultModelError as e:  # no network, or a failed conversion: not a bad command line
         return print_error("example.py", e, status=1)
     except (ValueError, TypeError) as e:  # our validation of the model folder or a flag's value

@@ -16,6 +16,9 @@ from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 _ENGINE_OPTIONS = [
     ("--device", "device", str, "auto, cpu or cuda"),
     ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16"),
+    ("--quantization", "quantization", str,
+     "quantize a dense checkpoint's weights at load: q8_0, q4_0, q4_1, q5_0 or q5_1 (GGUF block formats; "
+     "a .gguf MODEL keeps its own)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "most tokens in one step"),
     ("--max-model-len", "max_model_len", int, "longest prompt + completion"),
@@ -39,6 +42,7 @@ _PLATFORM_DEFAULTS = {
     "kvcache_block_size": "16 on CPU, 256 on CUDA",
     "cpu_kvcache_bytes": "a quarter of the available RAM, at most 8 GiB",
     "dist_init_addr": "none",
+    "quantization": "none: the checkpoint's own format",
 }
 
 

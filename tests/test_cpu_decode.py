@@ -43,11 +43,12 @@ def test_linear_kernel_matches_torch(kernels, n, k, rows, weight_dtype):
 
 
 def test_linear_kernel_rejects_other_weight_dtypes(kernels):
-    """fp16 has no row in the C weight-type table: no view, no type code; a description with a code
-    outside the table, or rows of the wrong size, is refused by the C side, not run as fp32."""
+    """A dense fp16 weight gets no C view (the dense path keeps it in torch); a format without a row
+    in the C weight-type table has no type code; a description with a code outside the table, or
+    rows of the wrong size, is refused by the C side, not run as fp32."""
     assert dense_c_view(torch.randn(4, 8).half()) is None
-    with pytest.raises(ValueError, match="no weight type 'f16'"):
-        kernels.weight_type("f16")
+    with pytest.raises(ValueError, match="no weight type 'q3_k'"):
+        kernels.weight_type("q3_k")
     w = torch.randn(4, 8)
     good = cpu_kernels.linear_struct(kernels, dense_c_view(w))
     torch.testing.assert_close(cpu_kernels.linear(kernels, good, torch.ones(1, 8), None), w.sum(1, keepdim=True).T)
