@@ -19,6 +19,7 @@ converted once. Benchmarks run without OMP_WAIT_POLICY=PASSIVE: this script unse
 OpenMP threads wake late between ops; the llama.cpp build uses OpenMP too).
 """
 import argparse
+import gc
 import json
 import os
 import random
@@ -35,12 +36,17 @@ import llamacpp_build  # noqa: E402
 from llamacpp_build import BuildError  # noqa: E402
 
 PROMPT_LEN, DECODE_STEPS, PREFILL_LEN = 64, 64, 128
-QUANTS = ("f32", "f16", "q8_0")
-LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "ours": "nano-vLLM fp32",
-          "ours_bf16": "nano-vLLM bf16 weights"}
-# Each of our rows against the llama.cpp row at the same weight width.
-RATIOS = {"ours": "f32", "ours_bf16": "f16"}
+QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
+LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "q4_0": "llama.cpp Q4_0",
+          "q4_k_m": "llama.cpp Q4_K_M", "ours": "nano-vLLM fp32", "ours_bf16": "nano-vLLM bf16 weights",
+          "ours_q8_0": "nano-vLLM Q8_0", "ours_q4_0": "nano-vLLM Q4_0", "ours_q4_k_m": "nano-vLLM Q4_K_M"}
+# Each of our rows against the llama.cpp row at the same weight width (the same file for the
+# quantized ones).
+RATIOS = {"ours": "f32", "ours_bf16": "f16", "ours_q8_0": "q8_0", "ours_q4_0": "q4_0", "ours_q4_k_m": "q4_k_m"}
+# The dense rows load the HF folder; the quantized rows the very file llama-quantize wrote.
 OUR_DTYPES = {"ours": "float32", "ours_bf16": "bfloat16"}
+FILE_ROWS = tuple(llamacpp_build.PRESETS)
+RSS_COLUMNS = ("after load", "after the largest batch")
 
 
 def model_folder(name: str) -> str:
@@ -75,32 +81,33 @@ def parse_batched_bench(stdout: str) -> dict[int, dict]:
 
 
 def llamacpp_point(bins: dict[str, Path], gguf: Path, point: tuple[str, int], threads: int, logs: Path,
-                   raw: list) -> float:
-    """One figure of llama.cpp on one GGUF (tok/s): ("decode", 1) from llama-bench -n 64 (the figure
-    llama.cpp users quote), ("decode", B) from llama-batched-bench -npl B, ("prefill", N) from
-    llama-bench -p N; one repetition each (after llama-bench's own warm-up run). Its raw rows go to raw."""
+                   raw: list) -> tuple[float, float]:
+    """One figure of llama.cpp on one GGUF (tok/s) and the run's peak RSS (MiB): ("decode", 1) from
+    llama-bench -n 64 (the figure llama.cpp users quote), ("decode", B) from llama-batched-bench -npl
+    B, ("prefill", N) from llama-bench -p N; one repetition each (after llama-bench's own warm-up
+    run). Its raw rows go to raw."""
     kind, n = point
     stem = f"{gguf.stem}-{kind}{n}"
     if kind == "decode" and n > 1:
         out = logs / f"batched-bench-{stem}.jsonl"
-        llamacpp_build.run_step(f"llama-batched-bench on {gguf.name}",
+        rss = llamacpp_build.run_step(f"llama-batched-bench on {gguf.name}",
                                 [str(bins["llama-batched-bench"]), "-m", str(gguf),
                                  "-c", str(n * (PROMPT_LEN + DECODE_STEPS)), "-b", "2048", "-ub", "512",
                                  "-npp", str(PROMPT_LEN), "-ntg", str(DECODE_STEPS), "-npl", str(n),
                                  "-t", str(threads), "--output-format", "jsonl"],
                                 logs / f"batched-bench-{stem}.log", stdout=out)
         row = parse_batched_bench(out.read_text())[n]
-        raw.append(row)
-        return row["speed_tg"]
+        raw.append({**row, "peak_rss_mib": rss})
+        return row["speed_tg"], rss
     prompt, gen = (n, 0) if kind == "prefill" else (0, DECODE_STEPS)
     out = logs / f"bench-{stem}.json"
-    llamacpp_build.run_step(f"llama-bench on {gguf.name}",
+    rss = llamacpp_build.run_step(f"llama-bench on {gguf.name}",
                             [str(bins["llama-bench"]), "-m", str(gguf), "-p", str(prompt), "-n", str(gen),
                              "-r", "1", "-t", str(threads), "-o", "json"],
                             logs / f"bench-{stem}.log", stdout=out)
     parsed = parse_llama_bench(out.read_text())
-    raw.extend(parsed["rows"])
-    return parsed[kind]
+    raw.extend({**row, "peak_rss_mib": rss} for row in parsed["rows"])
+    return parsed[kind], rss
 
 
 # ---- nano-vLLM ----------------------------------------------------------------------------------
@@ -119,6 +126,15 @@ def time_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
         t[f"{phase}_s"] += elapsed
         t[f"{phase}_tokens"] += abs(num_tokens)
     return t
+
+
+def rss_mib() -> float:
+    """This process's resident set now (MiB)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def start_ours(path: str, batches: list[int], threads: int, dtype: str):
@@ -177,13 +193,19 @@ def table(name: str, results: dict, batches: list[int]) -> str:
     def values(r: dict) -> list:
         return [r["decode"].get(b) for b in batches] + [r.get("prefill")]
 
-    def row(label: str, vals: list, fmt: str) -> str:
-        return f"| {label} | " + " | ".join("-" if v is None else fmt.format(v) for v in vals) + " |"
+    def row(label: str, vals: list, fmt: str, extra: list | None = None) -> str:
+        cells = ["-" if v is None else fmt.format(v) for v in vals]
+        cells += ["-" if v is None else f"{v:.0f}" for v in (extra or [])]
+        return f"| {label} | " + " | ".join(cells) + " |"
+    rss_cols = [f"RSS MiB {c}" for c in RSS_COLUMNS]
     lines = [f"### {name} (tok/s, {results['threads']} threads)", "",
-             "| engine | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    rows = {k: values(results[k]) for k in (*QUANTS, *RATIOS) if k in results}
+             "| engine | " + " | ".join(cols + rss_cols) + " |", "|---" * (len(cols) + len(rss_cols) + 1) + "|"]
+    keys = [k for pair in zip(QUANTS, [o for o, _ in sorted(RATIOS.items(), key=lambda kv: QUANTS.index(kv[1]))])
+            for k in pair]
+    rows = {k: values(results[k]) for k in keys if k in results}
     for key, vals in rows.items():
-        lines.append(row(LABELS[key], vals, "{:.1f}"))
+        rss = results[key].get("rss", {})
+        lines.append(row(LABELS[key], vals, "{:.1f}", [rss.get(c) for c in RSS_COLUMNS]))
     for ours, ref in RATIOS.items():
         if ours in rows and ref in rows:
             ratio = [None if a is None or b is None else a / b for a, b in zip(rows[ours], rows[ref])]
@@ -192,6 +214,12 @@ def table(name: str, results: dict, batches: list[int]) -> str:
             if any(m is not None for m in medians):
                 lines.append(row(f"{LABELS[ours]} / {LABELS[ref]}, median of the rounds' pairs", medians, "{:.2f}x"))
     return "\n".join(lines)
+
+
+def keep_rss(results: dict, key: str, column: str, mib: float) -> None:
+    """results[key]["rss"][column]: the largest RSS seen for that column (MiB)."""
+    rss = results.setdefault(key, {"decode": {}, "prefill": None, "samples": {}}).setdefault("rss", {})
+    rss[column] = max(rss.get(column, mib), mib)
 
 
 def keep_best(results: dict, key: str, point: tuple[str, int], rate: float) -> None:
@@ -218,6 +246,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--isa", default="native", choices=sorted(llamacpp_build.ISA_FLAGS),
                    help="instruction set of both engines' kernels: native (llama.cpp without AMX, ours "
                    "-march=native) or avx2 (llama.cpp AVX2 + FMA, ours NANOVLLM_CPU_MARCH=x86-64-v3)")
+    p.add_argument("--formats", default=",".join(QUANTS),
+                   help=f"comma-separated rows: {', '.join(QUANTS)} (default: all); f32 / f16: llama.cpp's "
+                   "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
+                   "llama-quantize's file from the F32 conversion, loaded by both engines")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")
     skip.add_argument("--skip-ours", action="store_true", help="run only llama.cpp")
@@ -229,6 +261,10 @@ def parse_args() -> argparse.Namespace:
     if args.batches[0] < 1 or args.threads < 1 or args.rounds < 1:
         p.error(f"--batches, --threads and --rounds must be >= 1, got {args.batches}, {args.threads} and "
                 f"{args.rounds}")
+    args.formats = args.formats.split(",")
+    for f in args.formats:
+        if f not in QUANTS:
+            p.error(f"--formats takes {', '.join(QUANTS)}, got {f!r}")
     args.models = args.models.split(",")
     for m in args.models:
         if m not in ("default", "qwen3"):
@@ -249,8 +285,9 @@ def main() -> None:
     report = {"threads": args.threads, "batches": args.batches, "llama_cpp_python": llamacpp_build.VERSION,
               "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native"), "models": {}}
     try:
-        bins = None if args.skip_llamacpp else llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count(),
-                                                                              isa=args.isa)
+        # NOTE: built even with --skip-llamacpp when a quantized row runs: llama-quantize writes its file.
+        need_build = not args.skip_llamacpp or any(q in FILE_ROWS for q in args.formats)
+        bins = llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count(), isa=args.isa) if need_build else None
         for name in args.models:
             path = model_folder(name)
             results = report["models"][name] = {"path": path, "threads": args.threads}
@@ -259,37 +296,54 @@ def main() -> None:
             # minutes, and batch-1 decode follows it.
             points = [("decode", b) for b in args.batches] + [("prefill", PREFILL_LEN)]
             raw = results.setdefault("raw", {})
-            for quant in QUANTS:
-                ours = next((key for key, ref in RATIOS.items() if ref == quant), None)
-                if args.skip_ours:
-                    ours = None
-                gguf = None
-                if bins is not None:
-                    gguf = llamacpp_build.convert_to_gguf(cache, path, f"{name}-{Path(path).name}", quant)
-                if gguf is None and ours is None:
+            for quant in args.formats:
+                ours = None if args.skip_ours else next(key for key, ref in RATIOS.items() if ref == quant)
+                stem = f"{name}-{Path(path).name}"
+                if quant in FILE_ROWS:  # llama-quantize's file, from the F32 conversion; both engines load it
+                    gguf = llamacpp_build.quantize_gguf(cache, bins, llamacpp_build.convert_to_gguf(
+                        cache, path, stem, "f32"), quant)
+                    our_source, our_dtype = str(gguf), "float32"
+                else:
+                    gguf = llamacpp_build.convert_to_gguf(cache, path, stem, quant) if bins is not None else None
+                    our_source, our_dtype = path, OUR_DTYPES.get(ours, "float32")
+                if args.skip_llamacpp:
+                    gguf_run = None
+                else:
+                    gguf_run = gguf
+                if gguf_run is None and ours is None:
                     continue
-                engines = [LABELS[key] for key, runs in ((quant, gguf is not None), (ours, ours is not None)) if runs]
-                print(f"{' vs '.join(engines)}: {path} ...", flush=True)
-                llm = start_ours(path, args.batches, args.threads, OUR_DTYPES[ours]) if ours else None
+                engines = [LABELS[key] for key, runs in ((quant, gguf_run is not None), (ours, ours is not None)) if runs]
+                print(f"{' vs '.join(engines)}: {our_source if ours else gguf} ...", flush=True)
+                llm = start_ours(our_source, args.batches, args.threads, our_dtype) if ours else None
+                if llm is not None:
+                    keep_rss(results, ours, RSS_COLUMNS[0], rss_mib())
                 rng = random.Random(0)
                 try:
                     for point in points:
                         for _ in range(args.rounds):
-                            if gguf is not None:
+                            if gguf_run is not None:
                                 try:
-                                    keep_best(results, quant, point,
-                                              llamacpp_point(bins, gguf, point, args.threads,
-                                                             llamacpp_build.work_dir(cache) / "logs",
-                                                             raw.setdefault(quant, [])))
+                                    rate, rss = llamacpp_point(bins, gguf_run, point, args.threads,
+                                                               llamacpp_build.work_dir(cache) / "logs",
+                                                               raw.setdefault(quant, []))
+                                    keep_best(results, quant, point, rate)
+                                    if point == ("decode", args.batches[0]):
+                                        keep_rss(results, quant, RSS_COLUMNS[0], rss)
+                                    if point == ("decode", args.batches[-1]):
+                                        keep_rss(results, quant, RSS_COLUMNS[1], rss)
                                 except BuildError as e:  # a crashed run: this format's other figures are skipped
                                     print(f"error: {e}\n(no more {LABELS[quant]} figures)", file=sys.stderr)
                                     results.setdefault("failed", {})[quant] = str(e)
-                                    gguf = None
+                                    gguf_run = None
                             if llm is not None:
                                 keep_best(results, ours, point, ours_point(llm, point, rng, raw.setdefault(ours, [])))
+                                if point == ("decode", args.batches[-1]):
+                                    keep_rss(results, ours, RSS_COLUMNS[1], rss_mib())
                 finally:
                     if llm is not None:
                         llm.exit()
+                        del llm
+                        gc.collect()
             print("\n" + table(f"{name}: {Path(path).name}", results, args.batches) + "\n", flush=True)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,21 +32,26 @@ class BuildError(RuntimeError):
     """A step of fetching, building or converting failed; the message names it and its log."""
 
 
-def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -> None:
+def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -> float:
     """Run cmd with its output in log (stdout in its own file when given); raise BuildError with
-    the log's last lines when it fails."""
+    the log's last lines when it fails. Returns the process's peak RSS in MiB."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    peak_kib = 0
     with open(log, "w") as f, open(stdout or os.devnull, "w") as out:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         try:
-            rc = subprocess.run(cmd, stdout=out if stdout else f, stderr=f).returncode
+            proc = subprocess.Popen(cmd, stdout=out if stdout else f, stderr=f)
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (peak RSS)
+            proc.returncode = rc = os.waitstatus_to_exitcode(status)
+            peak_kib = usage.ru_maxrss
         except OSError as e:
             f.write(f"cannot start: {e}\n")
             rc = -1
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-8:])
         raise BuildError(f"{step} failed (exit code {rc}); last lines of {log}:\n{tail}")
+    return peak_kib / 1024
 
 
 def work_dir(cache: Path) -> Path:

@@ -66,14 +66,19 @@ def test_table_rows_and_ratios(bench):
     results = {"threads": 2,
                "f32": {"decode": {1: 100.0, 8: 400.0}, "prefill": 1000.0},
                "f16": {"decode": {1: 50.0, 8: 200.0}, "prefill": None},
-               "ours": {"decode": {1: 80.0, 8: 500.0}, "prefill": 250.0},
+               "ours": {"decode": {1: 80.0, 8: 500.0}, "prefill": 250.0,
+                        "rss": {"after load": 485.4, "after the largest batch": 700.6}},
                "ours_bf16": {"decode": {1: 60.0, 8: 300.0}, "prefill": 200.0}}
     lines = bench.table("m", results, [1, 8]).splitlines()
-    assert lines[2] == "| engine | decode @1 | decode @8 | prefill 128 |"
-    assert "| llama.cpp F32 | 100.0 | 400.0 | 1000.0 |" in lines
-    assert "| llama.cpp F16 | 50.0 | 200.0 | - |" in lines
-    assert "| nano-vLLM fp32 | 80.0 | 500.0 | 250.0 |" in lines
-    assert "| nano-vLLM bf16 weights | 60.0 | 300.0 | 200.0 |" in lines
+    assert lines[2] == ("| engine | decode @1 | decode @8 | prefill 128 | RSS MiB after load | "
+                        "RSS MiB after the largest batch |")
+    assert "| llama.cpp F32 | 100.0 | 400.0 | 1000.0 | - | - |" in lines
+    assert "| llama.cpp F16 | 50.0 | 200.0 | - | - | - |" in lines
+    assert "| nano-vLLM fp32 | 80.0 | 500.0 | 250.0 | 485 | 701 |" in lines
+    assert "| nano-vLLM bf16 weights | 60.0 | 300.0 | 200.0 | - | - |" in lines
+    # llama.cpp's row, then ours at the same width
+    assert lines.index("| nano-vLLM fp32 | 80.0 | 500.0 | 250.0 | 485 | 701 |") == \
+        lines.index("| llama.cpp F32 | 100.0 | 400.0 | 1000.0 | - | - |") + 1
     # Each of our rows against llama.cpp at the same weight width, and only that.
     assert "| nano-vLLM fp32 / llama.cpp F32 | 0.80x | 1.25x | 0.25x |" in lines
     assert "| nano-vLLM bf16 weights / llama.cpp F16 | 1.20x | 1.50x | - |" in lines
@@ -141,28 +146,31 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
                         lambda cache, jobs, isa: builds.append(isa) or {"fake": tmp_path})
     monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
                         lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
+    monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
+                        lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
     monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
 
     def llamacpp_point(bins, gguf, point, threads, logs, raw):
         calls.append((gguf.stem.split("-")[1], point))
-        return float(next(rates))
+        return float(next(rates)), 100.0
 
     class Engine:
-        def __init__(self, dtype):
-            self.dtype, self.closed = dtype, False
+        def __init__(self, name):
+            self.name, self.closed = name, False
 
         def exit(self):
             self.closed = True
-            calls.append((self.dtype, "exit"))
+            calls.append((self.name, "exit"))
 
     engines = []
 
     def start_ours(path, batches, threads, dtype):
-        engines.append(Engine(dtype))
+        # the dense rows load the folder in their dtype, the quantized ones llama-quantize's file
+        engines.append(Engine(dtype if path.endswith("model") else Path(path).stem))
         return engines[-1]
 
     def ours_point(llm, point, rng, raw):
-        calls.append((llm.dtype, point))
+        calls.append((llm.name, point))
         return float(next(rates))
     monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
     monkeypatch.setattr(bench, "start_ours", start_ours)
@@ -172,19 +180,18 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
     bench.main()
     points = [("decode", 1), ("decode", 8), ("prefill", 128)]
     expected = []
-    for quant, dtype in (("f32", "float32"), ("f16", "bfloat16"), ("q8_0", None)):
+    ours = {"f32": "float32", "f16": "bfloat16", "q8_0": "m-q8_0", "q4_0": "m-q4_0", "q4_k_m": "m-q4_k_m"}
+    for quant, name in ours.items():
         for point in points:
             for _ in range(2):
                 expected.append((quant, point))
-                if dtype:
-                    expected.append((dtype, point))
-        if dtype:
-            expected.append((dtype, "exit"))
+                expected.append((name, point))
+        expected.append((name, "exit"))
     assert calls == expected
-    assert [e.dtype for e in engines] == ["float32", "bfloat16"] and all(e.closed for e in engines)
+    assert [e.name for e in engines] == list(ours.values()) and all(e.closed for e in engines)
     # Rates were handed out 1, 2, 3, ... in call order: the best of each is its second round's.
     out = capsys.readouterr().out
-    assert "| llama.cpp F32 | 3.0 | 7.0 | 11.0 |" in out and "| nano-vLLM fp32 | 4.0 | 8.0 | 12.0 |" in out
+    assert "| llama.cpp F32 | 3.0 | 7.0 | 11.0 | 100 | 100 |" in out and "| nano-vLLM fp32 | 4.0 | 8.0 | 12.0 |" in out
     assert "| nano-vLLM fp32 / llama.cpp F32 | 1.33x | 1.14x | 1.09x |" in out
     # Round by round the pairs are (1, 2), (3, 4), ...: the median of 2/1 and 4/3, of 6/5 and 8/7, ...
     assert "| nano-vLLM fp32 / llama.cpp F32, median of the rounds' pairs | 1.67x | 1.17x | 1.10x |" in out
@@ -227,6 +234,8 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
     monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", lambda cache, jobs, isa: {"fake": tmp_path})
     monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
                         lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
+    monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
+                        lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
     monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
     tried = []
 
@@ -235,7 +244,7 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
         tried.append(quant)
         if quant == "f16":
             raise bench.BuildError("llama-batched-bench on m-f16.gguf failed (exit code -11)")
-        return 10.0
+        return 10.0, 100.0
 
     class Engine:
         def exit(self):
@@ -249,7 +258,7 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
     assert tried.count("f16") == 1 and tried.count("f32") == tried.count("q8_0") == 6
     captured = capsys.readouterr()
     assert "failed (exit code -11)" in captured.err and "no more llama.cpp F16 figures" in captured.err
-    assert "| llama.cpp F32 | 10.0 | 10.0 | 10.0 |" in captured.out
+    assert "| llama.cpp F32 | 10.0 | 10.0 | 10.0 | 100 | 100 |" in captured.out
     assert "| nano-vLLM bf16 weights | 20.0 | 20.0 | 20.0 |" in captured.out
     import json
     saved = json.loads((tmp_path / "out.json").read_text())["models"]["default"]
