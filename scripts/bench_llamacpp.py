@@ -168,6 +168,49 @@ def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> fl
     return t["decode_tokens"] / t["decode_s"]
 
 
+def sources(cache: Path, bins, name: str, path: str, quant: str) -> tuple[Path | None, str, str]:
+    """(llama.cpp's GGUF, what ours loads, our dtype) of one row: llama-quantize's file from the F32
+    conversion for the quantized rows (both engines load it), the conversion against our HF folder
+    for f32 / f16."""
+    stem = f"{name}-{Path(path).name}"
+    if quant in FILE_ROWS:
+        gguf = llamacpp_build.quantize_gguf(cache, bins, llamacpp_build.convert_to_gguf(cache, path, stem, "f32"),
+                                            quant)
+        return gguf, str(gguf), "float32"
+    ours = next(key for key, ref in RATIOS.items() if ref == quant)
+    gguf = llamacpp_build.convert_to_gguf(cache, path, stem, quant) if bins is not None else None
+    return gguf, path, OUR_DTYPES[ours]
+
+
+def perplexity_table(cache: Path, bins, name: str, path: str, args, results: dict) -> str:
+    """Perplexity over tests/data/english.txt, scored as llama-perplexity scores it (-c 128), by
+    llama-perplexity and by ours on the same weights (the same file for the quantized rows)."""
+    import perplexity as ppl
+    from nanovllm import LLM
+    text = ROOT / "tests" / "data" / "english.txt"
+    out = results.setdefault("perplexity", {})
+    lines = [f"### {name}: perplexity of {text.name} (-c {ppl.N_CTX}, second half of each chunk)", "",
+             "| weights | llama-perplexity | nano-vLLM | ours / theirs |", "|---|---|---|---|"]
+    for quant in args.formats:
+        gguf, our_source, our_dtype = sources(cache, bins, name, path, quant)
+        theirs = None
+        if gguf is not None and not args.skip_llamacpp:
+            log = llamacpp_build.work_dir(cache) / "logs" / f"perplexity-{gguf.stem}.log"
+            llamacpp_build.run_step(f"llama-perplexity on {gguf.name}",
+                                    [str(bins["llama-perplexity"]), "-m", str(gguf), "-f", str(text), "-c",
+                                     str(ppl.N_CTX), "-b", str(ppl.N_CTX), "-t", str(args.threads)], log)
+            theirs = ppl.parse_llama_perplexity(log.read_text(errors="replace"))
+        ours = None
+        if not args.skip_ours:
+            with LLM(our_source, device="cpu", dtype=our_dtype, max_num_seqs=16, max_model_len=2 * ppl.N_CTX) as llm:
+                ours = ppl.our_perplexity(llm, ppl.chunks_of(llm.tokenizer, text.read_text()))
+        out[quant] = {"llama_perplexity": theirs, "ours": ours}
+        ratio = f"{ours / theirs:.4f}" if ours and theirs else "-"
+        cells = ["-" if v is None else f"{v:.4f}" for v in (theirs, ours)]
+        lines.append(f"| {LABELS[quant].removeprefix('llama.cpp ')} | {cells[0]} | {cells[1]} | {ratio} |")
+    return "\n".join(lines)
+
+
 # ---- the table ----------------------------------------------------------------------------------
 def point_key(point: tuple[str, int]) -> str:
     """The name a figure's samples are kept under: "decode 8", "prefill 128"."""
@@ -250,6 +293,8 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma-separated rows: {', '.join(QUANTS)} (default: all); f32 / f16: llama.cpp's "
                    "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
                    "llama-quantize's file from the F32 conversion, loaded by both engines")
+    p.add_argument("--perplexity", action="store_true",
+                   help="also score tests/data/english.txt with llama-perplexity and with ours, each row's weights")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")
     skip.add_argument("--skip-ours", action="store_true", help="run only llama.cpp")
@@ -298,14 +343,7 @@ def main() -> None:
             raw = results.setdefault("raw", {})
             for quant in args.formats:
                 ours = None if args.skip_ours else next(key for key, ref in RATIOS.items() if ref == quant)
-                stem = f"{name}-{Path(path).name}"
-                if quant in FILE_ROWS:  # llama-quantize's file, from the F32 conversion; both engines load it
-                    gguf = llamacpp_build.quantize_gguf(cache, bins, llamacpp_build.convert_to_gguf(
-                        cache, path, stem, "f32"), quant)
-                    our_source, our_dtype = str(gguf), "float32"
-                else:
-                    gguf = llamacpp_build.convert_to_gguf(cache, path, stem, quant) if bins is not None else None
-                    our_source, our_dtype = path, OUR_DTYPES.get(ours, "float32")
+                gguf, our_source, our_dtype = sources(cache, bins, name, path, quant)
                 if args.skip_llamacpp:
                     gguf_run = None
                 else:
@@ -345,6 +383,8 @@ def main() -> None:
                         del llm
                         gc.collect()
             print("\n" + table(f"{name}: {Path(path).name}", results, args.batches) + "\n", flush=True)
+            if args.perplexity:
+                print(perplexity_table(cache, bins, name, path, args, results) + "\n", flush=True)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

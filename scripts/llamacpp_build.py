@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python release; it vendors llama.cpp commit 0c1e570
@@ -42,9 +43,12 @@ def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -
         f.flush()
         try:
             proc = subprocess.Popen(cmd, stdout=out if stdout else f, stderr=f)
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (peak RSS)
-            proc.returncode = rc = os.waitstatus_to_exitcode(status)
-            peak_kib = usage.ru_maxrss
+            # NOTE: the program's own high-water mark (VmHWM, reset at exec), polled: a child's
+            # rusage would count the parent's pages it held between fork and exec.
+            while proc.poll() is None:
+                peak_kib = max(peak_kib, _high_water_kib(proc.pid))
+                time.sleep(0.05)
+            rc = proc.returncode
         except OSError as e:
             f.write(f"cannot start: {e}\n")
             rc = -1
@@ -52,6 +56,18 @@ def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-8:])
         raise BuildError(f"{step} failed (exit code {rc}); last lines of {log}:\n{tail}")
     return peak_kib / 1024
+
+
+def _high_water_kib(pid: int) -> int:
+    """VmHWM of a running process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def work_dir(cache: Path) -> Path:

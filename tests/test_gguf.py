@@ -8,7 +8,7 @@
 - malformed and unsupported files, and misuse of quantization=, refused with clear errors."""
 import math
 import os
-import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,41 +24,22 @@ from nanovllm.utils import default_model as dm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = (REPO / "tests" / "data" / "english.txt").read_text()
-CHUNK = 128
+sys.path.insert(0, str(REPO / "scripts"))
+import perplexity as ppl  # noqa: E402
 
 
 def model_of(llm):
     return llm.model_runner.model
 
 
-# ---- perplexity as llama-perplexity scores it -----------------------------------------------------
-def chunks_of(tokenizer) -> list[list[int]]:
-    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
-    return [ids[i:i + CHUNK] for i in range(0, len(ids) - CHUNK + 1, CHUNK)]
-
-
-def scored(nll_per_position: list[float]) -> list[float]:
-    """llama-perplexity's scoring of one chunk: only the predictions of its second half (the tokens
-    after position CHUNK / 2)."""
-    return nll_per_position[CHUNK // 2 + 1:]
-
-
-def our_perplexity(llm, chunks) -> float:
-    outs = llm.generate(chunks, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    nll = []
-    for chunk, out in zip(chunks, outs):
-        entries = out["prompt_logprobs"]
-        nll += scored([0.0] + [-entries[j][chunk[j]] for j in range(1, len(chunk))])
-    return math.exp(sum(nll) / len(nll))
-
-
+# ---- perplexity as llama-perplexity scores it (scripts/perplexity.py) --------------------------------
 def hf_perplexity(model, chunks) -> float:
     nll = []
     for chunk in chunks:
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([chunk])).logits[0].float(), -1)
-        nll += scored([0.0] + [-logp[j - 1, chunk[j]].item() for j in range(1, len(chunk))])
-    return math.exp(sum(nll) / len(nll))
+        nll += ppl.scored([0.0] + [-logp[j - 1, chunk[j]].item() for j in range(1, len(chunk))])
+    return ppl.perplexity(nll)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +56,9 @@ def test_shipped_q4_1_file(shipped):
     with LLM(path, max_num_seqs=8, max_model_len=512) as llm:
         held = {layer.quant_method.name for layer in linear_layers(model_of(llm))}
         assert held == {"q4_1 (C kernel)", "q8_0 (C kernel)"}  # the file's own formats: no fp32 copy
-        chunks = chunks_of(llm.tokenizer)
-        assert len(chunks) >= 6
-        ours = our_perplexity(llm, chunks)
+        chunks = ppl.chunks_of(llm.tokenizer, TEXT)
+        assert len(chunks) >= 6 and {len(c) for c in chunks} == {ppl.N_CTX}
+        ours = ppl.our_perplexity(llm, chunks)
         prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
         answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
     ref = hf_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), chunks)

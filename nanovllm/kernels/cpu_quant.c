@@ -108,14 +108,6 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     return 0;
 }
 
-static inline const int8_t *q_row(const QuantRows *q, int64_t b) { return q->qs + b * q->k; }
-static inline float q_scale(const QuantRows *q, int64_t b, int64_t g) { return q->d[b * (q->k / q->group) + g]; }
-/* Sum of the 32 quantized values of block i (of 32) of row b. */
-static inline int32_t q_sum32(const QuantRows *q, int64_t b, int64_t i) {
-    const int16_t *s = q->sums + b * (q->k / 16) + 2 * i;
-    return (int32_t)s[0] + s[1];
-}
-static inline const int16_t *q_sums16(const QuantRows *q, int64_t b) { return q->sums + b * (q->k / 16); }
 
 /* ---- vector helpers --------------------------------------------------------------------------- */
 #if QUANT_SIMD
@@ -192,13 +184,35 @@ static inline void block32_values(Fmt32 f, const uint8_t *blk, int32_t q[32]) {
 }
 
 /* out[b] = row w . input row b0 + b, for b < NB. */
+/* Per-row pointers into the quantized inputs of rows b0 .. b0 + NB (hoisted out of the block loops:
+ * the divisions behind them cost more than a block's dot product). */
+typedef struct {
+    const int8_t *qs[QROWS];
+    const float *d[QROWS];
+    const int16_t *sums[QROWS];
+} InputRows;
+
+static inline __attribute__((always_inline)) InputRows input_rows(const QuantRows *q, int64_t b0, const int NB) {
+    InputRows in;
+    const int64_t groups = q->k / q->group, sixteens = q->k / 16;
+    for (int b = 0; b < NB; b++) {
+        in.qs[b] = q->qs + (b0 + b) * q->k;
+        in.d[b] = q->d + (b0 + b) * groups;
+        in.sums[b] = q->sums + (b0 + b) * sixteens;
+    }
+    return in;
+}
+
+/* out[b] = row w . input row b0 + b, for b < NB. */
 static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8_t *w, const QuantRows *q, int64_t b0,
                                                            const int NB, float *out) {
     const int64_t blocks = q->k / 32, bytes = fmt_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
     float corr[QROWS] = {0};
 #if QUANT_SIMD
-    __m256 acc[QROWS];
-    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    /* Two sums per row (even and odd blocks), so consecutive blocks' FMAs do not wait on each other. */
+    __m256 acc[2][QROWS];
+    for (int b = 0; b < NB; b++) acc[0][b] = acc[1][b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = w + i * bytes;
         const float d = f16_to_f32(read_u16(blk));
@@ -214,14 +228,17 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
             aw = _mm256_or_si256(nibbles_32(qh + 4), fifth_bits_32(qh));
         }
         for (int b = 0; b < NB; b++) {
-            const __m256i xv = load_i8(q_row(q, b0 + b) + i * 32);
-            const float dx = q_scale(q, b0 + b, i);
-            const __m256i p = dot_us(aw, f == FMT_Q8_0 ? _mm256_sign_epi8(xv, wv) : xv);
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(p), acc[b]);
-            if (f != FMT_Q8_0) corr[b] += (fmt_has_min(f) ? m : d * (float)-fmt_offset(f)) * dx * (float)q_sum32(q, b0 + b, i);
+            const __m256i xv = load_i8(in.qs[b] + i * 32);
+            const float dx = in.d[b][i];
+            __m256i p = dot_us(aw, f == FMT_Q8_0 ? _mm256_sign_epi8(xv, wv) : xv);
+            const int32_t s32 = (int32_t)in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+            if (fmt_offset(f)) /* sum (q - off) x = sum q x - off S: off / 8 * S off each of the 8 lanes */
+                p = _mm256_sub_epi32(p, _mm256_set1_epi32(fmt_offset(f) / 8 * s32));
+            acc[i & 1][b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(p), acc[i & 1][b]);
+            if (fmt_has_min(f)) corr[b] += m * dx * (float)s32;
         }
     }
-    for (int b = 0; b < NB; b++) out[b] = hsum_ps(acc[b]) + corr[b];
+    for (int b = 0; b < NB; b++) out[b] = hsum_ps(_mm256_add_ps(acc[0][b], acc[1][b])) + corr[b];
 #else
     float acc[QROWS] = {0};
     for (int64_t i = 0; i < blocks; i++) {
@@ -231,12 +248,13 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
         int32_t v[32];
         block32_values(f, blk, v);
         for (int b = 0; b < NB; b++) {
-            const int8_t *x = q_row(q, b0 + b) + i * 32;
+            const int8_t *x = in.qs[b] + i * 32;
             int32_t sum = 0;
             for (int j = 0; j < 32; j++) sum += v[j] * x[j];
-            const float dx = q_scale(q, b0 + b, i);
-            acc[b] += d * dx * (float)sum;
-            if (f != FMT_Q8_0) corr[b] += (fmt_has_min(f) ? m : d * (float)-fmt_offset(f)) * dx * (float)q_sum32(q, b0 + b, i);
+            const float dx = in.d[b][i];
+            const int32_t s32 = (int32_t)in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+            acc[b] += d * dx * (float)(sum - fmt_offset(f) * s32);
+            if (fmt_has_min(f)) corr[b] += m * dx * (float)s32;
         }
     }
     for (int b = 0; b < NB; b++) out[b] = acc[b] + corr[b];
@@ -293,6 +311,7 @@ static inline void q6k_values(const uint8_t *blk, int32_t v[256]) {
 static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, const QuantRows *q, int64_t b0,
                                                           const int NB, float *out) {
     const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
     float acc_s[QROWS] = {0}, corr[QROWS] = {0};
 #if QUANT_SIMD
     __m256 acc[QROWS];
@@ -312,7 +331,7 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), _mm256_set1_epi8(0x0F));
             const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
             for (int b = 0; b < NB; b++) {
-                const int8_t *x = q_row(q, b0 + b) + i * 256 + 64 * c;
+                const int8_t *x = in.qs[b] + i * 256 + 64 * c;
                 sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_i8(x)), s_lo));
                 sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_i8(x + 32)), s_hi));
             }
@@ -322,15 +341,15 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
         q4k_values(blk, v);
 #endif
         for (int b = 0; b < NB; b++) {
-            const float dx = q_scale(q, b0 + b, i);
-            const int16_t *s16 = q_sums16(q, b0 + b) + i * 16;
+            const float dx = in.d[b][i];
+            const int16_t *s16 = in.sums[b] + i * 16;
             int32_t msum = 0;
             for (int j = 0; j < 8; j++) msum += (int32_t)mn[j] * (s16[2 * j] + s16[2 * j + 1]);
             corr[b] -= dmin * dx * (float)msum;
 #if QUANT_SIMD
             acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
 #else
-            const int8_t *x = q_row(q, b0 + b) + i * 256;
+            const int8_t *x = in.qs[b] + i * 256;
             int32_t sum = 0;
             for (int j = 0; j < 8; j++) {
                 int32_t part = 0;
@@ -350,6 +369,7 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
 static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, const QuantRows *q, int64_t b0,
                                                           const int NB, float *out) {
     const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
     float acc_s[QROWS] = {0}, corr[QROWS] = {0};
 #if QUANT_SIMD
     __m256 acc[QROWS];
@@ -375,7 +395,7 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
                 /* 32 values, two scales: the first 16 values' in the low half, the next 16's in the high */
                 const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * t + 1]), _mm_set1_epi16(sc[8 * h + 2 * t]));
                 for (int b = 0; b < NB; b++) {
-                    const int8_t *x = q_row(q, b0 + b) + i * 256 + 128 * h + 32 * t;
+                    const int8_t *x = in.qs[b] + i * 256 + 128 * h + 32 * t;
                     sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(v[t], load_i8(x)), s));
                 }
             }
@@ -385,15 +405,15 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
         q6k_values(blk, v);
 #endif
         for (int b = 0; b < NB; b++) {
-            const float dx = q_scale(q, b0 + b, i);
-            const int16_t *s16 = q_sums16(q, b0 + b) + i * 16;
+            const float dx = in.d[b][i];
+            const int16_t *s16 = in.sums[b] + i * 16;
             int32_t off = 0;
             for (int j = 0; j < 16; j++) off += (int32_t)sc[j] * s16[j];
             corr[b] -= 32.0f * d * dx * (float)off;
 #if QUANT_SIMD
             acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
 #else
-            const int8_t *x = q_row(q, b0 + b) + i * 256;
+            const int8_t *x = in.qs[b] + i * 256;
             int32_t sum = 0;
             for (int j = 0; j < 16; j++) {
                 int32_t part = 0;
