@@ -317,16 +317,22 @@ static void to_f32_bf16(const Linear *m, int64_t r, float *out) {
 
 /* Names are GGUF's type names in lower case; block sizes and bytes are ggml's (cpu_quant.c). */
 const WeightType weight_types[] = {
-    {"f32", 1, 4, linear_rows_f32, to_f32_f32},
-    {"bf16", 1, 2, linear_rows_bf16, to_f32_bf16},
-    {"f16", 1, 2, linear_rows_f16, to_f32_f16},
-    {"q8_0", 32, 34, linear_rows_q8_0, to_f32_q8_0},
-    {"q4_0", 32, 18, linear_rows_q4_0, to_f32_q4_0},
-    {"q4_1", 32, 20, linear_rows_q4_1, to_f32_q4_1},
-    {"q5_0", 32, 22, linear_rows_q5_0, to_f32_q5_0},
-    {"q5_1", 32, 24, linear_rows_q5_1, to_f32_q5_1},
-    {"q4_k", 256, 144, linear_rows_q4_k, to_f32_q4_k},
-    {"q6_k", 256, 210, linear_rows_q6_k, to_f32_q6_k},
+    {"f32", 1, 4, 1, linear_rows_f32, to_f32_f32},
+    {"bf16", 1, 2, 1, linear_rows_bf16, to_f32_bf16},
+    {"f16", 1, 2, 1, linear_rows_f16, to_f32_f16},
+    {"q8_0", 32, 34, 1, linear_rows_q8_0, to_f32_q8_0},
+    {"q4_0", 32, 18, 1, linear_rows_q4_0, to_f32_q4_0},
+    {"q4_1", 32, 20, 1, linear_rows_q4_1, to_f32_q4_1},
+    {"q5_0", 32, 22, 1, linear_rows_q5_0, to_f32_q5_0},
+    {"q5_1", 32, 24, 1, linear_rows_q5_1, to_f32_q5_1},
+    {"q4_k", 256, 144, 1, linear_rows_q4_k, to_f32_q4_k},
+    {"q6_k", 256, 210, 1, linear_rows_q6_k, to_f32_q6_k},
+    /* the 32-weight formats interleaved by 8 rows at load (repack_x8) */
+    {"q8_0x8", 32, 34, 8, linear_rows_q8_0x8, to_f32_q8_0x8},
+    {"q4_0x8", 32, 18, 8, linear_rows_q4_0x8, to_f32_q4_0x8},
+    {"q4_1x8", 32, 20, 8, linear_rows_q4_1x8, to_f32_q4_1x8},
+    {"q5_0x8", 32, 22, 8, linear_rows_q5_0x8, to_f32_q5_0x8},
+    {"q5_1x8", 32, 24, 8, linear_rows_q5_1x8, to_f32_q5_1x8},
 };
 const int64_t num_weight_types = sizeof weight_types / sizeof weight_types[0];
 
@@ -349,7 +355,7 @@ int linear_is_valid(const Linear *m) {
         const WeightType *t = &weight_types[m->type];
         /* the K-quants' input groups are their blocks; the others' are 32 (and 16 for the sums) */
         if (m->k % t->block_size != 0 || m->row_bytes != m->k / t->block_size * t->block_bytes ||
-            (t->block_size > 1 && m->k % 32 != 0))
+            (t->block_size > 1 && m->k % 32 != 0) || m->n % t->group_rows != 0)
             return 0;
     }
     return 1;

@@ -139,6 +139,7 @@ class CpuKernels:
         self.weight_type_index = typed("weight_type_index", i64, ctypes.c_char_p)
         self.rows_to_f32 = typed("linear_rows_to_f32", cint, ptr, ptr, i64, ptr, cint)
         self.quant_simd = typed("quant_simd", i64)
+        self.repack_x8 = typed("repack_x8", i64, ctypes.c_char_p, ptr, i64, i64, ptr)
         self.linear_is_valid = typed("linear_is_valid", cint, ptr)
         self.decode_check_model = typed("decode_check_model", i64, ptr)
         self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, cint)
@@ -200,6 +201,25 @@ def linear_struct(kernels: CpuKernels, view, bias: torch.Tensor | None = None) -
         shapes = ", ".join(f"{p.n} x {p.k} {p.type}" for p in parts)
         raise ValueError(f"weights {shapes} (type codes) do not match their rows' byte layout")
     return linear
+
+
+# Rows per group of the interleaved layouts (cpu_quant.c, repack_x8).
+INTERLEAVE = 8
+
+
+def interleaved(kernels: CpuKernels, type_name: str, data: torch.Tensor, k: int) -> tuple[str, torch.Tensor] | None:
+    """data (uint8 [n, row bytes] of a block format) repacked into the format's 8-row interleaved
+    layout (same bytes; the kernels multiply 8 rows at once from it), as (its type name, the new
+    tensor); None when the format has no such layout or n is not a multiple of 8."""
+    name = f"{type_name}x{INTERLEAVE}"
+    n = data.shape[0]
+    if n % INTERLEAVE or kernels.weight_type_index(name.encode()) < 0:
+        return None
+    src = data.contiguous()
+    out = torch.empty_like(src)
+    if kernels.repack_x8(type_name.encode(), src.data_ptr(), n, k, out.data_ptr()):
+        raise ValueError(f"cannot interleave a {n} x {k} {type_name} matrix")
+    return name, out
 
 
 def linear_outputs(weight: Linear) -> int:

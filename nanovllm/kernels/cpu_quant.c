@@ -59,11 +59,17 @@ static inline float f16_to_f32(uint16_t h) {
 
 float nanovllm_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
 
-/* ---- input rows quantized to int8 ------------------------------------------------------------- */
+/* ---- input rows quantized to 14-bit integers, held as two int8 planes --------------------------
+ * X = round(x / d) with d = max |x| / 127^2 per group, split as X = 127 hi + lo (|hi| <= 127,
+ * |lo| <= 63): a dot product with X is 127 (w . hi) + (w . lo), two int8 dot products. One int8 plane
+ * alone (llama.cpp's Q8 inputs) rounds an outlier channel's group so coarsely that a greedy answer
+ * of a small model flips; the second plane brings the inputs' error to that of fp16. */
+#define XMAX 16129 /* 127 * 127 */
+
 typedef struct {
-    const int8_t *qs;     /* [rows][k] */
-    const float *d;       /* [rows][k / group]: value = d * q */
-    const int16_t *sums;  /* [rows][k / 16]: sum of each 16 consecutive q */
+    const int8_t *hi, *lo; /* [rows][k] */
+    const float *d;        /* [rows][k / group]: value = d X */
+    const int32_t *sums;   /* [rows][k / 16]: sum of each 16 consecutive X */
     int64_t k, group;
 } QuantRows;
 
@@ -72,42 +78,47 @@ static _Thread_local void *quant_buffer;
 static _Thread_local size_t quant_capacity;
 
 /* x [rows, k] (row stride ldx) quantized in groups of `group` values (k a multiple of group and
- * of 16): d = max |x| / 127, q = round(x / d). Returns 0, or 1 when the buffer cannot be had. */
+ * of 16). Returns 0, or 1 when the buffer cannot be had. */
 static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, QuantRows *q) {
     const int64_t groups = k / group, sixteens = k / 16;
-    const size_t need = (size_t)rows * ((size_t)k + sizeof(float) * (size_t)groups + sizeof(int16_t) * (size_t)sixteens) + 64;
+    const size_t need = (size_t)rows * (2 * (size_t)k + sizeof(float) * (size_t)groups +
+                                        sizeof(int32_t) * (size_t)sixteens) + 64;
     if (need > quant_capacity) {
         void *grown = realloc(quant_buffer, need);
         if (grown == NULL) return 1;
         quant_buffer = grown, quant_capacity = need;
     }
     float *d = quant_buffer;
-    int16_t *sums = (int16_t *)(d + rows * groups);
-    int8_t *qs = (int8_t *)(sums + rows * sixteens);
+    int32_t *sums = (int32_t *)(d + rows * groups);
+    int8_t *hi = (int8_t *)(sums + rows * sixteens), *lo = hi + rows * k;
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = xr + g * group;
             float amax = 0.0f;
             for (int64_t i = 0; i < group; i++) amax = fmaxf(amax, fabsf(xg[i]));
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            d[r * groups + g] = amax / 127.0f;
-            int8_t *qg = qs + r * k + g * group;
+            const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
+            d[r * groups + g] = amax / (float)XMAX;
             for (int64_t i = 0; i < group; i++) {
                 const float v = nearbyintf(xg[i] * inv);
-                qg[i] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+                const int32_t X = (int32_t)(v > XMAX ? XMAX : v < -XMAX ? -XMAX : v);
+                const int32_t h = (X >= 0 ? X + 63 : X - 63) / 127; /* nearest, so |X - 127 h| <= 63 */
+                hi[r * k + g * group + i] = (int8_t)h;
+                lo[r * k + g * group + i] = (int8_t)(X - 127 * h);
             }
         }
         for (int64_t s = 0; s < sixteens; s++) {
             int32_t sum = 0;
-            for (int i = 0; i < 16; i++) sum += qs[r * k + s * 16 + i];
-            sums[r * sixteens + s] = (int16_t)sum;
+            for (int i = 0; i < 16; i++) sum += 127 * hi[r * k + s * 16 + i] + lo[r * k + s * 16 + i];
+            sums[r * sixteens + s] = sum;
         }
     }
-    *q = (QuantRows){qs, d, sums, k, group};
+    *q = (QuantRows){hi, lo, d, sums, k, group};
     return 0;
 }
 
+/* X of input value j of a row (plain C paths). */
+static inline int32_t x_at(const int8_t *hi, const int8_t *lo, int64_t j) { return 127 * hi[j] + lo[j]; }
 
 /* ---- vector helpers --------------------------------------------------------------------------- */
 #if QUANT_SIMD
@@ -131,6 +142,9 @@ static inline float hsum_ps(__m256 v) {
 }
 
 static inline __m256i load_i8(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 127 h + l, lane by lane: a dot product with X from those with its two planes. */
+static inline __m256i planes(__m256i h, __m256i l) { return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 7), h), l); }
 
 /* 16 bytes of packed nibbles as 32 bytes: the low nibbles first, then the high ones (the order
  * of values in Q4_0 / Q4_1 / Q5_* blocks). */
@@ -187,16 +201,17 @@ static inline void block32_values(Fmt32 f, const uint8_t *blk, int32_t q[32]) {
 /* Per-row pointers into the quantized inputs of rows b0 .. b0 + NB (hoisted out of the block loops:
  * the divisions behind them cost more than a block's dot product). */
 typedef struct {
-    const int8_t *qs[QROWS];
+    const int8_t *hi[QROWS], *lo[QROWS];
     const float *d[QROWS];
-    const int16_t *sums[QROWS];
+    const int32_t *sums[QROWS];
 } InputRows;
 
 static inline __attribute__((always_inline)) InputRows input_rows(const QuantRows *q, int64_t b0, const int NB) {
     InputRows in;
     const int64_t groups = q->k / q->group, sixteens = q->k / 16;
     for (int b = 0; b < NB; b++) {
-        in.qs[b] = q->qs + (b0 + b) * q->k;
+        in.hi[b] = q->hi + (b0 + b) * q->k;
+        in.lo[b] = q->lo + (b0 + b) * q->k;
         in.d[b] = q->d + (b0 + b) * groups;
         in.sums[b] = q->sums + (b0 + b) * sixteens;
     }
@@ -228,10 +243,11 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
             aw = _mm256_or_si256(nibbles_32(qh + 4), fifth_bits_32(qh));
         }
         for (int b = 0; b < NB; b++) {
-            const __m256i xv = load_i8(in.qs[b] + i * 32);
+            const __m256i xh = load_i8(in.hi[b] + i * 32), xl = load_i8(in.lo[b] + i * 32);
             const float dx = in.d[b][i];
-            __m256i p = dot_us(aw, f == FMT_Q8_0 ? _mm256_sign_epi8(xv, wv) : xv);
-            const int32_t s32 = (int32_t)in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+            __m256i p = f == FMT_Q8_0 ? planes(dot_us(aw, _mm256_sign_epi8(xh, wv)), dot_us(aw, _mm256_sign_epi8(xl, wv)))
+                                      : planes(dot_us(aw, xh), dot_us(aw, xl));
+            const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
             if (fmt_offset(f)) /* sum (q - off) x = sum q x - off S: off / 8 * S off each of the 8 lanes */
                 p = _mm256_sub_epi32(p, _mm256_set1_epi32(fmt_offset(f) / 8 * s32));
             acc[i & 1][b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(p), acc[i & 1][b]);
@@ -248,11 +264,10 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
         int32_t v[32];
         block32_values(f, blk, v);
         for (int b = 0; b < NB; b++) {
-            const int8_t *x = in.qs[b] + i * 32;
             int32_t sum = 0;
-            for (int j = 0; j < 32; j++) sum += v[j] * x[j];
+            for (int j = 0; j < 32; j++) sum += v[j] * x_at(in.hi[b], in.lo[b], i * 32 + j);
             const float dx = in.d[b][i];
-            const int32_t s32 = (int32_t)in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+            const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
             acc[b] += d * dx * (float)(sum - fmt_offset(f) * s32);
             if (fmt_has_min(f)) corr[b] += m * dx * (float)s32;
         }
@@ -270,6 +285,237 @@ static void to_f32_fmt32(Fmt32 f, const Linear *m, int64_t r, float *out) {
         block32_values(f, blk, v);
         for (int j = 0; j < 32; j++) out[i * 32 + j] = d * (float)(v[j] - fmt_offset(f)) + mn;
     }
+}
+
+/* ---- the 32-weight formats interleaved by 8 rows ------------------------------------------------
+ * Repacked at load (repack_x8, same bytes as the plain rows): per group of 8 rows and per block, the
+ * 8 rows' fp16 scales (and mins) side by side, then their values in 4-byte chunks, chunk c of row r
+ * at byte 32 c + 4 r. One 32-byte load then holds chunk c of all 8 rows, and each 32-bit lane of an
+ * integer dot with a broadcast input chunk accumulates one row's sum: the products of 8 rows come
+ * out as one vector, with no horizontal sums, and the scales multiply 8 rows at a time.
+ *   q8_0x8 (272 bytes): d[8], then 8 chunks of values 4c..4c+3
+ *   q4_0x8 (144): d[8], then 4 chunks of the stored nibble bytes 4c..4c+3 (low nibbles: values
+ *          4c..4c+3, high: 16 + 4c..)                            q4_1x8 (160): d[8], m[8], nibbles
+ *   q5_0x8 (176): d[8], fifth bits[8] (a 32-bit word per row, bit 8 t + c: value 4 c + t), nibbles
+ *   q5_1x8 (192): d[8], m[8], fifth bits[8], nibbles */
+#define IL 8
+
+static inline int fmt_scales_bytes(Fmt32 f) { return fmt_has_min(f) ? 4 * IL : 2 * IL; }
+
+/* Copy row `lane`'s block between the plain layout (plain) and a group's interleaved block (x8):
+ * to_x8 1 repacks, 0 unpacks. */
+static void x8_block(Fmt32 f, int to_x8, uint8_t *plain, uint8_t *x8, int lane) {
+    const int heads = fmt_has_min(f) ? 4 : 2;
+    for (int h = 0; h < heads; h += 2) { /* d (and m) */
+        uint8_t *a = plain + h, *b = x8 + h * IL + 2 * lane;
+        memcpy(to_x8 ? b : a, to_x8 ? a : b, 2);
+    }
+    uint8_t *values = x8 + fmt_scales_bytes(f);
+    if (f == FMT_Q8_0) {
+        for (int c = 0; c < 8; c++) memcpy(to_x8 ? values + 32 * c + 4 * lane : plain + 2 + 4 * c,
+                                           to_x8 ? plain + 2 + 4 * c : values + 32 * c + 4 * lane, 4);
+        return;
+    }
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+    uint8_t *nib = plain + heads + (five ? 4 : 0);
+    if (five) {
+        uint8_t *word = values + 4 * lane;
+        values += 4 * IL;
+        uint32_t bits = 0, moved = 0;
+        if (to_x8) {
+            memcpy(&bits, plain + heads, 4);
+            for (int c = 0; c < 8; c++)
+                for (int t = 0; t < 4; t++) moved |= ((bits >> (4 * c + t)) & 1u) << (8 * t + c);
+            memcpy(word, &moved, 4);
+        } else {
+            memcpy(&moved, word, 4);
+            for (int c = 0; c < 8; c++)
+                for (int t = 0; t < 4; t++) bits |= ((moved >> (8 * t + c)) & 1u) << (4 * c + t);
+            memcpy(plain + heads, &bits, 4);
+        }
+    }
+    for (int c = 0; c < 4; c++) memcpy(to_x8 ? values + 32 * c + 4 * lane : nib + 4 * c,
+                                       to_x8 ? nib + 4 * c : values + 32 * c + 4 * lane, 4);
+}
+
+static inline const uint8_t *group_of(const Linear *m, int64_t g) {
+    return (const uint8_t *)m->data + g * IL * m->row_bytes;
+}
+
+static void to_f32_fmt32x8(Fmt32 f, const Linear *m, int64_t r, float *out) {
+    const uint8_t *grp = group_of(m, r / IL);
+    const int64_t bytes = fmt_bytes(f);
+    uint8_t plain[40]; /* the largest plain block: Q8_0, 34 bytes */
+    Linear one = *m;
+    one.data = plain, one.n = 1, one.k = 32, one.row_bytes = bytes, one.next = NULL;
+    for (int64_t i = 0; i < m->k / 32; i++) {
+        x8_block(f, 0, plain, (uint8_t *)grp + i * IL * bytes, (int)(r % IL));
+        to_f32_fmt32(f, &one, 0, out + 32 * i);
+    }
+}
+
+#if QUANT_SIMD
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+#endif
+
+/* acc[b] (lane r: weight row 8 g + r) += group g . input row b0 + b, b < NB. */
+static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
+                                                             int64_t b0, const int NB, float out[QROWS][IL]) {
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
+#if QUANT_SIMD
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *blk = grp + i * bytes;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const uint8_t *values = blk + fmt_scales_bytes(f);
+        __m256i sum[QROWS], sum_lo[QROWS];
+        for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm256_setzero_si256();
+        int offset = fmt_offset(f);
+        if (f == FMT_Q8_0) {
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = load_i8(values + 32 * c);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+                /* w + 128 as unsigned (no saturation in vpdpbusd); 128 S comes off below */
+                const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+                for (int b = 0; b < NB; b++) {
+                    sum[b] = dot_acc(sum[b], u, bcast4(in.hi[b] + i * 32 + 4 * c));
+                    sum_lo[b] = dot_acc(sum_lo[b], u, bcast4(in.lo[b] + i * 32 + 4 * c));
+                }
+#else
+                const __m256i u = _mm256_sign_epi8(w, w);
+                for (int b = 0; b < NB; b++) {
+                    sum[b] = dot_acc(sum[b], u, _mm256_sign_epi8(bcast4(in.hi[b] + i * 32 + 4 * c), w));
+                    sum_lo[b] = dot_acc(sum_lo[b], u, _mm256_sign_epi8(bcast4(in.lo[b] + i * 32 + 4 * c), w));
+                }
+#endif
+            }
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+            offset = 128;
+#endif
+        } else {
+            const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+            const __m256i hbits = five ? load_i8(values) : _mm256_setzero_si256();
+            const uint8_t *nib = values + (five ? 4 * IL : 0);
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = load_i8(nib + 32 * c);
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    const __m256i one = _mm256_set1_epi32(0x01010101);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
+                }
+                for (int b = 0; b < NB; b++) {
+                    sum[b] = dot_acc(sum[b], lo, bcast4(in.hi[b] + i * 32 + 4 * c));
+                    sum[b] = dot_acc(sum[b], hi, bcast4(in.hi[b] + i * 32 + 16 + 4 * c));
+                    sum_lo[b] = dot_acc(sum_lo[b], lo, bcast4(in.lo[b] + i * 32 + 4 * c));
+                    sum_lo[b] = dot_acc(sum_lo[b], hi, bcast4(in.lo[b] + i * 32 + 16 + 4 * c));
+                }
+            }
+        }
+        const __m256 m8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
+                                         : _mm256_setzero_ps();
+        for (int b = 0; b < NB; b++) {
+            const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+            const float dx = in.d[b][i];
+            sum[b] = planes(sum[b], sum_lo[b]);
+            if (offset) sum[b] = _mm256_sub_epi32(sum[b], _mm256_set1_epi32(offset * s32));
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sum[b]), acc[b]);
+            if (fmt_has_min(f)) acc[b] = _mm256_fmadd_ps(m8, _mm256_set1_ps(dx * (float)s32), acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+#else
+    /* Plain C: each row's block unpacked to the plain layout, then dot_fmt32's arithmetic. */
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < IL; r++) out[b][r] = 0.0f;
+    for (int64_t i = 0; i < blocks; i++) {
+        for (int r = 0; r < IL; r++) {
+            uint8_t plain[40]; /* the largest plain block: Q8_0, 34 bytes */
+            x8_block(f, 0, plain, (uint8_t *)grp + i * bytes, r);
+            const float d = f16_to_f32(read_u16(plain));
+            const float m = fmt_has_min(f) ? f16_to_f32(read_u16(plain + 2)) : 0.0f;
+            int32_t v[32];
+            block32_values(f, plain, v);
+            for (int b = 0; b < NB; b++) {
+                int32_t sum = 0;
+                for (int j = 0; j < 32; j++) sum += v[j] * x_at(in.hi[b], in.lo[b], i * 32 + j);
+                const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+                out[b][r] += d * in.d[b][i] * (float)(sum - fmt_offset(f) * s32) + m * in.d[b][i] * (float)s32;
+            }
+        }
+    }
+#endif
+}
+
+#define DEFINE_X8_LINEAR_ROWS(NAME, FMT)                                                                          \
+    void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
+        QuantRows q;                                                                                             \
+        if (quantize_rows(x, ldx, rows, m->k, 32, &q)) {                                                         \
+            fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
+            abort();                                                                                             \
+        }                                                                                                        \
+        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < m->n / IL; g++) {                            \
+            const uint8_t *grp = group_of(m, g);                                                                 \
+            for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
+                float dot[QROWS][IL];                                                                            \
+                switch (rows - b0 < QROWS ? rows - b0 : QROWS) {                                                 \
+                case 1: dot_fmt32x8(FMT, grp, &q, b0, 1, dot); break;                                            \
+                case 2: dot_fmt32x8(FMT, grp, &q, b0, 2, dot); break;                                            \
+                case 3: dot_fmt32x8(FMT, grp, &q, b0, 3, dot); break;                                            \
+                default: dot_fmt32x8(FMT, grp, &q, b0, 4, dot); break;                                           \
+                }                                                                                                \
+                const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
+                for (int64_t b = 0; b < nb; b++)                                                                 \
+                    for (int r = 0; r < IL; r++)                                                                 \
+                        y[(b0 + b) * ldy + g * IL + r] = dot[b][r] + (m->bias != NULL ? m->bias[g * IL + r] : 0.0f); \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+DEFINE_X8_LINEAR_ROWS(linear_rows_q8_0x8, FMT_Q8_0)
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_0x8, FMT_Q4_0)
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_1x8, FMT_Q4_1)
+DEFINE_X8_LINEAR_ROWS(linear_rows_q5_0x8, FMT_Q5_0)
+DEFINE_X8_LINEAR_ROWS(linear_rows_q5_1x8, FMT_Q5_1)
+
+void to_f32_q8_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q8_0, m, r, out); }
+void to_f32_q4_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q4_0, m, r, out); }
+void to_f32_q4_1x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q4_1, m, r, out); }
+void to_f32_q5_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q5_0, m, r, out); }
+void to_f32_q5_1x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q5_1, m, r, out); }
+
+/* dst = the n x k matrix src of a plain 32-weight format (named) interleaved by 8 rows (n a
+ * multiple of 8). Returns 0, or 1 for a format without an interleaved layout or a bad shape. */
+int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
+    static const char *names[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"};
+    int f = -1;
+    for (int i = 0; i < 5; i++)
+        if (strcmp(name, names[i]) == 0) f = i;
+    if (f < 0 || n <= 0 || n % IL != 0 || k <= 0 || k % 32 != 0) return 1;
+    const int64_t bytes = fmt_bytes((Fmt32)f), blocks = k / 32, row_bytes = blocks * bytes;
+    for (int64_t g = 0; g < n / IL; g++)
+        for (int64_t i = 0; i < blocks; i++)
+            for (int r = 0; r < IL; r++)
+                x8_block((Fmt32)f, 1, (uint8_t *)src + (g * IL + r) * row_bytes + i * bytes,
+                         dst + g * IL * row_bytes + i * IL * bytes, r);
+    return 0;
 }
 
 /* ---- the K-quants: super-blocks of 256 --------------------------------------------------------
@@ -323,17 +569,19 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
         uint8_t sc[8], mn[8];
         q4k_scales(blk + 4, sc, mn);
 #if QUANT_SIMD
-        __m256i sumi[QROWS];
-        for (int b = 0; b < NB; b++) sumi[b] = _mm256_setzero_si256();
+        __m256i sumi[QROWS], sumi_lo[QROWS];
+        for (int b = 0; b < NB; b++) sumi[b] = sumi_lo[b] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i q4 = load_i8(blk + 16 + 32 * c);
             const __m256i lo = _mm256_and_si256(q4, _mm256_set1_epi8(0x0F));
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), _mm256_set1_epi8(0x0F));
             const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
             for (int b = 0; b < NB; b++) {
-                const int8_t *x = in.qs[b] + i * 256 + 64 * c;
-                sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_i8(x)), s_lo));
-                sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_i8(x + 32)), s_hi));
+                const int8_t *xh = in.hi[b] + i * 256 + 64 * c, *xl = in.lo[b] + i * 256 + 64 * c;
+                sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_i8(xh)), s_lo));
+                sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_i8(xh + 32)), s_hi));
+                sumi_lo[b] = _mm256_add_epi32(sumi_lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_i8(xl)), s_lo));
+                sumi_lo[b] = _mm256_add_epi32(sumi_lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_i8(xl + 32)), s_hi));
             }
         }
 #else
@@ -342,19 +590,20 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
 #endif
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const int16_t *s16 = in.sums[b] + i * 16;
+            const int32_t *s16 = in.sums[b] + i * 16;
             int32_t msum = 0;
             for (int j = 0; j < 8; j++) msum += (int32_t)mn[j] * (s16[2 * j] + s16[2 * j + 1]);
             corr[b] -= dmin * dx * (float)msum;
 #if QUANT_SIMD
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
+            /* the planes combined in fp32: 127 (w . hi) can pass 2^31 for Q6_K's 8-bit scales */
+            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(127.0f * d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
+            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi_lo[b]), acc[b]);
 #else
-            const int8_t *x = in.qs[b] + i * 256;
-            int32_t sum = 0;
+            int64_t sum = 0;
             for (int j = 0; j < 8; j++) {
-                int32_t part = 0;
-                for (int l = 0; l < 32; l++) part += v[32 * j + l] * x[32 * j + l];
-                sum += (int32_t)sc[j] * part;
+                int64_t part = 0;
+                for (int l = 0; l < 32; l++) part += v[32 * j + l] * x_at(in.hi[b], in.lo[b], i * 256 + 32 * j + l);
+                sum += (int64_t)sc[j] * part;
             }
             acc_s[b] += d * dx * (float)sum;
 #endif
@@ -380,8 +629,8 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
         const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = f16_to_f32(read_u16(blk + 208));
 #if QUANT_SIMD
-        __m256i sumi[QROWS];
-        for (int b = 0; b < NB; b++) sumi[b] = _mm256_setzero_si256();
+        __m256i sumi[QROWS], sumi_lo[QROWS];
+        for (int b = 0; b < NB; b++) sumi[b] = sumi_lo[b] = _mm256_setzero_si256();
         const __m256i m4 = _mm256_set1_epi8(0x0F);
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = load_i8(blk + 64 * h), ql1 = load_i8(blk + 64 * h + 32), qh = load_i8(blk + 128 + 32 * h);
@@ -395,8 +644,9 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
                 /* 32 values, two scales: the first 16 values' in the low half, the next 16's in the high */
                 const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * t + 1]), _mm_set1_epi16(sc[8 * h + 2 * t]));
                 for (int b = 0; b < NB; b++) {
-                    const int8_t *x = in.qs[b] + i * 256 + 128 * h + 32 * t;
-                    sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(v[t], load_i8(x)), s));
+                    const int64_t at = i * 256 + 128 * h + 32 * t;
+                    sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(v[t], load_i8(in.hi[b] + at)), s));
+                    sumi_lo[b] = _mm256_add_epi32(sumi_lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(v[t], load_i8(in.lo[b] + at)), s));
                 }
             }
         }
@@ -406,19 +656,20 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
 #endif
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const int16_t *s16 = in.sums[b] + i * 16;
+            const int32_t *s16 = in.sums[b] + i * 16;
             int32_t off = 0;
             for (int j = 0; j < 16; j++) off += (int32_t)sc[j] * s16[j];
             corr[b] -= 32.0f * d * dx * (float)off;
 #if QUANT_SIMD
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
+            /* the planes combined in fp32: 127 (w . hi) can pass 2^31 for Q6_K's 8-bit scales */
+            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(127.0f * d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
+            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi_lo[b]), acc[b]);
 #else
-            const int8_t *x = in.qs[b] + i * 256;
-            int32_t sum = 0;
+            int64_t sum = 0;
             for (int j = 0; j < 16; j++) {
-                int32_t part = 0;
-                for (int l = 0; l < 16; l++) part += v[16 * j + l] * x[16 * j + l];
-                sum += (int32_t)sc[j] * part;
+                int64_t part = 0;
+                for (int l = 0; l < 16; l++) part += v[16 * j + l] * x_at(in.hi[b], in.lo[b], i * 256 + 16 * j + l);
+                sum += (int64_t)sc[j] * part;
             }
             acc_s[b] += d * dx * (float)sum;
 #endif

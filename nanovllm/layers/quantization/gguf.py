@@ -77,6 +77,28 @@ def quantize_rows(weight: torch.Tensor, type_name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(weight.shape[0], -1))
 
 
+def held_parts(kernels, param: nn.Parameter, type_name: str, k: int,
+               one_matrix: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The (C type, rows) the kernels multiply param's raw rows as: 8-row groups interleaved once
+    (cpu_kernels.interleaved; in place of the loaded rows, so still one copy), any last rows that
+    do not fill a group as they are (one_matrix: then none is interleaved, for an embedding table,
+    whose lookups read one matrix). Done once per parameter: a tied table's second user gets the
+    first one's result, remembered on the parameter."""
+    if getattr(param, "c_parts", None) is None:
+        data, n = param.data, param.shape[0]
+        whole = 0 if one_matrix and n % cpu_kernels.INTERLEAVE else n - n % cpu_kernels.INTERLEAVE
+        packed = cpu_kernels.interleaved(kernels, type_name, data[:whole], k) if whole else None
+        if packed is None:
+            param.c_parts = [(type_name, 0, n)]
+        else:
+            held = torch.empty_like(data)
+            held[:whole] = packed[1]
+            held[whole:] = data[whole:]
+            param.data = held
+            param.c_parts = [(packed[0], 0, whole)] + ([(type_name, whole, n)] if whole < n else [])
+    return [(t, param.data[first:end]) for t, first, end in param.c_parts]
+
+
 def _need_kernels(kernels: LinearKernels, what: str):
     if kernels.c_kernels is None:
         raise RuntimeError(f"{what}: block-quantized weights are multiplied by the CPU C kernels, which are "
@@ -144,12 +166,16 @@ class GGUFLinearMethod(LinearMethodBase):
         if self.mixed:
             if len(self.parts) != len(self.types):
                 raise ValueError(f"{what}: parts {sorted(self.parts)} of {len(self.types)} were loaded")
-            datas, types, sizes = [self.parts[i] for i in range(len(self.types))], self.types, self.sizes
+            params = [nn.Parameter(self.parts[i], requires_grad=False) for i in range(len(self.types))]
+            self.held = params  # the parts' rows, as the kernels read them
+            types = self.types
         else:
-            datas, types, sizes = [weight.data], self.types[:1], [sum(self.sizes)]
+            params, types = [weight], self.types[:1]
+        tied = getattr(layer, "is_tied", False)  # the embedding reads the same rows
+        held = [part for param, t in zip(params, types) for part in held_parts(self.c_kernels, param, t, self.k, tied)]
         views = None
-        for data, type_name, n in reversed(list(zip(datas, types, sizes))):
-            views = CWeightView(type_name, data, n, self.k, data.shape[1], next=views)
+        for type_name, data in reversed(held):
+            views = CWeightView(type_name, data, data.shape[0], self.k, data.shape[1], next=views)
         self.views = views
         self.c_linear = cpu_kernels.linear_struct(self.c_kernels, views)
         del self.parts
@@ -198,7 +224,8 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         self.c_kernels = _need_kernels(kernels, layer.prefix)
         if self.online and layer.weight.dtype != torch.uint8:
             layer.weight.data = quantize_rows(layer.weight.data, self.type_name)
-        self.view = CWeightView(self.type_name, layer.weight.data, layer.weight.shape[0], self.k, layer.weight.shape[1])
+        (type_name, data), = held_parts(self.c_kernels, layer.weight, self.type_name, self.k, one_matrix=True)
+        self.view = CWeightView(type_name, data, data.shape[0], self.k, data.shape[1])
         self.c_table = cpu_kernels.linear_struct(self.c_kernels, self.view)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
