@@ -128,7 +128,8 @@ def check_tokens_close(ours: list[list[int]], ref: list[tuple[list[int], "torch.
 # ---- GGUF block formats -----------------------------------------------------------------------------
 # Byte offsets of each block's fp16 fields (d, m / dmin), which random bytes must not fill with
 # infinities or NaNs.
-HALF_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}
+HALF_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
+               "q6_k": [208]}
 
 
 def qtype(name: str):
@@ -154,7 +155,7 @@ def random_weights(name: str, n: int, k: int, rng, unit_scales: bool = False, st
         blocks[:, offset:offset + 2] = value.view(np.uint8).reshape(-1, 2)
     if name == "q6_k" and unit_scales:
         blocks[:, 192:208] = rng.integers(-4, 5, size=(len(blocks), 16)).astype(np.int8).view(np.uint8)
-    if std is not None and name == "q4_k":
+    if std is not None and name in ("q4_k", "q5_k"):
         # model-like blocks: sub-block mins of 0-3 against scales of 0-63 (random bytes give mins as
         # large as the scales, so each sub-block a large common offset)
         blocks[:, 8:12] &= 0x03

@@ -6,6 +6,7 @@
   transformers' reading of the same file;
 - quantization="q8_0" | ...: the held blocks bit-identical to gguf.quants.quantize of the checkpoint;
 - malformed and unsupported files, and misuse of quantization=, refused with clear errors."""
+import logging
 import math
 import os
 import sys
@@ -105,7 +106,7 @@ def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=5
         kind = types.get(role, "f32")
         if value.ndim == 1 or kind == "f32":
             w.add_tensor(name, value.astype(np.float32))
-        elif kind in ("q4_k", "q6_k"):  # gguf.quants has no quantizer for these: random blocks
+        elif kind in ("q4_k", "q5_k", "q6_k"):  # gguf.quants has no quantizer for these: random blocks
             w.add_tensor(name, random_weights(kind, *value.shape, rng, std=float(value.std())), raw_dtype=qtype(kind))
         else:
             w.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype(kind)), raw_dtype=qtype(kind))
@@ -200,6 +201,8 @@ CASES = {
                                "ffn_gate": "q4_k", "ffn_up": "q4_k", "ffn_down": "q6_k", "token_embd": "q4_k"}),
     "qwen2-mixed": ("qwen2", {"attn_q": "q4_0", "attn_k": "q4_1", "attn_v": "q5_0", "attn_output": "q5_1",
                               "ffn_gate": "f16", "ffn_up": "bf16", "ffn_down": "q8_0", "token_embd": "q6_k"}),
+    "qwen3-q5_k": ("qwen3", {"attn_q": "q5_k", "attn_k": "q5_k", "attn_v": "q6_k", "attn_output": "q5_k",
+                             "ffn_gate": "q5_k", "ffn_up": "q5_k", "ffn_down": "q5_k", "token_embd": "q8_0"}),
     "qwen3-q4_0": ("qwen3", {r: "q4_0" for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                                  "ffn_down", "token_embd", "output")}),
 }
@@ -210,7 +213,8 @@ TOLERANCE = {"llama-f32": 1e-4}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tiny_files_match_transformers(tmp_path, case):
+def test_tiny_files_match_transformers(tmp_path, case, caplog):
+    caplog.set_level(logging.INFO, logger="nanovllm")
     arch, types = CASES[case]
     # NOTE: transformers reads no head_dim from a qwen3 GGUF (it takes 128): two heads of 128 here.
     shape = dict(heads=2, kv_heads=1, untied=True) if arch == "qwen3" else {}
@@ -231,12 +235,36 @@ def test_tiny_files_match_transformers(tmp_path, case):
             out.append((ours[j, ids] - reference[j, ids]).abs())
         return torch.stack(out)
     plain, same = errors(ref), errors(same_inputs)
+    if "q5_k" in types.values():  # converted at load, and said so
+        assert "Q5_K tensors (e.g. blk.0.attn_q.weight) converted at load to Q5_1" in caplog.text
     print(case, "|logprob error| max / mean", plain.max().item(), plain.mean().item(),
           "with the kernels' input rounding", same.max().item(), same.mean().item())
     # With the same input rounding only the order of float sums differs (which can move a value
     # across a rounding boundary of the next layer's input now and then).
     assert same.mean() < 2e-3 and same.max() < 0.05, case
     assert plain.mean() < tol, case
+
+
+def test_decode_step_with_chained_parts(tmp_path):
+    """The one-call C decode over layers whose q/k/v parts are chained matrices of different
+    formats: the chained structures outlive the description (a dangling part crashed the step), and
+    its greedy tokens are those of the per-layer path."""
+    import ctypes
+    import gc
+    arch, types = CASES["llama-q4_k_m"]
+    path = write_tiny(tmp_path / "chain.gguf", arch, types)
+    prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 320, 12)] for s in range(2)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(path), max_num_seqs=4, max_model_len=128) as llm:
+        fused = llm.model_runner.fused_decode
+        gc.collect()
+        kept = {ctypes.addressof(part) for lin in fused.linears for part in getattr(lin, "chain", [])}
+        chained = [fused.layers[i].qkv.next for i in range(len(fused.modules))]
+        assert all(chained) and set(chained) <= kept  # every layer's v part (Q6_K) chained after q / k (Q4_K)
+        one_call = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        fused.max_rows = 0  # the per-layer path: the layers' own modules between the C phases
+        per_layer = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert one_call == per_layer
 
 
 def test_tensor_parallel_gguf(tmp_path):

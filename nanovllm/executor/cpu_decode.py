@@ -83,9 +83,13 @@ class FusedDecode:
             raise ValueError("a layer's attention is not the shared decoder attention")
         attn0 = layers[0].self_attn
         descs, in_c = [], []
+        # NOTE: the structures below hold copies of these descriptions, whose chained parts (a
+        # stacked layer's parts in other formats) live in the originals: kept for as long as self.
+        self.linears: list[Linear] = []
         for layer in layers:
             a = layer.self_attn
             linears = layer_linears(kernels, layer)
+            self.linears += linears or []
             in_c.append(linears is not None)
             descs.append(DecoderLayer(
                 pointer(layer.input_layernorm.weight), pointer(layer.post_attention_layernorm.weight),
@@ -102,6 +106,7 @@ class FusedDecode:
         self.segments = segments(in_c)
         self.layers = (DecoderLayer * len(descs))(*descs)
         embed, head = described(kernels, self.embed), described(kernels, self.lm_head)
+        self.linears += [lin for lin in (embed, head) if lin is not None]
         self.embed_in_c, self.head_in_c = embed is not None, head is not None
         intermediate = max([d.down.k for d in descs if d.in_c], default=0)
         self.desc = DecoderModel(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads,

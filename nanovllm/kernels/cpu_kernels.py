@@ -179,7 +179,8 @@ def linear_struct(kernels: CpuKernels, view, bias: torch.Tensor | None = None) -
     """The C description of a weight view (layers/quantization/base.py, CWeightView, with the views
     chained after it), checked against the C table's layout for its type (linear_is_valid). NOTE:
     it points into the views' tensors, which the layer keeps alive; the chained descriptions are
-    kept alive by the returned one (its `chain`)."""
+    kept alive by the returned one (its `chain`), not by a copy of it (a ctypes field assignment
+    copies the structure only): whoever copies it keeps the original."""
     outputs = view.outputs
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != outputs):
         raise ValueError(f"the C kernels take a dense fp32 bias of {outputs}, got {bias.dtype} {tuple(bias.shape)}")

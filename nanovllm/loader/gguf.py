@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # GGUF tensor types held and multiplied as they are (names as the C weight-type table spells them).
 NATIVE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+# Types converted at load into the nearest native one: a Q5_K sub-block of 32 (6-bit scale and
+# min under the super-block's fp16 d and dmin) is a Q5_1 block with d = d sc and m = -dmin mn
+# rounded to fp16 (relative error <= 2^-11 in those two numbers; the 5-bit values move as they are).
+CONVERTED = {"q5_k": "q5_1"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -102,6 +106,7 @@ class GGUFFile:
             raise ValueError(f"{path!r}: GGUF architecture {self.arch!r} is not supported; supported: "
                              f"{sorted(ARCHITECTURES)}")
         self.tensors: dict[str, TensorInfo] = {}
+        self.converted: dict[str, list[str]] = {}  # file type -> the tensors converted at load
         unsupported, unknown = {}, []
         size = os.path.getsize(path)
         for t in self.reader.tensors:
@@ -113,15 +118,19 @@ class GGUFFile:
                 if t.name != "rope_freqs.weight":
                     unknown.append(t.name)
                 continue
-            if type_name not in NATIVE_TYPES:
+            if type_name not in NATIVE_TYPES and type_name not in CONVERTED:
                 unsupported.setdefault(type_name, t.name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
             row_bytes = t.n_bytes // shape[0] if len(shape) == 2 else 0
+            if type_name in CONVERTED:
+                self.converted.setdefault(type_name, []).append(t.name)
+                type_name = CONVERTED[type_name]
+                row_bytes = shape[1] // 32 * 24
             self.tensors[name] = TensorInfo(t.name, type_name, shape, row_bytes)
         if unsupported:
             listed = ", ".join(f"{k} (e.g. {v})" for k, v in sorted(unsupported.items()))
             raise ValueError(f"{path!r} holds tensor types {listed} that nano-vLLM does not multiply; supported: "
-                             f"{', '.join(NATIVE_TYPES)}")
+                             f"{', '.join(NATIVE_TYPES)} (and {', '.join(CONVERTED)}, converted at load)")
         if unknown:
             raise ValueError(f"{path!r} has tensors a {self.arch} model does not have: {unknown[:8]}")
         if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
@@ -178,8 +187,14 @@ class GGUFFile:
         heads = int(self.field(f"{self.arch}.attention.head_count"))
         kv_heads = int(self.field(f"{self.arch}.attention.head_count_kv", heads))
         by_name = {t.name: t for t in self.reader.tensors}
+        for kind, names in self.converted.items():
+            logger.info("%s: %d %s tensors (e.g. %s) converted at load to %s, the nearest format the kernels "
+                        "multiply", os.path.basename(self.path), len(names), kind.upper(), names[0],
+                        CONVERTED[kind].upper())
         for name, info in self.tensors.items():
             data = by_name[info.gguf_name].data
+            if by_name[info.gguf_name].tensor_type.name.lower() == "q5_k":
+                data = q5_k_as_q5_1(np.asarray(data).reshape(-1, 176)).reshape(info.shape[0], info.row_bytes)
             if info.type_name == "f32":
                 tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(info.shape))
             else:
@@ -202,3 +217,25 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     if rows % (2 * heads):
         raise ValueError(f"cannot restore the row order of a {tuple(w.shape)} projection over {heads} heads")
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def q5_k_as_q5_1(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K super-blocks [n, 176] as Q5_1 blocks [n * 8, 24] (CONVERTED): the layouts are
+    llama.cpp's (d, dmin, 12 bytes of 6-bit scales and mins, qh[32], qs[128] / d, m, qh[4], qs[16])."""
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    p = blocks[:, 4:16].astype(np.uint8)
+    sc = np.concatenate([p[:, 0:4] & 63, (p[:, 8:12] & 0x0F) | ((p[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([p[:, 4:8] & 63, (p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)], axis=1)
+    qh, qs = blocks[:, 16:48], blocks[:, 48:176]
+    # sub-block j: low 4 bits from qs[32 (j // 2) + l] >> 4 (j % 2), the fifth from bit j of qh[l]
+    low = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = (low.reshape(n, 8, 32) | (high << 4)).reshape(n * 8, 32)
+    out = np.empty((n * 8, 24), np.uint8)
+    out[:, 0:2] = (d * sc).astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = (-dmin * mn).astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, 4:8] = np.packbits(q >> 4, axis=-1, bitorder="little")
+    out[:, 8:24] = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+    return out
