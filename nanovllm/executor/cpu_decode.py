@@ -118,6 +118,12 @@ class FusedDecode:
             raise ValueError(f"the C description of {'layer %d' % bad if bad < len(descs) else 'the embedding or head'}"
                              " is not valid")
         self.one_call_layers = sum(in_c)
+        # Every matmul on the C kernels alone (block-quantized weights: no oneDNN path to hand larger
+        # batches to): the step is one C call at every batch size, not only up to MAX_ROWS.
+        methods = [m.quant_method for layer in layers for m in layer.modules() if hasattr(m, "quant_method")]
+        methods += [self.embed.quant_method, self.lm_head.quant_method]
+        if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
+            self.max_rows = 1 << 30
 
     def can_run(self, num_seqs: int, context: Context) -> bool:
         return context.attn_metadata.seqlens_k is not None

@@ -88,8 +88,9 @@ class ModelRunner:
         if rank == 0 and self.fused_decode is not None:
             fused, layers = self.fused_decode, len(self.fused_decode.modules)
             others = "" if fused.one_call_layers == layers else "; the others through their own modules"
-            logger.debug("decode steps in C: one call up to %d sequences (%d of %d layers%s), four per layer between "
-                        "the matmuls above (and in prefill steps)", fused.max_rows, fused.one_call_layers, layers, others)
+            upto = "at every batch size" if fused.max_rows > config.max_num_seqs else f"up to {fused.max_rows} sequences"
+            logger.debug("decode steps in C: one call %s (%d of %d layers%s), four per layer between "
+                        "the matmuls above (and in prefill steps)", upto, fused.one_call_layers, layers, others)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:

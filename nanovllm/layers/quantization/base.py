@@ -48,6 +48,9 @@ class QuantizeMethodBase:
     """How one layer holds and reads its weights."""
 
     name: str = "?"
+    # Whether the C kernels of its c_view are its only kernels (no oneDNN path that wins at larger
+    # batches): the decode step then runs in one C call at every batch size.
+    c_only: bool = False
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         """Turn the loaded parameters into the form apply() reads, once. is_shared: another module

@@ -112,6 +112,8 @@ class GGUFLinearMethod(LinearMethodBase):
     types: the format of each stacked part (one entry for a plain layer). online: the checkpoint
     gives dense weights, quantized into types[0] after loading."""
 
+    c_only = True
+
     def __init__(self, types: list[str], online: bool = False):
         self.types = types
         self.online = online
@@ -200,6 +202,8 @@ class GGUFLinearMethod(LinearMethodBase):
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
     """The table as raw block rows; a lookup dequantizes the rows it reads (C kernels)."""
+
+    c_only = True
 
     def __init__(self, type_name: str, online: bool = False):
         self.type_name = type_name
