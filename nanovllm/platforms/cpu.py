@@ -14,7 +14,7 @@ from nanovllm.layers.quantization import LinearKernels, linear_layers
 from nanovllm.platforms.interface import Platform
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes
-from nanovllm.utils.cpu_memory import keep_freed_memory
+from nanovllm.utils.cpu_memory import keep_freed_memory, release_freed_memory
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
@@ -93,6 +93,12 @@ class CpuPlatform(Platform):
 
     def prepare_process(self) -> None:
         keep_freed_memory()
+
+    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
+                                      weight_dtype: torch.dtype | None = None) -> str:
+        described = super().process_weights_after_loading(model, dtype, weight_dtype)
+        release_freed_memory()  # the loading's transient copies, kept by the raised trim threshold
+        return described
 
     def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
                        weight_dtype: torch.dtype | None = None) -> LinearKernels:

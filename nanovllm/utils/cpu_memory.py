@@ -39,3 +39,15 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.info("mallopt refused the thresholds: large CPU tensors keep glibc's defaults")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim): called once after the
+    weights are loaded, so the loading's transient copies (a dense checkpoint quantized at load, a
+    GGUF file's tensors on their way to their layers) do not stay in the process's RSS under the
+    raised trim threshold. False where the C library has no malloc_trim."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
