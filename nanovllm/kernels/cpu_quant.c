@@ -554,6 +554,27 @@ static inline void q6k_values(const uint8_t *blk, int32_t v[256]) {
     }
 }
 
+/* The K-quants' per-row finish of one super-block: acc (SIMD: the two input planes' integer
+ * sums, combined in fp32, since 127 (w . hi) can pass 2^31 under Q6_K's 8-bit scales) or the
+ * plain C sum over sub-blocks of `len` values, each scale[j] (v . X). */
+#if QUANT_SIMD
+static inline __m256 add_planes(__m256 acc, float scale, __m256i hi, __m256i lo) {
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(127.0f * scale), _mm256_cvtepi32_ps(hi), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(lo), acc);
+}
+#else
+static inline int64_t scaled_sub_blocks(const int32_t *v, const int32_t *scale, int parts, int len, const int8_t *hi,
+                                        const int8_t *lo) {
+    int64_t sum = 0;
+    for (int j = 0; j < parts; j++) {
+        int64_t part = 0;
+        for (int l = 0; l < len; l++) part += v[len * j + l] * x_at(hi, lo, len * j + l);
+        sum += scale[j] * part;
+    }
+    return sum;
+}
+#endif
+
 static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, const QuantRows *q, int64_t b0,
                                                           const int NB, float *out) {
     const int64_t supers = q->k / 256;
@@ -595,17 +616,11 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
             for (int j = 0; j < 8; j++) msum += (int32_t)mn[j] * (s16[2 * j] + s16[2 * j + 1]);
             corr[b] -= dmin * dx * (float)msum;
 #if QUANT_SIMD
-            /* the planes combined in fp32: 127 (w . hi) can pass 2^31 for Q6_K's 8-bit scales */
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(127.0f * d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi_lo[b]), acc[b]);
+            acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
 #else
-            int64_t sum = 0;
-            for (int j = 0; j < 8; j++) {
-                int64_t part = 0;
-                for (int l = 0; l < 32; l++) part += v[32 * j + l] * x_at(in.hi[b], in.lo[b], i * 256 + 32 * j + l);
-                sum += (int64_t)sc[j] * part;
-            }
-            acc_s[b] += d * dx * (float)sum;
+            int32_t scale[8];
+            for (int j = 0; j < 8; j++) scale[j] = sc[j];
+            acc_s[b] += d * dx * (float)scaled_sub_blocks(v, scale, 8, 32, in.hi[b] + i * 256, in.lo[b] + i * 256);
 #endif
         }
     }
@@ -661,17 +676,11 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
             for (int j = 0; j < 16; j++) off += (int32_t)sc[j] * s16[j];
             corr[b] -= 32.0f * d * dx * (float)off;
 #if QUANT_SIMD
-            /* the planes combined in fp32: 127 (w . hi) can pass 2^31 for Q6_K's 8-bit scales */
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(127.0f * d * dx), _mm256_cvtepi32_ps(sumi[b]), acc[b]);
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi_lo[b]), acc[b]);
+            acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
 #else
-            int64_t sum = 0;
-            for (int j = 0; j < 16; j++) {
-                int64_t part = 0;
-                for (int l = 0; l < 16; l++) part += v[16 * j + l] * x_at(in.hi[b], in.lo[b], i * 256 + 16 * j + l);
-                sum += (int64_t)sc[j] * part;
-            }
-            acc_s[b] += d * dx * (float)sum;
+            int32_t scale[16];
+            for (int j = 0; j < 16; j++) scale[j] = sc[j];
+            acc_s[b] += d * dx * (float)scaled_sub_blocks(v, scale, 16, 16, in.hi[b] + i * 256, in.lo[b] + i * 256);
 #endif
         }
     }
