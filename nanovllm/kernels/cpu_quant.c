@@ -413,6 +413,15 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
             const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
             const __m256i hbits = five ? load_i8(values) : _mm256_setzero_si256();
             const uint8_t *nib = values + (five ? 4 * IL : 0);
+#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+            /* Without VNNI: the vpmaddubsw pair sums summed in int16 across chunks, one vpmaddwd per
+             * plane after them. A pair sum is at most 2 x 15 x 127 = 3,810 (4-bit weights, hi plane),
+             * 2 x 31 x 127 = 7,874 (5-bit) or 2 x 31 x 63 = 3,906 (lo plane): eight, four and eight
+             * of them fit int16, so the 5-bit hi plane is widened every two chunks. */
+            __m256i t_hi[QROWS], t_lo[QROWS];
+            const __m256i ones = _mm256_set1_epi16(1);
+            for (int b = 0; b < NB; b++) t_hi[b] = t_lo[b] = _mm256_setzero_si256();
+#endif
             for (int c = 0; c < 4; c++) {
                 const __m256i v = load_i8(nib + 32 * c);
                 __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -422,12 +431,26 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
                     hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
                 }
                 for (int b = 0; b < NB; b++) {
-                    sum[b] = dot_acc(sum[b], lo, bcast4(in.hi[b] + i * 32 + 4 * c));
-                    sum[b] = dot_acc(sum[b], hi, bcast4(in.hi[b] + i * 32 + 16 + 4 * c));
-                    sum_lo[b] = dot_acc(sum_lo[b], lo, bcast4(in.lo[b] + i * 32 + 4 * c));
-                    sum_lo[b] = dot_acc(sum_lo[b], hi, bcast4(in.lo[b] + i * 32 + 16 + 4 * c));
+                    const __m256i h0 = bcast4(in.hi[b] + i * 32 + 4 * c), h1 = bcast4(in.hi[b] + i * 32 + 16 + 4 * c);
+                    const __m256i l0 = bcast4(in.lo[b] + i * 32 + 4 * c), l1 = bcast4(in.lo[b] + i * 32 + 16 + 4 * c);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+                    sum[b] = dot_acc(dot_acc(sum[b], lo, h0), hi, h1);
+                    sum_lo[b] = dot_acc(dot_acc(sum_lo[b], lo, l0), hi, l1);
+#else
+                    t_hi[b] = _mm256_add_epi16(t_hi[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, h0),
+                                                                         _mm256_maddubs_epi16(hi, h1)));
+                    t_lo[b] = _mm256_add_epi16(t_lo[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, l0),
+                                                                         _mm256_maddubs_epi16(hi, l1)));
+                    if (c == 3 || (five && c == 1)) {
+                        sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t_hi[b], ones));
+                        t_hi[b] = _mm256_setzero_si256();
+                    }
+#endif
                 }
             }
+#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+            for (int b = 0; b < NB; b++) sum_lo[b] = _mm256_add_epi32(sum_lo[b], _mm256_madd_epi16(t_lo[b], ones));
+#endif
         }
         const __m256 m8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
                                          : _mm256_setzero_ps();
