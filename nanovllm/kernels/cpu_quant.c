@@ -3,15 +3,17 @@
  *
  * A quantized matrix is held as the file stores it: n rows of k / block_size blocks each (the
  * block layouts are llama.cpp's, ggml-common.h). y = x W^T is computed in integers: every input row
- * is quantized once per call to int8 in groups (32 values for the 32-weight formats, 256 for the
- * K-quants, one fp32 scale each, plus the sum of every 16 quantized values), and each block's dot
- * product is an int8 x int8 / uint8 sum (AVX2 vpmaddubsw + vpmaddwd, or VNNI's vpdpbusd), scaled
+ * is quantized once per call to 14-bit integers in groups (32 values for the 32-weight formats, 256
+ * for the K-quants, one fp32 scale each, plus the sum of every 16 of them), held as two int8 planes
+ * (see QuantRows), and each block's dot product is two integer sums of the weights with the planes
+ * (AVX2 vpmaddubsw + vpmaddwd, or VNNI's vpdpbusd), scaled
  * once per block (per 256 for the K-quants, whose 6-bit sub-block scales multiply in integers).
  * Offsets (Q4_0's -8, Q4_1's min, Q6_K's -32, Q4_K's mins) come out of the precomputed group sums,
  * not out of the weights, so the 4- and 6-bit values multiply as they are stored.
  *
- * Each weight row is read once per call and multiplied into up to QROWS input rows at a time
- * (unpacked once for all of them); more input rows (prefill) reread the row from L1.
+ * Each weight row (or 8-row group of the interleaved layouts) is read once per call and multiplied
+ * into up to QROWS input rows at a time (unpacked once for all of them); more input rows (prefill)
+ * reread it from L1.
  * The AVX2 + FMA + F16C code is the baseline; each format also has a plain C version (other CPUs,
  * and the reference the tests compare the vector code with: same integer sums). */
 #include <math.h>

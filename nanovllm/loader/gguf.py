@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanovllm.layers.quantization.gguf import block_shape
+
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -125,7 +127,8 @@ class GGUFFile:
             if type_name in CONVERTED:
                 self.converted.setdefault(type_name, []).append(t.name)
                 type_name = CONVERTED[type_name]
-                row_bytes = shape[1] // 32 * 24
+                per_block, nbytes = block_shape(type_name)
+                row_bytes = shape[1] // per_block * nbytes
             self.tensors[name] = TensorInfo(t.name, type_name, shape, row_bytes)
         if unsupported:
             listed = ", ".join(f"{k} (e.g. {v})" for k, v in sorted(unsupported.items()))

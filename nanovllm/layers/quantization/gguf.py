@@ -6,8 +6,9 @@ safetensors checkpoint (every linear weight and the embedding quantized at load 
 package's reference quantizers, so the blocks are bit-identical to theirs).
 
 A layer holds its weight once, as raw rows of blocks (uint8 [rows, row bytes], the parameter
-`weight`) and multiplies from them with the C kernels (kernels/cpu_quant.c): inputs are quantized
-to int8 once per call, the dot products run in integers. A stacked layer (q/k/v, gate/up) whose
+`weight`; the 32-weight formats interleaved by 8 rows in place) and multiplies from them with the
+C kernels (kernels/cpu_quant.c): inputs are quantized once per call to 14-bit integers, the dot
+products run in integers. A stacked layer (q/k/v, gate/up) whose
 parts the file stores in different formats (Q4_K_M's Q6_K v next to Q4_K q and k) keeps one matrix
 per part, chained so that the kernels write each part's outputs after the previous one's.
 Tensor parallelism splits rows freely and columns only on block boundaries."""
@@ -25,15 +26,18 @@ from nanovllm.layers.quantization.parameter import tagged_parameter
 
 logger = logging.getLogger(__name__)
 
-# (weights, bytes) per block of each format the C kernels multiply (ggml's sizes).
-BLOCKS = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20),
-          "q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q6_k": (256, 210)}
+def block_shape(type_name: str) -> tuple[int, int]:
+    """(weights, bytes) per block of a GGUF type, by its lower-case name (the gguf package's table)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+
+
 # Formats `quantization=` offers: the ones gguf.quants has a reference quantizer for.
 ONLINE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 def row_bytes(type_name: str, k: int, what: str) -> int:
-    size, nbytes = BLOCKS[type_name]
+    size, nbytes = block_shape(type_name)
     if k % size:
         raise ValueError(f"{what}: {k} inputs are not whole {type_name} blocks of {size}")
     return k // size * nbytes
@@ -45,7 +49,7 @@ ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 def check_split(name: str, type_name: str, k: int, tp_size: int) -> None:
     """ValueError unless k inputs of type_name split over tp_size ranks on block boundaries."""
-    size = BLOCKS[type_name][0]
+    size = block_shape(type_name)[0]
     if k % tp_size or (k // tp_size) % size:
         raise ValueError(f"tensor_parallel_size={tp_size} would split {name} ({type_name}, {k} inputs) into parts of "
                          f"{k / tp_size:g} inputs, not whole {type_name} blocks of {size}; use a tensor_parallel_size "
@@ -56,6 +60,7 @@ def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, t
     """Before any rank starts: every row-parallel weight of a GGUF file (or of a checkpoint
     quantized at load) splits over tp_size ranks on block boundaries."""
     from nanovllm.loader.gguf import is_gguf_path, open_gguf
+    from nanovllm.models.decoder import head_dim_of
     if tp_size == 1:
         return
     if is_gguf_path(path):
@@ -63,8 +68,7 @@ def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, t
             if name.endswith(ROW_PARALLEL):
                 check_split(name, info.type_name, info.shape[1], tp_size)
     elif quantization is not None:
-        for name, k in (("o_proj", hf_config.num_attention_heads * (getattr(hf_config, "head_dim", None) or
-                                                                     hf_config.hidden_size // hf_config.num_attention_heads)),
+        for name, k in (("o_proj", hf_config.num_attention_heads * head_dim_of(hf_config)),
                         ("down_proj", hf_config.intermediate_size)):
             check_split(name, quantization, k, tp_size)
 
