@@ -12,9 +12,9 @@ import sys
 import time
 from random import Random
 
-import torch
+from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error  # first: nanovllm's thread defaults
 
-from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
+import torch  # noqa: E402
 
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,

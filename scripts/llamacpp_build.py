@@ -36,13 +36,14 @@ class BuildError(RuntimeError):
 def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -> float:
     """Run cmd with its output in log (stdout in its own file when given); raise BuildError with
     the log's last lines when it fails. Returns the process's peak RSS in MiB."""
+    from nanovllm.utils.threads import environ_for_other_programs  # here: after bench_llamacpp's env changes
     log.parent.mkdir(parents=True, exist_ok=True)
     peak_kib = 0
     with open(log, "w") as f, open(stdout or os.devnull, "w") as out:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         try:
-            proc = subprocess.Popen(cmd, stdout=out if stdout else f, stderr=f)
+            proc = subprocess.Popen(cmd, stdout=out if stdout else f, stderr=f, env=environ_for_other_programs())
             # NOTE: the program's own high-water mark (VmHWM, reset at exec), polled: a child's
             # rusage would count the parent's pages it held between fork and exec.
             while proc.poll() is None:

@@ -217,6 +217,8 @@ def test_serve_command_line(qwen3_gqa, ref_llm):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
+    # The tiny model's template ignores tools: said at start-up, even at --log-level warning.
+    assert "the chat template ignores tools" in proc.stdout.read().decode()
 
 
 def test_another_engine_in_the_process_steps_alongside(served, ref_llm):

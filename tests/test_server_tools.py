@@ -86,6 +86,21 @@ def test_named_tool_choice_yields_a_valid_call(client):
     check_call(call)
 
 
+def test_start_up_says_whether_the_template_renders_tools(byte_model, qwen3_gqa):
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from nanovllm.entrypoints.tool_calls import template_renders_tools, tools_note
+    renders, ignores = AutoTokenizer.from_pretrained(byte_model), AutoTokenizer.from_pretrained(qwen3_gqa)
+    assert template_renders_tools(renders) is True and template_renders_tools(ignores) is False
+    assert tools_note(renders, ChatSettings())[0] == logging.INFO
+    level, text = tools_note(ignores, ChatSettings("hermes", enable_auto_tool_choice=True))
+    assert level == logging.WARNING and 'tool_choice "auto" will never call one' in text
+    renders.chat_template = None
+    assert template_renders_tools(renders) is None and tools_note(renders, ChatSettings()) is None
+
+
 def test_required_yields_valid_calls(client):
     reply = create(client, tool_choice="required", parallel_tool_calls=False, seed=5, temperature=1.0)
     choice = reply.choices[0]

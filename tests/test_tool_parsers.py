@@ -22,6 +22,12 @@ REPLIES = {
                            ParsedReply("ok", [ToolCall("f", "{}")])),
     "arguments as a string": ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
                               ParsedReply(None, [ToolCall("f", '{"x": 1}')])),
+    # max_tokens ended the reply inside a second call: the complete first one is still a call
+    "a call, then one cut off": (CALL_A + '\n<tool_call>\n{"na',
+                                 ParsedReply(None, [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}')])),
+    "a call, then a closed block that is no call": (
+        CALL_A + ' <tool_call>{"name": </tool_call>',
+        ParsedReply('<tool_call>{"name": </tool_call>', [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}')])),
     "bad call JSON": ('hi <tool_call>{"name": "f", "arguments": {</tool_call>',
                       ParsedReply('hi <tool_call>{"name": "f", "arguments": {</tool_call>')),
 }
@@ -90,10 +96,26 @@ def test_forced_call_grammar_is_the_hermes_form_of_a_valid_call():
     assert forced_grammar_accepts(named, weather)
     assert not forced_grammar_accepts(named, time)
     assert not forced_grammar_accepts(named, weather.replace("rome", "oslo"))
-    required = forced_call_constraint(request(tools=TOOLS), "required", settings).grammar
-    assert forced_grammar_accepts(required, weather + "\n" + time)
-    single = forced_call_constraint(request(tools=TOOLS, parallel_tool_calls=False), "required", settings).grammar
-    assert forced_grammar_accepts(single, time) and not forced_grammar_accepts(single, time + "\n" + weather)
+    parallel = forced_call_constraint(request(tools=TOOLS, parallel_tool_calls=True), "required", settings).grammar
+    assert forced_grammar_accepts(parallel, weather + "\n" + time)
+    for fields in (dict(), dict(parallel_tool_calls=False)):  # by default one forced call
+        single = forced_call_constraint(request(tools=TOOLS, **fields), "required", settings).grammar
+        assert forced_grammar_accepts(single, time) and not forced_grammar_accepts(single, time + "\n" + weather)
+    json_single = forced_call_constraint(request(tools=TOOLS), "required", ChatSettings()).json
+    assert json_single["maxItems"] == 1
+
+
+def test_a_call_cut_in_its_arguments_leaves_the_complete_ones():
+    """required + a short max_tokens: the reply repeated its call and was cut inside the second one.
+    The first comes back as tool_calls, nothing of the cut one in content; the finish reason is length."""
+    cut = CALL_A + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    reply = ToolReply("required", ChatSettings("hermes"))
+    content, calls = reply.whole(cut)
+    assert content is None
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2]}'}]
+    assert reply.finish_reason("length") == "length" and reply.finish_reason("stop") == "tool_calls"
+    streamed, _ = stream(cut, [len(CALL_A) + 5])
+    assert streamed == ""  # streamed: no raw <tool_call> text either (the cut call's deltas say "length")
 
 
 def test_rename_rules_leaves_literals_and_classes_alone():

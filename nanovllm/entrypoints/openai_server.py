@@ -30,7 +30,8 @@ from nanovllm.entrypoints.serving import Generation, completion_response, chat_r
 from nanovllm.entrypoints.sglang_compat import add_sglang_routes
 from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts,
                                                prompt_token_ids)
-from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, template_tools, tool_choice_of, with_forced_call
+from nanovllm.entrypoints.tool_calls import (ChatSettings, ToolReply, template_tools, tool_choice_of, tools_note,
+                                             with_forced_call)
 from nanovllm.entrypoints.validation_errors import request_fields, validation_body
 
 logger = logging.getLogger(__name__)
@@ -290,6 +291,9 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
         # uvicorn shuts down gracefully, then re-raises the signal: make SIGTERM's re-raise an
         # exception like SIGINT's, so the cleanup below runs instead of the process just dying.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    note = tools_note(llm.tokenizer, chat or ChatSettings())
+    if note:
+        logger.log(*note)
     engine = AsyncEngine(llm).start()
     app = build_app(engine, served_model_name, api_key, limits, chat, model_aliases)
 

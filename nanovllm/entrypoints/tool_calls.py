@@ -46,6 +46,40 @@ def tool_choice_of(body: ChatCompletionRequest, settings: ChatSettings) -> str |
     return choice
 
 
+_PROBE_TOOL = {"type": "function", "function": {"name": "nanovllm_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def template_renders_tools(tokenizer) -> bool | None:
+    """Whether the tokenizer's chat template shows a request's tools to the model: the same
+    conversation rendered with and without one tool differs. None without a chat template; False
+    also when rendering with tools fails."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return None
+    conversation = [{"role": "user", "content": "hi"}]
+    try:
+        plain = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(conversation, tools=[_PROBE_TOOL], add_generation_prompt=True,
+                                                   tokenize=False)
+    except Exception:  # a template's own error (raise_exception) or an undefined field: tools not usable
+        return False
+    return with_tools != plain
+
+
+def tools_note(tokenizer, settings: ChatSettings) -> tuple[int, str] | None:
+    """The start-up log line (level, text) about tool calling with this model's chat template."""
+    import logging
+
+    renders = template_renders_tools(tokenizer)
+    if renders is None:
+        return None
+    if renders:
+        return logging.INFO, "the chat template renders tools: requests' tools are shown to the model"
+    auto = ("; tool_choice \"auto\" will never call one" if settings.enable_auto_tool_choice else "")
+    return logging.WARNING, ("the chat template ignores tools: the model is not shown a request's tools" + auto
+                             + "; tool_choice \"required\" or a named tool still force a call by grammar")
+
+
 def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
     """The tools as the chat template gets them (OpenAI's dicts)."""
     return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -61,7 +95,9 @@ def forced_call_constraint(body: ChatCompletionRequest, choice: str | None,
     if choice in (None, "none", "auto"):
         return None
     tools = [t for t in body.tools if choice == "required" or t.function.name == choice]
-    parallel = choice == "required" and body.parallel_tool_calls is not False
+    # One forced call unless the request allows more: a model forced by the grammar otherwise tends
+    # to repeat its call until max_tokens.
+    parallel = choice == "required" and body.parallel_tool_calls is True
     if settings.tool_call_parser is not None:  # the model's own format, e.g. <tool_call>...</tool_call>
         schemas = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                     "properties": {"name": {"enum": [t.function.name]}, "arguments": _parameters(t)}}

@@ -1,5 +1,6 @@
 """CpuPlatform: the engine on the host CPU: eager forward, gloo for tensor parallelism, a KV budget
 from a share of free RAM, oneDNN packing for fp32 weights and the C kernels for few-row inputs."""
+import logging
 import mmap
 import os
 from collections.abc import Callable
@@ -15,6 +16,9 @@ from nanovllm.platforms.interface import Platform
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes
 from nanovllm.utils.cpu_memory import keep_freed_memory, release_freed_memory
+from nanovllm.utils.threads import wait_note
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
@@ -93,6 +97,9 @@ class CpuPlatform(Platform):
 
     def prepare_process(self) -> None:
         keep_freed_memory()
+        note = wait_note()
+        if note:
+            logger.info(note)
 
     def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
                                       weight_dtype: torch.dtype | None = None) -> str:

@@ -85,15 +85,19 @@ class HermesToolParser(ToolParser):
         self.content_started, self.pending_ws = False, ""
 
     def parse(self, text: str) -> ParsedReply:
+        """Every complete call is a call, whatever follows it. A closed block that is not a valid
+        call stays in the content as written; an unclosed one that does not parse is a reply cut
+        off (max_tokens) in its last call: dropped, and the finish reason says "length"."""
         outside, calls, pos = [], [], 0
         while (start := text.find(OPEN, pos)) != -1:
             outside.append(text[pos:start])
             end = text.find(CLOSE, start)
             body = text[start + len(OPEN): end if end != -1 else len(text)]
             call = parse_call(body)
-            if call is None:
-                return ParsedReply(text.strip() or None)
-            calls.append(call)
+            if call is not None:
+                calls.append(call)
+            elif end != -1:
+                outside.append(text[start:end + len(CLOSE)])
             pos = len(text) if end == -1 else end + len(CLOSE)
         outside.append(text[pos:])
         return ParsedReply("".join(outside).strip() or None, calls)
@@ -120,7 +124,7 @@ class HermesToolParser(ToolParser):
                 break
             body = self.buffer if end == -1 else self.buffer[:end]
             self.buffer = "" if end == -1 else self.buffer[end + len(CLOSE):]
-            more, text_back = self._close_call(body)
+            more, text_back = self._close_call(body, closed=end != -1)
             deltas += more
             content.append(self._content(text_back))
             if end == -1:
@@ -190,13 +194,14 @@ class HermesToolParser(ToolParser):
         self.args_sent += i - start
         return self.buffer[start:i]
 
-    def _close_call(self, body: str) -> tuple[list[ToolCallDelta], str]:
-        """The rest of a finished call, or (nothing sent yet and it does not parse) its text as content."""
+    def _close_call(self, body: str, closed: bool) -> tuple[list[ToolCallDelta], str]:
+        """The rest of a finished call; if nothing was sent yet and it does not parse: its text as
+        content when the block was closed, nothing when the reply ended inside it (as parse())."""
         self.in_call = False
         call = parse_call(body)
         if not self.name_sent:
             if call is None:
-                return [], OPEN + body + CLOSE
+                return [], OPEN + body + CLOSE if closed else ""
             self.index += 1
             return [ToolCallDelta(self.index, name=call.name, arguments=call.arguments)], ""
         if call is None or len(call.arguments) <= self.args_sent:
