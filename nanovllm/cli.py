@@ -267,12 +267,13 @@ def served_names(args: argparse.Namespace, model: str) -> tuple[str, tuple[str, 
 
 
 def model_path(args: argparse.Namespace) -> str:
-    """MODEL as given, else the default model's folder (built on first use)."""
+    """MODEL as given, else the default model (fetched on first use): its GGUF file on a CPU, its
+    converted folder on a GPU."""
     if args.model is not None:
         return args.model
-    from nanovllm.utils.default_model import default_model_path
+    from nanovllm.utils.default_model import default_model, default_model_path
 
-    path = default_model_path()
+    path = default_model_path() if args.quantization else default_model(device=args.device or "auto")
     logging.getLogger(__name__).info("no MODEL given: serving the default model from %s", path)
     return path
 

@@ -9,10 +9,11 @@ class LLM(LLMEngine):
 
     @classmethod
     def default(cls, cache_dir: str | None = None, **kwargs) -> "LLM":
-        """An engine over the default model, SmolLM2-135M-Instruct, downloaded and converted on
-        first use (see utils/default_model.py); kwargs are the usual engine options."""
-        from nanovllm.utils.default_model import default_model_path
-        return cls(default_model_path(cache_dir), **kwargs)
+        """An engine over the default model, SmolLM2-135M-Instruct, downloaded on first use: on a CPU
+        from its shipped Q4_1 GGUF file, on a GPU from the fp32 folder converted from it (see
+        utils/default_model.py); kwargs are the usual engine options."""
+        from nanovllm.utils.default_model import default_model
+        return cls(default_model(cache_dir, kwargs.get("device", "auto")), **kwargs)
 
     def chat(self, messages: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

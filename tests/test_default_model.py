@@ -37,8 +37,7 @@ def no_download(monkeypatch):
 
 
 def test_smollm2_greedy_matches_transformers(smollm2, cache_dir, no_download):
-    with LLM.default(cache_dir=cache_dir, dtype="float32", max_num_seqs=4, max_model_len=1024) as llm:
-        assert llm.config.model == smollm2
+    with LLM(smollm2, dtype="float32", max_num_seqs=4, max_model_len=1024) as llm:
         prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                             use_tqdm=False)
@@ -51,6 +50,22 @@ def test_smollm2_greedy_matches_transformers(smollm2, cache_dir, no_download):
     ref = hf_greedy(smollm2, prompts, MAX_NEW, mask_eos=False)
     exact = check_tokens_close(tokens, ref)
     assert exact >= len(prompts) - 1, f"only {exact}/{len(prompts)} prompts matched exactly"
+
+
+def test_on_a_cpu_the_default_model_runs_from_its_gguf_file(smollm2, cache_dir, no_download):
+    """LLM.default() and example.py on a CPU: the shipped Q4_1 file itself, its own block formats
+    held (no fp32 folder read); it answers the capital question."""
+    from nanovllm.layers.quantization import linear_layers
+
+    path = dm.default_model(cache_dir, device="cpu")
+    assert path == str(cache_dir / "downloads" / dm.GGUF_NAME) and dm.file_sha256(Path(path)) == dm.GGUF_SHA256
+    with LLM.default(cache_dir=cache_dir, device="cpu", max_num_seqs=2, max_model_len=512) as llm:
+        assert llm.config.model == path
+        held = {layer.quant_method.name for layer in linear_layers(llm.model_runner.model)}
+        assert held == {"q4_1 (C kernel)", "q8_0 (C kernel)"}
+        prompt = llm.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
+        answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]["text"]
+    assert "Paris" in answer, answer
 
 
 def test_cached_model_is_reused_without_download(smollm2, cache_dir, monkeypatch, no_download):

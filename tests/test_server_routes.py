@@ -195,9 +195,15 @@ def test_serve_without_model_uses_the_default_model(monkeypatch, qwen3_gqa):
     import nanovllm.utils.default_model as default_model
     from nanovllm.cli import build_parser, model_path
 
-    monkeypatch.setattr(default_model, "default_model_path", lambda cache_dir=None: qwen3_gqa)
+    asked = []
+    monkeypatch.setattr(default_model, "default_model", lambda cache_dir=None, device="auto": asked.append(device)
+                        or qwen3_gqa)
+    monkeypatch.setattr(default_model, "default_model_path", lambda cache_dir=None: "folder")
     args = build_parser().parse_args(["serve", "--port", "9"])
-    assert args.model is None and model_path(args) == qwen3_gqa
+    assert args.model is None and model_path(args) == qwen3_gqa and asked == ["auto"]
+    assert model_path(build_parser().parse_args(["serve", "--device", "cpu"])) == qwen3_gqa and asked[-1] == "cpu"
+    # quantizing at load needs the dense weights: the converted folder
+    assert model_path(build_parser().parse_args(["serve", "--quantization", "q8_0"])) == "folder"
     assert model_path(build_parser().parse_args(["serve", "/some/dir"])) == "/some/dir"
 
 
@@ -207,7 +213,7 @@ def test_the_default_model_is_served_by_its_name(monkeypatch, qwen3_gqa):
     import nanovllm.utils.default_model as default_model
     from nanovllm.cli import build_parser, model_path, served_names
 
-    monkeypatch.setattr(default_model, "default_model_path", lambda cache_dir=None: qwen3_gqa)
+    monkeypatch.setattr(default_model, "default_model", lambda cache_dir=None, device="auto": qwen3_gqa)
     args = build_parser().parse_args(["serve"])
     assert served_names(args, model_path(args)) == ("SmolLM2-135M-Instruct", (qwen3_gqa,))
     args = build_parser().parse_args(["serve", "--served-model-name", "mine"])

