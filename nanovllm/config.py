@@ -140,6 +140,11 @@ class Config:
         check_quantization(self.model, self.hf_config, self.quantization)
         self.platform = get_platform(self.device)  # raises on an unknown or absent device
         self.device = self.platform.device_name
+        from nanovllm.loader.gguf import is_gguf_path
+        if self.device != "cpu" and (self.quantization is not None or is_gguf_path(self.model)):
+            what = "a GGUF file" if self.quantization is None else f"quantization={self.quantization!r}"
+            raise ValueError(f"{what} runs on the CPU kernels only for now; pass device='cpu' "
+                             "(or a dense HF folder on a GPU)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__} {self.seed!r}")
         if not 0 <= self.seed < 2**63:

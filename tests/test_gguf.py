@@ -360,6 +360,19 @@ def test_bad_files_and_options(tmp_path):
         LLM(folder, quantization="int3")
 
 
+def test_quantized_weights_on_a_gpu_are_refused_at_the_boundary(tmp_path, monkeypatch):
+    """The block-format kernels are CPU code: on CUDA a GGUF file or quantization= is a ValueError
+    naming the fix, before any weight is read (here a GPU is pretended; nothing CUDA runs)."""
+    from nanovllm.platforms.cuda import CudaPlatform
+    monkeypatch.setattr(CudaPlatform, "is_available", staticmethod(lambda: True))
+    good = write_tiny(tmp_path / "good.gguf", "qwen3", {"attn_q": "q8_0"})
+    with pytest.raises(ValueError, match="a GGUF file runs on the CPU kernels only for now; pass device='cpu'"):
+        LLM(str(good), device="cuda")
+    folder = make_qwen3(str(tmp_path / "qwen3"))
+    with pytest.raises(ValueError, match="quantization='q4_0' runs on the CPU kernels only"):
+        LLM(folder, device="cuda", quantization="q4_0")
+
+
 def test_unsupported_tensor_type(tmp_path):
     """A tensor type the kernels do not multiply (here IQ4_NL, written as raw blocks) is refused
     before anything is allocated, naming it and the supported list."""

@@ -130,7 +130,7 @@ def test_bench_runs_on_a_weights_only_folder_without_warnings(weights_only, tmp_
     assert results["num_seqs"] == 3 and 3 * 2 <= results["output_tokens"] <= 3 * 4
 
 
-# The device-dependent workload defaults, as the README states them: (CUDA, CPU).
+# The device-dependent workload defaults, as docs/benchmarks.md states them: (CUDA, CPU).
 DEVICE_DEFAULTS = {"--num-seqs": (256, 64), "--min-input-len": (100, 32), "--max-input-len": (1024, 256),
                    "--min-output-len": (100, 32), "--max-output-len": (1024, 256), "--max-num-seqs": (256, 64)}
 
