@@ -18,7 +18,7 @@ from helpers import hf_greedy
 from process_helpers import free_ports
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.distributed.tp_worker import CallChannel
+from nanovllm.distributed.tp_worker import HOST, CallChannel, listening_store
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK = 16
@@ -261,6 +261,35 @@ def test_tp2_matches_tp1_with_prefix_hits_chunks_and_preemption(gqa):
         assert preempted > 0
     assert tokens2 == tokens1
     assert all(len(t) in (8, 24) for t in tokens2)
+
+
+def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
+    psutil = pytest.importorskip("psutil")
+    return {(c.laddr.ip, c.laddr.port) for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def test_a_single_node_engine_listens_on_loopback_only(gqa):
+    """Its rendezvous store (torch's TCPStore listens on every interface unless handed a socket) and
+    gloo's pair sockets, in rank 0 and the worker: 127.0.0.1 only, nothing on '::' or 0.0.0.0."""
+    psutil = pytest.importorskip("psutil")
+    with LLM(gqa, tensor_parallel_size=2, max_model_len=128, cpu_kvcache_bytes=1 << 22) as llm:
+        me = psutil.Process()
+        pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
+        addresses = listening_addresses(pids)
+        assert (HOST, llm.model_runner.pool.store.port) in addresses
+    assert addresses and {ip for ip, _ in addresses} == {HOST}, addresses
+
+
+def test_node_zero_listens_on_the_dist_init_address():
+    """Given another address (here 127.0.0.2, also this machine), the store listens there only."""
+    import datetime
+    store = listening_store("127.0.0.2", 0, 2, datetime.timedelta(seconds=5))
+    try:
+        assert ("127.0.0.2", store.port) in listening_addresses([os.getpid()])
+        assert not any(port == store.port and ip != "127.0.0.2" for ip, port in listening_addresses([os.getpid()]))
+    finally:
+        del store
 
 
 def test_engines_in_sequence_and_a_killed_worker(bias_tied):

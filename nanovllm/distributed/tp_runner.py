@@ -19,7 +19,7 @@ from nanovllm.sample.sampler import SampledTokens
 from nanovllm.distributed import node
 from nanovllm.distributed.broadcast_channel import BroadcastChannel
 from nanovllm.distributed.tp_worker import (ALLOWED_METHODS, CallChannel, channel_bytes, init_process_group,
-                                            rendezvous_address, uses_broadcast, worker_main)
+                                            listening_store, rendezvous_address, uses_broadcast, worker_main)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class WorkerPool:
         host, port = rendezvous_address(config)
         try:
             # Port 0 lets the OS pick a free port, so engines on one machine never collide.
-            self.store = dist.TCPStore(host, port, n, is_master=True, timeout=timeout, wait_for_workers=False)
+            self.store = listening_store(host, port, n, timeout)
         except (RuntimeError, OSError) as e:
             if config.dist_init_addr is None:
                 raise RuntimeError(f"cannot listen on {host}:{port} (dist_port): {e}") from e

@@ -6,6 +6,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import signal
+import socket
 import struct
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
@@ -61,6 +62,27 @@ class CallChannel:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+def listening_store(host: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Node 0's TCPStore, listening on host only. NOTE: given just a host name, TCPStore's server
+    listens on every interface (`::`); a socket bound here to host's address is handed to it
+    instead, so a single-node engine listens on loopback and a multi-node one on dist_init_addr."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        bound = sock.getsockname()[1]
+        store = dist.TCPStore(host, bound, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
 
 
 def rendezvous_address(config: Config) -> tuple[str, int]:
