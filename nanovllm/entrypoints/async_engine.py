@@ -1,14 +1,18 @@
 """AsyncEngine: one background thread keeps stepping an LLM while requests arrive and leave.
 
 The OpenAI server (entrypoints/openai_server.py) submits requests from its asyncio event loop and
-reads each request's deltas from an asyncio.Queue. NOTE: only the engine thread touches the LLM
-(scheduler, tokenizer, model), so nothing in the engine needs a lock.
+reads each request's deltas from an asyncio.Queue. NOTE: only the engine thread touches the engine
+state (scheduler, model, sequences), so nothing in the engine needs a lock. A request's preparation
+(tokenizing, chat templates, compiling its grammar, detokenizing echoes) runs on a preparation
+thread instead (prepare()): it reads the tokenizer and the grammar cache only, and a slow one delays
+its own request, not the engine's steps.
 """
 import asyncio
 import logging
 import queue
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from nanovllm.engine.sequence import Sequence
@@ -51,6 +55,9 @@ class AsyncEngine:
         self._post_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
+        # NOTE: one thread: preparations run one at a time (a fast tokenizer is not meant to be
+        # reconfigured from two threads at once), each beside the engine's steps.
+        self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-prepare")
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, failed step)
@@ -67,6 +74,7 @@ class AsyncEngine:
             self._stop_reason = reason
         self._stopping = True
         self._wakeup.set()
+        self._preparer.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -90,6 +98,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op once it finished); its KV blocks are freed before the next step."""
         self._post(("abort", request_id))
+
+    async def prepare(self, fn):
+        """fn(llm) on the preparation thread (tokenizer and grammar work: nothing that changes the
+        engine's state); its result, or its exception."""
+        if self._stopping or self._closed:
+            raise EngineStoppedError("the engine loop is not running")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._preparer, fn, self.llm)
+        except RuntimeError as e:
+            if self._stopping or self._closed:  # the executor was shut down under us
+                raise EngineStoppedError("the engine loop is not running") from e
+            raise
 
     def call(self, fn) -> "asyncio.Future":
         """Run fn(llm) on the engine thread between steps; await the returned future for its result."""

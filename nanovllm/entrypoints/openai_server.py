@@ -28,7 +28,7 @@ from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, Comp
                                            error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
 from nanovllm.entrypoints.sglang_compat import add_sglang_routes
-from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts,
+from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts, prepared,
                                                prompt_token_ids)
 from nanovllm.entrypoints.tool_calls import (ChatSettings, ToolReply, template_tools, tool_choice_of, tools_note,
                                              with_forced_call)
@@ -219,6 +219,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 async def _respond(gen: Generation, request: Request, body, prompts: list, params, kind: str):
+    if params.structured_outputs is not None:  # compiled beside the engine's steps, then found cached
+        await prepared(gen.engine, lambda llm: llm.grammars.compile(params.structured_outputs))
     try:
         await gen.submit(prompts, params)
     except (ValueError, TypeError) as e:

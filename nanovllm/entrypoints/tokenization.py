@@ -10,10 +10,11 @@ from nanovllm.entrypoints.protocol import (ApiError, ChatTemplateOptions, Detoke
                                            error_responses)
 
 
-async def on_engine(engine: AsyncEngine, fn):
-    """fn(llm) on the engine thread; its ValueError/TypeError is a 400, a stopped engine a 503."""
+async def prepared(engine: AsyncEngine, fn):
+    """fn(llm) on the engine's preparation thread, beside its steps (tokenizer work only); its
+    ValueError/TypeError is a 400, a stopped engine a 503."""
     try:
-        return await engine.call(fn)
+        return await engine.prepare(fn)
     except (ValueError, TypeError) as e:
         raise ApiError(400, str(e)) from e
     except EngineStoppedError as e:
@@ -22,7 +23,7 @@ async def on_engine(engine: AsyncEngine, fn):
 
 async def prompt_token_ids(engine: AsyncEngine, prompts: list) -> list[list[int]]:
     """Each prompt (text or token ids) as token ids, as LLM.generate would see it."""
-    return await on_engine(engine, lambda llm: [llm.tokenize(p) for p in prompts])
+    return await prepared(engine, lambda llm: [llm.tokenize(p) for p in prompts])
 
 
 async def chat_prompt_ids(engine: AsyncEngine, conversation: list[dict], options: ChatTemplateOptions,
@@ -32,7 +33,7 @@ async def chat_prompt_ids(engine: AsyncEngine, conversation: list[dict], options
     if options.chat_template is not None and not trust_request_chat_template:
         raise ApiError(400, "chat_template in a request needs `nanovllm serve --trust-request-chat-template`",
                        param="chat_template")
-    return await on_engine(engine, lambda llm: _templated(llm, conversation, options, tools, add_special_tokens))
+    return await prepared(engine, lambda llm: _templated(llm, conversation, options, tools, add_special_tokens))
 
 
 def _templated(llm, conversation: list[dict], options: ChatTemplateOptions, tools: list[dict] | None,
@@ -89,7 +90,7 @@ async def echo_texts(engine: AsyncEngine, prompts: list, prompt_ids: list[list[i
     """Each prompt's text for a completion's echo: a text prompt as sent, token ids decoded."""
     def texts(llm) -> list[str]:
         return [p if isinstance(p, str) else _tokenizer_of(llm).decode(ids) for p, ids in zip(prompts, prompt_ids)]
-    return await on_engine(engine, texts)
+    return await prepared(engine, texts)
 
 
 def _json_safe(value) -> bool:
@@ -117,7 +118,7 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model,
 
     @app.get("/tokenizer_info", responses=error_responses(400, 401))
     async def tokenizer_info() -> dict:
-        return await on_engine(engine, _tokenizer_info)
+        return await prepared(engine, _tokenizer_info)
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -130,10 +131,10 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model,
         if body.chat_template is not None and not trust_request_chat_template:
             raise ApiError(400, "chat_template in a request needs `nanovllm serve --trust-request-chat-template`",
                            param="chat_template")
-        return await on_engine(engine, lambda llm: _tokenize(llm, body))
+        return await prepared(engine, lambda llm: _tokenize(llm, body))
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> dict:
         if body.model is not None:
             check_model(body.model)
-        return await on_engine(engine, lambda llm: _detokenize(llm, body))
+        return await prepared(engine, lambda llm: _detokenize(llm, body))

@@ -5,6 +5,7 @@ fills the bitmask on rank 0; the Sampler applies it. xgrammar is imported lazily
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,10 @@ class GrammarCache:
     (kind, spec), and makes per-sequence matchers from them.
 
     vocab_size: the model's (its logits' width; may exceed the tokenizer's). stop_token_ids: the
-    engine's EOS ids, the only tokens that end a grammar. NOTE: used from the engine's thread only.
+    engine's EOS ids, the only tokens that end a grammar. NOTE: the server compiles a request's
+    grammar on its preparation thread while the engine thread makes matchers: the cache and the
+    compiler's creation are under a lock (a compile itself is not: two threads may both compile one
+    spec, and the later result is kept).
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset | set):
@@ -51,8 +55,13 @@ class GrammarCache:
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compiler(self):
+        with self._lock:
+            return self._compiler or self._new_compiler()
+
+    def _new_compiler(self):
         if self._compiler is None:
             xgr = import_xgrammar()
             if self.tokenizer is None:
@@ -65,14 +74,16 @@ class GrammarCache:
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of params; a bad schema / regex / grammar raises ValueError."""
         key = params.key
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
         compiled = self._compile(params)
-        self._compiled[key] = compiled
-        if len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
         return compiled
 
     def _compile(self, params: StructuredOutputsParams):
