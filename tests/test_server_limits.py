@@ -24,7 +24,7 @@ from nanovllm.sampling_params import MAX_N  # noqa: E402
 from helpers import make_qwen3  # noqa: E402
 from process_helpers import free_ports  # noqa: E402
 from server_fixtures import (  # noqa: E402,F401  (client, ref_llm, served are fixtures)
-    MODEL, Server, client, ref_llm, served, wait_all_blocks_free, wait_for_health)
+    MODEL, Server, client, ref_llm, serve_engine, served, wait_all_blocks_free, wait_for_health)
 
 MAX_MODEL_LEN = 256  # server_fixtures.ENGINE_OPTIONS
 
@@ -228,3 +228,71 @@ def test_serve_ends_within_seconds_of_a_signal_mid_generation(tmp_path, signum):
     # The open stream got a last error event and [DONE]; the server printed no traceback.
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == "the server is shutting down"
     assert "Traceback" not in output and "CancelledError" not in output, output
+
+
+def test_a_dead_worker_is_seen_and_the_server_exits(tmp_path):
+    """`nanovllm serve -tp 2`, rank 1 SIGKILLed while idle: the engine notices by itself (no
+    request needed), /health turns 503 with the worker named, and the process ends with status 1
+    (a supervisor's cue), logging which rank died."""
+    psutil = pytest.importorskip("psutil")
+    model = make_qwen3(str(tmp_path / "m"), seed=3)
+    port = free_ports(1)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "nanovllm.cli", "serve", model, "--port", str(port), "-tp", "2", "--max-model-len",
+           "256", "--kvcache-block-size", "16", "--cpu-kvcache-bytes", str(8 * 2**20), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(proc, url)
+        (worker,) = [p for p in psutil.Process(proc.pid).children(recursive=True)  # not the resource tracker
+                     if "spawn_main" in " ".join(p.cmdline())]
+        killed = time.monotonic()
+        worker.kill()
+        health = None
+        while proc.poll() is None and time.monotonic() - killed < 30:
+            try:
+                r = httpx.get(url + "/health", timeout=2)
+                if r.status_code == 503:
+                    health = r.json()
+            except httpx.TransportError:
+                pass  # the server already stopped listening
+            time.sleep(0.05)
+        proc.wait(30)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = proc.stdout.read().decode()
+    assert proc.returncode == 1, output
+    assert took < 15, took
+    assert "the engine died: tensor-parallel worker nanovllm-tp-rank1" in output and "exit code -9" in output, output
+    if health is not None:  # seen unless the exit came within one poll
+        assert health["error"]["type"] == "server_error"
+
+
+def test_a_worker_dying_mid_stream_ends_every_request(tmp_path):
+    """In process, TP=2 behind the app: rank 1 killed while a stream decodes. The stream ends with an
+    error event naming the dead worker and [DONE]; /health is 503 and a new request a 503, at once."""
+    from nanovllm import LLM
+    model = make_qwen3(str(tmp_path / "m"), seed=3)
+    llm = LLM(model, tensor_parallel_size=2, max_model_len=256, kvcache_block_size=16, cpu_kvcache_bytes=8 * 2**20)
+    (worker,) = llm.model_runner.pool.workers
+    with serve_engine(llm, [lambda engine: build_app(engine, "m")]) as (engine, (url,)):
+        events = []
+        request = {"prompt": "the fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=request, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        os.kill(worker.pid, signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "tensor-parallel worker nanovllm-tp-rank1" in error["message"] and "died" in error["message"], error
+        assert len(events) < 200
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and engine.died is not None
+        late = httpx.post(url + "/v1/completions", json={"prompt": "the fox", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"

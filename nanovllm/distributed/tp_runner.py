@@ -243,6 +243,16 @@ class TensorParallelRunner:
     def run(self, out: SchedulerOutput) -> SampledTokens | None:
         return self.call("run", out)
 
+    def broken_reason(self) -> str | None:
+        """Why no further call can run: a worker (or another node's rank) died, or a failed call left
+        the ranks apart; None while every rank is well."""
+        dead = self.pool.dead_workers() if not self.pool.is_shut_down else []
+        if dead:
+            return f"tensor-parallel worker {', '.join(dead)} died"
+        if self.pool.is_broken:
+            return "a tensor-parallel step failed, so the ranks may disagree on where they are"
+        return None
+
     @property
     def device(self) -> torch.device:
         return self.runner.device  # rank 0's

@@ -205,6 +205,14 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.pending_siblings
 
+    def broken_reason(self) -> str | None:
+        """Why this engine can run no further step (a tensor-parallel worker died, a failed step left
+        the ranks apart, it exited), or None while it can. Cheap: the server asks every second."""
+        runner = getattr(self, "model_runner", None)
+        if runner is None:
+            return "the engine has exited"
+        return runner.broken_reason()
+
     def output_of(self, seq: Sequence) -> dict:
         """text, token_ids, finish_reason ("stop" / "length" / "abort"), stop_reason (the stop
         string or stop token id, None for EOS), prompt_token_ids; logprobs when asked."""

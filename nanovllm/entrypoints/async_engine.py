@@ -21,6 +21,8 @@ from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+HEALTH_CHECK_S = 1.0  # how often an idle engine thread asks whether the engine can still run
+
 
 class EngineStepError(RuntimeError):
     """The engine step that carried this request raised (or the loop stopped); it was aborted."""
@@ -61,6 +63,7 @@ class AsyncEngine:
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, failed step)
+        self.died: str | None = None  # why the engine can run no further step, once it cannot
 
     # ---- event-loop side --------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -131,10 +134,9 @@ class AsyncEngine:
         while not self._stopping:
             try:
                 self._run_once()
-            except Exception as e:  # a bug outside the step: the engine state is unknown
+            except Exception as e:  # a bug outside the step: the engine state is unknown, so it is dead
                 logger.exception("engine loop error")
-                for request_id in list(self._requests):
-                    self._fail(request_id, f"engine loop error: {type(e).__name__}: {e}")
+                self._die(f"engine loop error: {type(e).__name__}: {e}")
         with self._post_lock:
             self._closed = True
         self._drain_inbox()  # adds posted before closing are refused below
@@ -144,21 +146,39 @@ class AsyncEngine:
     def _run_once(self) -> None:
         self._drain_inbox()
         if self.llm.is_finished():
-            self._wakeup.wait()
+            # NOTE: idle, it still looks every HEALTH_CHECK_S: a worker that dies between requests
+            # turns /health to 503 without waiting for the next request to find out.
+            if not self._wakeup.wait(HEALTH_CHECK_S):
+                self._check_alive()
             self._wakeup.clear()
             return
         try:
             step = self.llm.step()
-        except Exception as e:  # fail this step's requests; keep serving everyone else
+        except Exception as e:  # fail this step's requests; keep serving everyone else, if it can
             self.num_failed_steps += 1
             logger.exception("engine step failed")
             self._fail_step(e)
+            self._check_alive()
             return
         self.num_steps += 1
         self._deliver(step.deltas)
         if step.num_tokens == 0:  # nothing could be scheduled yet: don't spin, wait for news
             self._wakeup.wait(0.01)
             self._wakeup.clear()
+
+    def _check_alive(self) -> None:
+        reason = self.llm.broken_reason()
+        if reason is not None:
+            self._die(reason)
+
+    def _die(self, reason: str) -> None:
+        """The engine can run no further step: stop the loop; every open request ends with reason,
+        every new one is refused (the server then answers 503 and exits, see openai_server.serve)."""
+        logger.error("the engine died: %s", reason)
+        self.died = reason
+        if not self._stopping:
+            self._stop_reason = f"the engine died: {reason}"
+        self._stopping = True
 
     def _drain_inbox(self) -> None:
         while True:

@@ -308,10 +308,21 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
             super().handle_exit(sig, frame)
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                    timeout_graceful_shutdown=shutdown_timeout))
+
+    def exit_when_the_engine_dies() -> None:
+        # /health is 503 and every request an error from the moment the engine died; the process
+        # then ends with status 1, as vLLM's does, so a supervisor restarts it.
+        engine._thread.join()
+        if engine.died is not None:
+            logger.error("exiting: the engine died (%s)", engine.died)
+            server.should_exit = True
+    threading.Thread(target=exit_when_the_engine_dies, name="nanovllm-engine-watch", daemon=True).start()
     try:
         server.run()
         if not server.started:  # it could not listen (uvicorn logged why): uvicorn.run's exit status
             sys.exit(3)
+        if engine.died is not None:
+            sys.exit(1)
     except KeyboardInterrupt:
         logger.info("stopping on signal")
     finally:

@@ -231,6 +231,10 @@ class ModelRunner:
         sampled.prompt_logprobs = prompt_logprobs
         return sampled
 
+    def broken_reason(self) -> str | None:
+        """One process: a failed step leaves nothing behind that stops the next one."""
+        return None
+
     def exit(self) -> None:
         if self.graphs is not None:
             self.graphs.free()
