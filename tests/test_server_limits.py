@@ -231,7 +231,8 @@ def test_serve_ends_within_seconds_of_a_signal_mid_generation(tmp_path, signum):
 
 
 def test_a_dead_worker_is_seen_and_the_server_exits(tmp_path):
-    """`nanovllm serve -tp 2`, rank 1 SIGKILLed while idle: the engine notices by itself (no
+    """`nanovllm serve -tp 2`: every socket of its process tree listens on loopback (HTTP, the
+    rendezvous store, gloo). Rank 1 SIGKILLed while idle: the engine notices by itself (no
     request needed), /health turns 503 with the worker named, and the process ends with status 1
     (a supervisor's cue), logging which rank died."""
     psutil = pytest.importorskip("psutil")
@@ -245,8 +246,11 @@ def test_a_dead_worker_is_seen_and_the_server_exits(tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(proc, url)
-        (worker,) = [p for p in psutil.Process(proc.pid).children(recursive=True)  # not the resource tracker
-                     if "spawn_main" in " ".join(p.cmdline())]
+        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+        listening = {(c.laddr.ip, c.laddr.port) for p in tree for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert ("127.0.0.1", port) in listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+        (worker,) = [p for p in tree[1:] if "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
         killed = time.monotonic()
         worker.kill()
         health = None

@@ -1,4 +1,4 @@
-"""A request's preparation runs beside the engine's steps, on the preparation thread: tokenizing
+"""A request's preparation runs beside the engine's steps, on the preparation threads: tokenizing
 (a slow one, standing in for a multi-MB prompt, delays only its own request while a stream keeps
 flowing), compiling its grammar (the engine thread then finds it cached), and a bad schema fails
 only its own request."""
@@ -76,3 +76,45 @@ def test_grammars_compile_on_the_preparation_thread(traced):
                                   extra_body={"structured_outputs": {"regex": "(unclosed"}})
     ok = client.completions.create(model=MODEL, prompt="the fox", max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_four_streams_flow_while_a_7mb_prompt_and_a_200_property_schema_arrive(traced):
+    """The issue's case, with the real tokenizer and xgrammar: four clients stream (one request after
+    another) while a 7 MB string prompt (refused once tokenized: far over max_model_len; ~3 s of
+    tokenizing here) and then a 200-property JSON schema arrive; no stream's gap between chunks
+    reaches 1 s (on the engine thread, the prompt alone stopped them for its whole tokenizing)."""
+    url, _ = traced
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(200)},
+              "required": [f"field_{i}" for i in range(200)], "additionalProperties": False}
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as ac:
+            done = asyncio.Event()
+
+            async def stream(times):  # one stream after another (max_model_len is short) until done
+                while not done.is_set():
+                    s = await ac.completions.create(model=MODEL, prompt="the quick fox", max_tokens=200,
+                                                    stream=True, temperature=0, extra_body={"ignore_eos": True})
+                    async for _ in s:
+                        times.append(time.perf_counter())
+            times = [[] for _ in range(4)]
+            streams = [asyncio.create_task(stream(t)) for t in times]
+            while not all(times):
+                await asyncio.sleep(0.01)
+            sent = time.perf_counter()
+            with pytest.raises(openai.BadRequestError, match="maximum context length"):
+                await ac.completions.create(model=MODEL, prompt="fox " * (7 * 2**20 // 4), max_tokens=1)
+            refused = time.perf_counter()
+            big = await ac.completions.create(model=MODEL, prompt="the fox", max_tokens=4, temperature=0,
+                                              extra_body={"structured_outputs": {"json": schema}})
+            done.set()
+            await asyncio.gather(*streams)
+            return times, big, sent, refused
+
+    times, big, sent, refused = asyncio.run(run())
+    assert big.choices[0].finish_reason in ("stop", "length")
+    print(f"7 MB prompt refused after {refused - sent:.2f} s; streams ended {max(t[-1] for t in times) - sent:.2f} s "
+          f"after it was sent")
+    assert all(t[-1] > refused for t in times)  # the streams were still decoding all along
+    for t in times:
+        assert max(b - a for a, b in zip(t, t[1:])) < 1.0

@@ -3,9 +3,9 @@
 The OpenAI server (entrypoints/openai_server.py) submits requests from its asyncio event loop and
 reads each request's deltas from an asyncio.Queue. NOTE: only the engine thread touches the engine
 state (scheduler, model, sequences), so nothing in the engine needs a lock. A request's preparation
-(tokenizing, chat templates, compiling its grammar, detokenizing echoes) runs on a preparation
-thread instead (prepare()): it reads the tokenizer and the grammar cache only, and a slow one delays
-its own request, not the engine's steps.
+(tokenizing, chat templates, compiling its grammar, detokenizing echoes) runs on a pool of
+preparation threads instead (prepare()): it reads the tokenizer and the grammar cache only, and a
+slow one delays its own request, not the engine's steps nor the other requests' preparation.
 """
 import asyncio
 import logging
@@ -22,6 +22,7 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_S = 1.0  # how often an idle engine thread asks whether the engine can still run
+PREPARE_THREADS = 4  # requests prepared at once (tokenizing, templates, grammars); more wait their turn
 
 
 class EngineStepError(RuntimeError):
@@ -57,9 +58,11 @@ class AsyncEngine:
         self._post_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
-        # NOTE: one thread: preparations run one at a time (a fast tokenizer is not meant to be
-        # reconfigured from two threads at once), each beside the engine's steps.
-        self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-prepare")
+        # NOTE: several threads, so one slow preparation (a multi-MB prompt) holds up no other
+        # request's. They share the tokenizer: its encode/decode calls only read it (the server never
+        # changes its truncation or padding), and the grammar cache takes a lock.
+        self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="nanovllm-prepare")
+        _settle_tokenizer(llm.tokenizer)
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, failed step)
@@ -103,7 +106,7 @@ class AsyncEngine:
         self._post(("abort", request_id))
 
     async def prepare(self, fn):
-        """fn(llm) on the preparation thread (tokenizer and grammar work: nothing that changes the
+        """fn(llm) on a preparation thread (tokenizer and grammar work: nothing that changes the
         engine's state); its result, or its exception."""
         if self._stopping or self._closed:
             raise EngineStoppedError("the engine loop is not running")
@@ -262,6 +265,18 @@ class AsyncEngine:
             if not _call_soon(loop, _put_all, items):  # nobody listens any more
                 for request_id in {delta.request_id for _, delta in items}:
                     self._abort(request_id)
+
+
+def _settle_tokenizer(tokenizer) -> None:
+    """A fast tokenizer whose file sets truncation or padding is reconfigured by its first encode
+    (transformers switches both off for our calls); done here once, before any thread shares it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -11,7 +11,7 @@ from nanovllm.entrypoints.protocol import (ApiError, ChatTemplateOptions, Detoke
 
 
 async def prepared(engine: AsyncEngine, fn):
-    """fn(llm) on the engine's preparation thread, beside its steps (tokenizer work only); its
+    """fn(llm) on one of the engine's preparation threads, beside its steps (tokenizer work only); its
     ValueError/TypeError is a 400, a stopped engine a 503."""
     try:
         return await engine.prepare(fn)
