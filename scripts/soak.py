@@ -5,8 +5,9 @@ status, dropped and failed requests, what the server still holds (running, waiti
 
     python scripts/soak.py [--url URL --model NAME] [--requests 500] [--concurrency 16] [--seed 0]
 
-Without --url it starts `nanovllm serve` on the default model (127.0.0.1, a free port) and stops it
-after. Exit status 0 when nothing was lost (every answer a 200 or a dropped stream, the server back
+Without --url it starts `nanovllm serve --kvcache-prefault` on the default model (127.0.0.1, a free
+port) and stops it after; a server of your own should prefault its KV cache too, or its RSS grows
+as blocks are first used. Exit status 0 when nothing was lost (every answer a 200 or a dropped stream, the server back
 to 0 running / 0 waiting / KV 0, the fixed text unchanged, RSS within 15%), else 1.
 tests/test_soak.py runs the same soak, short, against an in-process server.
 """
@@ -154,7 +155,9 @@ def main() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc = subprocess.Popen([sys.executable, "-m", "nanovllm.cli", "serve", "--port", str(port),
+        # NOTE: --kvcache-prefault: the KV cache's pages are mapped at start; otherwise the RSS grows
+        # by itself as the block allocator reaches blocks never used before, up to the whole cache.
+        proc = subprocess.Popen([sys.executable, "-m", "nanovllm.cli", "serve", "--port", str(port), "--kvcache-prefault",
                                  "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         args.url, args.pid = f"http://127.0.0.1:{port}", proc.pid
         import httpx
