@@ -300,3 +300,36 @@ def test_a_worker_dying_mid_stream_ends_every_request(tmp_path):
         assert health.status_code == 503 and engine.died is not None
         late = httpx.post(url + "/v1/completions", json={"prompt": "the fox", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
+
+
+def test_a_model_runner_that_keeps_failing_kills_the_engine(qwen3_gqa):
+    """One failed step fails only its request and the engine goes on (/health 200); steps that fail
+    MAX_FAILED_STEPS_IN_A_ROW times in a row mean a broken runner: the engine is dead (/health 503,
+    new requests 503), named so in the reason."""
+    from nanovllm import LLM
+    from nanovllm.entrypoints.async_engine import MAX_FAILED_STEPS_IN_A_ROW
+    llm = LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=256, cpu_kvcache_bytes=128 * 16384)
+    real_run, failures = llm.model_runner.run, []
+
+    def run(out):
+        if failures and failures[0] > 0:
+            failures[0] -= 1
+            raise RuntimeError("the runner broke")
+        return real_run(out)
+    llm.model_runner.run = run
+    body = {"prompt": "the fox", "max_tokens": 4, "temperature": 0}
+    with serve_engine(llm, [lambda engine: build_app(engine, "m")]) as (engine, (url,)):
+        failures.append(1)  # one transient failure
+        bad = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert bad.status_code >= 500 and "the runner broke" in bad.json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+        failures[0] = 10 ** 6  # from now on every step fails
+        for _ in range(MAX_FAILED_STEPS_IN_A_ROW):
+            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code >= 500
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(url + "/health").status_code == 503
+        assert engine.died.startswith(f"{MAX_FAILED_STEPS_IN_A_ROW} engine steps in a row failed"), engine.died
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 503

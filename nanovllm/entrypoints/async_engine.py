@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_S = 1.0  # how often an idle engine thread asks whether the engine can still run
 PREPARE_THREADS = 4  # requests prepared at once (tokenizing, templates, grammars); more wait their turn
+# A failed step fails its own requests and the engine goes on; this many failures in a row, with no
+# step that worked between them, mean the model runner itself is broken: the engine is dead.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 class EngineStepError(RuntimeError):
@@ -65,6 +68,7 @@ class AsyncEngine:
         _settle_tokenizer(llm.tokenizer)
         self.num_steps = 0
         self.num_failed_steps = 0
+        self._failed_in_a_row = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, failed step)
         self.died: str | None = None  # why the engine can run no further step, once it cannot
 
@@ -159,11 +163,16 @@ class AsyncEngine:
             step = self.llm.step()
         except Exception as e:  # fail this step's requests; keep serving everyone else, if it can
             self.num_failed_steps += 1
+            self._failed_in_a_row += 1
             logger.exception("engine step failed")
             self._fail_step(e)
             self._check_alive()
+            if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW and not self._stopping:
+                self._die(f"{self._failed_in_a_row} engine steps in a row failed, the last with "
+                          f"{type(e).__name__}: {e}")
             return
         self.num_steps += 1
+        self._failed_in_a_row = 0
         self._deliver(step.deltas)
         if step.num_tokens == 0:  # nothing could be scheduled yet: don't spin, wait for news
             self._wakeup.wait(0.01)
