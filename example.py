@@ -21,7 +21,7 @@ def parse_args() -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", help="HF model folder (config.json, *.safetensors, tokenizer) or a .gguf "
                         "file; default: SmolLM2-135M-Instruct, downloaded on first use (on a CPU its Q4_1 GGUF file)")
-    parser.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+    parser.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k"],
                         help="quantize a dense model's weights at load into this GGUF block format "
                         "(default: none; a .gguf file keeps its own formats)")
     parser.add_argument("--max-tokens", type=positive_int, default=64,

@@ -17,7 +17,7 @@ _ENGINE_OPTIONS = [
     ("--device", "device", str, "auto, cpu or cuda"),
     ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16"),
     ("--quantization", "quantization", str,
-     "quantize a dense checkpoint's weights at load: q8_0, q4_0, q4_1, q5_0 or q5_1 (GGUF block formats; "
+     "quantize a dense checkpoint's weights at load: q8_0, q4_0, q4_1, q5_0, q5_1 or q4_k (GGUF block formats; "
      "a .gguf MODEL keeps its own)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "most tokens in one step"),
