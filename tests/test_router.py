@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,62 @@ def test_router_flag_starts_sglang_router_in_front(qwen3_gqa, ref_llm, tmp_path)
 
 def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
+
+
+def docs_router_command(urls: list[str], port: int) -> list[str]:
+    """docs/scale-out.md's router command for one host's replicas, as written there, with this
+    test's port and replica URLs."""
+    import re
+    import shlex
+    text = (REPO / "docs" / "scale-out.md").read_text()
+    block = re.search(r"(python -m sglang_router\.launch_router --port 30000 .*?)#", text, re.S).group(1)
+    argv = shlex.split(block.replace("\\\n", " "))
+    argv[argv.index("--port") + 1] = str(port)
+    at = argv.index("--worker-urls")
+    assert argv[at + 1:] == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"], argv
+    return [sys.executable] + argv[1:at + 1] + urls
+
+
+@pytest.mark.skipif(not IS_LINUX, reason="finds the replicas' pids in /proc")
+def test_the_docs_router_command_fails_over(qwen3_gqa, tmp_path):
+    """The router command of docs/scale-out.md in front of `-dp 2`; one replica SIGKILLed under
+    load: every request succeeds (the issue saw 2 of the next 4 fail with the command's earlier
+    flags)."""
+    pytest.importorskip("sglang_router")
+    group = Replicas(qwen3_gqa, tmp_path, n=2)
+    port = free_ports(1)
+    log = tmp_path / "router.log"
+    with open(log, "w") as out:
+        router_process = subprocess.Popen(docs_router_command(group.urls, port) + ["--log-level", "warn"],
+                                          stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def both_registered() -> bool:
+            try:
+                return len(httpx.get(url + "/workers", timeout=2).json()["workers"]) == 2
+            except (httpx.HTTPError, ValueError, KeyError):
+                return router_process.poll() is not None
+        assert wait_until(both_registered, 60) and router_process.poll() is None, log.read_text()[-3000:]
+        results, killed, start = [], None, time.monotonic()
+        while time.monotonic() - start < 8:
+            if killed is None and time.monotonic() - start > 1.5:
+                os.kill(group.pids[0], signal.SIGKILL)
+                killed = time.monotonic()
+            body = {"model": MODEL, "prompt": f"the fox {len(results) % 7}", "max_tokens": 4}
+            try:
+                ok = httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            results.append((time.monotonic(), ok))
+        # NOTE: stricter than the issue's "after the first second": none fails at all. The router's
+        # retries outlast its next health check (1 s), which takes the dead replica out.
+        assert sum(t > killed + 1.0 for t, _ in results) >= 20
+        assert all(ok for _, ok in results), [(round(t - killed, 2), ok) for t, ok in results if not ok]
+        # ... and the router has taken the dead replica out of the rotation (its defaults keep it
+        # "healthy" for up to three minutes, the window in which the issue's requests failed)
+        workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
+        assert sorted(w["is_healthy"] for w in workers) == [False, True], workers
+    finally:
+        router_process.kill()
+        router_process.wait()
+        group.stop()

@@ -127,8 +127,11 @@ def wait_until_ready(children: list[Child]) -> str | None:
 def router_argv(args: argparse.Namespace, worker_urls: list[str]) -> list[str]:
     """sglang-router's command in front of the replicas (run by --router, printed otherwise)."""
     log_level = {"warning": "warn"}.get(args.log_level, args.log_level)
+    # NOTE: health checks every second, one failure enough: a dead replica leaves the rotation at
+    # once (sglang-router's defaults keep it for up to three minutes; docs/scale-out.md).
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host,
             "--port", str(args.router_port), "--policy", args.router_policy, "--log-level", log_level,
+            "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
             "--worker-urls", *worker_urls]
 
 
