@@ -186,8 +186,8 @@ def docs_router_command(urls: list[str], port: int) -> list[str]:
 @pytest.mark.skipif(not IS_LINUX, reason="finds the replicas' pids in /proc")
 def test_the_docs_router_command_fails_over(qwen3_gqa, tmp_path):
     """The router command of docs/scale-out.md in front of `-dp 2`; one replica SIGKILLed under
-    load: every request succeeds (the issue saw 2 of the next 4 fail with the command's earlier
-    flags)."""
+    load: every request from one second after the kill succeeds (the issue saw 2 of the next 4 fail
+    with the command's earlier flags), and the router has marked that replica unhealthy."""
     pytest.importorskip("sglang_router")
     group = Replicas(qwen3_gqa, tmp_path, n=2)
     port = free_ports(1)
@@ -214,10 +214,11 @@ def test_the_docs_router_command_fails_over(qwen3_gqa, tmp_path):
             except httpx.HTTPError:
                 ok = False
             results.append((time.monotonic(), ok))
-        # NOTE: stricter than the issue's "after the first second": none fails at all. The router's
-        # retries outlast its next health check (1 s), which takes the dead replica out.
-        assert sum(t > killed + 1.0 for t, _ in results) >= 20
-        assert all(ok for _, ok in results), [(round(t - killed, 2), ok) for t, ok in results if not ok]
+        # The router's next health check (1 s) takes the dead replica out; until then a request may
+        # still fail (seen: one in some runs, at ~0.4 s).
+        late = [ok for t, ok in results if t > killed + 1.0]
+        assert len(late) >= 20 and all(late), [(round(t - killed, 2), ok) for t, ok in results if not ok]
+        assert all(ok for t, ok in results if t < killed)
         # ... and the router has taken the dead replica out of the rotation (its defaults keep it
         # "healthy" for up to three minutes, the window in which the issue's requests failed)
         workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
