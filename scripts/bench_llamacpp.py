@@ -16,7 +16,9 @@ figure by figure (seconds apart, so both see the same memory bandwidth), and eac
 reported; every sample goes to --json.
 llama.cpp is built once into the nanovllm cache (see scripts/llamacpp_build.py) and the GGUFs are
 converted once. Benchmarks run without OMP_WAIT_POLICY=PASSIVE: this script unsets it (sleeping
-OpenMP threads wake late between ops; the llama.cpp build uses OpenMP too).
+OpenMP threads wake late between ops; the llama.cpp build uses OpenMP too). Each engine keeps its
+own OpenMP default: ours the short spin nanovllm sets (GOMP_SPINCOUNT=3000, utils/threads.py),
+llama.cpp libgomp's own (its commands get the environment without ours).
 """
 import argparse
 import gc
