@@ -13,7 +13,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,17 +27,24 @@ SUPERVISOR_DESTS = frozenset({"data_parallel_size", "data_parallel_base_port", "
                               "router_policy"})
 POLL_S = 0.2
 STOP_GRACE_S = 15.0  # a replica's own shutdown is bounded (openai_server.serve) to a few seconds
+RESTART_MAX_S = 30.0  # the longest wait before a dead replica is started again
+STABLE_S = 60.0  # a replica up this long has its back-off reset
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
 class Child:
-    """One supervised process: a replica or the router."""
+    """One supervised process: a replica or the router. A replica keeps how it was started, so
+    supervise() can start it again."""
     name: str
     url: str
     process: subprocess.Popen
     ready_path: str = "/health"
     exit_logged: bool = False
+    respawn: Callable[[], subprocess.Popen] | None = None
+    restarts: int = 0            # in a row: reset once a restarted replica stays up STABLE_S
+    restart_at: float | None = None
+    started: float = field(default_factory=time.monotonic)
 
     def exited(self) -> bool:
         return self.process.poll() is not None
@@ -97,9 +105,12 @@ def spawn(name: str, url: str, argv: list[str], env: dict[str, str] | None = Non
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
 
-    process = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=in_child)
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=in_child)
+
+    process = start()
     logger.info("%s: pid %d, %s", name, process.pid, url)
-    return Child(name, url, process, ready_path)
+    return Child(name, url, process, ready_path, respawn=start)
 
 
 def is_ready(url: str) -> bool:
@@ -153,16 +164,29 @@ def stop(children: list[Child]) -> None:
 
 
 def supervise(replicas: list[Child], router: Child | None) -> int:
-    """Log each child that exits; the others keep serving. Returns 1 once no replica is left."""
+    """Log each child that exits (the others keep serving) and start a replica again after a
+    back-off (1 s, doubling to RESTART_MAX_S while it keeps dying); the router's health checks take
+    it out of rotation meanwhile and back in once it answers. Returns only on a signal."""
     while True:
+        now = time.monotonic()
         for child in replicas + ([router] if router else []):
             if child.exited() and not child.exit_logged:
                 child.exit_logged = True
                 alive = sum(not r.exited() for r in replicas)
                 logger.error("%s (pid %d) exited with status %s; %d of %d replicas still serving",
                              child.name, child.process.pid, child.process.returncode, alive, len(replicas))
-        if all(r.exited() for r in replicas):
-            return 1
+                if child.respawn is not None:
+                    if now - child.started >= STABLE_S:
+                        child.restarts = 0
+                    delay = min(RESTART_MAX_S, 2.0 ** child.restarts)
+                    child.restart_at = now + delay
+                    logger.info("%s: starting it again in %.0f s", child.name, delay)
+            if child.exited() and child.restart_at is not None and now >= child.restart_at:
+                child.process, child.started, child.restart_at = child.respawn(), now, None
+                child.restarts += 1
+                child.exit_logged = False
+                logger.warning("%s restarted (pid %d, restart %d in a row) at %s", child.name,
+                               child.process.pid, child.restarts, child.url)
         time.sleep(POLL_S)
 
 
@@ -185,6 +209,7 @@ def run_replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
             # sglang-router's /health is 200 at once; /readiness waits for healthy workers.
             router = spawn("router", local_url(args.host, args.router_port), router_argv(args, urls),
                            ready_path="/readiness")
+            router.respawn = None  # only replicas are started again; a router that dies is logged
             children.append(router)
             problem = wait_until_ready([router])
             if problem:
