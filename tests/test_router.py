@@ -67,13 +67,14 @@ def dp(qwen3_gqa, tmp_path_factory):
 def router(dp, tmp_path_factory):
     """sglang-router in front of the replicas: round robin, retries on (its default), quick health checks."""
     pytest.importorskip("sglang_router")
-    port = free_ports(1)
+    port = free_ports(2)  # the router's, and its metrics' at port + 1 (not the shared default 29000)
     log = tmp_path_factory.mktemp("router") / "router.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
              "--worker-urls", *dp.urls, "--policy", "round_robin", "--log-level", "warn",
-             "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1"],
+             "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
+             "--prometheus-port", str(port + 1)],
             stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
@@ -211,14 +212,16 @@ def docs_router_command(urls: list[str], port: int) -> list[str]:
 def test_the_docs_router_command_fails_over(qwen3_gqa, tmp_path):
     """The router command of docs/scale-out.md in front of `-dp 2`; one replica SIGKILLed under
     load: every request from one second after the kill succeeds (the issue saw 2 of the next 4 fail
-    with the command's earlier flags), and the router marked that replica unhealthy meanwhile."""
+    with the command's earlier flags), the router marked that replica unhealthy meanwhile, and once
+    the parent has started it again the same router lists it healthy."""
     pytest.importorskip("sglang_router")
     group = Replicas(qwen3_gqa, tmp_path, n=2)
-    port = free_ports(1)
+    port = free_ports(2)  # the router's, and its metrics' at port + 1
     log = tmp_path / "router.log"
     with open(log, "w") as out:
-        router_process = subprocess.Popen(docs_router_command(group.urls, port) + ["--log-level", "warn"],
-                                          stdout=out, stderr=subprocess.STDOUT)
+        # NOTE: a free port for its metrics too: the default (29000) may be another router's.
+        router_process = subprocess.Popen(docs_router_command(group.urls, port) + [
+            "--log-level", "warn", "--prometheus-port", str(port + 1)], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         def both_registered() -> bool:
@@ -250,6 +253,13 @@ def test_the_docs_router_command_fails_over(qwen3_gqa, tmp_path):
         # "healthy" for up to three minutes, the window in which the issue's requests failed; the
         # parent starts it again after a second, and the router then takes it back)
         assert unhealthy_seen
+
+        def both_healthy() -> bool:  # the parent restarted it; the same outside router takes it back
+            workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
+            return len(workers) == 2 and all(w["is_healthy"] for w in workers)
+        assert wait_until(both_healthy, 60), httpx.get(url + "/workers", timeout=5).json()
+        assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "the fox", "max_tokens": 4},
+                          timeout=30).status_code == 200
     finally:
         router_process.kill()
         router_process.wait()

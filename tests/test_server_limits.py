@@ -270,7 +270,7 @@ def test_a_dead_worker_is_seen_and_the_server_exits(tmp_path):
             proc.wait()
     output = proc.stdout.read().decode()
     assert proc.returncode == 1, output
-    assert took < 15, took
+    assert took < 10, took  # the issue: /health non-200 within 10 s; here the process is gone by then
     assert "the engine died: tensor-parallel worker nanovllm-tp-rank1" in output and "exit code -9" in output, output
     if health is not None:  # seen unless the exit came within one poll
         assert health["error"]["type"] == "server_error"
