@@ -77,17 +77,21 @@ def router(dp, tmp_path_factory):
              "--prometheus-port", str(port + 1)],
             stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-
-    def both_registered() -> bool:
-        try:
-            return len(httpx.get(url + "/workers", timeout=2).json()["workers"]) == 2
-        except (httpx.HTTPError, ValueError, KeyError):
-            return process.poll() is not None
-    assert wait_until(both_registered, 60) and process.poll() is None, log.read_text()[-3000:]
+    wait_for_workers(url, process, log, 2)
     yield process, url
     if process.poll() is None:
         process.kill()
         process.wait()
+
+
+def wait_for_workers(url: str, process: subprocess.Popen, log: Path, n: int) -> None:
+    """Until the router at url lists n workers (its log's tail if it exits or never does)."""
+    def registered() -> bool:
+        try:
+            return len(httpx.get(url + "/workers", timeout=2).json()["workers"]) == n
+        except (httpx.HTTPError, ValueError, KeyError):
+            return process.poll() is not None
+    assert wait_until(registered, 60) and process.poll() is None, log.read_text()[-3000:]
 
 
 def router_client(url: str):
@@ -224,12 +228,7 @@ def test_the_docs_router_command_fails_over(qwen3_gqa, tmp_path):
             "--log-level", "warn", "--prometheus-port", str(port + 1)], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        def both_registered() -> bool:
-            try:
-                return len(httpx.get(url + "/workers", timeout=2).json()["workers"]) == 2
-            except (httpx.HTTPError, ValueError, KeyError):
-                return router_process.poll() is not None
-        assert wait_until(both_registered, 60) and router_process.poll() is None, log.read_text()[-3000:]
+        wait_for_workers(url, router_process, log, 2)
         results, killed, start, unhealthy_seen = [], None, time.monotonic(), False
         while time.monotonic() - start < 8:
             if killed is None and time.monotonic() - start > 1.5:
