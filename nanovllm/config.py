@@ -213,6 +213,9 @@ class Config:
             "intermediate_size": hf.intermediate_size,
             "vocab_size": hf.vocab_size,
         }
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # each expert split too
+            if getattr(hf, name, None):
+                sizes[name] = getattr(hf, name)
         for name, size in sizes.items():
             if size % tp != 0:
                 raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} ({size}): "

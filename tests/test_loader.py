@@ -58,7 +58,7 @@ def write_variant(src: str, dst, mutate) -> str:
 
 def test_missing_weight_is_named(qwen3_gqa, tmp_path):
     path = write_variant(qwen3_gqa, tmp_path / "m", lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"lacks weights for: \['model.layers.0.mlp.gate_up_proj.weight'\]"):
+    with pytest.raises(ValueError, match=r"lacks weights for: \['model.layers.0.mlp.up_proj.weight'\]"):
         load_model(build(path), path)
 
 

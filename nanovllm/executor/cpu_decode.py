@@ -8,8 +8,8 @@ embedding) gives a C view of its weights through its method, or None; norms, the
 cache and the caches are read directly. Pointers are laid out in ctypes structures
 (kernels/cpu_kernels.py) that the C side reads every step. Decode steps of at most
 cpu_kernels.MAX_ROWS sequences run each range of layers whose weights all have views (and whose
-MLP is the gated one) as one C call; a layer without them runs its own modules between the C
-phases. Larger decode steps and prefill steps run every layer that way: the matmuls on the
+MLP is the gated one or a sparse MoE block, kernels/cpu_moe.c) as one C call; a layer without
+them runs its own modules between the C phases. Larger decode steps and prefill steps run every layer that way: the matmuls on the
 layers' own methods (oneDNN), norms, rotary + KV store, attention (decode) and SiLU in C.
 """
 import ctypes
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear
+from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
+from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
 from nanovllm.utils.context import Context
 
@@ -45,13 +46,41 @@ def described(kernels: cpu_kernels.CpuKernels, module: nn.Module, bias: torch.Te
     return None if view is None else cpu_kernels.linear_struct(kernels, view, bias)
 
 
-def layer_linears(kernels: cpu_kernels.CpuKernels, layer: nn.Module) -> list[Linear] | None:
-    """qkv, o, gate_up, down of a layer the one-call step can run whole, else None."""
+def moe_description(kernels: cpu_kernels.CpuKernels, block: SparseMoeBlock) -> MoeExperts | None:
+    """The C description of a sparse MoE block (its experts' method's, with the router and the
+    shared expert filled in), or None where a part has no view."""
+    experts = block.experts.quant_method.c_struct(block.experts)
+    parts = [block.gate]
+    if block.shared_expert is not None:
+        parts += [block.shared_expert.gate_up_proj, block.shared_expert.down_proj, block.shared_expert_gate]
+    if any(m.bias is not None for m in parts):
+        return None
+    described_parts = [described(kernels, m) for m in parts]
+    if experts is None or any(d is None for d in described_parts):
+        return None
+    moe = MoeExperts.from_buffer_copy(experts)
+    moe.router = described_parts[0]
+    if block.shared_expert is not None:
+        moe.shared_gate_up, moe.shared_down, moe.shared_gate = described_parts[1:]
+    moe.keep = (experts, described_parts)  # the copies' chained parts and expert arrays live there
+    if not kernels.moe_is_valid(ctypes.byref(moe)):
+        raise ValueError("a sparse MoE block's C description is not valid")
+    return moe
+
+
+def layer_linears(kernels: cpu_kernels.CpuKernels, layer: nn.Module) -> tuple[list[Linear], MoeExperts | None] | None:
+    """(qkv, o, gate_up, down; the MoE block's description, whose layers' gate_up and down are
+    empty) of a layer the one-call step can run whole, else None."""
     a, mlp = layer.self_attn, layer.mlp
+    attention = [described(kernels, m, m.bias) for m in (a.qkv_proj, a.o_proj)]
+    if isinstance(mlp, SparseMoeBlock):
+        moe = moe_description(kernels, mlp)
+        linears = attention + [Linear(), Linear()]
+        return None if moe is None or any(lin is None for lin in attention) else (linears, moe)
     if not isinstance(mlp, GatedMLP):
         return None
-    linears = [described(kernels, m, m.bias) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    return None if any(lin is None for lin in linears) else linears
+    linears = attention + [described(kernels, m, m.bias) for m in (mlp.gate_up_proj, mlp.down_proj)]
+    return None if any(lin is None for lin in linears) else (linears, None)
 
 
 def segments(in_c: list[bool]) -> list[tuple[int, int, bool]]:
@@ -86,16 +115,20 @@ class FusedDecode:
         # NOTE: the structures below hold copies of these descriptions, whose chained parts (a
         # stacked layer's parts in other formats) live in the originals: kept for as long as self.
         self.linears: list[Linear] = []
+        self.moes: list[MoeExperts] = []
         for layer in layers:
             a = layer.self_attn
-            linears = layer_linears(kernels, layer)
-            self.linears += linears or []
-            in_c.append(linears is not None)
+            parts = layer_linears(kernels, layer)
+            linears, moe = parts or ([Linear()] * 4, None)
+            self.linears += linears
+            self.moes += [moe] if moe is not None else []
+            in_c.append(parts is not None)
             descs.append(DecoderLayer(
                 pointer(layer.input_layernorm.weight), pointer(layer.post_attention_layernorm.weight),
                 pointer(a.q_norm.weight) if a.use_qk_norm else None,
                 pointer(a.k_norm.weight) if a.use_qk_norm else None,
-                *(linears or [Linear()] * 4), pointer(a.attn.k_cache), pointer(a.attn.v_cache), int(linears is not None)))
+                *linears, pointer(a.attn.k_cache), pointer(a.attn.v_cache), int(parts is not None),
+                ctypes.pointer(moe) if moe is not None else None))
         eps = {layer.input_layernorm.eps for layer in layers} | {inner.norm.eps}
         if attn0.use_qk_norm:
             eps |= {layer.self_attn.q_norm.eps for layer in layers} | {layer.self_attn.k_norm.eps for layer in layers}
@@ -108,7 +141,7 @@ class FusedDecode:
         embed, head = described(kernels, self.embed), described(kernels, self.lm_head)
         self.linears += [lin for lin in (embed, head) if lin is not None]
         self.embed_in_c, self.head_in_c = embed is not None, head is not None
-        intermediate = max([d.down.k for d in descs if d.in_c], default=0)
+        intermediate = max([d.down.k for d in descs if d.in_c] + [moe.shared_down.k for moe in self.moes], default=0)
         self.desc = DecoderModel(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads,
                                  attn0.head_dim, intermediate, attn0.attn.k_cache.shape[1], eps.pop(),
                                  attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers,

@@ -125,7 +125,7 @@ static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, f
 
 /* act[i] = silu(g[i]) * u[i] for i in [first, end), VL lanes at a time (vexp: glibc's scalar expf
  * made SiLU a tenth of the step at 64 sequences). */
-static void silu_mul_span(const float *g, const float *u, int64_t first, int64_t end, float *act) {
+void silu_mul_span(const float *g, const float *u, int64_t first, int64_t end, float *act) {
     int64_t i = first;
     for (; i + VL <= end; i += VL) {
         const vf gv = load_f32(g + i);
@@ -161,11 +161,15 @@ int64_t decode_check_model(const DecoderModel *m) {
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecoderLayer *L = &m->layers[l];
         const int64_t H = m->hidden, QKV = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-        if (L->in_c && !(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && linear_is_valid(&L->gate_up) &&
-                         linear_is_valid(&L->down) && L->down.k <= m->intermediate && L->qkv.k == H &&
-                         linear_outputs(&L->qkv) == QKV && L->o.k == m->num_heads * m->head_dim &&
-                         linear_outputs(&L->o) == H && L->gate_up.k == H &&
-                         linear_outputs(&L->gate_up) == 2 * L->down.k && linear_outputs(&L->down) == H))
+        if (!L->in_c) continue;
+        if (!(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && L->qkv.k == H && linear_outputs(&L->qkv) == QKV &&
+              L->o.k == m->num_heads * m->head_dim && linear_outputs(&L->o) == H))
+            return l;
+        if (L->moe != NULL ? !(moe_is_valid(L->moe) && L->moe->hidden == H && L->moe->router.data != NULL &&
+                               (L->moe->shared_down.data == NULL || L->moe->shared_down.k <= m->intermediate))
+                           : !(linear_is_valid(&L->gate_up) && linear_is_valid(&L->down) && L->down.k <= m->intermediate &&
+                               L->gate_up.k == H && linear_outputs(&L->gate_up) == 2 * L->down.k &&
+                               linear_outputs(&L->down) == H))
             return l;
     }
     if ((m->embed.data != NULL && (!linear_is_valid(&m->embed) || m->embed.next != NULL || m->embed.k != m->hidden)) ||
@@ -194,10 +198,21 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
         if (!m->layers[l].in_c) return 3;
     for (int64_t b = 0; ids != NULL && b < B; b++)
         if (ids[b] < 0 || ids[b] >= m->embed.n) return 2;
-    /* The activations every thread writes a share of: qkv, attention output, gate|up. */
-    float *buf = malloc(sizeof(float) * (size_t)B * (size_t)(QKV + Q + 2 * I));
+    /* The activations every thread writes a share of: qkv, attention output, gate|up; for sparse
+     * MoE layers their router logits, shared expert output and gate, and phase_moe's scratch. */
+    int64_t experts = 0, moe_floats = 0;
+    for (int64_t l = first_layer; l < end_layer; l++) {
+        const MoeExperts *X = m->layers[l].moe;
+        if (X == NULL) continue;
+        experts = X->num_experts > experts ? X->num_experts : experts;
+        moe_floats = moe_scratch_floats(X, B) > moe_floats ? moe_scratch_floats(X, B) : moe_floats;
+    }
+    const int64_t moe_total = experts > 0 ? B * (experts + H + 1) + moe_floats : 0;
+    float *buf = malloc(sizeof(float) * (size_t)(B * (QKV + Q + 2 * I) + moe_total));
     if (buf == NULL) return 1;
     float *qkv = buf, *attn = qkv + B * QKV, *gu = attn + B * Q;
+    float *router_logits = gu + B * 2 * I, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
+    float *moe_scratch = shared_gate + B;
     const int64_t per_item = kv_heads_per_item(B, NKV, num_threads), heads = per_item * (NH / NKV);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -233,6 +248,21 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                 linear_rows_for(&L->o, attn, Q, B, hidden, H);
                 for (int64_t b = 0; b < B; b++)
                     add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
+                if (L->moe != NULL) {
+                    /* sparse MoE: the router, the shared expert (its act per thread, as below), the experts */
+                    const MoeExperts *X = L->moe;
+                    const int64_t Is = X->shared_down.data != NULL ? X->shared_down.k : 0;
+                    linear_rows_for(&X->router, xn, H, B, router_logits, X->num_experts);
+                    if (Is > 0) {
+                        linear_rows_for(&X->shared_gate_up, xn, H, B, gu, 2 * Is);
+                        linear_rows_for(&X->shared_gate, xn, H, B, shared_gate, 1);
+                        for (int64_t b = 0; b < B; b++)
+                            silu_mul_span(gu + b * 2 * Is, gu + b * 2 * Is + Is, 0, Is, act + b * Is);
+                        linear_rows_for(&X->shared_down, act, Is, B, shared_y, H);
+                    }
+                    phase_moe(X, xn, B, router_logits, Is > 0 ? shared_y : NULL, shared_gate, hidden, moe_scratch);
+                    continue;
+                }
                 linear_rows_for(&L->gate_up, xn, H, B, gu, 2 * Il);
                 for (int64_t b = 0; b < B; b++) silu_mul_span(gu + b * 2 * Il, gu + b * 2 * Il + Il, 0, Il, act + b * Il);
                 linear_rows_for(&L->down, act, Il, B, hidden, H);

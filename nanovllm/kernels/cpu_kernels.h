@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 3
+#define NANOVLLM_ABI_VERSION 4
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -78,6 +78,27 @@ void attend_item(const float *q, const float *k_cache, const float *v_cache, con
                  int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
                  float *inv_sum);
 
+/* act[i] = silu(g[i]) * u[i] for i in [first, end) (cpu_decode.c). */
+void silu_mul_span(const float *g, const float *u, int64_t first, int64_t end, float *act);
+
+/* ---- a mixture-of-experts layer's experts (cpu_moe.c) ------------------------------------------ */
+typedef struct {
+    const Linear *gate_up;  /* [num_experts]: expert e's [2 intermediate, hidden], gate rows then up rows */
+    const Linear *down;     /* [num_experts]: expert e's [hidden, intermediate] */
+    int64_t num_experts, top_k, renormalize, hidden, intermediate;
+    Linear router;          /* [num_experts, hidden]; data NULL: the logits come from outside */
+    /* Qwen2-MoE's shared expert, added with weight sigmoid(shared_gate x); data NULL: none. */
+    Linear shared_gate_up, shared_down, shared_gate;
+} MoeExperts;
+
+int moe_is_valid(const MoeExperts *m);
+/* Floats of scratch phase_moe needs for B rows. */
+int64_t moe_scratch_floats(const MoeExperts *m, int64_t B);
+/* Orphaned worksharing loops: out [B, hidden] = the routed experts of x (+ sigmoid(shared_gate) *
+ * shared where shared != NULL), routed by logits [B, num_experts]. */
+void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logits, const float *shared,
+               const float *shared_gate, float *out, float *scratch);
+
 /* ---- the decode step's description (cpu_decode.c) ---------------------------------------------- */
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
@@ -86,6 +107,7 @@ typedef struct {
     float *k_cache, *v_cache;            /* [num_blocks, block_size, num_kv_heads, head_dim] */
     int64_t in_c;                        /* 1: the four matmuls and the gated MLP run here; 0: the layer's
                                           * own module runs them (only its phases are called) */
+    const MoeExperts *moe;               /* non-NULL: the MLP is this sparse MoE block (gate_up and down unused) */
 } DecoderLayer;
 
 typedef struct {

@@ -23,7 +23,7 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c", "cpu_quant.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c", "cpu_quant.c", "cpu_moe.c")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
 # -march=native by default: the library is built on, and cached for, the machine that runs it (the
@@ -84,10 +84,16 @@ class Linear(ctypes.Structure):
                 ("type", c_int64), ("row_bytes", c_int64), ("next", c_void_p)]
 
 
+class MoeExperts(ctypes.Structure):
+    _fields_ = [("gate_up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear)), ("num_experts", c_int64),
+                ("top_k", c_int64), ("renormalize", c_int64), ("hidden", c_int64), ("intermediate", c_int64),
+                ("router", Linear), ("shared_gate_up", Linear), ("shared_down", Linear), ("shared_gate", Linear)]
+
+
 class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
-                ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64)]
+                ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts))]
 
 
 class DecoderModel(ctypes.Structure):
@@ -102,8 +108,8 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64)]
 
 
-ABI_VERSION = 3  # cpu_kernels.h, NANOVLLM_ABI_VERSION
-STRUCTS = (Linear, DecoderLayer, DecoderModel, DecodeStep)
+ABI_VERSION = 4  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 
 def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:
@@ -147,6 +153,8 @@ class CpuKernels:
         self.decode_attention_layer = typed("decode_attention_layer", cint, ptr, i64, ptr, ptr, ptr, cint)
         self.rope_store_layer = typed("rope_store_layer", None, ptr, i64, ptr, ptr, ptr, i64, cint)
         self.decode_silu_mul = typed("decode_silu_mul", None, ptr, i64, i64, ptr, cint)
+        self.moe_is_valid = typed("moe_is_valid", cint, ptr)
+        self.moe_experts = typed("moe_experts_f32", cint, ptr, ptr, i64, ptr, ptr, cint)
 
     def weight_type(self, name: str) -> int:
         """The type code of a row of the C weight-type table."""
@@ -271,4 +279,38 @@ def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.
         max_context, scale, kv_heads_per_item, threads)
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
+    return out
+
+
+def moe_experts_struct(kernels: CpuKernels, gate_up: list, down: list, top_k: int, renormalize: bool,
+                       router=None, shared: tuple | None = None) -> MoeExperts:
+    """The C description of a layer's experts from their weight views (one per expert: gate_up
+    [2I, H], down [H, I]), optionally with the router's view and the shared expert's (gate_up,
+    down, gate) views, checked by moe_is_valid. NOTE: it points into the views' tensors, which the
+    layer keeps alive; the per-expert descriptions are kept alive by the returned structure."""
+    ups = [linear_struct(kernels, view) for view in gate_up]
+    downs = [linear_struct(kernels, view) for view in down]
+    ups_array, downs_array = (Linear * len(ups))(*ups), (Linear * len(downs))(*downs)
+    extra = [linear_struct(kernels, view) for view in ([router] if router is not None else []) + list(shared or ())]
+    moe = MoeExperts(ctypes.cast(ups_array, ctypes.POINTER(Linear)), ctypes.cast(downs_array, ctypes.POINTER(Linear)),
+                     len(ups), top_k, int(renormalize), down[0].outputs, down[0].k,
+                     extra[0] if router is not None else Linear(),
+                     *(extra[-3:] if shared else [Linear()] * 3))
+    moe.keep = (ups, downs, ups_array, downs_array, extra)
+    if not kernels.moe_is_valid(ctypes.byref(moe)):
+        raise ValueError(f"the experts' weights ({len(ups)} x [{gate_up[0].outputs}, {gate_up[0].k}] and "
+                         f"[{down[0].outputs}, {down[0].k}]) do not form a valid C description")
+    return moe
+
+
+def moe_experts(kernels: CpuKernels, moe: MoeExperts, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """The routed experts of x [rows, hidden] (fp32) under router_logits [rows, num_experts] -> [rows, hidden]."""
+    x = x.contiguous()
+    logits = router_logits.float().contiguous()
+    out = torch.empty(x.shape[0], moe.hidden, dtype=torch.float32)
+    failed = kernels.moe_experts(ctypes.byref(moe), x.data_ptr(), x.shape[0], logits.data_ptr(), out.data_ptr(),
+                                 torch.get_num_threads())
+    if failed:
+        raise MemoryError("the C experts kernel could not allocate its scratch") if failed == 1 else \
+            ValueError("the C experts kernel refused its description")
     return out

@@ -53,6 +53,14 @@ class LinearBase(TaggedWeights):
         return self.quant_method.apply(self, x, self.bias)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (a mixture of experts' router); no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
+        super().__init__(input_size, output_size, bias, None, quant_config, prefix)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 

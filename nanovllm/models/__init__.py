@@ -5,6 +5,9 @@ _MODELS = {
     "Qwen3ForCausalLM": "nanovllm.models.qwen3:Qwen3ForCausalLM",
     "Qwen2ForCausalLM": "nanovllm.models.qwen2:Qwen2ForCausalLM",
     "LlamaForCausalLM": "nanovllm.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "nanovllm.models.qwen_moe:Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "nanovllm.models.qwen_moe:Qwen2MoeForCausalLM",
+    "MixtralForCausalLM": "nanovllm.models.mixtral:MixtralForCausalLM",
 }
 
 

@@ -67,15 +67,20 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""):
+    """down(silu(gate x) * up x), of config.intermediate_size unless intermediate_size is given (a
+    mixture of experts' shared expert)."""
+
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 intermediate_size: int | None = None):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size] * 2, bias=bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
@@ -163,11 +168,14 @@ class DecoderForCausalLM(nn.Module):
         """The MLP of layer layer_idx: the gated MLP; a subclass may give some layers another block."""
         return gated_mlp(config, layer_idx, prefix, quant_config)
 
+    def stacked_params(self) -> list[StackedParam]:
+        """The checkpoint parts loaded into parts of stacked parameters (first match wins)."""
+        return [StackedParam(param_part, part, shard_id)
+                for part, (param_part, shard_id) in self.packed_modules_mapping.items()]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint (name, tensor) pairs into the parameters (loader/weights.py)."""
-        stacked = [StackedParam(param_part, part, shard_id)
-                   for part, (param_part, shard_id) in self.packed_modules_mapping.items()]
-        load_weights(self, weights, stacked)
+        load_weights(self, weights, self.stacked_params())
 
     def attention_biases(self, config) -> tuple[bool, bool]:
         """(qkv_proj has bias, o_proj has bias): `attention_bias` covers all four by default."""

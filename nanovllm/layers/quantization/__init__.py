@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase,
-                                               QuantizationConfig, QuantizeMethodBase)
+from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
+                                               LinearMethodBase, QuantizationConfig, QuantizeMethodBase)
 from nanovllm.layers.quantization.gguf import ONLINE_FORMATS, GGUFConfig, OnlineQuantConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
                                                       UnquantizedLinearMethod)
@@ -102,6 +102,11 @@ def embedding_method_for(quant_config: QuantizationConfig | None, layer: nn.Modu
     return _method_of(quant_config, layer, prefix, EmbeddingMethodBase, UnquantizedEmbeddingMethod)
 
 
+def moe_method_for(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
+    from nanovllm.layers.moe import UnquantizedFusedMoEMethod
+    return _method_of(quant_config, layer, prefix, FusedMoEMethodBase, UnquantizedFusedMoEMethod)
+
+
 def quantized_layers(model: nn.Module) -> list[nn.Module]:
     """The modules of model whose weights a method holds (linears, embeddings, LM heads)."""
     return [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), QuantizeMethodBase)]
@@ -130,7 +135,8 @@ def describe_linear_methods(model: nn.Module) -> str:
     return ", ".join(sorted({layer.quant_method.name for layer in linear_layers(model)})) or "dense"
 
 
-__all__ = ["ONLINE_FORMATS", "CWeightView", "GGUFConfig", "OnlineQuantConfig", "check_quantization", "EmbeddingMethodBase", "LinearKernels", "LinearMethodBase", "QuantizationConfig",
+__all__ = ["ONLINE_FORMATS", "CWeightView", "GGUFConfig", "OnlineQuantConfig", "check_quantization", "EmbeddingMethodBase",
+           "FusedMoEMethodBase", "LinearKernels", "moe_method_for", "LinearMethodBase", "QuantizationConfig",
            "QuantizeMethodBase", "UnquantizedConfig", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod",
            "describe_linear_methods", "embedding_method_for", "linear_layers", "linear_method_for",
            "process_weights_after_loading", "quant_config_for_model", "quant_method_of", "quantization_methods",

@@ -88,6 +88,23 @@ class EmbeddingMethodBase(QuantizeMethodBase):
         raise NotImplementedError
 
 
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """How a mixture-of-experts layer (layers/moe.py, FusedMoE) holds and runs its experts."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register the stacked experts' parameters (this rank's intermediate_size)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden] -> the routed experts' weighted sum [num_tokens, hidden] (this rank's part)."""
+        raise NotImplementedError
+
+    def c_struct(self, layer: nn.Module):
+        """The experts as the C decode step runs them (kernels/cpu_kernels.py, MoeExperts), or None."""
+        return None
+
+
 class QuantizationConfig:
     """One weight format of a checkpoint. Subclasses register under a name (registry.py), the
     value of config.json's quantization_config.quant_method they answer to."""
