@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with a CUDA GPU, torch, triton and transformers (flash-attn optional, no
-# network): runs the GPU tests (marker `gpu`, plus the Triton store and graph-logic tests, on CUDA),
+# network): runs the GPU tests (marker `gpu`, plus the Triton store, fused-experts and graph-logic tests, on CUDA),
 # then a short throughput bench, and prints one table. Finishes within 10 minutes.
 #   usage: scripts/gpu_check.sh            (PYTHON=/path/to/python to pick the interpreter)
 set -uo pipefail
@@ -13,7 +13,7 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exi
 if $PY -c "import pytest" 2>/dev/null; then
     echo "running GPU tests (log: pytest tail below)"
     timeout 330 $PY -m pytest -q -p no:cacheprovider --junitxml="$work/junit.xml" \
-        tests/test_gpu.py tests/test_store_kvcache.py tests/test_cuda_graph.py >"$work/pytest.log" 2>&1
+        tests/test_gpu.py tests/test_store_kvcache.py tests/test_cuda_graph.py tests/test_fused_moe.py >"$work/pytest.log" 2>&1
     tests_rc=$?
     tail -n 25 "$work/pytest.log"
     [ $tests_rc -eq 124 ] && echo "pytest stopped by its 330 s timeout"

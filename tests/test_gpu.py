@@ -1,5 +1,6 @@
 """CUDA-only checks (marker `gpu`, skipped without a GPU): flash backend vs torch backend, decode
-graph replay vs eager, bf16 parity with HF by vLLM's top-5 rule, KV cache sizing."""
+graph replay vs eager (a dense and a mixture-of-experts model), bf16 parity with HF by vLLM's
+top-5 rule, KV cache sizing."""
 import importlib.util
 
 import pytest
@@ -100,6 +101,25 @@ def test_graph_replay_matches_eager_and_hf(model_path, monkeypatch):
     assert out_graph == out_eager
     for ours, (ref, _) in zip(out_graph[:4], hf_greedy(model_path, prompts[:4], max_new_tokens=5)):
         assert ours == ref[:len(ours)]  # max_tokens 2..5, greedy, fp32: HF's tokens exactly
+
+
+def test_moe_graph_replay_matches_eager_and_hf(tmp_path):
+    """A Qwen2-MoE (shared expert) on the Triton fused experts, in captured decode graphs and
+    eagerly: the same tokens, and transformers' in fp32."""
+    from tests.test_moe import make_moe
+
+    path = make_moe(str(tmp_path / "moe"), "qwen2_moe_shared")
+    prompts = [[(11 * i + j) % 250 + 3 for j in range(2 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for eager in (False, True):
+        engine = LLMEngine(path, dtype="float32", max_num_seqs=8, enforce_eager=eager)
+        assert (engine.model_runner.graphs is None) == eager
+        outs.append([o["token_ids"] for o in engine.generate(prompts, params, use_tqdm=False)])
+        engine.exit()
+    assert outs[0] == outs[1]
+    for ours, (ref, _) in zip(outs[0], hf_greedy(path, prompts, max_new_tokens=8)):
+        assert ours == ref
 
 
 # ---- bf16 parity with HF (vLLM's top-5 rule) -------------------------------------------------
