@@ -33,7 +33,7 @@ TINY = {
                                          norm_topk_prob=False, decoder_sparse_step=2)),
     # a shared expert with its sigmoid gate, biased q/k/v
     "qwen2_moe_shared": ("Qwen2Moe", dict(intermediate_size=96, moe_intermediate_size=32,
-                                          shared_expert_intermediate_size=48, num_hidden_layers=2,
+                                          shared_expert_intermediate_size=64, num_hidden_layers=2,
                                           num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)),
     "mixtral": ("Mixtral", dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                                 num_experts_per_tok=2)),

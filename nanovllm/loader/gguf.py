@@ -1,7 +1,8 @@
 """GGUF files as models: the config, the tokenizer and the tensors read from the file itself
 (llama.cpp's format; the `gguf` package's reader, memory-mapped, nothing executed).
 
-GGUFFile opens and checks a file once: its architecture (llama, qwen2, qwen3), every tensor's type
+GGUFFile opens and checks a file once: its architecture (llama, qwen2, qwen3, and the mixtures of
+experts qwen2moe, qwen3moe, whose experts come stacked in 3-D tensors), every tensor's type
 (the block formats the C kernels multiply, cpu_quant.c) and that every tensor lies inside the
 file, before anything is allocated. hf_config() builds the transformers config from the
 metadata; weights() yields the tensors under their HuggingFace names: block-quantized and
@@ -22,7 +23,11 @@ from nanovllm.layers.quantization.gguf import block_shape
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp renormalizes the chosen experts' weights for qwen3moe and not for qwen2moe (its
+# build_moe_ffn's norm_w); the files carry no key for it.
+NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # GGUF tensor types held and multiplied as they are (names as the C weight-type table spells them).
 NATIVE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
 # Types converted at load into the nearest native one: a Q5_K sub-block of 32 (6-bit scale and
@@ -40,6 +45,15 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router, the experts stacked in 3-D tensors [experts, rows, columns]
+    # (yielded expert by expert), Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight", "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -123,12 +137,16 @@ class GGUFFile:
             if type_name not in NATIVE_TYPES and type_name not in CONVERTED:
                 unsupported.setdefault(type_name, t.name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
-            row_bytes = t.n_bytes // shape[0] if len(shape) == 2 else 0
+            if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+                shape = (1, shape[0])  # a [hidden] vector in the file, HF's [1, hidden] linear
+            if len(shape) == 3 and ".mlp.experts." not in name:
+                raise ValueError(f"{path!r}: tensor {t.name} has 3 dimensions {shape}; only expert tensors do")
+            row_bytes = t.n_bytes // int(np.prod(shape[:-1])) if len(shape) >= 2 else 0
             if type_name in CONVERTED:
                 self.converted.setdefault(type_name, []).append(t.name)
                 type_name = CONVERTED[type_name]
                 per_block, nbytes = block_shape(type_name)
-                row_bytes = shape[1] // per_block * nbytes
+                row_bytes = shape[-1] // per_block * nbytes
             self.tensors[name] = TensorInfo(t.name, type_name, shape, row_bytes)
         if unsupported:
             listed = ", ".join(f"{k} (e.g. {v})" for k, v in sorted(unsupported.items()))
@@ -164,7 +182,8 @@ class GGUFFile:
             vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
         kwargs = dict(
             hidden_size=hidden,
-            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            intermediate_size=int(self.field(f"{a}.feed_forward_length", 0) or
+                                  self.field(f"{a}.expert_feed_forward_length")),
             num_hidden_layers=int(self.field(f"{a}.block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
@@ -179,11 +198,40 @@ class GGUFFile:
             architectures=[ARCHITECTURES[a]],
             dtype="float32",
         )
-        if a != "qwen2":
+        if a not in ("qwen2", "qwen2moe"):
             kwargs["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        if a == "qwen2moe":
+            kwargs["qkv_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        if a in NORM_TOPK:
+            kwargs.update(self.moe_config(a, kwargs["num_hidden_layers"]))
         cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config}[a]
+               "qwen3": transformers.Qwen3Config, "qwen2moe": transformers.Qwen2MoeConfig,
+               "qwen3moe": transformers.Qwen3MoeConfig}[a]
         return cls(**kwargs)
+
+    def moe_config(self, a: str, layers: int) -> dict:
+        """A MoE file's expert settings; the layers without expert tensors are dense (mlp_only_layers)."""
+        sparse = [i for i in range(layers) if f"model.layers.{i}.mlp.experts.gate_proj.weight" in self.tensors]
+        if not sparse:
+            raise ValueError(f"{self.path!r}: a {a} file without expert tensors (blk.N.ffn_gate_exps)")
+        experts = self.tensors[f"model.layers.{sparse[0]}.mlp.experts.gate_proj.weight"].shape
+        out = dict(num_experts=int(self.field(f"{a}.expert_count")),
+                   num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
+                   moe_intermediate_size=int(self.field(f"{a}.expert_feed_forward_length", experts[1])),
+                   norm_topk_prob=NORM_TOPK[a], decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(layers) if i not in sparse])
+        if experts[0] != out["num_experts"]:
+            raise ValueError(f"{self.path!r}: expert tensors hold {experts[0]} experts, {a}.expert_count says "
+                             f"{out['num_experts']}")
+        gating = self.field(f"{a}.expert_gating_func", None)
+        if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+            raise ValueError(f"{self.path!r}: MoE router option {a}.expert_gating_func={gating} is not supported "
+                             "(only 1, softmax)")
+        if a == "qwen2moe":
+            shared = self.tensors.get(f"model.layers.{sparse[0]}.mlp.shared_expert.gate_proj.weight")
+            out["shared_expert_intermediate_size"] = int(self.field(
+                f"{a}.expert_shared_feed_forward_length", shared.shape[0] if shared is not None else 0))
+        return out
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every tensor, copied out of the file (which is closed afterwards)."""
@@ -196,15 +244,20 @@ class GGUFFile:
                         CONVERTED[kind].upper())
         for name, info in self.tensors.items():
             data = by_name[info.gguf_name].data
+            rows = info.shape[:-1] if len(info.shape) >= 2 else info.shape
             if by_name[info.gguf_name].tensor_type.name.lower() == "q5_k":
-                data = q5_k_as_q5_1(np.asarray(data).reshape(-1, 176)).reshape(info.shape[0], info.row_bytes)
+                data = q5_k_as_q5_1(np.asarray(data).reshape(-1, 176)).reshape(*rows, info.row_bytes)
             if info.type_name == "f32":
                 tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(info.shape))
             else:
                 # the reader gives F16 / BF16 data as 16-bit values: their bytes, as for the blocks
-                tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(info.shape[0], info.row_bytes))
+                tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(*rows, info.row_bytes))
             if self.arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
                 tensor = unpermute_rows(tensor, heads if "q_proj" in name else kv_heads)
+            if len(info.shape) == 3:  # experts.{gate,up,down}_proj.weight -> experts.{e}.{part}.weight
+                base, part = name.split(".experts.")
+                yield from ((f"{base}.experts.{e}.{part}", tensor[e]) for e in range(tensor.shape[0]))
+                continue
             yield name, tensor
 
     def close(self) -> None:

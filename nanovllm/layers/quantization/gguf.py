@@ -44,7 +44,7 @@ def row_bytes(type_name: str, k: int, what: str) -> int:
 
 
 # The layers whose inputs tensor parallelism splits (row-parallel), by their checkpoint names.
-ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+ROW_PARALLEL = ("self_attn.o_proj.weight", "down_proj.weight")  # the MLP's, a shared expert's, the experts'
 
 
 def check_split(name: str, type_name: str, k: int, tp_size: int) -> None:
@@ -66,11 +66,14 @@ def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, t
     if is_gguf_path(path):
         for name, info in open_gguf(path).tensors.items():
             if name.endswith(ROW_PARALLEL):
-                check_split(name, info.type_name, info.shape[1], tp_size)
+                check_split(name, info.type_name, info.shape[-1], tp_size)
     elif quantization is not None:
         for name, k in (("o_proj", hf_config.num_attention_heads * head_dim_of(hf_config)),
-                        ("down_proj", hf_config.intermediate_size)):
-            check_split(name, quantization, k, tp_size)
+                        ("down_proj", hf_config.intermediate_size),
+                        ("experts' down_proj", getattr(hf_config, "moe_intermediate_size", None)),
+                        ("shared_expert.down_proj", getattr(hf_config, "shared_expert_intermediate_size", None))):
+            if k:
+                check_split(name, quantization, k, tp_size)
 
 
 def quantize_rows(weight: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -328,6 +331,19 @@ class GGUFConfig(QuantizationConfig):
 
     def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+        from nanovllm.layers.moe import FusedMoE
+        if isinstance(layer, FusedMoE):  # the file's 3-D expert tensors, under their stacked names
+            names = [f"{prefix}.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj")]
+            missing = [n for n in names if n not in self.types]
+            if missing:
+                raise ValueError(f"the GGUF file has no expert tensor for {missing} (layer {prefix})")
+            gate, up, down = (self.types[n] for n in names)
+            if gate != up:
+                raise ValueError(f"{prefix}: gate ({gate}) and up ({up}) experts in different formats are not supported")
+            if gate == down == "f32":
+                return None
+            from nanovllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+            return GGUFFusedMoEMethod((gate, down))
         if isinstance(layer, VocabParallelEmbedding) or (isinstance(layer, ParallelLMHead)
                                                          and "lm_head.weight" not in self.types):
             type_name = self.types["model.embed_tokens.weight"]  # a tied head multiplies by the table
@@ -362,6 +378,11 @@ class OnlineQuantConfig(QuantizationConfig):
 
     def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from nanovllm.layers.embed_head import VocabParallelEmbedding
+        from nanovllm.layers.moe import FusedMoE
+        if isinstance(layer, FusedMoE):
+            from nanovllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+            types = (self.type_for(layer.hidden_size, prefix), self.type_for(layer.intermediate_size, prefix))
+            return GGUFFusedMoEMethod(types, online=True)
         embedding = isinstance(layer, VocabParallelEmbedding)
         type_name = self.type_for(layer.embedding_dim if embedding else layer.input_size, prefix)
         if embedding:

@@ -1,0 +1,71 @@
+"""A mixture of experts' stacked experts in GGUF block formats (layers/moe.py, FusedMoE): from a
+.gguf file's 3-D expert tensors (ffn_gate_exps / ffn_up_exps / ffn_down_exps, raw block rows as
+stored; loader/gguf.py hands them over expert by expert), or quantized at load from a dense
+checkpoint (quantization="q8_0" | ...), each expert's matrices by the same quantizers as the dense
+layers (gguf.py, quantize_rows).
+
+Held once: w13 uint8 [E, 2I, row bytes of H inputs] (each expert's gate rows, then up rows) and w2
+uint8 [E, H, row bytes of I inputs], each expert's rows interleaved by 8 in place where its format
+has that layout; the C experts kernel (kernels/cpu_moe.c) multiplies from them with the dense
+layers' integer kernels, reading only the experts some row chose."""
+import torch
+from torch import nn
+
+from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.quantization.base import CWeightView, FusedMoEMethodBase, LinearKernels
+from nanovllm.layers.quantization.gguf import _need_kernels, quantize_rows, row_bytes
+
+
+class GGUFFusedMoEMethod(FusedMoEMethodBase):
+    """types: (the gate/up format, the down format). online: the checkpoint gives dense experts."""
+
+    c_only = True
+
+    def __init__(self, types: tuple[str, str], online: bool = False):
+        self.types = types
+        self.online = online
+        self.c_kernels = None
+        self.c_moe = None
+
+    @property
+    def name(self) -> str:
+        return f"experts {'/'.join(dict.fromkeys(self.types))} (C kernel{', quantized at load' if self.online else ''})"
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        what = getattr(layer, "prefix", "experts")
+        shapes = {"w13_weight": (2 * intermediate_size, hidden_size, self.types[0]),
+                  "w2_weight": (hidden_size, intermediate_size, self.types[1])}
+        for name, (rows, k, type_name) in shapes.items():
+            width = row_bytes(type_name, k, f"{what} ({name[:-7]})")  # whole blocks per rank, else ValueError
+            data = torch.empty(num_experts, rows, k, dtype=params_dtype) if self.online else \
+                torch.empty(num_experts, rows, width, dtype=torch.uint8)
+            layer.register_weight(name, data, output_dim=1, input_dim=2)
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
+        self.c_kernels = _need_kernels(kernels, layer.prefix)
+        views = []
+        for param, type_name, k in ((layer.w13_weight, self.types[0], layer.hidden_size),
+                                    (layer.w2_weight, self.types[1], layer.intermediate_size)):
+            if self.online:  # expert by expert, so the dense copy and one expert's blocks are all that coexist
+                param.data = torch.stack([quantize_rows(param.data[e], type_name) for e in range(param.shape[0])])
+            held_type = type_name
+            for e in range(param.shape[0]):
+                packed = cpu_kernels.interleaved(self.c_kernels, type_name, param.data[e], k)
+                if packed is not None:
+                    held_type = packed[0]
+                    param.data[e] = packed[1]
+            views.append([CWeightView(held_type, param.data[e], param.shape[1], k, param.shape[2])
+                          for e in range(param.shape[0])])
+        self.c_moe = cpu_kernels.moe_experts_struct(self.c_kernels, views[0], views[1], layer.top_k, layer.renormalize)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x.to(torch.float32), router_logits)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def c_struct(self, layer: nn.Module):
+        return self.c_moe
+
+    def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        return [layer.w13_weight, layer.w2_weight]
