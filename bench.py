@@ -21,28 +21,54 @@ QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28
                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False)
 
 
-def random_qwen3_checkpoint() -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# A mixture of experts of Qwen3-30B-A3B's kind (64 experts, 8 active per token) at a size that fits
+# a small machine in fp32: 1.5B parameters, 0.33B of them read per token (the 8 experts of 24 layers,
+# attention, the tied embedding as LM head).
+QWEN3_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=24,
+                       num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=64,
+                       num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+RANDOM_MODELS = {"qwen3-moe": "a random Qwen3-MoE (24 layers, 64 experts, 8 active; 1.5B parameters, bf16)"}
+
+
+def random_checkpoint(name: str, family: str, shape: dict) -> str:
+    """A random-weight bf16 checkpoint of transformers' {family}ForCausalLM, built once in the cache."""
+    import transformers
     cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-    path = os.path.join(cache, "bench-qwen3-0.6b-bfloat16")
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
+    path = os.path.join(cache, f"bench-{name}-bfloat16")
+    if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    print(f"building a random Qwen3-0.6B-shaped checkpoint in {path} (once)")
-    config = Qwen3Config(**QWEN3_0_6B)
-    config.architectures = ["Qwen3ForCausalLM"]
+    print(f"building a random {name}-shaped checkpoint in {path} (once)")
+    config = getattr(transformers, f"{family}Config")(**shape)
+    config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    with torch.device("meta"):  # allocated directly in bf16 below, never in fp32
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model.tie_weights()
+    with torch.no_grad():
+        for p in model.parameters():  # transformers' initializer_range, norms at one
+            p.normal_(0, config.initializer_range) if p.dim() > 1 else p.fill_(1.0)
     tmp = path + ".tmp"
     model.save_pretrained(tmp, safe_serialization=True)
     os.replace(tmp, path)
     return path
 
 
+def random_qwen3_checkpoint() -> str:
+    return random_checkpoint("qwen3-0.6b", "Qwen3", QWEN3_0_6B)
+
+
+def random_qwen3_moe_checkpoint() -> str:
+    return random_checkpoint("qwen3-moe", "Qwen3Moe", QWEN3_MOE_BENCH)
+
+
 def build_parser() -> ArgumentParser:
     on_cuda = torch.cuda.is_available()
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF checkpoint folder or .gguf file (default: a random-weight Qwen3-0.6B-shaped bf16 "
-                   "checkpoint, built once in $NANOVLLM_CACHE or ~/.cache/nanovllm)")
+                   "checkpoint, built once in $NANOVLLM_CACHE or ~/.cache/nanovllm); qwen3-moe: "
+                   + RANDOM_MODELS["qwen3-moe"] + ", built the same way")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (default): CUDA if available, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -137,7 +163,7 @@ def run_hf(path: str, dtype: torch.dtype, device: str, prompts, max_tokens, batc
 def main() -> int:
     args = parse_args()
     from nanovllm import LLM
-    path = args.model or random_qwen3_checkpoint()
+    path = random_qwen3_moe_checkpoint() if args.model == "qwen3-moe" else args.model or random_qwen3_checkpoint()
     try:
         llm = LLM(path, device=args.device, dtype=args.dtype, quantization=args.quantization,
                   enforce_eager=args.enforce_eager,

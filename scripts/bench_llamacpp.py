@@ -2,7 +2,7 @@
 the same checkpoint) and nano-vLLM on the same shapes, fp32 weights and bf16 weights (fp32 activations,
 as llama.cpp runs its F16 files); one markdown table per model, with ours fp32 / F32 and ours bf16 / F16.
 
-    python scripts/bench_llamacpp.py [--models default,qwen3] [--batches 1,8,32,64] [--threads N]
+    python scripts/bench_llamacpp.py [--models default,qwen3,qwen3-moe] [--batches 1,8,32,64] [--threads N]
                                      [--rounds N] [--json FILE] [--skip-llamacpp | --skip-ours]
 
 Shapes: random 64-token prompts, greedy decoding, 64 decode steps per sequence, at each batch size
@@ -49,6 +49,7 @@ RATIOS = {"ours": "f32", "ours_bf16": "f16", "ours_q8_0": "q8_0", "ours_q4_0": "
 OUR_DTYPES = {"ours": "float32", "ours_bf16": "bfloat16"}
 FILE_ROWS = tuple(llamacpp_build.PRESETS)
 RSS_COLUMNS = ("after load", "after the largest batch")
+MODELS = ("default", "qwen3", "qwen3-moe")
 
 
 def model_folder(name: str) -> str:
@@ -56,10 +57,12 @@ def model_folder(name: str) -> str:
     if name == "default":
         from nanovllm.utils.default_model import default_model_path
         return default_model_path()
+    import bench  # the repo root's bench.py owns the random checkpoints
     if name == "qwen3":
-        import bench  # the repo root's bench.py owns the random Qwen3-0.6B checkpoint
         return bench.random_qwen3_checkpoint()
-    raise ValueError(f"--models takes default and qwen3, got {name!r}")
+    if name == "qwen3-moe":
+        return bench.random_qwen3_moe_checkpoint()
+    raise ValueError(f"--models takes {', '.join(MODELS)}, got {name!r}")
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------------
@@ -281,7 +284,9 @@ def keep_best(results: dict, key: str, point: tuple[str, int], rate: float) -> N
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="default,qwen3", help="comma-separated: default (SmolLM2-135M), qwen3")
+    p.add_argument("--models", default="default,qwen3",
+                   help="comma-separated: default (SmolLM2-135M), qwen3 (random, Qwen3-0.6B's shape), qwen3-moe "
+                   "(random Qwen3-MoE: 24 layers, 64 experts, 8 active, 1.5B parameters)")
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--threads", type=int, default=cores, help="default: every core")
@@ -314,8 +319,8 @@ def parse_args() -> argparse.Namespace:
             p.error(f"--formats takes {', '.join(QUANTS)}, got {f!r}")
     args.models = args.models.split(",")
     for m in args.models:
-        if m not in ("default", "qwen3"):
-            p.error(f"--models takes default and qwen3, got {m!r}")
+        if m not in MODELS:
+            p.error(f"--models takes {', '.join(MODELS)}, got {m!r}")
     return args
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from nanovllm.kernels import cpu_kernels
 from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
+from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
 from nanovllm.utils.context import Context
@@ -153,7 +154,9 @@ class FusedDecode:
         self.one_call_layers = sum(in_c)
         # Every matmul on the C kernels alone (block-quantized weights: no oneDNN path to hand larger
         # batches to): the step is one C call at every batch size, not only up to MAX_ROWS.
-        methods = [m.quant_method for layer in layers for m in layer.modules() if hasattr(m, "quant_method")]
+        # (A MoE router or shared-expert gate is a dense [E, H] / [1, H] matrix: too small to matter.)
+        methods = [m.quant_method for layer in layers for m in layer.modules()
+                   if hasattr(m, "quant_method") and not isinstance(m, ReplicatedLinear)]
         methods += [self.embed.quant_method, self.lm_head.quant_method]
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = 1 << 30
