@@ -284,3 +284,14 @@ def test_each_rank_loads_its_part_of_every_expert(qwen3_moe, monkeypatch):
             assert torch.equal(experts.w13_weight[e], torch.cat([half("gate_proj", 0), half("up_proj", 0)]))
             assert torch.equal(experts.w2_weight[e], half("down_proj", 1))
         assert torch.equal(model.model.layers[2].mlp.gate.weight, ckpt["model.layers.2.mlp.gate.weight"])
+
+
+def test_efficiency_counts_the_active_experts(qwen3_moe):
+    """bench.py --efficiency's batch-1 floor counts top_k of each sparse layer's experts (by hand:
+    2 sparse layers x 8 experts x 3 matrices of 64 x 32 fp32; 2 of the 8 read per token)."""
+    from nanovllm.utils.efficiency import active_expert_params, expert_bytes
+
+    with LLM(qwen3_moe, dtype="float32", cpu_kvcache_bytes=1 << 20) as llm:
+        model = llm.model_runner.model
+        assert expert_bytes(model) == (2 * 8 * 3 * 64 * 32 * 4, 2 * 2 * 3 * 64 * 32 * 4)
+        assert active_expert_params(model) == 2 * 2 * 3 * 64 * 32

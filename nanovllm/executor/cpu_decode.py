@@ -28,6 +28,7 @@ from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedM
 from nanovllm.utils.context import Context
 
 DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
+MOE_MAX_ROWS = 16
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,10 @@ class FusedDecode:
         methods += [self.embed.quant_method, self.lm_head.quant_method]
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = 1 << 30
+        elif self.moes:
+            # The experts run in C at any batch; up to MOE_MAX_ROWS rows the attention's matmuls in
+            # C too (one call) beat them on oneDNN between C phases (docs/performance.md, item 30).
+            self.max_rows = max(self.max_rows, MOE_MAX_ROWS)
 
     def can_run(self, num_seqs: int, context: Context) -> bool:
         return context.attn_metadata.seqlens_k is not None

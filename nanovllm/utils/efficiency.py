@@ -65,6 +65,13 @@ def expert_bytes(model: nn.Module) -> tuple[int, int]:
     return total, active
 
 
+def active_expert_params(model: nn.Module) -> int:
+    """The expert weights one token multiplies (top_k of each MoE layer's experts)."""
+    from nanovllm.layers.moe import FusedMoE
+    return sum(layer.top_k * 3 * layer.hidden_size * layer.intermediate_size
+               for layer in model.modules() if isinstance(layer, FusedMoE))
+
+
 def time_decode_steps(llm, batch: int, prompt_len: int, steps: int) -> float:
     """Seconds per decode step with `batch` running sequences (prefill excluded)."""
     params = SamplingParams(temperature=0.6, max_tokens=steps + 4, ignore_eos=True)
@@ -92,6 +99,7 @@ def measure_efficiency(llm, large_batch: int = 64, steps: int = 8) -> dict:
     bandwidth = copy_bandwidth(device, synchronize=synchronize)
     weights = matmul_weights(runner.model)
     params = sum(layer.output_size * layer.input_size for layer in linear_layers(runner.model))
+    params += active_expert_params(runner.model)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     batch = min(large_batch, llm.config.max_num_seqs)
     t_large = time_decode_steps(llm, batch, 32, steps)
@@ -118,5 +126,5 @@ def measure_efficiency(llm, large_batch: int = 64, steps: int = 8) -> dict:
     print(f"decode batch {batch}: {t_large * 1e3:.1f} ms/step, {achieved / 1e9:.1f} GFLOP/s "
           f"= {achieved / peak:.0%} of matmul peak")
     print(f"decode batch 1: {t_one * 1e3:.1f} ms/token, memory floor {floor * 1e3:.1f} ms "
-          f"({weight_bytes / 1e6:.0f} MB weights) -> {t_one / floor:.2f}x the floor")
+          f"({(weight_bytes + active_experts) / 1e6:.0f} MB weights) -> {t_one / floor:.2f}x the floor")
     return out
