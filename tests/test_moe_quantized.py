@@ -1,4 +1,5 @@
-"""Quantized experts (layers/quantization/gguf_moe.py): MoE GGUF files (qwen3moe, qwen2moe; experts
+"""Quantized experts (layers/quantization/gguf_moe.py): MoE GGUF files (qwen3moe, qwen2moe, and
+Mixtral as llama.cpp writes it: a llama file, q/k rows in its rotary order; experts
 in 3-D ffn_*_exps tensors, written here by the `gguf` package's writer and quantizers from a tiny
 transformers checkpoint) give transformers' tokens on that checkpoint at F32, and at Q8_0 the same
 tokens as quantization="q8_0" at load (the same blocks); the C experts kernel over quantized experts
@@ -14,6 +15,7 @@ from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.moe import select_experts
+from test_gguf import llama_cpp_row_order
 from test_moe import make_moe
 
 gguf = pytest.importorskip("gguf")
@@ -32,6 +34,18 @@ def write_moe_gguf(hf_dir: str, path: str, arch: str, kind: str) -> str:
     import transformers
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     tensors = {n: t.numpy() for n, t in load_file(f"{hf_dir}/model.safetensors").items()}
+    mixtral = arch == "llama"  # llama.cpp writes Mixtral as a llama file with expert tensors
+    if mixtral:
+        parts = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+        tensors = {n.replace(".block_sparse_moe.", ".mlp."): t for n, t in tensors.items()}
+        tensors = {(n if ".experts." not in n else ".".join(parts.get(p, p) for p in n.split("."))): t
+                   for n, t in tensors.items()}
+        for n in [n for n in tensors if n.endswith(("q_proj.weight", "k_proj.weight"))]:
+            heads = config.num_attention_heads if "q_proj" in n else config.num_key_value_heads
+            tensors[n] = llama_cpp_row_order(tensors[n], heads)
+        experts, inter = config.num_local_experts, config.intermediate_size
+    else:
+        experts, inter = config.num_experts, config.moe_intermediate_size
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -40,15 +54,15 @@ def write_moe_gguf(hf_dir: str, path: str, arch: str, kind: str) -> str:
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     w.add_vocab_size(config.vocab_size)
-    w.add_expert_count(config.num_experts)
+    w.add_expert_count(experts)
     w.add_expert_used_count(config.num_experts_per_tok)
-    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_expert_feed_forward_length(inter)
     if arch == "qwen3moe":
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
-    else:
+    elif arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
     def add(name: str, value: np.ndarray, quantize: bool = True) -> None:
@@ -82,7 +96,8 @@ def write_moe_gguf(hf_dir: str, path: str, arch: str, kind: str) -> str:
     return path
 
 
-CASES = {"qwen3moe": "qwen3_moe_norm", "qwen2moe": "qwen2_moe_shared"}
+CASES = {"qwen3moe": "qwen3_moe_norm", "qwen2moe": "qwen2_moe_shared", "llama": "mixtral"}
+CLASSES = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "llama": "MixtralForCausalLM"}
 
 
 def prompts() -> list[list[int]]:
@@ -101,9 +116,10 @@ def test_f32_file_gives_transformers_tokens(arch, tmp_path):
     path = write_moe_gguf(hf_dir, str(tmp_path / f"{arch}.gguf"), arch, "f32")
     with LLM(path, dtype="float32", cpu_kvcache_bytes=1 << 20) as llm:
         hf = llm.config.hf_config
-        assert hf.architectures == [{"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}[arch]]
-        assert hf.mlp_only_layers == ([1] if arch == "qwen3moe" else [])
-        assert hf.norm_topk_prob == (arch == "qwen3moe")  # what llama.cpp computes for each
+        assert hf.architectures == [CLASSES[arch]]
+        if arch != "llama":
+            assert hf.mlp_only_layers == ([1] if arch == "qwen3moe" else [])
+            assert hf.norm_topk_prob == (arch == "qwen3moe")  # what llama.cpp computes for each
     ours = run(path)
     exact = check_tokens_close(ours, hf_greedy(hf_dir, prompts(), 16))
     assert exact >= len(ours) - 1

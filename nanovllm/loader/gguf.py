@@ -28,6 +28,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 # llama.cpp renormalizes the chosen experts' weights for qwen3moe and not for qwen2moe (its
 # build_moe_ffn's norm_w); the files carry no key for it.
 NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+MIXTRAL = "MixtralForCausalLM"
 # GGUF tensor types held and multiplied as they are (names as the C weight-type table spells them).
 NATIVE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
 # Types converted at load into the nearest native one: a Q5_K sub-block of 32 (6-bit scale and
@@ -195,19 +196,32 @@ class GGUFFile:
             tie_word_embeddings="lm_head.weight" not in self.tensors,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id", None),
-            architectures=[ARCHITECTURES[a]],
+            architectures=[MIXTRAL if self.is_mixtral else ARCHITECTURES[a]],
             dtype="float32",
         )
         if a not in ("qwen2", "qwen2moe"):
             kwargs["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
         if a == "qwen2moe":
             kwargs["qkv_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
-        if a in NORM_TOPK:
+        if a in NORM_TOPK or self.is_mixtral:
             kwargs.update(self.moe_config(a, kwargs["num_hidden_layers"]))
+        if self.is_mixtral:  # llama.cpp's Mixtral: a llama file whose layers all hold experts
+            kwargs["num_local_experts"] = kwargs.pop("num_experts")
+            kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
+            if kwargs.pop("mlp_only_layers"):
+                raise ValueError(f"{self.path!r}: a llama MoE file whose layers do not all hold expert tensors")
+            for key in ("norm_topk_prob", "decoder_sparse_step"):
+                kwargs.pop(key)
+            return transformers.MixtralConfig(**kwargs)
         cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config, "qwen2moe": transformers.Qwen2MoeConfig,
                "qwen3moe": transformers.Qwen3MoeConfig}[a]
         return cls(**kwargs)
+
+    @property
+    def is_mixtral(self) -> bool:
+        """A llama file with experts (llama.cpp writes Mixtral as llama with ffn_*_exps tensors)."""
+        return self.arch == "llama" and bool(self.field("llama.expert_count", 0))
 
     def moe_config(self, a: str, layers: int) -> dict:
         """A MoE file's expert settings; the layers without expert tensors are dense (mlp_only_layers)."""
@@ -218,7 +232,7 @@ class GGUFFile:
         out = dict(num_experts=int(self.field(f"{a}.expert_count")),
                    num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
                    moe_intermediate_size=int(self.field(f"{a}.expert_feed_forward_length", experts[1])),
-                   norm_topk_prob=NORM_TOPK[a], decoder_sparse_step=1,
+                   norm_topk_prob=NORM_TOPK.get(a, True), decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(layers) if i not in sparse])
         if experts[0] != out["num_experts"]:
             raise ValueError(f"{self.path!r}: expert tensors hold {experts[0]} experts, {a}.expert_count says "

@@ -30,8 +30,10 @@ class MoeMixin:
 
     def stacked_params(self) -> list[StackedParam]:
         # NOTE: the experts' entries first: the dense ones (".gate_proj.") would match them too.
-        num_experts = max((m.num_experts for m in self.modules() if isinstance(m, FusedMoE)), default=0)
-        return expert_stacked_params(num_experts, self.expert_parts) + super().stacked_params()
+        return expert_stacked_params(self.num_experts(), self.expert_parts) + super().stacked_params()
+
+    def num_experts(self) -> int:
+        return max((m.num_experts for m in self.modules() if isinstance(m, FusedMoE)), default=0)
 
 
 class Qwen3MoeForCausalLM(MoeMixin, Qwen3ForCausalLM):
