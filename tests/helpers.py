@@ -83,6 +83,19 @@ def make_qwen3(path: str, shape: str = "gqa", vocab_size: int = 256, seed: int =
     return path
 
 
+def save_decisive(model, path: str, vocab_size: int) -> str:
+    """model saved to path with a test tokenizer, its matrices (and stacked experts) and its
+    all-zero vectors (biases) redrawn from N(0, 0.1): larger-than-default weights give decisive
+    next-token logits (and routings), nonzero biases count."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 or p.abs().sum() == 0:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    make_tokenizer(path, vocab_size)
+    return path
+
+
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, mask_eos: bool = False):
     """Greedy tokens and per-step logits from transformers, one prompt at a time (fp32).
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import check_tokens_close, hf_greedy, make_tokenizer
+from helpers import check_tokens_close, hf_greedy, save_decisive
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.models import supported_architectures
@@ -47,15 +47,7 @@ def make_tiny(path: str, name: str, seed: int) -> str:
     config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
-    with torch.no_grad():  # larger-than-default weights give decisive logits; biases nonzero too
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-            elif p.dim() == 1 and p.abs().sum() == 0:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    make_tokenizer(path, VOCAB)
-    return path
+    return save_decisive(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))

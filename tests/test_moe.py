@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import check_tokens_close, hf_greedy, make_tokenizer
+from helpers import check_tokens_close, hf_greedy, save_decisive
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.moe import experts_reference, select_experts
@@ -48,13 +48,7 @@ def make_moe(path: str, name: str, seed: int = 0) -> str:
     config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
-    with torch.no_grad():  # larger-than-default weights: decisive logits and routings; biases nonzero
-        for p in model.parameters():
-            if p.dim() >= 2 or p.abs().sum() == 0:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    make_tokenizer(path, VOCAB)
-    return path
+    return save_decisive(model, path, VOCAB)  # decisive routings too
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -85,7 +79,7 @@ def test_checkpoints_are_as_named(tiny_moe):
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     experts = {n.split(".experts.")[1].split(".")[0] for n in names if ".experts." in n}
-    assert len(experts) == cfg.get("num_experts") or cfg.get("num_local_experts")
+    assert len(experts) == (cfg.get("num_experts") or cfg.get("num_local_experts"))
     sparse = {int(n.split(".")[2]) for n in names if ".experts." in n}
     layers = cfg["num_hidden_layers"]
     assert sparse == {"qwen3_moe_norm": {0, 2}, "qwen3_moe_step2": {1, 3}}.get(name, set(range(layers)))
