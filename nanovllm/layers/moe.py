@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
+from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.quantization import FusedMoEMethodBase, LinearKernels, QuantizationConfig, moe_method_for
 from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, shard_of
@@ -189,7 +190,6 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         if kernels.c_kernels is None or layer.w13_weight.device.type != "cpu":
             return
-        from nanovllm.kernels import cpu_kernels
         for param in (layer.w13_weight, layer.w2_weight):
             param.data = param.data.to(kernels.c_weight_dtype).contiguous()
         views = [[dense_c_view(w[e]) for e in range(layer.num_experts)] for w in (layer.w13_weight, layer.w2_weight)]
@@ -199,7 +199,6 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.c_moe is not None and x.dtype == torch.float32:
-            from nanovllm.kernels import cpu_kernels
             return cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x, router_logits)
         weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
         if x.is_cuda:

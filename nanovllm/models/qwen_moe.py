@@ -21,8 +21,11 @@ class MoeMixin:
     def renormalize(self, config) -> bool:
         return bool(getattr(config, "norm_topk_prob", False))
 
+    def __init__(self, config, quant_config=None):
+        check_router_options(config)  # before any layer is built
+        super().__init__(config, quant_config)
+
     def make_mlp(self, config, layer_idx, prefix, quant_config):
-        check_router_options(config)
         if is_sparse_layer(config, layer_idx):
             return SparseMoeBlock(config, prefix, quant_config, self.renormalize(config),
                                   self.shared_expert_size(config))

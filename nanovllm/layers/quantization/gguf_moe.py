@@ -2,7 +2,7 @@
 .gguf file's 3-D expert tensors (ffn_gate_exps / ffn_up_exps / ffn_down_exps, raw block rows as
 stored; loader/gguf.py hands them over expert by expert), or quantized at load from a dense
 checkpoint (quantization="q8_0" | ...), each expert's matrices by the same quantizers as the dense
-layers (gguf.py, quantize_rows).
+layers (quantizers.py, quantize_rows).
 
 Held once: w13 uint8 [E, 2I, row bytes of H inputs] (each expert's gate rows, then up rows) and w2
 uint8 [E, H, row bytes of I inputs], each expert's rows interleaved by 8 in place where its format
@@ -13,7 +13,8 @@ from torch import nn
 
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import CWeightView, FusedMoEMethodBase, LinearKernels
-from nanovllm.layers.quantization.gguf import _need_kernels, quantize_rows, row_bytes
+from nanovllm.layers.quantization.gguf import _need_kernels, row_bytes
+from nanovllm.layers.quantization.quantizers import quantize_rows
 
 
 class GGUFFusedMoEMethod(FusedMoEMethodBase):
