@@ -59,6 +59,9 @@ QWEN3_SHAPES = {
     # MHA with qkv bias and tied embeddings.
     "bias_tied": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=24, attention_bias=True, tie_word_embeddings=True),
+    # Every input size a multiple of 128 on each of two ranks (quantization groups of 128 split whole).
+    "groups": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, attention_bias=False, tie_word_embeddings=False),
 }
 
 

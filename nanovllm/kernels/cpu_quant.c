@@ -1,4 +1,4 @@
-/* Block-quantized weight formats (GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) and f16, as
+/* Block-quantized weight formats (GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), f16 and e4m3, as
  * rows of the weight-type table (cpu_kernels.c).
  *
  * A quantized matrix is held as the file stores it: n rows of k / block_size blocks each (the
@@ -869,24 +869,84 @@ static inline __attribute__((always_inline)) void dot_f16(const uint16_t *w, con
     for (int b = 0; b < NB; b++) out[b] = s[b];
 }
 
-void linear_rows_f16(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m->n; r++) {
-        const uint16_t *w = (const uint16_t *)((const uint8_t *)m->data + r * m->row_bytes);
-        for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {
-            float dot[QROWS];
-            const float *xb = x + b0 * ldx;
-            switch (rows - b0 < QROWS ? rows - b0 : QROWS) {
-            case 1: dot_f16(w, xb, ldx, m->k, 1, dot); break;
-            case 2: dot_f16(w, xb, ldx, m->k, 2, dot); break;
-            case 3: dot_f16(w, xb, ldx, m->k, 3, dot); break;
-            default: dot_f16(w, xb, ldx, m->k, 4, dot); break;
-            }
-            const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;
-            for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f);
-        }
+/* ---- e4m3: fp8 weights (float8_e4m3fn) in blocks of 32 behind an fp32 scale --------------------
+ * A block (36 bytes) is the fp32 scale times 2^8, then 32 e4m3 bytes. An e4m3 byte's sign bit moved
+ * to bit 15 and its exponent and mantissa bits shifted up by 7 make the fp16 of the same value times
+ * 2^-8 (fp16's exponent bias is 8 more than e4m3's; subnormals map onto subnormals), which F16C
+ * widens; the stored scale's 2^8 undoes the 2^-8. So a weight is d * value, rounded once, as
+ * `weight.float() * scale` is. Inputs stay fp32: fp8 values share no integer grid within a block. */
+static inline uint16_t e4m3_as_f16(uint8_t b) { return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7)); }
+
+void to_f32_e4m3(const Linear *m, int64_t r, float *out) {
+    const uint8_t *row = (const uint8_t *)m->data + r * m->row_bytes;
+    for (int64_t i = 0; i < m->k; i += 32, row += 36) {
+        float d;
+        memcpy(&d, row, sizeof d);
+        for (int j = 0; j < 32; j++) out[i + j] = d * f16_to_f32(e4m3_as_f16(row[4 + j]));
     }
 }
+
+/* out[b] = e4m3 row w . x[b] (fp32), b < NB: per block, the 32 products summed, then scaled. */
+static inline __attribute__((always_inline)) void dot_e4m3(const uint8_t *w, const float *x, int64_t ldx, int64_t k,
+                                                          const int NB, float *out) {
+    float s[QROWS] = {0};
+#if QUANT_SIMD
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
+    for (int64_t i = 0; i < k; i += 32, w += 36) {
+        float d;
+        memcpy(&d, w, sizeof d);
+        __m256 part[QROWS];
+        for (int b = 0; b < NB; b++) part[b] = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(w + 4 + 8 * c)));
+            const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, sign), 8),
+                                           _mm_slli_epi16(_mm_and_si128(v, mag), 7));
+            const __m256 wv = _mm256_cvtph_ps(h);
+            for (int b = 0; b < NB; b++) part[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i + 8 * c), part[b]);
+        }
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int b = 0; b < NB; b++) acc[b] = _mm256_fmadd_ps(part[b], dv, acc[b]);
+    }
+    for (int b = 0; b < NB; b++) s[b] = hsum_ps(acc[b]);
+#else
+    for (int64_t i = 0; i < k; i += 32, w += 36) {
+        float d;
+        memcpy(&d, w, sizeof d);
+        for (int b = 0; b < NB; b++) {
+            float p = 0.0f;
+            for (int j = 0; j < 32; j++) p += f16_to_f32(e4m3_as_f16(w[4 + j])) * x[b * ldx + i + j];
+            s[b] += d * p;
+        }
+    }
+#endif
+    for (int b = 0; b < NB; b++) out[b] = s[b];
+}
+
+/* The row loop of a format whose inputs stay fp32 (f16, e4m3): DOT(w, xb, ldx, k, NB, dot) on up
+ * to QROWS input rows per pass over a weight row. */
+#define DEFINE_FLOAT_LINEAR_ROWS(NAME, WTYPE, DOT)                                                              \
+    void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {              \
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m->n; r++) {                                \
+            const WTYPE *w = (const WTYPE *)((const uint8_t *)m->data + r * m->row_bytes);                      \
+            for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                      \
+                float dot[QROWS];                                                                               \
+                const float *xb = x + b0 * ldx;                                                                 \
+                const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                       \
+                switch (nb) {                                                                                   \
+                case 1: DOT(w, xb, ldx, m->k, 1, dot); break;                                                   \
+                case 2: DOT(w, xb, ldx, m->k, 2, dot); break;                                                   \
+                case 3: DOT(w, xb, ldx, m->k, 3, dot); break;                                                   \
+                default: DOT(w, xb, ldx, m->k, 4, dot); break;                                                  \
+                }                                                                                               \
+                for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f); \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+DEFINE_FLOAT_LINEAR_ROWS(linear_rows_f16, uint16_t, dot_f16)
+DEFINE_FLOAT_LINEAR_ROWS(linear_rows_e4m3, uint8_t, dot_e4m3)
 
 /* 1 where this build multiplies with the AVX2 vector code, 0 for the plain C one. */
 int64_t quant_simd(void) { return QUANT_SIMD; }

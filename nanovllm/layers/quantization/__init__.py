@@ -8,6 +8,7 @@ from torch import nn
 
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
                                                LinearMethodBase, QuantizationConfig, QuantizeMethodBase)
+from nanovllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from nanovllm.layers.quantization.gguf import ONLINE_FORMATS, GGUFConfig, OnlineQuantConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
                                                       UnquantizedLinearMethod)
@@ -26,6 +27,7 @@ def register_quantization_config(cls: type[QuantizationConfig]) -> type[Quantiza
 
 register_quantization_config(UnquantizedConfig)
 register_quantization_config(GGUFConfig)
+register_quantization_config(CompressedTensorsConfig)
 
 
 def quantization_methods() -> list[str]:

@@ -1,0 +1,108 @@
+"""Quantize a HuggingFace folder with llm-compressor (the tool vLLM users quantize with), data-free:
+oneshot with a QuantizationModifier over every Linear but lm_head, saved compressed
+(compressed-tensors' pack-quantized / float-quantized formats), tokenizer files copied; and the
+reference outputs of such a folder from transformers with the compressed-tensors version that
+wrote it.
+
+    python scripts/llmcompressor_quantize.py quantize SRC OUT SCHEME [SCHEME ...] [--dtype bfloat16]
+        -> OUT/SCHEME for each scheme
+    python scripts/llmcompressor_quantize.py reference DIR PROMPTS_JSON MAX_TOKENS OUT
+        -> OUT.json (greedy tokens) and OUT.safetensors (per prompt: the
+           generated steps' logits and the prompt's log-probabilities), in fp32
+
+SCHEME: one of llm-compressor's preset names (W8A16, W4A16, W4A16_ASYM, FP8_DYNAMIC, ...) or a
+weights-only scheme spelled out: `int{4|8}-{sym|asym}-{channel|group<N>}` or
+`fp8-{tensor|channel|block<N>}`.
+llm-compressor pins a transformers older than the project's, so this runs in its own virtual
+environment (scripts/llmcompressor_env.sh makes it); nothing of the project is imported."""
+import argparse
+import glob
+import json
+import os
+import shutil
+
+import torch
+
+
+def scheme_of(name: str):
+    """A preset name as it is, or a spelled-out weights-only scheme as config_groups."""
+    if not name.startswith(("int", "fp8-")):
+        return name
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    if name.startswith("fp8-"):
+        strategy = name[4:]
+        block = [int(strategy[5:])] * 2 if strategy.startswith("block") else None
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block" if block else strategy,
+                                block_structure=block)
+    else:
+        bits, sym, strategy = name[3:].split("-")
+        group = int(strategy[5:]) if strategy.startswith("group") else None
+        args = QuantizationArgs(num_bits=int(bits), type="int", symmetric=sym == "sym",
+                                strategy="group" if group else "channel", group_size=group)
+    return {"custom": QuantizationScheme(targets=["Linear"], weights=args)}
+
+
+def quantize(src: str, out: str, schemes: list[str], dtype: str) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    for name in schemes:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
+        scheme = scheme_of(name)
+        if isinstance(scheme, str):
+            modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        else:
+            modifier = QuantizationModifier(config_groups=scheme, ignore=["lm_head"])
+        oneshot(model=model, recipe=modifier)
+        dst = os.path.join(out, name)
+        model.save_pretrained(dst, save_compressed=True)
+        for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template*",
+                        "generation_config.json"):
+            for file in glob.glob(os.path.join(src, pattern)):
+                shutil.copy(file, dst)
+
+
+def reference(path: str, prompts: list[list[int]], max_tokens: int, out_prefix: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    tokens, tensors = [], {}
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+            prompt_logits = model(ids).logits[0, :-1].float()
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        tensors[f"logits.{i}"] = torch.stack(out.logits, 0)[:, 0].float().contiguous()
+        tensors[f"prompt_logprobs.{i}"] = torch.log_softmax(prompt_logits, -1).contiguous()
+    save_file(tensors, f"{out_prefix}.safetensors")
+    with open(f"{out_prefix}.json", "w") as f:
+        json.dump({"prompts": prompts, "tokens": tokens}, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize")
+    q.add_argument("src")
+    q.add_argument("out")
+    q.add_argument("schemes", nargs="+")
+    q.add_argument("--dtype", default="bfloat16")
+    r = sub.add_parser("reference")
+    r.add_argument("path")
+    r.add_argument("prompts")
+    r.add_argument("max_tokens", type=int)
+    r.add_argument("out")
+    args = parser.parse_args()
+    if args.command == "quantize":
+        quantize(args.src, args.out, args.schemes, args.dtype)
+    else:
+        reference(args.path, json.loads(args.prompts), args.max_tokens, args.out)
+
+
+if __name__ == "__main__":
+    main()
