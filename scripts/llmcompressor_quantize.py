@@ -6,8 +6,8 @@ wrote it.
 
     python scripts/llmcompressor_quantize.py quantize SRC OUT SCHEME [SCHEME ...] [--dtype bfloat16]
         -> OUT/SCHEME for each scheme
-    python scripts/llmcompressor_quantize.py reference DIR PROMPTS_JSON MAX_TOKENS OUT
-        -> OUT.json (greedy tokens) and OUT.safetensors (per prompt: the
+    python scripts/llmcompressor_quantize.py reference PROMPTS_JSON MAX_TOKENS DIR [DIR ...]
+        -> DIR.ref.json (greedy tokens) and DIR.ref.safetensors (per prompt: the
            generated steps' logits and the prompt's log-probabilities), in fp32
 
 SCHEME: one of llm-compressor's preset names (W8A16, W4A16, W4A16_ASYM, FP8_DYNAMIC, ...) or a
@@ -63,7 +63,7 @@ def quantize(src: str, out: str, schemes: list[str], dtype: str) -> None:
                 shutil.copy(file, dst)
 
 
-def reference(path: str, prompts: list[list[int]], max_tokens: int, out_prefix: str) -> None:
+def reference(path: str, prompts: list[list[int]], max_tokens: int) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -79,8 +79,8 @@ def reference(path: str, prompts: list[list[int]], max_tokens: int, out_prefix: 
         tokens.append(out.sequences[0, len(prompt):].tolist())
         tensors[f"logits.{i}"] = torch.stack(out.logits, 0)[:, 0].float().contiguous()
         tensors[f"prompt_logprobs.{i}"] = torch.log_softmax(prompt_logits, -1).contiguous()
-    save_file(tensors, f"{out_prefix}.safetensors")
-    with open(f"{out_prefix}.json", "w") as f:
+    save_file(tensors, f"{path}.ref.safetensors")
+    with open(f"{path}.ref.json", "w") as f:
         json.dump({"prompts": prompts, "tokens": tokens}, f)
 
 
@@ -93,15 +93,15 @@ def main() -> None:
     q.add_argument("schemes", nargs="+")
     q.add_argument("--dtype", default="bfloat16")
     r = sub.add_parser("reference")
-    r.add_argument("path")
     r.add_argument("prompts")
     r.add_argument("max_tokens", type=int)
-    r.add_argument("out")
+    r.add_argument("paths", nargs="+")
     args = parser.parse_args()
     if args.command == "quantize":
         quantize(args.src, args.out, args.schemes, args.dtype)
     else:
-        reference(args.path, json.loads(args.prompts), args.max_tokens, args.out)
+        for path in args.paths:
+            reference(path.rstrip("/"), json.loads(args.prompts), args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ from torch import nn
 
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
                                                LinearMethodBase, QuantizationConfig, QuantizeMethodBase)
+from nanovllm.layers.quantization.awq import AWQConfig
 from nanovllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from nanovllm.layers.quantization.fp8 import Fp8Config
 from nanovllm.layers.quantization.gguf import ONLINE_FORMATS, GGUFConfig, OnlineQuantConfig
+from nanovllm.layers.quantization.gptq import GPTQConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
                                                       UnquantizedLinearMethod)
 
@@ -28,6 +31,9 @@ def register_quantization_config(cls: type[QuantizationConfig]) -> type[Quantiza
 register_quantization_config(UnquantizedConfig)
 register_quantization_config(GGUFConfig)
 register_quantization_config(CompressedTensorsConfig)
+register_quantization_config(GPTQConfig)
+register_quantization_config(AWQConfig)
+register_quantization_config(Fp8Config)
 
 
 def quantization_methods() -> list[str]:
