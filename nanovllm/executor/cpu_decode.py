@@ -197,7 +197,9 @@ class FusedDecode:
         have views), the other layers through run_layer."""
         rows, hidden_size = input_ids.shape[0], self.desc.hidden
         ids = input_ids.to(torch.int64).contiguous()
-        hidden = self.embed(ids).contiguous() if not self.embed_in_c else torch.empty(rows, hidden_size)
+        # The C call looks the ids up only when it runs the first layer.
+        embed_in_c = self.embed_in_c and self.segments[0][2]
+        hidden = self.embed(ids).contiguous() if not embed_in_c else torch.empty(rows, hidden_size)
         resid = torch.empty(rows, hidden_size)
         started = False
         for first, end, in_c in self.segments:
@@ -209,7 +211,7 @@ class FusedDecode:
             logits = (torch.empty(rows, self.desc.head.n) if end == len(self.modules) and self.head_in_c
                       else None)
             failed = self.kernels.decode_layers(
-                ctypes.byref(self.desc), step_ref, ids.data_ptr() if first == 0 and self.embed_in_c else None,
+                ctypes.byref(self.desc), step_ref, ids.data_ptr() if first == 0 and embed_in_c else None,
                 first, end, hidden.data_ptr(), resid.data_ptr(), started,
                 None if logits is None else logits.data_ptr(), torch.get_num_threads())
             if failed == 2:
