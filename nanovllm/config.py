@@ -141,7 +141,8 @@ class Config:
         self.platform = get_platform(self.device)  # raises on an unknown or absent device
         self.device = self.platform.device_name
         from nanovllm.loader.gguf import is_gguf_path
-        if self.device != "cpu" and (self.quantization is not None or is_gguf_path(self.model)):
+        from nanovllm.layers.quantization import ONLINE_FORMATS
+        if self.device != "cpu" and (self.quantization in ONLINE_FORMATS or is_gguf_path(self.model)):
             what = "a GGUF file" if self.quantization is None else f"quantization={self.quantization!r}"
             raise ValueError(f"{what} runs on the CPU kernels only for now; pass device='cpu' "
                              "(or a dense HF folder on a GPU)")
@@ -191,8 +192,8 @@ class Config:
             raise ValueError(f"give dist_init_addr ({self.dist_init_addr!r}) or dist_port ({self.dist_port}), "
                              "not both: the address holds the port")
         self.platform.check_tensor_parallel_size(tp // self.nnodes)  # the ranks of one node
-        from nanovllm.layers.quantization.gguf import check_tensor_parallel
-        check_tensor_parallel(self.model, self.hf_config, self.quantization, tp)  # block formats split on blocks
+        from nanovllm.layers.quantization import check_tensor_parallel
+        check_tensor_parallel(self.model, self.hf_config, self.quantization, tp)  # blocks and groups split whole
         if self.dist_port is not None:
             _positive_int("dist_port", self.dist_port)
             if self.dist_port > 65535:

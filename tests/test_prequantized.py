@@ -334,3 +334,136 @@ def test_written_formats(written, case):
             assert torch.equal(held_weight(layer_at(llm, layer)), ref), (case, layer)
         worst = check_against_reference(llm, dense)
     assert worst < (1e-4 if held == "e4m3" else 5e-3), worst
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------------
+def greedy(llm) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    return [o["token_ids"] for o in outs]
+
+
+def test_tensor_parallel_equals_one_rank(ct_folders, written):
+    """TP=2 shards the packed tensors (zero points packed along the outputs, scales by groups,
+    g_idx with every rank loading all groups' scales) and gives TP=1's tokens."""
+    for folder in (ct_folders["W4A16_ASYM"], written["gptq-4bit-g64-desc_act"][0], written["fp8-tensor"][0]):
+        with LLM(folder, max_num_seqs=4, max_model_len=256) as llm:
+            one = greedy(llm)
+        with LLM(folder, max_num_seqs=4, max_model_len=256, tensor_parallel_size=2) as llm:
+            assert greedy(llm) == one, folder
+
+
+def test_a_split_that_cuts_a_group_is_refused(written, tmp_path):
+    """Refused before any rank starts, naming the layer: AWQ groups of 64 over down_proj's 256
+    inputs are 4 groups, which 8 ranks would cut; fp8 blocks of 128 outputs over k_proj's 128
+    outputs are one block, which 2 ranks would cut."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 would split the inputs of "
+                                         r"model.layers.0.mlp.down_proj \(4 quantization groups\)"):
+        LLM(written["awq-4bit-g64"][0], tensor_parallel_size=8)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 would split the outputs of "
+                                         r"model.layers.0.self_attn.k_proj \(1 quantization blocks\)"):
+        LLM(written["fp8-block128"][0], tensor_parallel_size=2)
+
+
+# ---- without the C kernels (as on a GPU): dequantized once into the model dtype --------------------
+def test_without_c_kernels_the_weights_are_dequantized(written, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # as where the C kernels cannot be built
+    folder, dense = written["gptq-4bit-g128-sym"]
+    with LLM(folder, max_num_seqs=4, max_model_len=256) as llm:
+        names = llm_names(llm)
+        assert "GPTQ 4-bit as oneDNN-packed" in names and "C kernel" not in names, names
+        # the dense weights the definition gives, multiplied in fp32 as transformers multiplies them
+        assert check_against_reference(llm, dense) < 1e-4
+
+
+# ---- bad input: refused before the model is built ---------------------------------------------------
+def edited(folder: str, dst: Path, qc_edit=None, drop: str | None = None) -> str:
+    """A copy of folder with its quantization_config edited and / or one tensor dropped."""
+    subprocess.run(["cp", "-r", folder, str(dst)], check=True)
+    config = json.load(open(dst / "config.json"))
+    if qc_edit:
+        qc_edit(config["quantization_config"])
+    json.dump(config, open(dst / "config.json", "w"))
+    if drop:
+        tensors = load_file(str(dst / "model.safetensors"))
+        del tensors[drop]
+        save_file(tensors, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+def test_bad_checkpoints_are_refused_before_anything_is_allocated(ct_folders, written, tmp_path, monkeypatch):
+    from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "__init__", built)
+    gptq, awq, ct = written["gptq-4bit-g128-sym"][0], written["awq-4bit-g64"][0], ct_folders["W4A16_ASYM"]
+    cases = [
+        (gptq, dict(qc_edit=lambda qc: qc.update(quant_method="bitsandbytes")),
+         r"quantization method 'bitsandbytes' \(config.json quantization_config.quant_method\) is not supported"),
+        (gptq, dict(qc_edit=lambda qc: qc.update(bits=3)), r"GPTQ with 3-bit weights is not supported \(4 or 8\)"),
+        (awq, dict(qc_edit=lambda qc: qc.update(version="gemv")), r"AWQ version 'gemv' is not supported"),
+        (ct, dict(qc_edit=lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="tensor")),
+         r"scheme 'group_0': strategy 'tensor' is not supported for int weights \(channel, group\)"),
+        (ct, dict(qc_edit=lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=2)),
+         r"scheme 'group_0': 2-bit int weights are not supported"),
+        (ct, dict(drop="model.layers.1.mlp.up_proj.weight_scale"),
+         r"model.layers.1.mlp.up_proj: compressed-tensors 4-bit int pack-quantized weights need tensors "
+         r"\['weight_packed', 'weight_scale', 'weight_shape', 'weight_zero_point'\]; the checkpoint has no "
+         r"\['model.layers.1.mlp.up_proj.weight_scale'\]"),
+        (gptq, dict(drop="model.layers.0.self_attn.k_proj.qzeros"),
+         r"model.layers.0.self_attn.k_proj: GPTQ 4-bit weights need tensors \['qweight', 'qzeros', 'scales'\]"),
+    ]
+    for i, (folder, edit, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            LLM(edited(folder, tmp_path / f"case{i}", **edit))
+
+
+def test_quantization_argument_names_the_checkpoints_own_format(written, tmp_path):
+    folder, dense = written["awq-4bit-g64"]
+    with LLM(folder, quantization="awq", max_num_seqs=4, max_model_len=256) as llm:
+        assert "AWQ 4-bit as q5_0" in llm_names(llm)
+    with pytest.raises(ValueError, match=r"quantization='gptq' names a pre-quantized format, but config.json's "
+                                         r"quantization_config names 'awq'"):
+        LLM(folder, quantization="gptq")
+    with pytest.raises(ValueError, match=r"quantization='fp8' names a pre-quantized format, but the checkpoint has "
+                                         r"no quantization_config"):
+        LLM(dense, quantization="fp8")
+
+
+def llm_names(llm) -> str:
+    return ", ".join(sorted({layer.quant_method.name for layer in linear_layers(model_of(llm))}))
+
+
+# ---- the default model, quantized by llm-compressor --------------------------------------------------
+# SmolLM2-135M's 576 inputs are not whole groups of 128 (the presets' W4A16 / W8A16): the same
+# schemes with groups of 64.
+DEFAULT_SCHEMES = {"int4-sym-group64": "q4_0", "int8-sym-group64": "q8_0"}
+
+
+@pytest.fixture(scope="module")
+def default_quantized(llmcompressor, tmp_path_factory) -> dict[str, str]:
+    from nanovllm.utils import default_model as dm
+    cache = Path(os.environ.get(dm.CACHE_ENV) or REPO / ".cache" / "nanovllm")
+    src = dm.default_model_path(cache)
+    root = tmp_path_factory.mktemp("default_quantized")
+    run_llmcompressor(llmcompressor, "quantize", src, str(root), *DEFAULT_SCHEMES)
+    return {s: str(root / s) for s in DEFAULT_SCHEMES}
+
+
+@pytest.mark.parametrize("scheme", sorted(DEFAULT_SCHEMES))
+def test_default_model_quantized_by_llmcompressor(default_quantized, scheme):
+    import perplexity as ppl
+    from transformers import AutoModelForCausalLM
+    from test_gguf import TEXT, hf_perplexity
+    folder = default_quantized[scheme]
+    with LLM(folder, max_num_seqs=8, max_model_len=512) as llm:
+        names = {layer.quant_method.name for layer in linear_layers(model_of(llm)) if layer.prefix != "lm_head"}
+        assert all(f" as {DEFAULT_SCHEMES[scheme]} (C kernel)" in n for n in names), names
+        chunks = ppl.chunks_of(llm.tokenizer, TEXT)
+        ours = ppl.our_perplexity(llm, chunks)
+        prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
+    ref = hf_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), chunks)
+    assert abs(ours / ref - 1) < 0.02, (ours, ref)
+    assert "Paris" in answer, answer

@@ -13,6 +13,7 @@ from nanovllm.layers.quantization.compressed_tensors import CompressedTensorsCon
 from nanovllm.layers.quantization.fp8 import Fp8Config
 from nanovllm.layers.quantization.gguf import ONLINE_FORMATS, GGUFConfig, OnlineQuantConfig
 from nanovllm.layers.quantization.gptq import GPTQConfig
+from nanovllm.layers.quantization.prequantized import PrequantizedConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
                                                       UnquantizedLinearMethod)
 
@@ -52,43 +53,74 @@ def quant_method_of(hf_config: Any) -> str | None:
     return method.lower()
 
 
-def check_quantization(path: str, hf_config: Any, quantization: str | None) -> None:
-    """ValueError unless `quantization=` (None: the checkpoint's own format) can apply to the checkpoint."""
-    if quantization is None:
-        return
-    if not isinstance(quantization, str):
-        raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__} {quantization!r}")
+def prequantized_methods() -> list[str]:
+    """The formats of checkpoints quantized by an outside tool (config.json names them)."""
+    return sorted(name for name, cls in _REGISTRY.items() if issubclass(cls, PrequantizedConfig))
+
+
+def check_quantization(path: str, hf_config: Any, quantization: str | None) -> QuantizationConfig | None:
+    """ValueError unless `quantization=` (None: the checkpoint's own format) can apply to the
+    checkpoint; a pre-quantized checkpoint's config and tensor index are checked here too, before
+    any rank starts or any weight is allocated (returns that config)."""
     from nanovllm.loader.gguf import is_gguf_path
+    if quantization is not None and not isinstance(quantization, str):
+        raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__} {quantization!r}")
     if is_gguf_path(path):
-        raise ValueError(f"quantization={quantization!r} cannot apply to a GGUF file, whose tensors keep the "
-                         "formats the file stores them in; leave quantization unset")
-    if quantization not in ONLINE_FORMATS:
-        raise ValueError(f"quantization {quantization!r} is not supported; choose one of {list(ONLINE_FORMATS)} "
-                         "(or leave it unset)")
-    if quant_method_of(hf_config) is not None:
-        raise ValueError(f"the checkpoint is already quantized ({quant_method_of(hf_config)}); "
-                         f"quantization={quantization!r} applies to dense checkpoints only")
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} cannot apply to a GGUF file, whose tensors keep the "
+                             "formats the file stores them in; leave quantization unset")
+        return None
+    method = quant_method_of(hf_config)
+    if quantization in prequantized_methods():
+        if method != quantization:  # vLLM's rule: the argument may only confirm the checkpoint's own method
+            raise ValueError(f"quantization={quantization!r} names a pre-quantized format, but config.json's "
+                             f"quantization_config names {method!r}" if method else
+                             f"quantization={quantization!r} names a pre-quantized format, but the checkpoint has no "
+                             "quantization_config (a dense checkpoint); leave quantization unset, or choose one of "
+                             f"{list(ONLINE_FORMATS)} to quantize it at load")
+    elif quantization is not None:
+        if quantization not in ONLINE_FORMATS:
+            raise ValueError(f"quantization {quantization!r} is not supported; choose one of {list(ONLINE_FORMATS)} "
+                             f"to quantize a dense checkpoint at load, or {prequantized_methods()} naming a "
+                             "pre-quantized checkpoint's own format (or leave it unset)")
+        if method is not None:
+            raise ValueError(f"the checkpoint is already quantized ({method}); "
+                             f"quantization={quantization!r} applies to dense checkpoints only")
+    if method is None:
+        return None
+    cls = _REGISTRY.get(method)
+    if cls is None:
+        raise ValueError(f"quantization method {method!r} (config.json quantization_config.quant_method) is not "
+                         f"supported; supported: {prequantized_methods()}")
+    config = cls.from_model(path, hf_config)
+    if config is None:
+        raise ValueError(f"config.json of {path!r} names quantization method {method!r}, but {cls.__name__} "
+                         "does not recognise the checkpoint's quantization_config")
+    return config
+
+
+def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, tp_size: int) -> None:
+    """Before any rank starts: every row-parallel weight splits over tp_size ranks whole (on block
+    boundaries for block formats, on group boundaries for pre-quantized checkpoints)."""
+    from nanovllm.layers.quantization.gguf import check_tensor_parallel as check_blocks
+    check_blocks(path, hf_config, quantization, tp_size)
+    config = check_quantization(path, hf_config, quantization)
+    if isinstance(config, PrequantizedConfig):
+        config.check_tensor_parallel(tp_size)
 
 
 def quant_config_for_model(path: str, hf_config: Any, quantization: str | None = None) -> QuantizationConfig:
     """The weight format of the checkpoint at path: a GGUF file's own, the one its config.json
     names, or, with quantization= ("q8_0", ...), a dense checkpoint quantized at load."""
     from nanovllm.loader.gguf import is_gguf_path
-    check_quantization(path, hf_config, quantization)
-    if quantization is not None:
+    config = check_quantization(path, hf_config, quantization)
+    if config is not None:
+        return config
+    if quantization is not None and quantization in ONLINE_FORMATS:
         return OnlineQuantConfig(quantization)
     if is_gguf_path(path):
         return GGUFConfig.from_model(path, hf_config)
-    method = quant_method_of(hf_config) or UnquantizedConfig.name
-    cls = _REGISTRY.get(method)
-    if cls is None:
-        raise ValueError(f"quantization method {method!r} (config.json quantization_config.quant_method) is not "
-                         f"supported; supported: {quantization_methods()}")
-    config = cls.from_model(path, hf_config)
-    if config is None:
-        raise ValueError(f"config.json of {path!r} names quantization method {method!r}, but {cls.__name__} "
-                         "does not recognise the checkpoint's quantization_config")
-    return config
+    return UnquantizedConfig()
 
 
 def _method_of(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str,
@@ -143,9 +175,9 @@ def describe_linear_methods(model: nn.Module) -> str:
     return ", ".join(sorted({layer.quant_method.name for layer in linear_layers(model)})) or "dense"
 
 
-__all__ = ["ONLINE_FORMATS", "CWeightView", "GGUFConfig", "OnlineQuantConfig", "check_quantization", "EmbeddingMethodBase",
+__all__ = ["ONLINE_FORMATS", "CWeightView", "GGUFConfig", "OnlineQuantConfig", "check_quantization", "check_tensor_parallel", "EmbeddingMethodBase",
            "FusedMoEMethodBase", "LinearKernels", "moe_method_for", "LinearMethodBase", "QuantizationConfig",
            "QuantizeMethodBase", "UnquantizedConfig", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod",
            "describe_linear_methods", "embedding_method_for", "linear_layers", "linear_method_for",
-           "process_weights_after_loading", "quant_config_for_model", "quant_method_of", "quantization_methods",
+           "process_weights_after_loading", "quant_config_for_model", "quant_method_of", "quantization_methods", "prequantized_methods",
            "quantized_layers", "register_quantization_config"]

@@ -49,6 +49,10 @@ class AWQConfig(PrequantizedConfig):
     def method(self, scheme: Any, layer: nn.Module, modules: list[str]) -> WeightOnlyLinearMethod:
         return AWQLinearMethod(self.group_size)
 
+    def input_groups(self, module: str) -> int | None:
+        scales = self.header.get(f"{module}.scales")
+        return None if scales is None else scales[1][0]
+
     def check_checkpoint(self) -> None:
         for module in self.modules_with("qweight"):
             self.require(module, "AWQ 4-bit", ["qweight", "qzeros", "scales"])

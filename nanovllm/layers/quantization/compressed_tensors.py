@@ -131,6 +131,16 @@ class CompressedTensorsConfig(PrequantizedConfig):
     def method(self, scheme: Scheme, layer: nn.Module, modules: list[str]) -> WeightOnlyLinearMethod:
         return CompressedTensorsLinearMethod(scheme)
 
+    def input_groups(self, module: str) -> int | None:
+        scheme, scale = self.scheme_for(module), self.header.get(f"{module}.weight_scale")
+        if scheme is None or scale is None or scheme.strategy not in ("group", "block") or scheme.actorder:
+            return None
+        return scale[1][1]
+
+    def output_blocks(self, module: str) -> int | None:
+        scheme, scale = self.scheme_for(module), self.header.get(f"{module}.weight_scale")
+        return scale[1][0] if scheme is not None and scale is not None and scheme.strategy == "block" else None
+
     def check_checkpoint(self) -> None:
         modules = {n.rsplit(".", 1)[0] for n in self.header
                    if n.endswith((".weight_packed", ".weight_scale", ".weight_zero_point"))}

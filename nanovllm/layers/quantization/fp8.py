@@ -49,6 +49,14 @@ class Fp8Config(PrequantizedConfig):
     def method(self, scheme: Any, layer: nn.Module, modules: list[str]) -> WeightOnlyLinearMethod:
         return Fp8LinearMethod(self.block, all(f"{m}.input_scale" in self.header for m in modules))
 
+    def input_groups(self, module: str) -> int | None:
+        scales = self.header.get(f"{module}.weight_scale_inv")
+        return None if scales is None else scales[1][1]
+
+    def output_blocks(self, module: str) -> int | None:
+        scales = self.header.get(f"{module}.weight_scale_inv")
+        return None if scales is None else scales[1][0]
+
     def check_checkpoint(self) -> None:
         scale = "weight_scale_inv" if self.block else "weight_scale"
         for module in sorted({n.rsplit(".", 1)[0] for n in self.header if n.endswith((".weight_scale", ".weight_scale_inv"))}):

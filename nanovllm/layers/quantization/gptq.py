@@ -46,6 +46,10 @@ class GPTQConfig(PrequantizedConfig):
     def method(self, scheme: Any, layer: nn.Module, modules: list[str]) -> WeightOnlyLinearMethod:
         return GPTQLinearMethod(self, all(f"{m}.g_idx" in self.header for m in modules))
 
+    def input_groups(self, module: str) -> int | None:
+        scales = self.header.get(f"{module}.scales")
+        return None if scales is None or self.group_size <= 0 or self.desc_act else scales[1][0]
+
     def check_checkpoint(self) -> None:
         for module in self.modules_with("qweight"):
             self.require(module, f"GPTQ {self.bits}-bit", ["qweight", "qzeros", "scales"] + ["g_idx"] * self.desc_act)

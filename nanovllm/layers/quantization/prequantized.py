@@ -12,6 +12,9 @@ from torch import nn
 
 from nanovllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
+# The modules whose inputs tensor parallelism splits (row-parallel), by their checkpoint names.
+ROW_PARALLEL = ("self_attn.o_proj", "down_proj")
+
 
 def checkpoint_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (safetensors dtype, shape) of every tensor in path/*.safetensors, from the headers."""
@@ -75,6 +78,29 @@ class PrequantizedConfig(QuantizationConfig):
 
     def check_checkpoint(self) -> None:
         """ValueError naming the first module whose tensors do not make up its scheme."""
+
+    def input_groups(self, module: str) -> int | None:
+        """How many groups of inputs share a scale in a module (None: one scale spans all its inputs,
+        or its groups are scattered over the inputs, which any split keeps whole)."""
+        return None
+
+    def output_blocks(self, module: str) -> int | None:
+        """How many blocks of outputs share scales in a module (block-scaled fp8), or None."""
+        return None
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """ValueError naming the first module whose groups of inputs (row-parallel layers) or blocks
+        of outputs (column-parallel) tp_size ranks would cut."""
+        if tp_size == 1:
+            return
+        for module in sorted({name.rsplit(".", 1)[0] for name in self.header}):
+            row = module.endswith(ROW_PARALLEL)
+            count = self.input_groups(module) if row else self.output_blocks(module)
+            if count and count % tp_size:
+                what = "inputs" if row else "outputs"
+                raise ValueError(f"tensor_parallel_size={tp_size} would split the {what} of {module} ({count} "
+                                 f"quantization {'groups' if row else 'blocks'}) into parts that cut one; use a "
+                                 f"tensor_parallel_size that divides {count}")
 
     def require(self, module: str, what: str, names: list[str]) -> None:
         """ValueError unless the checkpoint has module.<name> for every name."""

@@ -248,6 +248,10 @@ class WeightOnlyLinearMethod(LinearMethodBase):
         if kernels.c_kernels is not None:
             logger.info("%s: no block format holds its %s weights exactly; held dense (fp32)",
                         layer.prefix, self.format_name)
+        elif not getattr(WeightOnlyLinearMethod, "said_dense", False):
+            WeightOnlyLinearMethod.said_dense = True
+            logger.warning("no kernels for %s weights here (a GPU, or no C kernels): dequantized once to %s",
+                           self.format_name, str(dtype).removeprefix("torch."))
         layer.register_weight("weight", qw.dequantize().to(dtype), output_dim=0, input_dim=1)
         return UnquantizedLinearMethod()
 
