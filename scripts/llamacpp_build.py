@@ -191,17 +191,21 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
 PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 
 
-def quantize_gguf(cache: Path, bins: dict[str, Path], source: Path, preset: str) -> Path:
+def quantize_gguf(cache: Path, bins: dict[str, Path], source: Path, preset: str, embedding_type: str | None = None) -> Path:
     """source (an F32 GGUF) written by llama.cpp's own llama-quantize in a preset of PRESETS,
-    cached beside it (…-<preset>.gguf)."""
+    cached beside it (…-<preset>.gguf); embedding_type: the token embedding (and a tied LM head)
+    in that type instead (llama-quantize --token-embedding-type, …-<preset>-embd-<type>.gguf)."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    out = source.with_name(source.name.replace("-f32.gguf", f"-lq-{preset}.gguf"))
+    suffix = f"-lq-{preset}" + (f"-embd-{embedding_type}" if embedding_type else "")
+    out = source.with_name(source.name.replace("-f32.gguf", f"{suffix}.gguf"))
     if out.is_file():
         return out
     tmp = out.with_name(f".{out.name}.tmp")
     print(f"llama-quantize {source.name} -> {out.name} (once) ...", flush=True)
-    run_step(f"llama-quantize {PRESETS[preset]}", [str(bins["llama-quantize"]), str(source), str(tmp), PRESETS[preset]],
+    extra = ["--token-embedding-type", embedding_type, "--output-tensor-type", embedding_type] if embedding_type else []
+    run_step(f"llama-quantize {PRESETS[preset]}",
+             [str(bins["llama-quantize"]), *extra, str(source), str(tmp), PRESETS[preset]],
              work_dir(cache) / "logs" / f"quantize-{out.stem}.log")
     os.replace(tmp, out)
     return out
