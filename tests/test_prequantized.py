@@ -467,3 +467,42 @@ def test_default_model_quantized_by_llmcompressor(default_quantized, scheme):
     ref = hf_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), chunks)
     assert abs(ours / ref - 1) < 0.02, (ours, ref)
     assert "Paris" in answer, answer
+
+
+# ---- the Triton kernels (CUDA), here under the Triton interpreter ------------------------------------
+TRITON_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_prequantized import LLM, check_against_reference, llm_names
+with LLM({folder!r}, max_num_seqs=4, max_model_len=256, enforce_eager=True) as llm:
+    names = llm_names(llm)
+    worst = check_against_reference(llm, {reference!r})
+print(json.dumps({{"names": names, "worst": worst}}))
+"""
+
+
+@pytest.mark.parametrize("case", ["gptq-4bit-g64-desc_act", "fp8-block128", "ct-W8A16"])
+def test_triton_kernels_through_the_engine(written, ct_folders, case):
+    """The layers a GPU runs: the Triton weight-only kernel behind each linear (forced on this CPU,
+    under TRITON_INTERPRET=1), against the same references as the C kernels."""
+    pytest.importorskip("triton")
+    folder, reference = (ct_folders["W8A16"],) * 2 if case.startswith("ct-") else written[case]
+    code = TRITON_RUN.format(tests=str(REPO / "tests"), folder=folder, reference=reference)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "NANOVLLM_TRITON_WEIGHT_ONLY": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    kind = {"gptq-4bit-g64-desc_act": "int4 (Triton kernel, inputs by g_idx)", "fp8-block128": "fp8 (Triton kernel)",
+            "ct-W8A16": "int8 (Triton kernel)"}[case]
+    assert kind in result["names"], result["names"]
+    assert result["worst"] < 1e-3, result  # fp32 inputs, fp32 products: only the order of sums differs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
+@pytest.mark.parametrize("case", ["gptq-4bit-g64-desc_act", "awq-4bit-g64", "fp8-tensor"])
+def test_on_a_gpu_the_triton_kernels_run_the_checkpoints(written, case):
+    folder, dense = written[case]
+    with LLM(folder, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=256) as llm:
+        assert "(Triton kernel" in llm_names(llm), llm_names(llm)
+        # tl.dot's fp32 inputs round to tf32 on the GPU
+        assert check_against_reference(llm, dense) < 0.05

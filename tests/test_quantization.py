@@ -149,7 +149,7 @@ def test_unknown_quant_method_is_a_clear_error(qwen3_gqa, tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match=r"quantization method 'no_such_format' .* is not supported; "
-                                         r"supported: \[.*'unquantized'"):
+                                         r"supported: \[.*'compressed-tensors'.*'gptq'"):
         LLM(path, max_model_len=64, cpu_kvcache_bytes=1 << 22)
 
 

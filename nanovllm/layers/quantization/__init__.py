@@ -175,9 +175,10 @@ def describe_linear_methods(model: nn.Module) -> str:
     return ", ".join(sorted({layer.quant_method.name for layer in linear_layers(model)})) or "dense"
 
 
-__all__ = ["ONLINE_FORMATS", "CWeightView", "GGUFConfig", "OnlineQuantConfig", "check_quantization", "check_tensor_parallel", "EmbeddingMethodBase",
-           "FusedMoEMethodBase", "LinearKernels", "moe_method_for", "LinearMethodBase", "QuantizationConfig",
-           "QuantizeMethodBase", "UnquantizedConfig", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod",
-           "describe_linear_methods", "embedding_method_for", "linear_layers", "linear_method_for",
-           "process_weights_after_loading", "quant_config_for_model", "quant_method_of", "quantization_methods", "prequantized_methods",
-           "quantized_layers", "register_quantization_config"]
+__all__ = [
+    "CWeightView", "EmbeddingMethodBase", "FusedMoEMethodBase", "GGUFConfig", "LinearKernels", "LinearMethodBase",
+    "ONLINE_FORMATS", "OnlineQuantConfig", "QuantizationConfig", "QuantizeMethodBase", "UnquantizedConfig",
+    "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod", "check_quantization", "check_tensor_parallel",
+    "describe_linear_methods", "embedding_method_for", "linear_layers", "linear_method_for", "moe_method_for",
+    "prequantized_methods", "process_weights_after_loading", "quant_config_for_model", "quant_method_of",
+    "quantization_methods", "quantized_layers", "register_quantization_config"]

@@ -20,6 +20,7 @@ permuted at load so that each group's inputs are adjacent, and the layer's input
 same way before its kernel. Without the C kernels (a GPU) the weight is dequantized into the
 model dtype."""
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ from nanovllm.layers.quantization.parameter import tagged_parameter
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # inputs per block of the block formats below
+# "1": the Triton kernels also on a CPU (under TRITON_INTERPRET=1: how the tests run them without a GPU)
+TRITON_ENV = "NANOVLLM_TRITON_WEIGHT_ONLY"
 
 
 @dataclass
@@ -45,7 +48,7 @@ class QuantizedWeight:
 
     def group_ids(self) -> torch.Tensor:
         k = self.values.shape[1]
-        return self.g_idx if self.g_idx is not None else torch.arange(k) // self.group
+        return self.g_idx if self.g_idx is not None else torch.arange(k, device=self.values.device) // self.group
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [n, k], by the definition above."""
@@ -78,11 +81,12 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: list[int] | N
     """int32 words holding 32 / bits unsigned values each (the lowest bits first, or value order[j]
     in the j-th lowest bits) along dim, as int32 values."""
     per = 32 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     words = packed.to(torch.int32).movedim(dim, -1)
     values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)   # [..., words, per]: the j-th lowest bits
     if order is not None:
-        values = values[..., torch.tensor(order).argsort()]        # value j sits in position order.index(j)
+        # value j sits in position order.index(j)
+        values = values[..., torch.tensor(order, device=packed.device).argsort()]
     return values.reshape(*words.shape[:-1], -1).movedim(-1, dim)
 
 
@@ -237,6 +241,10 @@ class WeightOnlyLinearMethod(LinearMethodBase):
         """Register layer.weight in the form a method multiplies from; that method."""
         from nanovllm.layers.quantization.gguf import GGUFLinearMethod
         from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
+        if qw.values.is_cuda or os.environ.get(TRITON_ENV) == "1":
+            inner = triton_method(layer, qw, self.format_name)
+            if inner is not None:
+                return inner
         held = to_blocks(qw) if kernels.c_kernels is not None else None
         if held is not None:
             type_name, rows, self.perm = held
@@ -265,6 +273,39 @@ class WeightOnlyLinearMethod(LinearMethodBase):
 
     def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
         return self.inner.streamed_weights(layer)
+
+
+class TritonWeightOnlyMethod(LinearMethodBase):
+    """x W^T by the Triton weight-only kernel (kernels/triton_weight_only.py) over its packed layout."""
+
+    def __init__(self, packed, format_name: str):
+        self.packed = packed
+        kind = "fp8" if packed.fp8 else f"int{packed.bits}"
+        self.name = f"{format_name} as {kind} (Triton kernel{', inputs by g_idx' if packed.g_idx is not None else ''})"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from nanovllm.kernels.triton_weight_only import weight_only_linear
+        shape = x.shape
+        y = weight_only_linear(x.reshape(-1, shape[-1]), self.packed, bias)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        p = self.packed
+        return [t for t in (p.q, p.scales, p.zeros, p.g_idx) if t is not None]
+
+
+def triton_method(layer: nn.Module, qw: QuantizedWeight, format_name: str) -> LinearMethodBase | None:
+    """The Triton kernel's method for qw, its packed weight registered as layer.weight (None where
+    Triton is absent or the integers span more than 8 bits)."""
+    try:
+        from nanovllm.kernels.triton_weight_only import pack
+    except ImportError:
+        return None
+    packed = pack(qw.values, qw.scales, qw.group, qw.zeros, qw.g_idx)
+    if packed is None:
+        return None
+    layer.register_weight("weight", packed.q, output_dim=0, input_dim=1)
+    return TritonWeightOnlyMethod(packed, format_name)
 
 
 def check_group_split(layer: nn.Module, group: int | None) -> None:
