@@ -21,7 +21,7 @@ from torch import nn
 
 from nanovllm.layers.quantization.prequantized import PrequantizedConfig
 from nanovllm.layers.quantization.weight_only import (QuantizedWeight, TensorSpec, WeightOnlyLinearMethod,
-                                                      check_group_split, unpack_int32)
+                                                      check_group_split, shared_g_idx, unpack_int32)
 
 logger = logging.getLogger(__name__)
 
@@ -234,10 +234,5 @@ class CompressedTensorsLinearMethod(WeightOnlyLinearMethod):
             zeros = None if zeros is None else unpack_int32(zeros, s.bits, 0)[:n] - offset
         else:
             values, zeros = loaded["weight"].to(torch.int32), loaded.get("weight_zero_point")
-        g_idx = None
-        if s.actorder:
-            parts = per_part["weight_g_idx"]
-            if any(not torch.equal(p, parts[0]) for p in parts[1:]):
-                raise ValueError(f"{layer.prefix}: its stacked parts order their inputs differently (weight_g_idx)")
-            g_idx = parts[0]
+        g_idx = shared_g_idx(layer, per_part, "weight_g_idx", scales.shape[1]) if s.actorder else None
         return QuantizedWeight(values, scales, s.group_size or k, zeros, g_idx)

@@ -15,7 +15,7 @@ from torch import nn
 
 from nanovllm.layers.quantization.prequantized import PrequantizedConfig
 from nanovllm.layers.quantization.weight_only import (QuantizedWeight, TensorSpec, WeightOnlyLinearMethod,
-                                                      check_group_split, unpack_int32)
+                                                      check_group_split, shared_g_idx, unpack_int32)
 
 
 class GPTQConfig(PrequantizedConfig):
@@ -92,13 +92,6 @@ class GPTQLinearMethod(WeightOnlyLinearMethod):
         c, k = self.config, self.k
         values = unpack_int32(loaded["qweight"], c.bits, 0)[:k].t()
         zeros = unpack_int32(loaded["qzeros"], c.bits, 1).t() + (0 if c.v2 else 1)
-        g_idx = None
-        if c.desc_act:
-            parts = per_part["g_idx"]
-            if any(not torch.equal(p, parts[0]) for p in parts[1:]):
-                raise ValueError(f"{layer.prefix}: its stacked parts order their inputs differently (g_idx)")
-            g_idx = parts[0]
-            if int(g_idx.min()) < 0 or int(g_idx.max()) >= zeros.shape[1]:
-                raise ValueError(f"{layer.prefix}: g_idx names groups outside [0, {zeros.shape[1]})")
+        g_idx = shared_g_idx(layer, per_part, "g_idx", zeros.shape[1]) if c.desc_act else None
         return QuantizedWeight(values.contiguous(), loaded["scales"].t().contiguous(),
                                c.group_size if c.group_size > 0 else k, zeros.contiguous(), g_idx)

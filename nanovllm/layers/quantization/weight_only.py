@@ -308,6 +308,16 @@ def triton_method(layer: nn.Module, qw: QuantizedWeight, format_name: str) -> Li
     return TritonWeightOnlyMethod(packed, format_name)
 
 
+def shared_g_idx(layer: nn.Module, per_part: dict[str, list[torch.Tensor]], name: str, groups: int) -> torch.Tensor:
+    """The group of each input, one for every stacked part (q / k / v read the same inputs), within [0, groups)."""
+    parts = per_part[name]
+    if any(not torch.equal(p, parts[0]) for p in parts[1:]):
+        raise ValueError(f"{layer.prefix}: its stacked parts order their inputs differently ({name})")
+    if int(parts[0].min()) < 0 or int(parts[0].max()) >= groups:
+        raise ValueError(f"{layer.prefix}: {name} names groups outside [0, {groups})")
+    return parts[0]
+
+
 def check_group_split(layer: nn.Module, group: int | None) -> None:
     """ValueError unless this rank's inputs of a row-parallel layer are whole groups."""
     if group is None or getattr(layer, "tp_dim", None) != 1 or layer.tp_size == 1:
