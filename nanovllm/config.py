@@ -137,7 +137,7 @@ class Config:
         from nanovllm.models import get_model_class
         get_model_class(self.hf_config)  # unsupported architectures fail here, naming the supported ones
         from nanovllm.layers.quantization import check_quantization
-        check_quantization(self.model, self.hf_config, self.quantization)
+        quant_config = check_quantization(self.model, self.hf_config, self.quantization)
         self.platform = get_platform(self.device)  # raises on an unknown or absent device
         self.device = self.platform.device_name
         from nanovllm.loader.gguf import is_gguf_path
@@ -181,11 +181,11 @@ class Config:
         dtype = self._resolve_dtype()
         self.torch_dtype, self.weight_dtype = self.platform.compute_dtype(dtype), self.platform.weight_dtype(dtype)
         self.eos_token_ids = self._collect_eos_ids()
-        self._check_tensor_parallel()
+        self._check_tensor_parallel(quant_config)
         if self.cpu_kvcache_bytes is None:
             self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size // self.nnodes)
 
-    def _check_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self, quant_config) -> None:
         tp = self.tensor_parallel_size
         check_nodes(self.nnodes, self.node_rank, self.dist_init_addr, tp)
         if self.dist_init_addr is not None and self.dist_port is not None:
@@ -193,7 +193,8 @@ class Config:
                              "not both: the address holds the port")
         self.platform.check_tensor_parallel_size(tp // self.nnodes)  # the ranks of one node
         from nanovllm.layers.quantization import check_tensor_parallel
-        check_tensor_parallel(self.model, self.hf_config, self.quantization, tp)  # blocks and groups split whole
+        # blocks and groups split whole
+        check_tensor_parallel(self.model, self.hf_config, self.quantization, tp, quant_config)
         if self.dist_port is not None:
             _positive_int("dist_port", self.dist_port)
             if self.dist_port > 65535:

@@ -54,15 +54,27 @@ def shipped():
 
 def test_shipped_q4_1_file(shipped):
     path, folder = shipped
-    from transformers import AutoModelForCausalLM
     with LLM(path, max_num_seqs=8, max_model_len=512) as llm:
         held = {layer.quant_method.name for layer in linear_layers(model_of(llm))}
         assert held == {"q4_1 (C kernel)", "q8_0 (C kernel)"}  # the file's own formats: no fp32 copy
-        chunks = ppl.chunks_of(llm.tokenizer, TEXT)
-        assert len(chunks) >= 6 and {len(c) for c in chunks} == {ppl.N_CTX}
-        ours = ppl.our_perplexity(llm, chunks)
-        prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-        answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
+        chunks, ours, answer = perplexity_and_answer(llm)
+    assert len(chunks) >= 6 and {len(c) for c in chunks} == {ppl.N_CTX}
+    assert_like_transformers(folder, chunks, ours, answer)
+
+
+def perplexity_and_answer(llm) -> tuple[list[list[int]], float, str]:
+    """The chunks of TEXT llama-perplexity scores, our perplexity over them, and our greedy answer
+    to "What is the capital of France?" (the default model and its quantized forms)."""
+    chunks = ppl.chunks_of(llm.tokenizer, TEXT)
+    ours = ppl.our_perplexity(llm, chunks)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
+    return chunks, ours, answer
+
+
+def assert_like_transformers(folder: str, chunks: list[list[int]], ours: float, answer: str) -> None:
+    """Our perplexity within 2% of transformers' on the same folder, and an answer naming Paris."""
+    from transformers import AutoModelForCausalLM
     ref = hf_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), chunks)
     assert abs(ours / ref - 1) < 0.02, (ours, ref)
     assert "Paris" in answer, answer

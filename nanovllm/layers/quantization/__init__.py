@@ -99,12 +99,13 @@ def check_quantization(path: str, hf_config: Any, quantization: str | None) -> Q
     return config
 
 
-def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, tp_size: int) -> None:
+def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, tp_size: int,
+                          config: QuantizationConfig | None) -> None:
     """Before any rank starts: every row-parallel weight splits over tp_size ranks whole (on block
-    boundaries for block formats, on group boundaries for pre-quantized checkpoints)."""
+    boundaries for block formats, on group boundaries for pre-quantized checkpoints; config: what
+    check_quantization returned)."""
     from nanovllm.layers.quantization.gguf import check_tensor_parallel as check_blocks
     check_blocks(path, hf_config, quantization, tp_size)
-    config = check_quantization(path, hf_config, quantization)
     if isinstance(config, PrequantizedConfig):
         config.check_tensor_parallel(tp_size)
 
@@ -116,7 +117,7 @@ def quant_config_for_model(path: str, hf_config: Any, quantization: str | None =
     config = check_quantization(path, hf_config, quantization)
     if config is not None:
         return config
-    if quantization is not None and quantization in ONLINE_FORMATS:
+    if quantization in ONLINE_FORMATS:
         return OnlineQuantConfig(quantization)
     if is_gguf_path(path):
         return GGUFConfig.from_model(path, hf_config)

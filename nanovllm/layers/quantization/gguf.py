@@ -22,6 +22,7 @@ from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase,
                                                QuantizationConfig, QuantizeMethodBase)
 from nanovllm.layers.quantization.parameter import tagged_parameter
+from nanovllm.layers.quantization.prequantized import checkpoint_modules
 from nanovllm.layers.quantization.quantizers import quantize_q4_k, quantize_rows  # noqa: F401 (the tests' names)
 
 logger = logging.getLogger(__name__)
@@ -239,14 +240,6 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         return self.view
 
 
-def _stacked_parts(layer: nn.Module, prefix: str, packed_modules_mapping: dict) -> list[str]:
-    """The checkpoint names of the parts stacked in the layer at prefix (itself when not stacked)."""
-    base, _, last = prefix.rpartition(".")
-    parts = [(layer.shard_index(shard), f"{base}.{ckpt}.weight")
-             for ckpt, (param, shard) in packed_modules_mapping.items() if param == last]
-    return [name for _, name in sorted(parts)] or [f"{prefix}.weight"]
-
-
 class GGUFConfig(QuantizationConfig):
     """A .gguf file: each layer in the format the file stores its tensors (loader/gguf.py).
     Layers whose tensors are all F32 stay dense (the fp32 path)."""
@@ -289,8 +282,7 @@ class GGUFConfig(QuantizationConfig):
             if isinstance(layer, VocabParallelEmbedding):
                 return GGUFEmbeddingMethod(type_name)
             return GGUFLinearMethod([type_name])
-        names = _stacked_parts(layer, prefix, self.packed_modules_mapping) if hasattr(layer, "shard_index") \
-            else [f"{prefix}.weight"]
+        names = [f"{m}.weight" for m in checkpoint_modules(layer, prefix, self.packed_modules_mapping)]
         missing = [n for n in names if n not in self.types]
         if missing:
             raise ValueError(f"the GGUF file has no tensor for {missing} (layer {prefix})")
