@@ -29,6 +29,13 @@
 
 #include "cpu_kernels.h"
 
+/* 256-bit integer dot products with accumulation (vpdpbusd): AVX512-VNNI or AVX-VNNI */
+#if QUANT_SIMD && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#define QUANT_VNNI 1
+#else
+#define QUANT_VNNI 0
+#endif
+
 #define QROWS 4 /* input rows multiplied per pass over a weight row */
 
 static inline uint16_t read_u16(const uint8_t *p) {
@@ -72,6 +79,7 @@ typedef struct {
     const int8_t *hi, *lo; /* [rows][k] */
     const float *d;        /* [rows][k / group]: value = d X */
     const int32_t *sums;   /* [rows][k / 16]: sum of each 16 consecutive X */
+    const int16_t *x16;    /* [rows][k]: X itself (vector builds; the Q8_0 kernel without VNNI) */
     int64_t k, group;
 } QuantRows;
 
@@ -109,7 +117,7 @@ static _Thread_local size_t quant_capacity;
  * of 16). Returns 0, or 1 when the buffer cannot be had. */
 static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, QuantRows *q) {
     const int64_t groups = k / group, sixteens = k / 16;
-    const size_t need = (size_t)rows * (2 * (size_t)k + sizeof(float) * (size_t)groups +
+    const size_t need = (size_t)rows * (4 * (size_t)k + sizeof(float) * (size_t)groups +
                                         sizeof(int32_t) * (size_t)sixteens) + 64;
     if (need > quant_capacity) {
         void *grown = realloc(quant_buffer, need);
@@ -118,7 +126,8 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     }
     float *d = quant_buffer;
     int32_t *sums = (int32_t *)(d + rows * groups);
-    int8_t *hi = (int8_t *)(sums + rows * sixteens), *lo = hi + rows * k;
+    int16_t *x16 = (int16_t *)(sums + rows * sixteens);
+    int8_t *hi = (int8_t *)(x16 + rows * k), *lo = hi + rows * k;
 #if QUANT_SIMD
     /* The same integers as the plain loop below, 8 values at a time (prefill quantizes ~10^4 values
      * per row and layer, which the plain loop made a sixth of the matmuls' time): x inv rounded to
@@ -130,6 +139,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         int8_t *hr = hi + r * k, *lr = lo + r * k;
+        int16_t *xr16 = x16 + r * k;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = xr + g * group;
             __m256 m = _mm256_setzero_ps();
@@ -141,6 +151,8 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             for (int64_t i = 0; i < group; i += 8) {
                 __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), vinv));
                 X = _mm256_min_epi32(_mm256_max_epi32(X, xmin), xmax);
+                _mm_storeu_si128((__m128i *)(xr16 + g * group + i),
+                                 _mm_packs_epi32(_mm256_castsi256_si128(X), _mm256_extracti128_si256(X, 1)));
                 const __m256i h = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(X), inv127));
                 store_i8x8(hr + g * group + i, h);
                 store_i8x8(lr + g * group + i, _mm256_sub_epi32(X, _mm256_sub_epi32(_mm256_slli_epi32(h, 7), h)));
@@ -152,7 +164,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = hsum_epi32(_mm256_add_epi32(a, b));
         }
     }
-    *q = (QuantRows){hi, lo, d, sums, k, group};
+    *q = (QuantRows){hi, lo, d, sums, x16, k, group};
     return 0;
 #else
     for (int64_t r = 0; r < rows; r++) {
@@ -177,7 +189,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = sum;
         }
     }
-    *q = (QuantRows){hi, lo, d, sums, k, group};
+    *q = (QuantRows){hi, lo, d, sums, NULL, k, group};
     return 0;
 #endif
 }
@@ -266,6 +278,7 @@ typedef struct {
     const int8_t *hi[QROWS], *lo[QROWS];
     const float *d[QROWS];
     const int32_t *sums[QROWS];
+    const int16_t *x16[QROWS];
 } InputRows;
 
 static inline __attribute__((always_inline)) InputRows input_rows(const QuantRows *q, int64_t b0, const int NB) {
@@ -276,6 +289,7 @@ static inline __attribute__((always_inline)) InputRows input_rows(const QuantRow
         in.lo[b] = q->lo + (b0 + b) * q->k;
         in.d[b] = q->d + (b0 + b) * groups;
         in.sums[b] = q->sums + (b0 + b) * sixteens;
+        in.x16[b] = q->x16 != NULL ? q->x16 + (b0 + b) * q->k : NULL;
     }
     return in;
 }
@@ -449,11 +463,16 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         const uint8_t *values = blk + fmt_scales_bytes(f);
         __m256i sum[QROWS], sum_lo[QROWS];
         for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm256_setzero_si256();
-        int offset = fmt_offset(f);
+        int offset = fmt_offset(f), whole = 0; /* whole: sum holds w . X, not the planes' two sums */
         if (f == FMT_Q8_0) {
+            /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
+             * on the stack (the AVX2 build has 16 vector registers): 1.8x slower at 64 rows */
+#if !QUANT_VNNI
+#pragma GCC unroll 4
+#endif
             for (int c = 0; c < 8; c++) {
                 const __m256i w = load_i8(values + 32 * c);
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if QUANT_VNNI
                 /* w + 128 as unsigned (no saturation in vpdpbusd); 128 S comes off below */
                 const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
                 for (int b = 0; b < NB; b++) {
@@ -461,21 +480,37 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
                     sum_lo[b] = dot_acc(sum_lo[b], u, bcast4(in.lo[b] + i * 32 + 4 * c));
                 }
 #else
-                const __m256i u = _mm256_sign_epi8(w, w);
+                /* Without VNNI: the weights widened to int16 (once for all NB rows) and multiplied with
+                 * X itself by vpmaddwd, 16 products per instruction, where the two int8 planes took
+                 * vpsignb + vpmaddubsw + vpmaddwd per plane for 32. Lane pairs of pa hold rows 0-3
+                 * (values 4c..4c+1 and 4c+2..4c+3), of pb rows 4-7; |sum| <= 32 x 128 x 16129 < 2^31. */
+                const __m256i w03 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c)));
+                const __m256i w47 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c + 16)));
+                (void)w;
                 for (int b = 0; b < NB; b++) {
-                    sum[b] = dot_acc(sum[b], u, _mm256_sign_epi8(bcast4(in.hi[b] + i * 32 + 4 * c), w));
-                    sum_lo[b] = dot_acc(sum_lo[b], u, _mm256_sign_epi8(bcast4(in.lo[b] + i * 32 + 4 * c), w));
+                    long long x4;
+                    memcpy(&x4, in.x16[b] + i * 32 + 4 * c, sizeof x4);
+                    const __m256i xv = _mm256_set1_epi64x(x4);
+                    sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(w03, xv));
+                    sum_lo[b] = _mm256_add_epi32(sum_lo[b], _mm256_madd_epi16(w47, xv));
                 }
 #endif
             }
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if QUANT_VNNI
             offset = 128;
+#else
+            /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
+            for (int b = 0; b < NB; b++) {
+                sum[b] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[b], sum_lo[b]), 0xD8);
+                sum_lo[b] = _mm256_setzero_si256();
+            }
+            whole = 1;
 #endif
         } else {
             const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
             const __m256i hbits = five ? load_i8(values) : _mm256_setzero_si256();
             const uint8_t *nib = values + (five ? 4 * IL : 0);
-#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if !QUANT_VNNI
             /* Without VNNI: the vpmaddubsw pair sums summed in int16 across chunks, one vpmaddwd per
              * plane after them. A pair sum is at most 2 x 15 x 127 = 3,810 (4-bit weights, hi plane),
              * 2 x 31 x 127 = 7,874 (5-bit) or 2 x 31 x 63 = 3,906 (lo plane): eight, four and eight
@@ -495,7 +530,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
                 for (int b = 0; b < NB; b++) {
                     const __m256i h0 = bcast4(in.hi[b] + i * 32 + 4 * c), h1 = bcast4(in.hi[b] + i * 32 + 16 + 4 * c);
                     const __m256i l0 = bcast4(in.lo[b] + i * 32 + 4 * c), l1 = bcast4(in.lo[b] + i * 32 + 16 + 4 * c);
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if QUANT_VNNI
                     sum[b] = dot_acc(dot_acc(sum[b], lo, h0), hi, h1);
                     sum_lo[b] = dot_acc(dot_acc(sum_lo[b], lo, l0), hi, l1);
 #else
@@ -510,7 +545,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
 #endif
                 }
             }
-#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if !QUANT_VNNI
             for (int b = 0; b < NB; b++) sum_lo[b] = _mm256_add_epi32(sum_lo[b], _mm256_madd_epi16(t_lo[b], ones));
 #endif
         }
@@ -519,7 +554,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         for (int b = 0; b < NB; b++) {
             const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
             const float dx = in.d[b][i];
-            sum[b] = planes(sum[b], sum_lo[b]);
+            if (!whole) sum[b] = planes(sum[b], sum_lo[b]);
             if (offset) sum[b] = _mm256_sub_epi32(sum[b], _mm256_set1_epi32(offset * s32));
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sum[b]), acc[b]);
             if (fmt_has_min(f)) acc[b] = _mm256_fmadd_ps(m8, _mm256_set1_ps(dx * (float)s32), acc[b]);
