@@ -295,7 +295,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", help="save every figure and llama.cpp's raw rows to this file")
     p.add_argument("--isa", default="native", choices=sorted(llamacpp_build.ISA_FLAGS),
                    help="instruction set of both engines' kernels: native (llama.cpp without AMX, ours "
-                   "-march=native) or avx2 (llama.cpp AVX2 + FMA, ours NANOVLLM_CPU_MARCH=x86-64-v3)")
+                   "-march=native) or avx2 (llama.cpp AVX2 + FMA; ours: C kernels for x86-64-v3 and "
+                   "torch's ATen / oneDNN / MKL held to AVX2, llamacpp_build.OUR_ISA_ENV)")
     p.add_argument("--formats", default=",".join(QUANTS),
                    help=f"comma-separated rows: {', '.join(QUANTS)} (default: all); f32 / f16: llama.cpp's "
                    "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
@@ -329,13 +330,13 @@ def main() -> None:
     if os.environ.pop("OMP_WAIT_POLICY", None) is not None:
         print("note: OMP_WAIT_POLICY unset: benchmarks run without it", file=sys.stderr)
     args = parse_args()
+    llamacpp_build.use_isa(args.isa)  # before torch starts and our kernels are built or loaded
     from nanovllm.kernels.cpu_kernels import MARCH_ENV
-    if args.isa == "avx2":  # before our kernels are built or loaded (at the first engine)
-        os.environ.setdefault(MARCH_ENV, "x86-64-v3")
     from nanovllm.utils.default_model import cache_root
     cache = cache_root()
     report = {"threads": args.threads, "batches": args.batches, "llama_cpp_python": llamacpp_build.VERSION,
-              "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native"), "models": {}}
+              "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native"),
+              "our_env": {k: os.environ.get(k) for k in llamacpp_build.OUR_ISA_ENV["avx2"]}, "models": {}}
     try:
         # NOTE: built even with --skip-llamacpp when a quantized row runs: llama-quantize writes its file.
         need_build = not args.skip_llamacpp or any(q in FILE_ROWS for q in args.formats)

@@ -56,9 +56,8 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     batches = sorted({int(b) for b in args.batches.split(",")})
+    llamacpp_build.use_isa(args.isa)  # before torch starts and our kernels are built or loaded
     from nanovllm.kernels.cpu_kernels import MARCH_ENV
-    if args.isa == "avx2":
-        os.environ.setdefault(MARCH_ENV, "x86-64-v3")
     from nanovllm.utils.cpu_memory import release_freed_memory
     from nanovllm.utils.default_model import cache_root
     cache = cache_root()

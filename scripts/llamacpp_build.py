@@ -20,13 +20,30 @@ QWEN2_VOCAB = "models/ggml-vocab-qwen2.gguf"  # 151936 tokens, the Qwen2/Qwen3 t
 # The instruction sets llama.cpp is built for. "native": every extension of this CPU but AMX (ggml's
 # AMX matmul dies at its first `ldtilecfg` on VMs that list AMX: SIGSEGV on Q8_0 files; nano-vLLM
 # has no AMX path either). "avx2": AVX2 + FMA + F16C, what AVX2-only machines run (pair it with
-# NANOVLLM_CPU_MARCH=x86-64-v3 on our side).
+# OUR_ISA_ENV on our side).
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 ISA_FLAGS = {
     "native": ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_BMI2=ON"],
 }
+
+# Our side of "avx2": the C kernels built for x86-64-v3 (cpu_kernels.MARCH_ENV), and torch's own
+# kernels held to AVX2 too: ATen's vectorized ops, oneDNN and MKL pick AVX-512 at run time where the
+# CPU has it (the fp32 path's larger batches and prefill run on MKL; attention on ATen).
+OUR_ISA_ENV = {"avx2": {"NANOVLLM_CPU_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
+                        "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def use_isa(isa: str) -> None:
+    """Set our side's environment for isa (variables already set are kept). They are read once, as
+    torch starts: a script that has imported torch already is started again with them."""
+    added = {k: v for k, v in OUR_ISA_ENV.get(isa, {}).items() if k not in os.environ}
+    if not added:
+        return
+    os.environ.update(added)
+    if "torch" in sys.modules:
+        os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 class BuildError(RuntimeError):

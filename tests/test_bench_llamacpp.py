@@ -201,8 +201,9 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
 
 
 def test_isa_choice_reaches_both_engines(bench, monkeypatch, tmp_path):
-    """--isa avx2 builds llama.cpp for AVX2 and our kernels for x86-64-v3 (set before any engine
-    starts); native keeps -march=native; an unknown instruction set is a build error."""
+    """--isa avx2 builds llama.cpp for AVX2, our kernels for x86-64-v3 and holds torch's own kernels
+    to AVX2 (set before any engine starts: with torch already imported the script starts again
+    with them); native keeps -march=native; an unknown instruction set is a build error."""
     real_build = bench.llamacpp_build.build_llamacpp
     builds = []
     monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
@@ -212,13 +213,23 @@ def test_isa_choice_reaches_both_engines(bench, monkeypatch, tmp_path):
     marches = []
     monkeypatch.setattr(bench, "start_ours", lambda *a: marches.append(os.environ.get("NANOVLLM_CPU_MARCH"))
                         or (_ for _ in ()).throw(KeyboardInterrupt))
+    restarts = []  # torch is imported here: a real run would start again, this one goes on
+    monkeypatch.setattr(bench.llamacpp_build.os, "execv", lambda exe, argv: restarts.append(argv[1:]))
+    names = bench.llamacpp_build.OUR_ISA_ENV["avx2"]
+    for name in names:  # restored after the test, whatever main() sets
+        monkeypatch.setenv(name, "")
     for isa, march in (("native", None), ("avx2", "x86-64-v3")):
-        monkeypatch.delenv("NANOVLLM_CPU_MARCH", raising=False)
-        monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--isa", isa,
-                                          "--json", str(tmp_path / f"{isa}.json")])
+        for name in names:
+            os.environ.pop(name, None)
+        argv = ["bench_llamacpp.py", "--models", "default", "--isa", isa, "--json", str(tmp_path / f"{isa}.json")]
+        monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(KeyboardInterrupt):
             bench.main()
         assert builds[-1] == isa and marches[-1] == march
+        assert restarts == ([argv] if isa == "avx2" else [])
+        if isa == "avx2":
+            assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2" and os.environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+            assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
         import json
         report = json.loads((tmp_path / f"{isa}.json").read_text())
         assert report["isa"] == isa and report["our_march"] == (march or "native")

@@ -91,15 +91,18 @@ def generate(llm, prompts, max_tokens=10):
 @pytest.mark.parametrize("name", ["qwen3_gqa", "qwen3_bias_tied", "qwen2_gqa", "llama_bias", "llama3_tied"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch):
-    """Batches of 1 and 2 (one C call per step) and 3 and 5 (C between oneDNN matmuls), prompts
-    crossing KV blocks, prefills with and without a cached prefix (the later batches repeat the
-    earlier prompts): the same tokens and logprobs as the eager forward of the same engine."""
+    """Batches of up to the one-call limit (one C call per step: 2 sequences for bf16 weights
+    beside a packed copy, DENSE_MAX_ROWS for fp32 weights held once) and above it (C between the
+    MKL / oneDNN matmuls), prompts crossing KV blocks, prefills with and without a cached prefix (the
+    later batches repeat the earlier prompts): the same tokens and logprobs as the eager forward of
+    the same engine."""
     llm = LLM(checkpoints[name], dtype=dtype, kvcache_block_size=16, max_model_len=128,
               cpu_kvcache_bytes=1 << 24)
     try:
         runner = llm.model_runner
         fused = runner.fused_decode
-        assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == 2
+        limit = cpu_kernels.DENSE_MAX_ROWS if dtype == "float32" else cpu_kernels.MAX_ROWS
+        assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == limit
         calls = {"decode_layers": 0, "decode_attention_layer": 0, "rope_store_layer": 0}
 
         def counted(name_):
@@ -118,10 +121,10 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
             prefix_hits.append(meta.block_tables is not None)  # set when some sequence has a cached prefix
             return real_prefill(q, k, v, k_cache, v_cache, meta, scale)
         monkeypatch.setattr(runner.backend, "prefill", prefill)
-        prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * i) for i in range(5)]  # 8 .. 56 tokens
+        prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * (i % 5)) for i in range(max(5, limit + 1))]  # 8 .. 56 tokens
         batches = [prompts[:1], prompts[1:3], prompts[:3], prompts]
         with_fused = [generate(llm, b) for b in batches]
-        # Every C path ran: one call per step of 1-2 sequences, one per layer and step above, one
+        # Every C path ran: one call per step up to the limit, one per layer and step above, one
         # per layer and prefill step.
         num_layers = len(fused.modules)
         assert calls["decode_layers"] > 0 and calls["decode_attention_layer"] % num_layers == 0

@@ -7,10 +7,11 @@ Built once after the KV cache exists, from the model's own tensors: each linear 
 embedding) gives a C view of its weights through its method, or None; norms, the rotary cos/sin
 cache and the caches are read directly. Pointers are laid out in ctypes structures
 (kernels/cpu_kernels.py) that the C side reads every step. Decode steps of at most
-cpu_kernels.MAX_ROWS sequences run each range of layers whose weights all have views (and whose
-MLP is the gated one or a sparse MoE block, kernels/cpu_moe.c) as one C call; a layer without
-them runs its own modules between the C phases. Larger decode steps and prefill steps run every layer that way: the matmuls on the
-layers' own methods (oneDNN), norms, rotary + KV store, attention (decode) and SiLU in C.
+cpu_kernels.MAX_ROWS sequences (DENSE_MAX_ROWS for fp32 weights held once) run each range of
+layers whose weights all have views (and whose MLP is the gated one or a sparse MoE block,
+kernels/cpu_moe.c) as one C call; a layer without them runs its own modules between the C phases.
+Larger decode steps and prefill steps run every layer that way: the matmuls on the layers' own
+methods (MKL or oneDNN), norms, rotary + KV store, attention (decode) and SiLU in C.
 """
 import ctypes
 import logging
@@ -159,6 +160,11 @@ class FusedDecode:
         methods = [m.quant_method for layer in layers for m in layer.modules()
                    if hasattr(m, "quant_method") and not isinstance(m, ReplicatedLinear)]
         methods += [self.embed.quant_method, self.lm_head.quant_method]
+        # Dense weights read by the C kernels up to their method's row limit (cpu_kernels.MAX_ROWS
+        # beside a packed copy, DENSE_MAX_ROWS for fp32 held once): the one-call step up to the same.
+        dense_rows = [method.c_max_rows for method in methods if getattr(method, "c_max_rows", 0) > 0]
+        if dense_rows:
+            self.max_rows = min(dense_rows)
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = 1 << 30
         elif self.moes:

@@ -231,8 +231,8 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 }
 
 /* ---- linear layers over a few rows ------------------------------------------------------------
- * Decode batches of 1-2 rows (more go to oneDNN, which reads the weights at bandwidth from 4 rows
- * up; 5-8 rows streamed here ran at half its speed, and 4-row tiles lost too). Each thread takes a
+ * Decode batches of 1-2 rows beside a packed copy for oneDNN (bf16 weights: oneDNN reads its packed
+ * fp32 copy at bandwidth from 4 rows up), 1-16 rows of fp32 weights held once (MKL above). Each thread takes a
  * contiguous range of weight rows (static schedule) and walks it as one sequential stream,
  * multiplying each vector of a weight row (widened once, for bf16) into every input row: the
  * hardware prefetcher follows one stream better than interleaved ones (one row: 45 GB/s against

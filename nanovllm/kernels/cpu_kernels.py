@@ -72,8 +72,12 @@ def build(path: Path) -> None:
 
 # Linear inputs of up to this many rows (decode batches of 1-2 sequences) go to the C kernels, as
 # does the one-call decode step; more rows go to oneDNN, which uses the cores better there
-# (docs/performance.md, items 14 and 16). The one crossover of both.
+# (docs/performance.md, items 14 and 16). The one crossover of both, where a packed copy is held
+# beside the dense one (bf16 weights).
 MAX_ROWS = 2
+# The same for fp32 weights held once, dense (no packed copy): up to this many rows the C kernels
+# (and the one-call decode step), MKL on the same weights above (docs/performance.md, item 32).
+DENSE_MAX_ROWS = 16
 
 c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

@@ -109,17 +109,23 @@ class CpuPlatform(Platform):
 
     def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
                        weight_dtype: torch.dtype | None = None) -> LinearKernels:
-        """fp32: oneDNN packing, and the C kernels for inputs of up to cpu_kernels.MAX_ROWS rows
-        over dense copies (bf16 when weight_dtype is) when the copies fit and the kernels build;
-        without them bf16 weights stay fp32 (the same values). Otherwise MKL, in the transposed
-        orientation for layers whose output is at least as wide as their input."""
+        """fp32: the weights held once, dense, for the C kernels up to cpu_kernels.DENSE_MAX_ROWS
+        rows and MKL above (oneDNN packing where the kernels do not build). bf16 weights: oneDNN
+        packing (fp32) plus dense bf16 copies for the C kernels up to cpu_kernels.MAX_ROWS rows,
+        when the copies fit and the kernels build; without them bf16 weights stay fp32 (the same
+        values). Otherwise MKL, in the transposed orientation for layers whose output is at least
+        as wide as their input."""
         if not can_pack_weights(dtype):
             return LinearKernels(transposed_when_wide=True)
-        dense_dtype = torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
-        kernels = cpu_kernels.load() if dense_copies_fit(model, dense_dtype) else None
+        if weight_dtype != torch.bfloat16:
+            kernels = cpu_kernels.load()
+            if kernels is None:
+                return LinearKernels(onednn_packing=True)
+            return LinearKernels(c_kernels=kernels, c_max_rows=cpu_kernels.DENSE_MAX_ROWS)
+        kernels = cpu_kernels.load() if dense_copies_fit(model, torch.bfloat16) else None
         if kernels is None:
             return LinearKernels(onednn_packing=True)
-        return LinearKernels(onednn_packing=True, c_kernels=kernels, c_weight_dtype=dense_dtype,
+        return LinearKernels(onednn_packing=True, c_kernels=kernels, c_weight_dtype=torch.bfloat16,
                              c_max_rows=cpu_kernels.MAX_ROWS)
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:

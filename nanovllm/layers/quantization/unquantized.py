@@ -1,7 +1,8 @@
 """Dense weights, the format of plain checkpoints: a linear layer's [output, input] matrix and the
 embedding table in the model dtype. After loading, the linear method picks the kernel the machine
 has (LinearKernels): F.linear; MKL in the transposed orientation for wide layers; oneDNN on a
-packed fp32 copy; that plus the C kernel over a dense copy (fp32 or bf16) for inputs of a few rows."""
+packed fp32 copy; fp32 weights held once, dense, read by the C kernel for inputs of a few rows and by
+MKL for more; bf16 weights as a dense bf16 copy for the C kernel beside a packed fp32 one."""
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     """x W^T (+ bias) over the layer's dense weight, with the kernel chosen after loading."""
 
     def __init__(self):
-        self.kernel = "dense"  # dense | transposed | packed | packed+c
+        self.kernel = "dense"  # dense | transposed | packed | packed+c | dense+c
         self.c_kernels: cpu_kernels.CpuKernels | None = None
         self.c_max_rows = 0
         self.c_dtype = torch.float32
@@ -50,6 +51,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if self.kernel == "packed+c":
             dtype = str(self.c_dtype).removeprefix("torch.")
             return f"oneDNN-packed fp32 + C kernel at <= {self.c_max_rows} rows ({dtype})"
+        if self.kernel == "dense+c":
+            return f"dense fp32: C kernel at <= {self.c_max_rows} rows, MKL above"
         return {"dense": "dense", "transposed": "transposed", "packed": "oneDNN-packed"}[self.kernel]
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
@@ -60,7 +63,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         weight = layer.weight
         n, k = weight.shape
-        if kernels.onednn_packing:
+        if not kernels.onednn_packing and kernels.c_kernels is not None and weight.dtype == torch.float32:
+            # One copy: the C kernel and MKL both read the loaded dense weight (at 64-128 rows MKL on
+            # it is level with oneDNN on a packed copy under AVX2, docs/performance.md item 32).
+            self.kernel, self.c_kernels, self.c_max_rows = "dense+c", kernels.c_kernels, kernels.c_max_rows
+            self.c_linear = cpu_kernels.linear_struct(self.c_kernels, self.c_view(layer))
+        elif kernels.onednn_packing:
             # oneDNN reads this copy; the dense one is freed unless the C kernel streams it or
             # another module (a tied embedding) reads it.
             layer.packed_weight = pack_weight(weight)
@@ -82,7 +90,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = self.kernel
-        if kernel == "packed+c" and x.shape[0] <= self.c_max_rows:
+        if (kernel == "packed+c" or kernel == "dense+c") and x.shape[0] <= self.c_max_rows:
             return cpu_kernels.linear(self.c_kernels, self.c_linear, x, bias)
         if kernel == "packed" or kernel == "packed+c":
             return packed_linear(x, layer.packed_weight, bias)
@@ -92,7 +100,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
     def c_view(self, layer: nn.Module) -> CWeightView | None:
-        return dense_c_view(layer.weight) if self.kernel == "packed+c" else None
+        return dense_c_view(layer.weight) if self.kernel in ("packed+c", "dense+c") else None
 
     def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
         return [layer.packed_weight] if self.kernel.startswith("packed") else [layer.weight]
