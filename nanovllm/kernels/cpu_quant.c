@@ -6,7 +6,8 @@
  * is quantized once per call to 14-bit integers in groups (32 values for the 32-weight formats, 256
  * for the K-quants, one fp32 scale each, plus the sum of every 16 of them), held as two int8 planes
  * (see QuantRows), and each block's dot product is two integer sums of the weights with the planes
- * (AVX2 vpmaddubsw + vpmaddwd, or VNNI's vpdpbusd), scaled
+ * (AVX2 vpmaddubsw + vpmaddwd, or VNNI's vpdpbusd; Q8_0 without VNNI multiplies X itself, kept in
+ * int16 too, by vpmaddwd), scaled
  * once per block (per 256 for the K-quants, whose 6-bit sub-block scales multiply in integers).
  * Offsets (Q4_0's -8, Q4_1's min, Q6_K's -32, Q4_K's mins) come out of the precomputed group sums,
  * not out of the weights, so the 4- and 6-bit values multiply as they are stored.
