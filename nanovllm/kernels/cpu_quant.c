@@ -36,6 +36,8 @@
 #else
 #define QUANT_VNNI 0
 #endif
+/* The interleaved Q8_0 kernel multiplies X itself (int16) rather than its two int8 planes */
+#define Q8_0_X16 (QUANT_SIMD && !QUANT_VNNI)
 
 #define QROWS 4 /* input rows multiplied per pass over a weight row */
 
@@ -80,7 +82,7 @@ typedef struct {
     const int8_t *hi, *lo; /* [rows][k] */
     const float *d;        /* [rows][k / group]: value = d X */
     const int32_t *sums;   /* [rows][k / 16]: sum of each 16 consecutive X */
-    const int16_t *x16;    /* [rows][k]: X itself (vector builds; the Q8_0 kernel without VNNI) */
+    const int16_t *x16;    /* [rows][k]: X itself, or NULL (asked for by the Q8_0 kernel where Q8_0_X16) */
     int64_t k, group;
 } QuantRows;
 
@@ -115,10 +117,13 @@ static _Thread_local void *quant_buffer;
 static _Thread_local size_t quant_capacity;
 
 /* x [rows, k] (row stride ldx) quantized in groups of `group` values (k a multiple of group and
- * of 16). Returns 0, or 1 when the buffer cannot be had. */
-static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, QuantRows *q) {
+ * of 16); with_x16 (vector builds only) also keeps X in int16. Returns 0, or 1 when the buffer
+ * cannot be had. */
+static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, int with_x16,
+                         QuantRows *q) {
     const int64_t groups = k / group, sixteens = k / 16;
-    const size_t need = (size_t)rows * (4 * (size_t)k + sizeof(float) * (size_t)groups +
+    with_x16 = with_x16 && QUANT_SIMD;
+    const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + sizeof(float) * (size_t)groups +
                                         sizeof(int32_t) * (size_t)sixteens) + 64;
     if (need > quant_capacity) {
         void *grown = realloc(quant_buffer, need);
@@ -127,8 +132,8 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     }
     float *d = quant_buffer;
     int32_t *sums = (int32_t *)(d + rows * groups);
-    int16_t *x16 = (int16_t *)(sums + rows * sixteens);
-    int8_t *hi = (int8_t *)(x16 + rows * k), *lo = hi + rows * k;
+    int16_t *x16 = with_x16 ? (int16_t *)(sums + rows * sixteens) : NULL;
+    int8_t *hi = (int8_t *)(sums + rows * sixteens) + (with_x16 ? 2 * rows * k : 0), *lo = hi + rows * k;
 #if QUANT_SIMD
     /* The same integers as the plain loop below, 8 values at a time (prefill quantizes ~10^4 values
      * per row and layer, which the plain loop made a sixth of the matmuls' time): x inv rounded to
@@ -140,7 +145,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         int8_t *hr = hi + r * k, *lr = lo + r * k;
-        int16_t *xr16 = x16 + r * k;
+        int16_t *xr16 = with_x16 ? x16 + r * k : NULL;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = xr + g * group;
             __m256 m = _mm256_setzero_ps();
@@ -152,8 +157,9 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             for (int64_t i = 0; i < group; i += 8) {
                 __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), vinv));
                 X = _mm256_min_epi32(_mm256_max_epi32(X, xmin), xmax);
-                _mm_storeu_si128((__m128i *)(xr16 + g * group + i),
-                                 _mm_packs_epi32(_mm256_castsi256_si128(X), _mm256_extracti128_si256(X, 1)));
+                if (with_x16)
+                    _mm_storeu_si128((__m128i *)(xr16 + g * group + i),
+                                     _mm_packs_epi32(_mm256_castsi256_si128(X), _mm256_extracti128_si256(X, 1)));
                 const __m256i h = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(X), inv127));
                 store_i8x8(hr + g * group + i, h);
                 store_i8x8(lr + g * group + i, _mm256_sub_epi32(X, _mm256_sub_epi32(_mm256_slli_epi32(h, 7), h)));
@@ -190,7 +196,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = sum;
         }
     }
-    *q = (QuantRows){hi, lo, d, sums, NULL, k, group};
+    *q = (QuantRows){hi, lo, d, sums, x16, k, group};
     return 0;
 #endif
 }
@@ -464,7 +470,9 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         const uint8_t *values = blk + fmt_scales_bytes(f);
         __m256i sum[QROWS], sum_lo[QROWS];
         for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm256_setzero_si256();
-        int offset = fmt_offset(f), whole = 0; /* whole: sum holds w . X, not the planes' two sums */
+        /* whole: sum holds w . X, not the planes' two sums */
+        const int whole = f == FMT_Q8_0 && Q8_0_X16;
+        int offset = fmt_offset(f);
         if (f == FMT_Q8_0) {
             /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
              * on the stack (the AVX2 build has 16 vector registers): 1.8x slower at 64 rows */
@@ -472,8 +480,8 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
 #pragma GCC unroll 4
 #endif
             for (int c = 0; c < 8; c++) {
-                const __m256i w = load_i8(values + 32 * c);
 #if QUANT_VNNI
+                const __m256i w = load_i8(values + 32 * c);
                 /* w + 128 as unsigned (no saturation in vpdpbusd); 128 S comes off below */
                 const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
                 for (int b = 0; b < NB; b++) {
@@ -487,7 +495,6 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
                  * (values 4c..4c+1 and 4c+2..4c+3), of pb rows 4-7; |sum| <= 32 x 128 x 16129 < 2^31. */
                 const __m256i w03 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c)));
                 const __m256i w47 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c + 16)));
-                (void)w;
                 for (int b = 0; b < NB; b++) {
                     long long x4;
                     memcpy(&x4, in.x16[b] + i * 32 + 4 * c, sizeof x4);
@@ -501,11 +508,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
             offset = 128;
 #else
             /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
-            for (int b = 0; b < NB; b++) {
-                sum[b] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[b], sum_lo[b]), 0xD8);
-                sum_lo[b] = _mm256_setzero_si256();
-            }
-            whole = 1;
+            for (int b = 0; b < NB; b++) sum[b] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[b], sum_lo[b]), 0xD8);
 #endif
         } else {
             const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
@@ -588,7 +591,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
 #define DEFINE_X8_LINEAR_ROWS(NAME, FMT)                                                                          \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
-        if (quantize_rows(x, ldx, rows, m->k, 32, &q)) {                                                         \
+        if (quantize_rows(x, ldx, rows, m->k, 32, FMT == FMT_Q8_0 && Q8_0_X16, &q)) {                            \
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
@@ -846,7 +849,7 @@ void to_f32_q6_k(const Linear *m, int64_t r, float *out) {
     }                                                                                                            \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
-        if (quantize_rows(x, ldx, rows, m->k, GROUP, &q)) {                                                      \
+        if (quantize_rows(x, ldx, rows, m->k, GROUP, 0, &q)) {                                                   \
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
