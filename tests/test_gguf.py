@@ -62,6 +62,25 @@ def test_shipped_q4_1_file(shipped):
     assert_like_transformers(folder, chunks, ours, answer)
 
 
+def test_shipped_file_tokenizer_is_the_one_autotokenizer_builds(shipped):
+    """load_tokenizer() builds a GGUF file's tokenizer without the model config AutoTokenizer loads
+    to pick its class: the same vocabulary, special tokens, encodings and chat template."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.engine.llm_engine import load_tokenizer
+    path = shipped[0]
+    ours = load_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    texts = ["The capital of France is", " a leading space\n\nand   runs\tof whitespace",
+             "<|im_start|>user\nhi<|im_end|>", "digits 1234567 and émigré 🙂"]
+    assert [ours(t).input_ids for t in texts] == [theirs(t).input_ids for t in texts]
+    assert ours.get_vocab() == theirs.get_vocab() and ours.all_special_tokens == theirs.all_special_tokens
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) ==
+            theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
 def perplexity_and_answer(llm) -> tuple[list[list[int]], float, str]:
     """The chunks of TEXT llama-perplexity scores, our perplexity over them, and our greedy answer
     to "What is the capital of France?" (the default model and its quantized forms)."""

@@ -32,8 +32,11 @@ def load_tokenizer(path: str):
         if open_gguf(path).field("tokenizer.ggml.model", None) is None:
             logger.info("%s has no vocabulary: prompts must be token ids and outputs carry no text", path)
             return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        # The class AutoTokenizer picks for a GGUF file, without the model config it would load to
+        # pick it (whose import costs ~60 MiB, see GGUFFile.hf_config)
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                       gguf_file=os.path.basename(path))
     if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         # INFO, not a warning: weights-only folders are meant for token-id prompts (bench.py's), and
         # a string prompt or stop string then fails with a ValueError that says why.

@@ -173,8 +173,10 @@ class GGUFFile:
         return value
 
     def hf_config(self):
-        """The transformers config of the model the file holds."""
-        import transformers
+        """The model's config as a plain transformers `PretrainedConfig` holding every setting the
+        engine reads (the architecture-specific classes are not used: importing any of them pulls
+        torch.distributed.tensor, sympy and accelerate in, ~60 MiB of a 400 MiB process)."""
+        from transformers import PretrainedConfig
         a = self.arch
         heads = int(self.field(f"{a}.attention.head_count"))
         hidden = int(self.field(f"{a}.embedding_length"))
@@ -198,6 +200,7 @@ class GGUFFile:
             eos_token_id=self.field("tokenizer.ggml.eos_token_id", None),
             architectures=[MIXTRAL if self.is_mixtral else ARCHITECTURES[a]],
             dtype="float32",
+            hidden_act="silu",
         )
         if a not in ("qwen2", "qwen2moe"):
             kwargs["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
@@ -212,11 +215,7 @@ class GGUFFile:
                 raise ValueError(f"{self.path!r}: a llama MoE file whose layers do not all hold expert tensors")
             for key in ("norm_topk_prob", "decoder_sparse_step"):
                 kwargs.pop(key)
-            return transformers.MixtralConfig(**kwargs)
-        cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config, "qwen2moe": transformers.Qwen2MoeConfig,
-               "qwen3moe": transformers.Qwen3MoeConfig}[a]
-        return cls(**kwargs)
+        return PretrainedConfig(**kwargs)
 
     @property
     def is_mixtral(self) -> bool:
