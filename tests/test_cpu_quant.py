@@ -84,24 +84,29 @@ def check_all(kernels):
         rows = cpu_kernels.rows_to_f32(kernels, table, torch.tensor([3, 0, 15, 3])).numpy()
         np.testing.assert_allclose(rows, dequantized(name, raw, k)[[3, 0, 15, 3]], rtol=1e-6, atol=0, err_msg=name)
     # The 8-row interleaved layouts: the same products, and the same rows read back.
-    for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
-        raw = random_weights(name, 40, 256, rng)
-        x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(raw), 256)
+    for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"):
+        group = input_group(name)
+        k = 512 if group == 256 else 256
+        raw = random_weights(name, 40, k, rng)
+        x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(raw), k)
         assert x8_name == f"{name}x8" and x8.shape == raw.shape and not torch.equal(x8, torch.from_numpy(raw))
         for rows in (1, 3, 6):
-            x = rng.standard_normal((rows, 256)).astype(np.float32)
-            got = c_linear(kernels, x8_name, x8.numpy(), 256, x)
-            want = quantized_inputs(x, 32) @ dequantized(name, raw, 256).T
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            got = c_linear(kernels, x8_name, x8.numpy(), k, x)
+            want = quantized_inputs(x, group) @ dequantized(name, raw, k).T
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(), err_msg=x8_name)
-        unit = random_weights(name, 16, 128, rng, unit_scales=True)
-        x = exact_inputs(rng, 5, 128, 32)
-        x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(unit), 128)
-        exact = x.astype(np.int64) @ np.rint(dequantized(name, unit, 128)).astype(np.int64).T
-        np.testing.assert_array_equal(c_linear(kernels, x8_name, x8.numpy(), 128, x), exact.astype(np.float64))
-        table = cpu_kernels.linear_struct(kernels, CWeightView(x8_name, x8, 16, 128, unit.shape[1]))
+        k = 256 if group == 256 else 128
+        unit = random_weights(name, 16, k, rng, unit_scales=True)
+        x = exact_inputs(rng, 5, k, group)
+        x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(unit), k)
+        exact = x.astype(np.int64) @ np.rint(dequantized(name, unit, k)).astype(np.int64).T
+        assert np.abs(exact).max() < 2**24
+        np.testing.assert_array_equal(c_linear(kernels, x8_name, x8.numpy(), k, x), exact.astype(np.float64),
+                                      err_msg=x8_name)
+        table = cpu_kernels.linear_struct(kernels, CWeightView(x8_name, x8, 16, k, unit.shape[1]))
         rows = cpu_kernels.rows_to_f32(kernels, table, torch.tensor([9, 0, 15])).numpy()
-        np.testing.assert_array_equal(rows, dequantized(name, unit, 128)[[9, 0, 15]].astype(np.float32))
-    assert cpu_kernels.interleaved(kernels, "q4_k", torch.zeros(8, 144, dtype=torch.uint8), 256) is None
+        np.testing.assert_array_equal(rows, dequantized(name, unit, k)[[9, 0, 15]].astype(np.float32))
+    assert cpu_kernels.interleaved(kernels, "e4m3", torch.zeros(8, 36, dtype=torch.uint8), 32) is None
     assert cpu_kernels.interleaved(kernels, "q8_0", torch.zeros(12, 34, dtype=torch.uint8), 32) is None  # 12 rows
     # A chain of parts in different formats (Q4_K q / k, Q6_K v) writes them side by side, bias included.
     k = 256

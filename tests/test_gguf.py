@@ -375,7 +375,7 @@ def test_online_quantization(tmp_path, fmt):
             packed = cpu_kernels.interleaved(kernels, fmt, torch.from_numpy(blocks), blocks.shape[1] // block_bytes * block_size)
             return blocks if packed is None else packed[1].numpy()
         down = model.model.layers[0].mlp.down_proj
-        assert [t for t, _, _ in down.weight.c_parts] == [fmt if fmt == "q4_k" else f"{fmt}x8"]
+        assert [t for t, _, _ in down.weight.c_parts] == [f"{fmt}x8"]
         o_proj = model.model.layers[0].self_attn.o_proj  # 128 inputs: q4_k's fallback, q5_0
         assert o_proj.quant_method.types == [format_of(np.zeros((1, o_proj.input_size)), fmt)]
         want = quantized(state["model.layers.0.mlp.down_proj.weight"].float().numpy(), fmt)

@@ -400,12 +400,14 @@ const WeightType weight_types[] = {
     {"q6_k", 256, 210, 1, linear_rows_q6_k, to_f32_q6_k},
     /* fp8 checkpoints' weights: an fp32 scale, then 32 float8_e4m3fn (layers/quantization/weight_only.py) */
     {"e4m3", 32, 36, 1, linear_rows_e4m3, to_f32_e4m3},
-    /* the 32-weight formats interleaved by 8 rows at load (repack_x8) */
+    /* the block formats interleaved by 8 rows at load (repack_x8) */
     {"q8_0x8", 32, 34, 8, linear_rows_q8_0x8, to_f32_q8_0x8},
     {"q4_0x8", 32, 18, 8, linear_rows_q4_0x8, to_f32_q4_0x8},
     {"q4_1x8", 32, 20, 8, linear_rows_q4_1x8, to_f32_q4_1x8},
     {"q5_0x8", 32, 22, 8, linear_rows_q5_0x8, to_f32_q5_0x8},
     {"q5_1x8", 32, 24, 8, linear_rows_q5_1x8, to_f32_q5_1x8},
+    {"q4_kx8", 256, 144, 8, linear_rows_q4_kx8, to_f32_q4_kx8},
+    {"q6_kx8", 256, 210, 8, linear_rows_q6_kx8, to_f32_q6_kx8},
 };
 const int64_t num_weight_types = sizeof weight_types / sizeof weight_types[0];
 

@@ -47,7 +47,7 @@ extern const int64_t num_weight_types;
 
 /* The formats of cpu_quant.c (row loops and row-to-fp32 of the table's entries). */
 #define QUANT_FORMATS(X) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q6_k) X(f16) X(e4m3) \
-    X(q8_0x8) X(q4_0x8) X(q4_1x8) X(q5_0x8) X(q5_1x8)
+    X(q8_0x8) X(q4_0x8) X(q4_1x8) X(q5_0x8) X(q5_1x8) X(q4_kx8) X(q6_kx8)
 #define DECLARE_FORMAT(F)                                                                                      \
     void linear_rows_##F(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);    \
     void to_f32_##F(const Linear *m, int64_t r, float *out);

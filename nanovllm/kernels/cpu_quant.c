@@ -588,59 +588,12 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
 #endif
 }
 
-#define DEFINE_X8_LINEAR_ROWS(NAME, FMT)                                                                          \
-    void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
-        QuantRows q;                                                                                             \
-        if (quantize_rows(x, ldx, rows, m->k, 32, FMT == FMT_Q8_0 && Q8_0_X16, &q)) {                            \
-            fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
-            abort();                                                                                             \
-        }                                                                                                        \
-        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < m->n / IL; g++) {                            \
-            const uint8_t *grp = group_of(m, g);                                                                 \
-            for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
-                float dot[QROWS][IL];                                                                            \
-                switch (rows - b0 < QROWS ? rows - b0 : QROWS) {                                                 \
-                case 1: dot_fmt32x8(FMT, grp, &q, b0, 1, dot); break;                                            \
-                case 2: dot_fmt32x8(FMT, grp, &q, b0, 2, dot); break;                                            \
-                case 3: dot_fmt32x8(FMT, grp, &q, b0, 3, dot); break;                                            \
-                default: dot_fmt32x8(FMT, grp, &q, b0, 4, dot); break;                                           \
-                }                                                                                                \
-                const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
-                for (int64_t b = 0; b < nb; b++)                                                                 \
-                    for (int r = 0; r < IL; r++)                                                                 \
-                        y[(b0 + b) * ldy + g * IL + r] = dot[b][r] + (m->bias != NULL ? m->bias[g * IL + r] : 0.0f); \
-            }                                                                                                    \
-        }                                                                                                        \
-    }
-
-DEFINE_X8_LINEAR_ROWS(linear_rows_q8_0x8, FMT_Q8_0)
-DEFINE_X8_LINEAR_ROWS(linear_rows_q4_0x8, FMT_Q4_0)
-DEFINE_X8_LINEAR_ROWS(linear_rows_q4_1x8, FMT_Q4_1)
-DEFINE_X8_LINEAR_ROWS(linear_rows_q5_0x8, FMT_Q5_0)
-DEFINE_X8_LINEAR_ROWS(linear_rows_q5_1x8, FMT_Q5_1)
-
+/* (the x8 layouts' row loops and repack_x8 follow the K-quants' interleaved kernels, below) */
 void to_f32_q8_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q8_0, m, r, out); }
 void to_f32_q4_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q4_0, m, r, out); }
 void to_f32_q4_1x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q4_1, m, r, out); }
 void to_f32_q5_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q5_0, m, r, out); }
 void to_f32_q5_1x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q5_1, m, r, out); }
-
-/* dst = the n x k matrix src of a plain 32-weight format (named) interleaved by 8 rows (n a
- * multiple of 8). Returns 0, or 1 for a format without an interleaved layout or a bad shape. */
-int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
-    static const char *names[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"};
-    int f = -1;
-    for (int i = 0; i < 5; i++)
-        if (strcmp(name, names[i]) == 0) f = i;
-    if (f < 0 || n <= 0 || n % IL != 0 || k <= 0 || k % 32 != 0) return 1;
-    const int64_t bytes = fmt_bytes((Fmt32)f), blocks = k / 32, row_bytes = blocks * bytes;
-    for (int64_t g = 0; g < n / IL; g++)
-        for (int64_t i = 0; i < blocks; i++)
-            for (int r = 0; r < IL; r++)
-                x8_block((Fmt32)f, 1, (uint8_t *)src + (g * IL + r) * row_bytes + i * bytes,
-                         dst + g * IL * row_bytes + i * IL * bytes, r);
-    return 0;
-}
 
 /* ---- the K-quants: super-blocks of 256 --------------------------------------------------------
  * Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
@@ -837,6 +790,360 @@ void to_f32_q6_k(const Linear *m, int64_t r, float *out) {
         q6k_values(blk, v);
         for (int j = 0; j < 256; j++) out[i * 256 + j] = d * (float)sc[j / 16] * (float)(v[j] - 32);
     }
+}
+
+/* ---- the K-quants interleaved by 8 rows ----------------------------------------------------------
+ * Repacked at load (repack_x8, same bytes as the plain rows), per group of 8 rows and super-block,
+ * so that one 32-byte load holds 4 values of each of the 8 rows, one row per 32-bit lane (as the
+ * 32-weight formats' x8 layouts; integer dots with a broadcast input chunk sum 8 rows at once):
+ *   q4_kx8 (1152 bytes): d[8], dmin[8] (fp16), the 12 packed scale bytes (byte b of row r at
+ *          8 b + r), then 32 units of 32 bytes: unit u holds the plain qs bytes 4u..4u+3 of each
+ *          row (row r at 4 r): low nibbles values 64 (u / 8) + 4 (u % 8) + 0..3 (sub-block
+ *          2 (u / 8)), high nibbles the same + 32 (sub-block 2 (u / 8) + 1).
+ *   q6_kx8 (1680 bytes): d[8] (fp16), the 16 int8 scales (scale j of row r at 8 j + r), then per
+ *          sub-block j of 16 values two low-bits units, byte e of row r holding value 16 j + 8 p
+ *          + e in its low nibble and 16 j + 8 p + 4 + e in its high one (p = 0, 1), then 16
+ *          high-bits units, byte e of unit j holding the top 2 bits of values 16 j + 4 c + e at
+ *          bits 2c. */
+#define Q4K_X8 (IL * 144)
+#define Q6K_X8 (IL * 210)
+
+/* The plain Q6_K values' bits back into ql / qh (q6k_values' inverse). */
+static void q6k_pack(const int32_t v[256], uint8_t *blk) {
+    memset(blk, 0, 192);
+    for (int h = 0; h < 2; h++) {
+        uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+        for (int t = 0; t < 4; t++)
+            for (int l = 0; l < 32; l++) {
+                const int32_t q = v[128 * h + 32 * t + l];
+                ql[l + 32 * (t & 1)] |= (uint8_t)((q & 0x0F) << (4 * (t >> 1)));
+                qh[l] |= (uint8_t)((q >> 4) << (2 * t));
+            }
+    }
+}
+
+/* Copy row `lane`'s super-block between the plain layout and a group's interleaved one (to_x8 1
+ * repacks, 0 unpacks), for Q4_K (q6 0) or Q6_K (q6 1). */
+static void kx8_block(int q6, int to_x8, uint8_t *plain, uint8_t *x8, int lane) {
+    if (!q6) {
+        for (int h = 0; h < 2; h++) /* d, dmin */
+            memcpy(to_x8 ? x8 + 16 * h + 2 * lane : plain + 2 * h, to_x8 ? plain + 2 * h : x8 + 16 * h + 2 * lane, 2);
+        for (int b = 0; b < 12; b++) {
+            uint8_t *a = plain + 4 + b, *s = x8 + 32 + 8 * b + lane;
+            *(to_x8 ? s : a) = *(to_x8 ? a : s);
+        }
+        for (int u = 0; u < 32; u++)
+            memcpy(to_x8 ? x8 + 128 + 32 * u + 4 * lane : plain + 16 + 4 * u,
+                   to_x8 ? plain + 16 + 4 * u : x8 + 128 + 32 * u + 4 * lane, 4);
+        return;
+    }
+    memcpy(to_x8 ? x8 + 2 * lane : plain + 208, to_x8 ? plain + 208 : x8 + 2 * lane, 2);
+    for (int j = 0; j < 16; j++) {
+        uint8_t *a = plain + 192 + j, *s = x8 + 16 + 8 * j + lane;
+        *(to_x8 ? s : a) = *(to_x8 ? a : s);
+    }
+    uint8_t *ql = x8 + 144, *qh = x8 + 144 + 1024;
+    int32_t v[256];
+    if (to_x8) {
+        q6k_values(plain, v);
+        for (int j = 0; j < 16; j++)
+            for (int e = 0; e < 4; e++) {
+                for (int p = 0; p < 2; p++)
+                    ql[32 * (2 * j + p) + 4 * lane + e] =
+                        (uint8_t)((v[16 * j + 8 * p + e] & 0x0F) | ((v[16 * j + 8 * p + 4 + e] & 0x0F) << 4));
+                uint8_t bits = 0;
+                for (int c = 0; c < 4; c++) bits |= (uint8_t)((v[16 * j + 4 * c + e] >> 4) << (2 * c));
+                qh[32 * j + 4 * lane + e] = bits;
+            }
+        return;
+    }
+    for (int j = 0; j < 16; j++)
+        for (int e = 0; e < 4; e++) {
+            const uint8_t bits = qh[32 * j + 4 * lane + e];
+            for (int p = 0; p < 2; p++) {
+                const uint8_t lo = ql[32 * (2 * j + p) + 4 * lane + e];
+                v[16 * j + 8 * p + e] = (lo & 0x0F) | (((bits >> (2 * (2 * p))) & 3) << 4);
+                v[16 * j + 8 * p + 4 + e] = (lo >> 4) | (((bits >> (2 * (2 * p + 1))) & 3) << 4);
+            }
+        }
+    q6k_pack(v, plain);
+}
+
+static void to_f32_kx8(int q6, const Linear *m, int64_t r, float *out) {
+    const uint8_t *grp = group_of(m, r / IL);
+    uint8_t plain[210];
+    Linear one = *m;
+    one.data = plain, one.n = 1, one.k = 256, one.row_bytes = q6 ? 210 : 144, one.next = NULL;
+    for (int64_t i = 0; i < m->k / 256; i++) {
+        kx8_block(q6, 0, plain, (uint8_t *)grp + i * (q6 ? Q6K_X8 : Q4K_X8), (int)(r % IL));
+        if (q6)
+            to_f32_q6_k(&one, 0, out + 256 * i);
+        else
+            to_f32_q4_k(&one, 0, out + 256 * i);
+    }
+}
+
+void to_f32_q4_kx8(const Linear *m, int64_t r, float *out) { to_f32_kx8(0, m, r, out); }
+void to_f32_q6_kx8(const Linear *m, int64_t r, float *out) { to_f32_kx8(1, m, r, out); }
+
+#if !QUANT_SIMD
+/* Plain C: each row's super-block unpacked to the plain layout, then dot_q4_k / dot_q6_k's arithmetic
+ * on one weight row. */
+static void dot_kx8_plain(int q6, const uint8_t *grp, const QuantRows *q, int64_t b0, const int NB,
+                          float out[QROWS][IL]) {
+    const int64_t supers = q->k / 256;
+    for (int r = 0; r < IL; r++) {
+        uint8_t *row = malloc((size_t)supers * 210);
+        if (row == NULL) abort();
+        for (int64_t i = 0; i < supers; i++)
+            kx8_block(q6, 0, row + i * (q6 ? 210 : 144), (uint8_t *)grp + i * (q6 ? Q6K_X8 : Q4K_X8), r);
+        float dot[QROWS];
+        if (q6)
+            dot_q6_k(row, q, b0, NB, dot);
+        else
+            dot_q4_k(row, q, b0, NB, dot);
+        for (int b = 0; b < NB; b++) out[b][r] = dot[b];
+        free(row);
+    }
+}
+#endif
+
+#if QUANT_SIMD
+/* lane r of the result = the int8 at p[r] (r < 8), sign- or zero-extended */
+static inline __m256i lanes_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline __m256i lanes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+/* each 32-bit lane's low int16 in both halves (vpmaddwd then scales a lane's two pair sums alike) */
+static inline __m256i pairs16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
+#endif
+
+/* out[b][r] = row 8 g + r of the group . input row b0 + b, b < NB (Q4_K). Per super-block and row
+ * the sub-block sums of the two planes are scaled in integers (vpmaddwd by the lane's scale) or, with
+ * VNNI, in fp32; the mins come off as dmin (sum over sub-blocks of mn X-sums), from the input's sums. */
+static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, float out[QROWS][IL]) {
+#if QUANT_SIMD
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = grp + i * Q4K_X8, *units = blk + 128;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        /* the 6-bit scales and mins of the 8 rows, sub-block j's at sc[8 j .. 8 j + 8) (q4k_scales, 8 rows at once) */
+        uint8_t sc[64], mn[64];
+        {
+            const __m128i m6 = _mm_set1_epi8(63), m4b = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
+            for (int j = 0; j < 4; j++) {
+                const __m128i p = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * j));
+                const __m128i pm = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 4)));
+                const __m128i ph = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 8)));
+                _mm_storel_epi64((__m128i *)(sc + 8 * j), _mm_and_si128(p, m6));
+                _mm_storel_epi64((__m128i *)(mn + 8 * j), _mm_and_si128(pm, m6));
+                _mm_storel_epi64((__m128i *)(sc + 8 * (j + 4)),
+                                 _mm_or_si128(_mm_and_si128(ph, m4b), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(p, 6), m2), 4)));
+                _mm_storel_epi64((__m128i *)(mn + 8 * (j + 4)),
+                                 _mm_or_si128(_mm_and_si128(_mm_srli_epi16(ph, 4), m4b),
+                                              _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(pm, 6), m2), 4)));
+            }
+        }
+#if QUANT_VNNI
+        __m256 sub[QROWS]; /* sum over sub-blocks of scale x (127 (w . hi) + (w . lo)), in fp32 */
+        for (int b = 0; b < NB; b++) sub[b] = _mm256_setzero_ps();
+#else
+        __m256i sh[QROWS], sl[QROWS]; /* the two planes' scaled sums: |sh| <= 8 x 63 x 32 x 15 x 127 < 2^25 */
+        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
+#endif
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *u8 = units + 32 * 8 * (j >> 1);
+            const int shift = 4 * (j & 1);
+            __m256i th[QROWS], tl[QROWS];
+            for (int b = 0; b < NB; b++) th[b] = tl[b] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i w = _mm256_and_si256(_mm256_srli_epi16(load_i8(u8 + 32 * t), shift), m4);
+                for (int b = 0; b < NB; b++) {
+                    const int64_t at = i * 256 + 32 * j + 4 * t;
+#if QUANT_VNNI
+                    th[b] = dot_acc(th[b], w, bcast4(in.hi[b] + at));
+                    tl[b] = dot_acc(tl[b], w, bcast4(in.lo[b] + at));
+#else
+                    /* int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most */
+                    th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w, bcast4(in.hi[b] + at)));
+                    tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w, bcast4(in.lo[b] + at)));
+#endif
+                }
+            }
+            const __m256i s32 = lanes_u8(sc + 8 * j);
+#if QUANT_VNNI
+            const __m256 sf = _mm256_cvtepi32_ps(s32);
+            for (int b = 0; b < NB; b++) sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th[b], tl[b])), sub[b]);
+#else
+            const __m256i s16 = pairs16(s32);
+            for (int b = 0; b < NB; b++) {
+                sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[b], s16));
+                sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
+            }
+#endif
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m256 msum = _mm256_setzero_ps();
+            for (int j = 0; j < 8; j++)
+                msum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_u8(mn + 8 * j)), _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+#if QUANT_VNNI
+            const __m256 s = sub[b];
+#else
+            const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
+#endif
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
+            acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+#else
+    dot_kx8_plain(0, grp, q, b0, NB, out);
+#endif
+}
+
+/* The same for Q6_K: values 0..63 (the -32 comes off as 32 (sum over sub-blocks of scale x X-sum)). */
+static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, float out[QROWS][IL]) {
+#if QUANT_SIMD
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *ql = blk + 144, *qh = blk + 144 + 1024;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+#if QUANT_VNNI
+        __m256 sub[QROWS];
+        for (int b = 0; b < NB; b++) sub[b] = _mm256_setzero_ps();
+#else
+        __m256i sh[QROWS], sl[QROWS]; /* |sh| <= 16 x 128 x 16 x 63 x 127 < 2^29 */
+        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
+#endif
+        for (int j = 0; j < 16; j++) {
+            const __m256i h = load_i8(qh + 32 * j), u0 = load_i8(ql + 64 * j), u1 = load_i8(ql + 64 * j + 32);
+            /* the 4 chunks of sub-block j: values 16 j + 4 c + 0..3 of each row (the high bits masked
+             * after the 16-bit shifts, so no bit crosses into the next byte) */
+            __m256i w[4];
+            w[0] = _mm256_or_si256(_mm256_and_si256(u0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            w[2] = _mm256_or_si256(_mm256_and_si256(u1, m4), _mm256_and_si256(h, m30));
+            w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            const __m256i s32 = lanes_i8(scales + 8 * j);
+#if QUANT_VNNI
+            const __m256 sf = _mm256_cvtepi32_ps(s32);
+#else
+            const __m256i s16 = pairs16(s32);
+#endif
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
+#if QUANT_VNNI
+                __m256i th = _mm256_setzero_si256(), tl = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    th = dot_acc(th, w[c], bcast4(xh + 4 * c));
+                    tl = dot_acc(tl, w[c], bcast4(xl + 4 * c));
+                }
+                /* |127 th + tl| <= 16 x 63 x 16,129 < 2^24: exact in fp32 */
+                sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th, tl)), sub[b]);
+#else
+                /* int16 pair sums of two chunks: 2 x 2 x 63 x 127 = 32,004 at most */
+                for (int c = 0; c < 4; c += 2) {
+                    const __m256i th = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xh + 4 * c)),
+                                                        _mm256_maddubs_epi16(w[c + 1], bcast4(xh + 4 * c + 4)));
+                    const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xl + 4 * c)),
+                                                        _mm256_maddubs_epi16(w[c + 1], bcast4(xl + 4 * c + 4)));
+                    sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th, s16));
+                    sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl, s16));
+                }
+#endif
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m256 off = _mm256_setzero_ps();
+            for (int j = 0; j < 16; j++)
+                off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_i8(scales + 8 * j)), _mm256_set1_ps((float)s16[j]), off);
+#if QUANT_VNNI
+            __m256 s = sub[b];
+#else
+            __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
+#endif
+            s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+#else
+    dot_kx8_plain(1, grp, q, b0, NB, out);
+#endif
+}
+
+/* An interleaved format's LinearRows: the inputs quantized in groups of GROUP (X16: also kept in
+ * int16), then each thread takes its share of the 8-row groups, QROWS input rows per pass. */
+#define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL)                                                        \
+    static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *grp, const QuantRows *q,          \
+                                                                int64_t b0, const int NB, float out[QROWS][IL]) { \
+        DOT_CALL;                                                                                                \
+    }                                                                                                            \
+    void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
+        QuantRows q;                                                                                             \
+        if (quantize_rows(x, ldx, rows, m->k, GROUP, X16, &q)) {                                                 \
+            fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
+            abort();                                                                                             \
+        }                                                                                                        \
+        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < m->n / IL; g++) {                            \
+            const uint8_t *grp = group_of(m, g);                                                                 \
+            for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
+                float dot[QROWS][IL];                                                                            \
+                switch (rows - b0 < QROWS ? rows - b0 : QROWS) {                                                 \
+                case 1: NAME##_dot(grp, &q, b0, 1, dot); break;                                                  \
+                case 2: NAME##_dot(grp, &q, b0, 2, dot); break;                                                  \
+                case 3: NAME##_dot(grp, &q, b0, 3, dot); break;                                                  \
+                default: NAME##_dot(grp, &q, b0, 4, dot); break;                                                 \
+                }                                                                                                \
+                const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
+                for (int64_t b = 0; b < nb; b++)                                                                 \
+                    for (int r = 0; r < IL; r++)                                                                 \
+                        y[(b0 + b) * ldy + g * IL + r] = dot[b][r] + (m->bias != NULL ? m->bias[g * IL + r] : 0.0f); \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+DEFINE_X8_LINEAR_ROWS(linear_rows_q8_0x8, 32, Q8_0_X16, dot_fmt32x8(FMT_Q8_0, grp, q, b0, NB, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_0x8, 32, 0, dot_fmt32x8(FMT_Q4_0, grp, q, b0, NB, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_1x8, 32, 0, dot_fmt32x8(FMT_Q4_1, grp, q, b0, NB, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q5_0x8, 32, 0, dot_fmt32x8(FMT_Q5_0, grp, q, b0, NB, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q5_1x8, 32, 0, dot_fmt32x8(FMT_Q5_1, grp, q, b0, NB, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, out))
+
+/* dst = the n x k matrix src of a plain block format (named) interleaved by 8 rows (n a multiple
+ * of 8). Returns 0, or 1 for a format without an interleaved layout or a bad shape. */
+int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
+    static const char *names[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"};
+    int f = -1;
+    for (int i = 0; i < 7; i++)
+        if (strcmp(name, names[i]) == 0) f = i;
+    const int kq = f >= 5, group = kq ? 256 : 32;
+    if (f < 0 || n <= 0 || n % IL != 0 || k <= 0 || k % group != 0) return 1;
+    const int64_t bytes = kq ? (f == 6 ? 210 : 144) : fmt_bytes((Fmt32)f), blocks = k / group, row_bytes = blocks * bytes;
+    for (int64_t g = 0; g < n / IL; g++)
+        for (int64_t i = 0; i < blocks; i++)
+            for (int r = 0; r < IL; r++) {
+                uint8_t *plain = (uint8_t *)src + (g * IL + r) * row_bytes + i * bytes, *x8 = dst + g * IL * row_bytes + i * IL * bytes;
+                if (kq)
+                    kx8_block(f == 6, 1, plain, x8, r);
+                else
+                    x8_block((Fmt32)f, 1, plain, x8, r);
+            }
+    return 0;
 }
 
 /* ---- the table's row loops ---------------------------------------------------------------------
