@@ -19,6 +19,8 @@ _ENGINE_OPTIONS = [
     ("--quantization", "quantization", str,
      "quantize a dense checkpoint's weights at load: q8_0, q4_0, q4_1, q5_0, q5_1 or q4_k (GGUF block formats; "
      "a .gguf MODEL keeps its own)"),
+    ("--cpu-input-bits", "cpu_input_bits", int,
+     "CPU block-format kernels' input rounding: 14 (two int8 planes) or 8 (llama.cpp's int8 inputs: faster, coarser)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "most tokens in one step"),
     ("--max-model-len", "max_model_len", int, "longest prompt + completion"),

@@ -124,6 +124,10 @@ class Config:
     # A dense checkpoint's weights quantized at load into a GGUF block format ("q8_0", "q4_0", ...);
     # None: the checkpoint's own format (a .gguf file always keeps its own).
     quantization: str | None = None
+    # CPU block-format kernels (GGUF files, quantization=): inputs rounded to 14-bit integers per
+    # group (14, two int8 planes: within fp16's error of fp32) or to int8 (8: llama.cpp's Q8 inputs,
+    # about 1.5x less integer work at 8+ rows, coarser: a small model's greedy answer can change).
+    cpu_input_bits: int = 14
     # Derived, filled in __post_init__.
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)  # activations and KV cache
@@ -132,6 +136,8 @@ class Config:
     platform: Platform = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.cpu_input_bits, bool) or self.cpu_input_bits not in (8, 14):
+            raise ValueError(f"cpu_input_bits must be 8 or 14, got {self.cpu_input_bits!r}")
         self.hf_config = _load_hf_config(self.model)
         self.model = str(self.model)
         from nanovllm.models import get_model_class

@@ -142,7 +142,7 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def start_ours(path: str, batches: list[int], threads: int, dtype: str):
+def start_ours(path: str, batches: list[int], threads: int, dtype: str, input_bits: int):
     """Our engine for every point of one weight width (it stays loaded while llama.cpp runs)."""
     import torch
     from nanovllm import LLM
@@ -150,7 +150,8 @@ def start_ours(path: str, batches: list[int], threads: int, dtype: str):
     # NOTE: kvcache_prefault: llama.cpp clears its KV cache when it creates its context, so no
     # timed step of its writes to a fresh page; ours maps its (benchmark-sized) cache up front too.
     return LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(batches),
-               max_model_len=PROMPT_LEN + DECODE_STEPS + PREFILL_LEN, kvcache_prefault=True)
+               max_model_len=PROMPT_LEN + DECODE_STEPS + PREFILL_LEN, kvcache_prefault=True,
+               cpu_input_bits=input_bits)
 
 
 def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> float:
@@ -207,7 +208,8 @@ def perplexity_table(cache: Path, bins, name: str, path: str, args, results: dic
             theirs = ppl.parse_llama_perplexity(log.read_text(errors="replace"))
         ours = None
         if not args.skip_ours:
-            with LLM(our_source, device="cpu", dtype=our_dtype, max_num_seqs=16, max_model_len=2 * ppl.N_CTX) as llm:
+            with LLM(our_source, device="cpu", dtype=our_dtype, max_num_seqs=16, max_model_len=2 * ppl.N_CTX,
+                     cpu_input_bits=args.input_bits) as llm:
                 ours = ppl.our_perplexity(llm, ppl.chunks_of(llm.tokenizer, text.read_text()))
         out[quant] = {"llama_perplexity": theirs, "ours": ours}
         ratio = f"{ours / theirs:.4f}" if ours and theirs else "-"
@@ -246,7 +248,8 @@ def table(name: str, results: dict, batches: list[int]) -> str:
         cells += ["-" if v is None else f"{v:.0f}" for v in (extra or [])]
         return f"| {label} | " + " | ".join(cells) + " |"
     rss_cols = [f"RSS MiB {c}" for c in RSS_COLUMNS]
-    lines = [f"### {name} (tok/s, {results['threads']} threads)", "",
+    inputs = ", our block kernels' inputs in int8" if results.get("cpu_input_bits") == 8 else ""
+    lines = [f"### {name} (tok/s, {results['threads']} threads{inputs})", "",
              "| engine | " + " | ".join(cols + rss_cols) + " |", "|---" * (len(cols) + len(rss_cols) + 1) + "|"]
     keys = [k for pair in zip(QUANTS, [o for o, _ in sorted(RATIOS.items(), key=lambda kv: QUANTS.index(kv[1]))])
             for k in pair]
@@ -301,6 +304,9 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma-separated rows: {', '.join(QUANTS)} (default: all); f32 / f16: llama.cpp's "
                    "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
                    "llama-quantize's file from the F32 conversion, loaded by both engines")
+    p.add_argument("--input-bits", type=int, default=14, choices=(8, 14),
+                   help="our block-format kernels' input rounding (LLM(cpu_input_bits=)): 14, two int8 planes "
+                   "(the default), or 8, llama.cpp's int8 inputs")
     p.add_argument("--perplexity", action="store_true",
                    help="also score tests/data/english.txt with llama-perplexity and with ours, each row's weights")
     skip = p.add_mutually_exclusive_group()
@@ -335,7 +341,7 @@ def main() -> None:
     from nanovllm.utils.default_model import cache_root
     cache = cache_root()
     report = {"threads": args.threads, "batches": args.batches, "llama_cpp_python": llamacpp_build.VERSION,
-              "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native"),
+              "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native"), "cpu_input_bits": args.input_bits,
               "our_env": {k: os.environ.get(k) for k in llamacpp_build.OUR_ISA_ENV["avx2"]}, "models": {}}
     try:
         # NOTE: built even with --skip-llamacpp when a quantized row runs: llama-quantize writes its file.
@@ -343,7 +349,7 @@ def main() -> None:
         bins = llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count(), isa=args.isa) if need_build else None
         for name in args.models:
             path = model_folder(name)
-            results = report["models"][name] = {"path": path, "threads": args.threads}
+            results = report["models"][name] = {"path": path, "threads": args.threads, "cpu_input_bits": args.input_bits}
             # NOTE: every figure is measured --rounds times, alternating llama.cpp and ours point by
             # point, and each engine's best counts: this VM's memory bandwidth drifts by a third over
             # minutes, and batch-1 decode follows it.
@@ -360,7 +366,7 @@ def main() -> None:
                     continue
                 engines = [LABELS[key] for key, runs in ((quant, gguf_run is not None), (ours, ours is not None)) if runs]
                 print(f"{' vs '.join(engines)}: {our_source if ours else gguf} ...", flush=True)
-                llm = start_ours(our_source, args.batches, args.threads, our_dtype) if ours else None
+                llm = start_ours(our_source, args.batches, args.threads, our_dtype, args.input_bits) if ours else None
                 if llm is not None:
                     keep_rss(results, ours, RSS_COLUMNS[0], rss_mib())
                 rng = random.Random(0)

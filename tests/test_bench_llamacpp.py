@@ -164,7 +164,7 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
 
     engines = []
 
-    def start_ours(path, batches, threads, dtype):
+    def start_ours(path, batches, threads, dtype, input_bits):
         # the dense rows load the folder in their dtype, the quantized ones llama-quantize's file
         engines.append(Engine(dtype if path.endswith("model") else Path(path).stem))
         return engines[-1]

@@ -31,25 +31,27 @@ def input_group(name):
 XMAX = 127 * 127
 
 
-def quantized_inputs(x, group):
-    """x as the kernels quantize it: per group d = max|x| / 127^2, X = round(x / d) (half to even)."""
+def quantized_inputs(x, group, top=XMAX):
+    """x as the kernels quantize it: per group d = max|x| / top, X = round(x / d) (half to even);
+    top 127^2 for the two planes, 127 for one (input_planes=1, llama.cpp's int8 inputs)."""
     g = x.reshape(x.shape[0], -1, group).astype(np.float32)
     amax = np.abs(g).max(axis=-1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(XMAX) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.clip(np.rint(g * inv), -XMAX, XMAX)
-    return (q * (amax / np.float32(XMAX))).reshape(x.shape).astype(np.float64)
+    inv = np.where(amax > 0, np.float32(top) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(g * inv), -top, top)
+    return (q * (amax / np.float32(top))).reshape(x.shape).astype(np.float64)
 
 
-def exact_inputs(rng, rows, k, group):
-    """Integer inputs whose every group holds a +-127^2 (the input scale is then 1)."""
-    x = rng.integers(-2, 3, size=(rows, k)).astype(np.float32)
+def exact_inputs(rng, rows, k, group, step=1):
+    """Integer inputs, multiples of step, whose every group holds a +-127^2 (the input scale is
+    then 1; step 127 for one plane, whose int8 values are then exact)."""
+    x = step * rng.integers(-2, 3, size=(rows, k)).astype(np.float32)
     x[:, ::group] = XMAX * rng.choice([-1, 1], size=(rows, k // group))
     return x
 
 
-def c_linear(kernels, name, raw, k, x, chain=None, bias=None):
+def c_linear(kernels, name, raw, k, x, chain=None, bias=None, input_planes=2):
     n = raw.shape[0]
-    view = CWeightView(name, torch.from_numpy(raw), n, k, raw.shape[1], next=chain)
+    view = CWeightView(name, torch.from_numpy(raw), n, k, raw.shape[1], next=chain, input_planes=input_planes)
     return cpu_kernels.linear(kernels, cpu_kernels.linear_struct(kernels, view), torch.from_numpy(x),
                               bias).numpy().astype(np.float64)
 
@@ -89,6 +91,7 @@ def check_all(kernels):
         k = 512 if group == 256 else 256
         raw = random_weights(name, 40, k, rng)
         x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(raw), k)
+        raw_x8 = x8.numpy()
         assert x8_name == f"{name}x8" and x8.shape == raw.shape and not torch.equal(x8, torch.from_numpy(raw))
         for rows in (1, 3, 6):
             x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -106,6 +109,23 @@ def check_all(kernels):
         table = cpu_kernels.linear_struct(kernels, CWeightView(x8_name, x8, 16, k, unit.shape[1]))
         rows = cpu_kernels.rows_to_f32(kernels, table, torch.tensor([9, 0, 15])).numpy()
         np.testing.assert_array_equal(rows, dequantized(name, unit, k)[[9, 0, 15]].astype(np.float32))
+        # input_planes=1: the inputs rounded to int8 per group (max|x| / 127), the low plane's
+        # products skipped; the same for the plain layout's rows (which multiply both planes)
+        k = 512 if group == 256 else 256
+        x = rng.standard_normal((5, k)).astype(np.float32)
+        want = quantized_inputs(x, group, top=127) @ dequantized(name, raw, k).T
+        for held, data in ((x8_name, raw_x8), (name, raw)):
+            got = c_linear(kernels, held, data, k, x, input_planes=1)
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(), err_msg=f"{held} 1 plane")
+        two = c_linear(kernels, x8_name, raw_x8, k, x)
+        assert np.abs(two - want).max() > 10 * np.abs(got - want).max()  # not the two planes' rounding
+        k = 256 if group == 256 else 128
+        x = exact_inputs(rng, 5, k, group, step=127)
+        exact = x.astype(np.int64) @ np.rint(dequantized(name, unit, k)).astype(np.int64).T
+        assert np.abs(exact).max() < 2**24
+        x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(unit), k)
+        np.testing.assert_array_equal(c_linear(kernels, x8_name, x8.numpy(), k, x, input_planes=1),
+                                      exact.astype(np.float64), err_msg=f"{x8_name} 1 plane")
     assert cpu_kernels.interleaved(kernels, "e4m3", torch.zeros(8, 36, dtype=torch.uint8), 32) is None
     assert cpu_kernels.interleaved(kernels, "q8_0", torch.zeros(12, 34, dtype=torch.uint8), 32) is None  # 12 rows
     # A chain of parts in different formats (Q4_K q / k, Q6_K v) writes them side by side, bias included.

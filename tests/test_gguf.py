@@ -173,17 +173,17 @@ def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=5
     return path
 
 
-def quantized_like_kernels(x: torch.Tensor, group: int) -> torch.Tensor:
+def quantized_like_kernels(x: torch.Tensor, group: int, top: int = 127 * 127) -> torch.Tensor:
     """x rounded as the C kernels quantize a linear layer's input: 14-bit integers per group of
-    `group` values, scale max|x| / 127^2, round half to even."""
+    `group` values, scale max|x| / 127^2 (top 127: int8, cpu_input_bits=8), round half to even."""
     g = x.reshape(*x.shape[:-1], -1, group)
     amax = g.abs().amax(-1, keepdim=True)
-    top = 127 * 127
     q = torch.where(amax > 0, g * (top / amax.clamp_min(1e-30)), torch.zeros_like(g)).round().clamp(-top, top)
     return (q * (amax / top)).reshape(x.shape)
 
 
-def hf_logprobs_of_file(path: Path, prompt: list[int], input_groups: dict[str, int] | None = None) -> torch.Tensor:
+def hf_logprobs_of_file(path: Path, prompt: list[int], input_groups: dict[str, int] | None = None,
+                        top: int = 127 * 127) -> torch.Tensor:
     """transformers' log-probabilities on the file (it dequantizes the tensors itself); with
     input_groups (HF module name suffix -> group), each such linear layer's input quantized as the
     C kernels quantize it, so that the result differs from ours only by the order of float sums."""
@@ -192,7 +192,7 @@ def hf_logprobs_of_file(path: Path, prompt: list[int], input_groups: dict[str, i
     for name, module in model.named_modules():
         group = next((g for suffix, g in (input_groups or {}).items() if name.endswith(suffix)), None)
         if group is not None and isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(lambda m, args, g=group: (quantized_like_kernels(args[0], g),))
+            module.register_forward_pre_hook(lambda m, args, g=group: (quantized_like_kernels(args[0], g, top),))
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
 
@@ -220,6 +220,15 @@ def our_logprobs(llm, prompt: list[int], vocab: int) -> torch.Tensor:
         for token, logprob in entry.items():
             rows[j, token] = logprob
     return rows
+
+
+def logprob_errors(ours: torch.Tensor, reference: torch.Tensor, prompt: list[int]) -> torch.Tensor:
+    """|ours - reference| of each position's prompt token and our top 5."""
+    out = []
+    for j in range(len(prompt) - 1):
+        ids = torch.cat([ours[j].topk(5).indices, torch.tensor([prompt[j + 1]])])
+        out.append((ours[j, ids] - reference[j, ids]).abs())
+    return torch.stack(out)
 
 
 # One file per case: (arch, tensor types); 'all' covers each format at least once, stacked parts in
@@ -258,14 +267,7 @@ def test_tiny_files_match_transformers(tmp_path, case, caplog):
         assert llm.config.hf_config.architectures == [ARCH_CLASSES[arch]]
         ours = our_logprobs(llm, prompt, 320)
     tol = TOLERANCE.get(case, 5e-3)
-    def errors(reference: torch.Tensor) -> torch.Tensor:
-        """|ours - reference| of each position's prompt token and our top 5."""
-        out = []
-        for j in range(len(prompt) - 1):
-            ids = torch.cat([ours[j].topk(5).indices, torch.tensor([prompt[j + 1]])])
-            out.append((ours[j, ids] - reference[j, ids]).abs())
-        return torch.stack(out)
-    plain, same = errors(ref), errors(same_inputs)
+    plain, same = logprob_errors(ours, ref, prompt), logprob_errors(ours, same_inputs, prompt)
     if "q5_k" in types.values():  # converted at load, and said so
         assert "Q5_K tensors (e.g. blk.0.attn_q.weight) converted at load to Q5_1" in caplog.text
     print(case, "|logprob error| max / mean", plain.max().item(), plain.mean().item(),
@@ -274,6 +276,30 @@ def test_tiny_files_match_transformers(tmp_path, case, caplog):
     # across a rounding boundary of the next layer's input now and then).
     assert same.mean() < 2e-3 and same.max() < 0.05, case
     assert plain.mean() < tol, case
+
+
+@pytest.mark.parametrize("case", ["llama-q4_k_m", "qwen2-mixed", "qwen3-q4_0"])
+def test_int8_inputs_are_llama_cpp_rounding(tmp_path, case):
+    """cpu_input_bits=8: every block-format layer's input rounded to int8 per group (llama.cpp's Q8
+    inputs), so the result is transformers' with its inputs rounded the same way, and not the
+    two-plane rounding's."""
+    arch, types = CASES[case]
+    shape = dict(heads=2, kv_heads=1, untied=True) if arch == "qwen3" else {}
+    path = write_tiny(tmp_path / f"{case}.gguf", arch, types, **shape)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 40)]
+    groups = kernel_input_groups(types, tied=arch != "qwen3")
+    int8, two_planes = (hf_logprobs_of_file(path, prompt, groups, top) for top in (127, 127 * 127))
+    with LLM(str(path), max_num_seqs=4, max_model_len=256, cpu_input_bits=8) as llm:
+        assert {layer.quant_method.input_planes for layer in linear_layers(model_of(llm))
+                if hasattr(layer.quant_method, "input_planes")} == {1}
+        ours = our_logprobs(llm, prompt, 320)
+    same, other = logprob_errors(ours, int8, prompt), logprob_errors(ours, two_planes, prompt)
+    print(case, "int8 inputs: |logprob error| against int8-rounded transformers", same.mean().item(),
+          "against two-plane-rounded", other.mean().item())
+    # (int8 steps are 128x coarser than the two planes': a float-sum-order difference that moves a
+    # value across one moves the next layers more than in test_tiny_files_match_transformers)
+    assert same.mean() < 1e-2, case
+    assert other.mean() > 2 * same.mean(), case
 
 
 def test_decode_step_with_chained_parts(tmp_path):
@@ -428,6 +454,9 @@ def test_bad_files_and_options(tmp_path):
     folder = make_qwen3(str(tmp_path / "qwen3"))
     with pytest.raises(ValueError, match=r"quantization 'int3' is not supported; choose one of \['q8_0'"):
         LLM(folder, quantization="int3")
+    for bits in (4, 16, True):
+        with pytest.raises(ValueError, match=f"cpu_input_bits must be 8 or 14, got {bits!r}"):
+            LLM(str(good), cpu_input_bits=bits)
 
 
 def test_quantized_weights_on_a_gpu_are_refused_at_the_boundary(tmp_path, monkeypatch):

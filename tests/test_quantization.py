@@ -289,7 +289,7 @@ def test_the_library_abi_is_checked_at_load():
 
     class Unknown(ctypes.Structure):
         _fields_ = [("x", ctypes.c_int64)]
-    with pytest.raises(RuntimeError, match="struct Linear is 64 bytes in C, 16 in ctypes"):
+    with pytest.raises(RuntimeError, match="struct Linear is 72 bytes in C, 16 in ctypes"):
         cpu_kernels.check_abi(kernels.lib, (Linear,))
     with pytest.raises(RuntimeError, match="struct Unknown is -1 bytes in C"):
         cpu_kernels.check_abi(kernels.lib, (Unknown,))

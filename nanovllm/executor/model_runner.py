@@ -52,6 +52,7 @@ class ModelRunner:
         hf_config = config.hf_config
         # The weight format picks each layer's method as the model is built (layers/quantization).
         quant_config = quant_config_for_model(config.model, hf_config, config.quantization)
+        quant_config.input_planes = 1 if config.cpu_input_bits == 8 else 2
         with default_dtype(self.dtype), self.device:
             self.model = get_model_class(hf_config)(hf_config, quant_config)
         load_model(self.model, config.model)

@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 4
+#define NANOVLLM_ABI_VERSION 5
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -23,6 +23,9 @@ typedef struct Linear {
     /* The outputs after these n come from another matrix of the same k (a stacked layer whose
      * parts are stored in different formats, e.g. Q4_K q/k and Q6_K v), or NULL. */
     const struct Linear *next;
+    /* The block formats' inputs: 1, rounded to int8 per group (llama.cpp's arithmetic: the
+     * interleaved kernels do half the integer work); anything else, 14-bit in two int8 planes. */
+    int64_t input_planes;
 } Linear;
 
 /* y[b, r] = W[r, :] . x[b, :] (+ bias[r]) for b < rows and every weight row r, as an orphaned `omp

@@ -85,7 +85,7 @@ c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # ---- the C structures (cpu_kernels.h); load() checks their sizes against the library's ----------
 class Linear(ctypes.Structure):
     _fields_ = [("data", c_void_p), ("bias", c_void_p), ("scales", c_void_p), ("n", c_int64), ("k", c_int64),
-                ("type", c_int64), ("row_bytes", c_int64), ("next", c_void_p)]
+                ("type", c_int64), ("row_bytes", c_int64), ("next", c_void_p), ("input_planes", c_int64)]
 
 
 class MoeExperts(ctypes.Structure):
@@ -112,7 +112,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64)]
 
 
-ABI_VERSION = 4  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 5  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 
@@ -203,7 +203,8 @@ def linear_struct(kernels: CpuKernels, view, bias: torch.Tensor | None = None) -
                              "bytes")
         part_bias = None if bias is None else bias.data_ptr() + 4 * offset
         parts.append(Linear(view.data.data_ptr(), part_bias, None if view.scales is None else view.scales.data_ptr(),
-                            view.n, view.k, kernels.weight_type(view.type_name), view.row_bytes, None))
+                            view.n, view.k, kernels.weight_type(view.type_name), view.row_bytes, None,
+                            view.input_planes))
         offset += view.n
         view = view.next
     for first, second in zip(parts, parts[1:]):

@@ -84,6 +84,7 @@ typedef struct {
     const int32_t *sums;   /* [rows][k / 16]: sum of each 16 consecutive X */
     const int16_t *x16;    /* [rows][k]: X itself, or NULL (asked for by the Q8_0 kernel where Q8_0_X16) */
     int64_t k, group;
+    int planes;            /* 1: lo is all zeros (X = 127 hi, llama.cpp's int8 inputs); 2: both planes */
 } QuantRows;
 
 #if QUANT_SIMD
@@ -117,10 +118,12 @@ static _Thread_local void *quant_buffer;
 static _Thread_local size_t quant_capacity;
 
 /* x [rows, k] (row stride ldx) quantized in groups of `group` values (k a multiple of group and
- * of 16); with_x16 (vector builds only) also keeps X in int16. Returns 0, or 1 when the buffer
- * cannot be had. */
+ * of 16); with_x16 (vector builds only) also keeps X in int16. planes 1: each value rounded to an
+ * int8 hi = round(127 x / max|x|) (llama.cpp's Q8 inputs) and lo = 0, a two-plane input like any
+ * other (X = 127 hi, the same scale d), so every kernel takes it; the interleaved ones then skip
+ * the low plane's products. Returns 0, or 1 when the buffer cannot be had. */
 static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, int with_x16,
-                         QuantRows *q) {
+                         int nplanes, QuantRows *q) {
     const int64_t groups = k / group, sixteens = k / 16;
     with_x16 = with_x16 && QUANT_SIMD;
     const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + sizeof(float) * (size_t)groups +
@@ -154,6 +157,22 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
             d[r * groups + g] = amax / (float)XMAX;
             const __m256 vinv = _mm256_set1_ps(inv);
+            if (nplanes == 1) {
+                const __m256 vinv1 = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+                const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+                for (int64_t i = 0; i < group; i += 8) {
+                    __m256i h = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), vinv1));
+                    h = _mm256_min_epi32(_mm256_max_epi32(h, bottom), top);
+                    if (with_x16) {
+                        const __m256i X = _mm256_sub_epi32(_mm256_slli_epi32(h, 7), h);
+                        _mm_storeu_si128((__m128i *)(xr16 + g * group + i),
+                                         _mm_packs_epi32(_mm256_castsi256_si128(X), _mm256_extracti128_si256(X, 1)));
+                    }
+                    store_i8x8(hr + g * group + i, h);
+                    _mm_storel_epi64((__m128i *)(lr + g * group + i), _mm_setzero_si128());
+                }
+                continue;
+            }
             for (int64_t i = 0; i < group; i += 8) {
                 __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), vinv));
                 X = _mm256_min_epi32(_mm256_max_epi32(X, xmin), xmax);
@@ -171,7 +190,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = hsum_epi32(_mm256_add_epi32(a, b));
         }
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, k, group};
+    *q = (QuantRows){hi, lo, d, sums, x16, k, group, nplanes};
     return 0;
 #else
     for (int64_t r = 0; r < rows; r++) {
@@ -183,6 +202,12 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
             d[r * groups + g] = amax / (float)XMAX;
             for (int64_t i = 0; i < group; i++) {
+                if (nplanes == 1) {
+                    const float v = nearbyintf(xg[i] * (amax > 0.0f ? 127.0f / amax : 0.0f));
+                    hi[r * k + g * group + i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+                    lo[r * k + g * group + i] = 0;
+                    continue;
+                }
                 const float v = nearbyintf(xg[i] * inv);
                 const int32_t X = (int32_t)(v > XMAX ? XMAX : v < -XMAX ? -XMAX : v);
                 const int32_t h = (X >= 0 ? X + 63 : X - 63) / 127; /* nearest, so |X - 127 h| <= 63 */
@@ -196,7 +221,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = sum;
         }
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, k, group};
+    *q = (QuantRows){hi, lo, d, sums, x16, k, group, nplanes};
     return 0;
 #endif
 }
@@ -456,8 +481,10 @@ static inline __m256i bcast4(const int8_t *p) {
 #endif
 
 /* acc[b] (lane r: weight row 8 g + r) += group g . input row b0 + b, b < NB. */
+/* P: the input's planes (1: its low plane is zero, and its products are skipped). */
 static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
-                                                             int64_t b0, const int NB, float out[QROWS][IL]) {
+                                                             int64_t b0, const int NB, const int P,
+                                                             float out[QROWS][IL]) {
     const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
 #if QUANT_SIMD
@@ -486,7 +513,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
                 const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
                 for (int b = 0; b < NB; b++) {
                     sum[b] = dot_acc(sum[b], u, bcast4(in.hi[b] + i * 32 + 4 * c));
-                    sum_lo[b] = dot_acc(sum_lo[b], u, bcast4(in.lo[b] + i * 32 + 4 * c));
+                    if (P == 2) sum_lo[b] = dot_acc(sum_lo[b], u, bcast4(in.lo[b] + i * 32 + 4 * c));
                 }
 #else
                 /* Without VNNI: the weights widened to int16 (once for all NB rows) and multiplied with
@@ -536,12 +563,13 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
                     const __m256i l0 = bcast4(in.lo[b] + i * 32 + 4 * c), l1 = bcast4(in.lo[b] + i * 32 + 16 + 4 * c);
 #if QUANT_VNNI
                     sum[b] = dot_acc(dot_acc(sum[b], lo, h0), hi, h1);
-                    sum_lo[b] = dot_acc(dot_acc(sum_lo[b], lo, l0), hi, l1);
+                    if (P == 2) sum_lo[b] = dot_acc(dot_acc(sum_lo[b], lo, l0), hi, l1);
 #else
                     t_hi[b] = _mm256_add_epi16(t_hi[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, h0),
                                                                          _mm256_maddubs_epi16(hi, h1)));
-                    t_lo[b] = _mm256_add_epi16(t_lo[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, l0),
-                                                                         _mm256_maddubs_epi16(hi, l1)));
+                    if (P == 2)
+                        t_lo[b] = _mm256_add_epi16(t_lo[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, l0),
+                                                                             _mm256_maddubs_epi16(hi, l1)));
                     if (c == 3 || (five && c == 1)) {
                         sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t_hi[b], ones));
                         t_hi[b] = _mm256_setzero_si256();
@@ -550,7 +578,8 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
                 }
             }
 #if !QUANT_VNNI
-            for (int b = 0; b < NB; b++) sum_lo[b] = _mm256_add_epi32(sum_lo[b], _mm256_madd_epi16(t_lo[b], ones));
+            if (P == 2)
+                for (int b = 0; b < NB; b++) sum_lo[b] = _mm256_add_epi32(sum_lo[b], _mm256_madd_epi16(t_lo[b], ones));
 #endif
         }
         const __m256 m8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
@@ -567,6 +596,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
 #else
     /* Plain C: each row's block unpacked to the plain layout, then dot_fmt32's arithmetic. */
+    (void)P;
     for (int b = 0; b < NB; b++)
         for (int r = 0; r < IL; r++) out[b][r] = 0.0f;
     for (int64_t i = 0; i < blocks; i++) {
@@ -920,7 +950,7 @@ static inline __m256i pairs16(__m256i v) { return _mm256_or_si256(_mm256_and_si2
  * the sub-block sums of the two planes are scaled in integers (vpmaddwd by the lane's scale) or, with
  * VNNI, in fp32; the mins come off as dmin (sum over sub-blocks of mn X-sums), from the input's sums. */
 static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
-                                                            const int NB, float out[QROWS][IL]) {
+                                                            const int NB, const int P, float out[QROWS][IL]) {
 #if QUANT_SIMD
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
@@ -966,11 +996,11 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
                     const int64_t at = i * 256 + 32 * j + 4 * t;
 #if QUANT_VNNI
                     th[b] = dot_acc(th[b], w, bcast4(in.hi[b] + at));
-                    tl[b] = dot_acc(tl[b], w, bcast4(in.lo[b] + at));
+                    if (P == 2) tl[b] = dot_acc(tl[b], w, bcast4(in.lo[b] + at));
 #else
                     /* int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most */
                     th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w, bcast4(in.hi[b] + at)));
-                    tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w, bcast4(in.lo[b] + at)));
+                    if (P == 2) tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w, bcast4(in.lo[b] + at)));
 #endif
                 }
             }
@@ -982,7 +1012,7 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
             const __m256i s16 = pairs16(s32);
             for (int b = 0; b < NB; b++) {
                 sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[b], s16));
-                sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
+                if (P == 2) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
             }
 #endif
         }
@@ -1003,13 +1033,14 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
 #else
+    (void)P;
     dot_kx8_plain(0, grp, q, b0, NB, out);
 #endif
 }
 
 /* The same for Q6_K: values 0..63 (the -32 comes off as 32 (sum over sub-blocks of scale x X-sum)). */
 static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
-                                                            const int NB, float out[QROWS][IL]) {
+                                                            const int NB, const int P, float out[QROWS][IL]) {
 #if QUANT_SIMD
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
@@ -1047,7 +1078,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
                 __m256i th = _mm256_setzero_si256(), tl = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
                     th = dot_acc(th, w[c], bcast4(xh + 4 * c));
-                    tl = dot_acc(tl, w[c], bcast4(xl + 4 * c));
+                    if (P == 2) tl = dot_acc(tl, w[c], bcast4(xl + 4 * c));
                 }
                 /* |127 th + tl| <= 16 x 63 x 16,129 < 2^24: exact in fp32 */
                 sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th, tl)), sub[b]);
@@ -1056,10 +1087,12 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
                 for (int c = 0; c < 4; c += 2) {
                     const __m256i th = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xh + 4 * c)),
                                                         _mm256_maddubs_epi16(w[c + 1], bcast4(xh + 4 * c + 4)));
-                    const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xl + 4 * c)),
-                                                        _mm256_maddubs_epi16(w[c + 1], bcast4(xl + 4 * c + 4)));
                     sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th, s16));
-                    sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl, s16));
+                    if (P == 2) {
+                        const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xl + 4 * c)),
+                                                            _mm256_maddubs_epi16(w[c + 1], bcast4(xl + 4 * c + 4)));
+                        sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl, s16));
+                    }
                 }
 #endif
             }
@@ -1081,6 +1114,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
 #else
+    (void)P;
     dot_kx8_plain(1, grp, q, b0, NB, out);
 #endif
 }
@@ -1089,12 +1123,14 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
  * int16), then each thread takes its share of the 8-row groups, QROWS input rows per pass. */
 #define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL)                                                        \
     static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *grp, const QuantRows *q,          \
-                                                                int64_t b0, const int NB, float out[QROWS][IL]) { \
+                                                                int64_t b0, const int NB, const int P,           \
+                                                                float out[QROWS][IL]) {                          \
         DOT_CALL;                                                                                                \
     }                                                                                                            \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
-        if (quantize_rows(x, ldx, rows, m->k, GROUP, X16, &q)) {                                                 \
+        const int one = m->input_planes == 1;                                                                    \
+        if (quantize_rows(x, ldx, rows, m->k, GROUP, X16, one ? 1 : 2, &q)) {                                    \
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
@@ -1102,11 +1138,15 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
             const uint8_t *grp = group_of(m, g);                                                                 \
             for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
                 float dot[QROWS][IL];                                                                            \
-                switch (rows - b0 < QROWS ? rows - b0 : QROWS) {                                                 \
-                case 1: NAME##_dot(grp, &q, b0, 1, dot); break;                                                  \
-                case 2: NAME##_dot(grp, &q, b0, 2, dot); break;                                                  \
-                case 3: NAME##_dot(grp, &q, b0, 3, dot); break;                                                  \
-                default: NAME##_dot(grp, &q, b0, 4, dot); break;                                                 \
+                switch ((rows - b0 < QROWS ? rows - b0 : QROWS) + (one ? QROWS : 0)) {                           \
+                case 1: NAME##_dot(grp, &q, b0, 1, 2, dot); break;                                               \
+                case 2: NAME##_dot(grp, &q, b0, 2, 2, dot); break;                                               \
+                case 3: NAME##_dot(grp, &q, b0, 3, 2, dot); break;                                               \
+                case 4: NAME##_dot(grp, &q, b0, 4, 2, dot); break;                                               \
+                case 5: NAME##_dot(grp, &q, b0, 1, 1, dot); break;                                               \
+                case 6: NAME##_dot(grp, &q, b0, 2, 1, dot); break;                                               \
+                case 7: NAME##_dot(grp, &q, b0, 3, 1, dot); break;                                               \
+                default: NAME##_dot(grp, &q, b0, 4, 1, dot); break;                                              \
                 }                                                                                                \
                 const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
                 for (int64_t b = 0; b < nb; b++)                                                                 \
@@ -1116,13 +1156,13 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
         }                                                                                                        \
     }
 
-DEFINE_X8_LINEAR_ROWS(linear_rows_q8_0x8, 32, Q8_0_X16, dot_fmt32x8(FMT_Q8_0, grp, q, b0, NB, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q4_0x8, 32, 0, dot_fmt32x8(FMT_Q4_0, grp, q, b0, NB, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q4_1x8, 32, 0, dot_fmt32x8(FMT_Q4_1, grp, q, b0, NB, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q5_0x8, 32, 0, dot_fmt32x8(FMT_Q5_0, grp, q, b0, NB, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q5_1x8, 32, 0, dot_fmt32x8(FMT_Q5_1, grp, q, b0, NB, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q8_0x8, 32, Q8_0_X16, dot_fmt32x8(FMT_Q8_0, grp, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_0x8, 32, 0, dot_fmt32x8(FMT_Q4_0, grp, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_1x8, 32, 0, dot_fmt32x8(FMT_Q4_1, grp, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q5_0x8, 32, 0, dot_fmt32x8(FMT_Q5_0, grp, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q5_1x8, 32, 0, dot_fmt32x8(FMT_Q5_1, grp, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out))
 
 /* dst = the n x k matrix src of a plain block format (named) interleaved by 8 rows (n a multiple
  * of 8). Returns 0, or 1 for a format without an interleaved layout or a bad shape. */
@@ -1156,7 +1196,7 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
     }                                                                                                            \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
-        if (quantize_rows(x, ldx, rows, m->k, GROUP, 0, &q)) {                                                   \
+        if (quantize_rows(x, ldx, rows, m->k, GROUP, 0, m->input_planes == 1 ? 1 : 2, &q)) {                     \
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \

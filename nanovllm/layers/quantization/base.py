@@ -37,6 +37,7 @@ class CWeightView:
     scales: torch.Tensor | None = None
     next: "CWeightView | None" = None  # the matrix whose rows give the outputs after these n (a stacked
                                        # layer whose parts are held in different formats)
+    input_planes: int = 2  # block formats: 1 rounds the inputs to int8 (Config.cpu_input_bits = 8)
 
     @property
     def outputs(self) -> int:
@@ -110,6 +111,9 @@ class QuantizationConfig:
     value of config.json's quantization_config.quant_method they answer to."""
 
     name: ClassVar[str]
+    # How the CPU block kernels round a layer's inputs (CWeightView.input_planes): set by the engine
+    # from Config.cpu_input_bits before the model is built; the GGUF methods pass it on.
+    input_planes: int = 2
 
     @classmethod
     def from_model(cls, path: str, hf_config: Any) -> "QuantizationConfig | None":

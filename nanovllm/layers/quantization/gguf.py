@@ -110,13 +110,15 @@ class GGUFLinearMethod(LinearMethodBase):
     """x W^T over raw block rows, one matrix per run of parts in the same format.
 
     types: the format of each stacked part (one entry for a plain layer). online: the checkpoint
-    gives dense weights, quantized into types[0] after loading."""
+    gives dense weights, quantized into types[0] after loading. input_planes: how the kernels
+    round the inputs (CWeightView.input_planes)."""
 
     c_only = True
 
-    def __init__(self, types: list[str], online: bool = False):
+    def __init__(self, types: list[str], online: bool = False, input_planes: int = 2):
         self.types = types
         self.online = online
+        self.input_planes = input_planes
         self.c_kernels = None
         self.c_linear = None
         self.views: list[CWeightView] = []
@@ -177,7 +179,8 @@ class GGUFLinearMethod(LinearMethodBase):
         held = [part for param, t in zip(params, types) for part in held_parts(self.c_kernels, param, t, self.k, tied)]
         views = None
         for type_name, data in reversed(held):
-            views = CWeightView(type_name, data, data.shape[0], self.k, data.shape[1], next=views)
+            views = CWeightView(type_name, data, data.shape[0], self.k, data.shape[1], next=views,
+                                input_planes=self.input_planes)
         self.views = views
         self.c_linear = cpu_kernels.linear_struct(self.c_kernels, views)
         del self.parts
@@ -273,7 +276,7 @@ class GGUFConfig(QuantizationConfig):
             if gate == down == "f32":
                 return None
             from nanovllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
-            return GGUFFusedMoEMethod((gate, down))
+            return GGUFFusedMoEMethod((gate, down), input_planes=self.input_planes)
         if isinstance(layer, VocabParallelEmbedding) or (isinstance(layer, ParallelLMHead)
                                                          and "lm_head.weight" not in self.types):
             type_name = self.types["model.embed_tokens.weight"]  # a tied head multiplies by the table
@@ -281,13 +284,13 @@ class GGUFConfig(QuantizationConfig):
                 return None
             if isinstance(layer, VocabParallelEmbedding):
                 return GGUFEmbeddingMethod(type_name)
-            return GGUFLinearMethod([type_name])
+            return GGUFLinearMethod([type_name], input_planes=self.input_planes)
         names = [f"{m}.weight" for m in checkpoint_modules(layer, prefix, self.packed_modules_mapping)]
         missing = [n for n in names if n not in self.types]
         if missing:
             raise ValueError(f"the GGUF file has no tensor for {missing} (layer {prefix})")
         types = [self.types[n] for n in names]
-        return None if all(t == "f32" for t in types) else GGUFLinearMethod(types)
+        return None if all(t == "f32" for t in types) else GGUFLinearMethod(types, input_planes=self.input_planes)
 
 
 class OnlineQuantConfig(QuantizationConfig):
@@ -311,13 +314,13 @@ class OnlineQuantConfig(QuantizationConfig):
         if isinstance(layer, FusedMoE):
             from nanovllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
             types = (self.type_for(layer.hidden_size, prefix), self.type_for(layer.intermediate_size, prefix))
-            return GGUFFusedMoEMethod(types, online=True)
+            return GGUFFusedMoEMethod(types, online=True, input_planes=self.input_planes)
         embedding = isinstance(layer, VocabParallelEmbedding)
         type_name = self.type_for(layer.embedding_dim if embedding else layer.input_size, prefix)
         if embedding:
             return GGUFEmbeddingMethod(type_name, online=True)
         parts = len(getattr(layer, "output_partition_sizes", [0]))
-        return GGUFLinearMethod([type_name] * parts, online=True)
+        return GGUFLinearMethod([type_name] * parts, online=True, input_planes=self.input_planes)
 
     def type_for(self, k: int, prefix: str) -> str:
         """The format of a layer of k inputs (per rank): the chosen one, except q4_k where k is not

@@ -22,9 +22,10 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
 
     c_only = True
 
-    def __init__(self, types: tuple[str, str], online: bool = False):
+    def __init__(self, types: tuple[str, str], online: bool = False, input_planes: int = 2):
         self.types = types
         self.online = online
+        self.input_planes = input_planes  # CWeightView.input_planes
         self.c_kernels = None
         self.c_moe = None
 
@@ -56,7 +57,8 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
                 if packed is not None:
                     held_type = packed[0]
                     param.data[e] = packed[1]
-            views.append([CWeightView(held_type, param.data[e], param.shape[1], k, param.shape[2])
+            views.append([CWeightView(held_type, param.data[e], param.shape[1], k, param.shape[2],
+                                      input_planes=self.input_planes)
                           for e in range(param.shape[0])])
         self.c_moe = cpu_kernels.moe_experts_struct(self.c_kernels, views[0], views[1], layer.top_k, layer.renormalize)
 
