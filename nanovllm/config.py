@@ -148,10 +148,11 @@ class Config:
         self.device = self.platform.device_name
         from nanovllm.loader.gguf import is_gguf_path
         from nanovllm.layers.quantization import ONLINE_FORMATS
-        if self.device != "cpu" and (self.quantization in ONLINE_FORMATS or is_gguf_path(self.model)):
+        experts = getattr(self.hf_config, "num_experts", None) or getattr(self.hf_config, "num_local_experts", None)
+        if self.device != "cpu" and experts and (self.quantization in ONLINE_FORMATS or is_gguf_path(self.model)):
             what = "a GGUF file" if self.quantization is None else f"quantization={self.quantization!r}"
-            raise ValueError(f"{what} runs on the CPU kernels only for now; pass device='cpu' "
-                             "(or a dense HF folder on a GPU)")
+            raise ValueError(f"{what} with experts (a mixture-of-experts model) runs on the CPU kernels only "
+                             "for now; pass device='cpu' (or a dense HF folder on a GPU)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__} {self.seed!r}")
         if not 0 <= self.seed < 2**63:

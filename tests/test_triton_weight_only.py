@@ -52,3 +52,58 @@ def test_kernel_equals_the_dequantized_matmul(case, m):
             setattr(packed, name, t.to(DEVICE))
     got = weight_only_linear(x.to(DEVICE), packed).cpu().double()
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (got - ref).abs().max()
+
+
+# ---- GGUF block formats on the Triton kernel (layers/quantization/gguf_triton.py) ----------------
+GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"]
+# fp32 products: exact under the interpreter, TF32 (10-bit mantissas) in tl.dot on a GPU
+GGUF_RTOL = 1e-4 if DEVICE == "cpu" else 5e-3
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES)
+def test_gguf_blocks_unpacked_and_multiplied(name):
+    """Each GGUF format's blocks unpacked into the kernel's layout: the weights are the gguf
+    package's dequantization of the same blocks, exactly; the kernel's product is x @ those^T; an
+    embedding's rows read back from the packed form are those rows."""
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+    from helpers import qtype, random_weights
+    from nanovllm.layers.quantization import gguf_triton
+    n, k = 40, 512
+    raw = random_weights(name, n, k, np.random.default_rng(3))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype(name)).reshape(n, k).astype(np.float32))
+    assert torch.equal(gguf_triton.dequantize(torch.from_numpy(raw), name, k), want)
+    held = gguf_triton.hold(torch.from_numpy(raw).to(DEVICE), name, k, torch.float32)
+    assert held.bits == (8 if name in ("q8_0", "q5_0", "q5_1", "q6_k") else 4)
+    assert (held.mins is not None) == (name in ("q4_1", "q5_1", "q4_k"))
+    for m in (1, 7):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        ref = x.double() @ want.double().t()
+        got = gguf_triton.linear([held], x.to(DEVICE), None).cpu().double()
+        assert torch.allclose(got, ref, rtol=GGUF_RTOL, atol=GGUF_RTOL * ref.abs().max().item()), (got - ref).abs().max()
+    ids = torch.tensor([5, 0, 39, 5])
+    np.testing.assert_allclose(gguf_triton.rows(held, ids.to(DEVICE)).cpu().numpy(), want[ids].numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["llama-q4_k_m", "qwen2-mixed", "qwen3-q4_0"])
+def test_gguf_file_on_the_triton_kernel_matches_transformers(tmp_path, monkeypatch, case):
+    """A whole GGUF model on the Triton kernel (what a GPU runs; here NANOVLLM_TRITON_WEIGHT_ONLY=1
+    under the interpreter): Q4_K / Q6_K parts chained in one layer and a Q4_K tied table; every
+    32-weight format with F16 / BF16 layers beside them and a Q6_K table; Q4_0 with its own LM head.
+    transformers' log-probabilities on the same file, to fp32 rounding (the kernel's inputs are not
+    quantized)."""
+    pytest.importorskip("gguf")
+    import numpy as np
+    from test_gguf import CASES, hf_logprobs_of_file, linear_layers, logprob_errors, model_of, our_logprobs, write_tiny
+    from nanovllm import LLM
+    monkeypatch.setenv("NANOVLLM_TRITON_WEIGHT_ONLY", "1")
+    arch, types = CASES[case]
+    shape = dict(heads=2, kv_heads=1, untied=True) if arch == "qwen3" else {}
+    path = write_tiny(tmp_path / "tiny.gguf", arch, types, layers=1, **shape)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 12)]
+    ref = hf_logprobs_of_file(path, prompt)
+    with LLM(str(path), max_num_seqs=2, max_model_len=64, enforce_eager=True) as llm:
+        names = {layer.quant_method.name for layer in linear_layers(model_of(llm))}
+        assert all(m.triton_parts is not None for m in (layer.quant_method for layer in linear_layers(model_of(llm)))), names
+        ours = our_logprobs(llm, prompt, 320)
+    assert logprob_errors(ours, ref, prompt).mean() < (1e-4 if DEVICE == "cpu" else 2e-2)

@@ -1,7 +1,8 @@
 """y = x W^T for the pre-quantized formats' weights on CUDA (Triton), dequantized in the kernel
 (layers/quantization/weight_only.py holds them in this layout on a GPU):
     int:  W[n, k] = (u[n, k] - z[n, g(k)]) * s[n, g(k)], u unsigned 4-bit (two per byte, the even
-          input in the low nibble) or 8-bit (a byte each)
+          input in the low nibble) or 8-bit (a byte each); or, with fp32 mins (GGUF's Q4_1 / Q5_1 /
+          Q4_K, layers/quantization/gguf_triton.py), u[n, k] * s[n, g(k)] + m[n, g(k)]
     fp8:  W[n, k] = e4m3(u[n, k]) * s[n, g(k)], widened through fp16 (the sign bit to bit 15, the
           rest shifted up by 7 is the same value times 2^-8)
 g(k) = g_idx[k] (GPTQ's desc_act) or k // group. One program per BLOCK_M x BLOCK_N tile of y,
@@ -28,13 +29,23 @@ class PackedWeight:
     fp8: bool
     n: int
     k: int
+    mins: torch.Tensor | None = None  # fp32 [n, groups] (int formats with a min instead of zero points)
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor, group: int, zeros: torch.Tensor | None,
-         g_idx: torch.Tensor | None) -> PackedWeight | None:
-    """The kernel's layout of a weight given as in weight_only.QuantizedWeight, or None where its
-    integers span more than 8 bits."""
+         g_idx: torch.Tensor | None, mins: torch.Tensor | None = None) -> PackedWeight | None:
+    """The kernel's layout of a weight given as in weight_only.QuantizedWeight (with mins: values
+    unsigned and no zero points, W = values * scales + mins per group), or None where its integers
+    span more than 8 bits."""
     n, k = values.shape
+    if mins is not None:
+        if zeros is not None or int(values.min()) < 0:
+            raise ValueError("a weight with mins takes unsigned values and no zero points")
+        packed = pack(values, scales, group, None, g_idx)  # u = values - min(values)
+        if packed is not None:
+            shift = float(values.min())
+            packed.zeros, packed.mins = None, (mins.float() + shift * scales.float()).contiguous()
+        return packed
     g = None if g_idx is None else g_idx.to(torch.int32).contiguous()
     scales = scales.float().contiguous()
     if values.dtype == torch.float8_e4m3fn:
@@ -52,9 +63,9 @@ def pack(values: torch.Tensor, scales: torch.Tensor, group: int, zeros: torch.Te
 
 
 @triton.jit
-def _weight_only_gemm(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, groups, group, stride_xm, stride_ym,
-                      BITS: tl.constexpr, FP8: tl.constexpr, HAS_G: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_only_gemm(x_ptr, q_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr, M, N, K, groups, group, stride_xm, stride_ym,
+                      BITS: tl.constexpr, FP8: tl.constexpr, HAS_G: tl.constexpr, HAS_MIN: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,6 +90,9 @@ def _weight_only_gemm(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, groups,
         if FP8:
             h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
             w = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * (s * 256.0)
+        elif HAS_MIN:
+            mn = tl.load(m_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
+            w = u.to(tl.float32) * s + mn
         else:
             z = tl.load(z_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0)
             w = (u - z).to(tl.float32) * s
@@ -95,9 +109,10 @@ def weight_only_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | No
     block_m = 16 if m <= 16 else 64
     block_n, block_k = 64, 32
     grid = (triton.cdiv(m, block_m), triton.cdiv(w.n, block_n))
-    zeros = w.zeros if w.zeros is not None else w.scales  # unread for fp8
+    zeros = w.zeros if w.zeros is not None else w.scales  # unread for fp8 and with mins
+    mins = w.mins if w.mins is not None else w.scales  # unread without HAS_MIN
     g_idx = w.g_idx if w.g_idx is not None else w.scales  # unread without HAS_G
-    _weight_only_gemm[grid](x, w.q, w.scales, zeros, g_idx, y, m, w.n, w.k, w.scales.shape[1], w.group,
+    _weight_only_gemm[grid](x, w.q, w.scales, zeros, mins, g_idx, y, m, w.n, w.k, w.scales.shape[1], w.group,
                             x.stride(0), y.stride(0), BITS=w.bits, FP8=w.fp8, HAS_G=w.g_idx is not None,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                            HAS_MIN=w.mins is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y if bias is None else y + bias

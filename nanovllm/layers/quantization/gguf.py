@@ -13,6 +13,7 @@ parts the file stores in different formats (Q4_K_M's Q6_K v next to Q4_K q and k
 per part, chained so that the kernels write each part's outputs after the previous one's.
 Tensor parallelism splits rows freely and columns only on block boundaries."""
 import logging
+import os
 from typing import Any
 
 import torch
@@ -99,6 +100,15 @@ def held_parts(kernels, param: nn.Parameter, type_name: str, k: int,
     return [(t, param.data[first:end]) for t, first, end in param.c_parts]
 
 
+TRITON_ENV = "NANOVLLM_TRITON_WEIGHT_ONLY"  # as layers/quantization/weight_only.py
+
+
+def on_triton(weight: torch.Tensor) -> bool:
+    """Whether the block formats multiply by the Triton kernel (layers/quantization/gguf_triton.py):
+    on a GPU, or where NANOVLLM_TRITON_WEIGHT_ONLY=1 asks for it (the Triton interpreter on a CPU)."""
+    return weight.is_cuda or os.environ.get(TRITON_ENV) == "1"
+
+
 def _need_kernels(kernels: LinearKernels, what: str):
     if kernels.c_kernels is None:
         raise RuntimeError(f"{what}: block-quantized weights are multiplied by the CPU C kernels, which are "
@@ -121,8 +131,9 @@ class GGUFLinearMethod(LinearMethodBase):
         self.input_planes = input_planes
         self.c_kernels = None
         self.c_linear = None
-        self.views: list[CWeightView] = []
+        self.views: CWeightView | None = None
         self.parts: dict[int, torch.Tensor] = {}
+        self.triton_parts: list | None = None  # on a GPU: each part as gguf_triton.hold keeps it
 
     @property
     def name(self) -> str:
@@ -139,6 +150,7 @@ class GGUFLinearMethod(LinearMethodBase):
             row_bytes(type_name, input_size, what)  # whole blocks on this rank, else a ValueError
         self.sizes = list(output_partition_sizes)
         self.k = input_size
+        self.params_dtype = params_dtype
         if self.online:
             layer.register_weight("weight", torch.empty(sum(self.sizes), input_size, dtype=params_dtype),
                                   output_dim=0, input_dim=1)
@@ -163,10 +175,12 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         what = getattr(layer, "prefix", "") or type(layer).__name__
-        self.c_kernels = _need_kernels(kernels, what)
         weight = layer.weight
+        triton = on_triton(weight if not self.mixed else next(iter(self.parts.values()), weight))
+        if not triton:
+            self.c_kernels = _need_kernels(kernels, what)
         if self.online and weight.dtype != torch.uint8:  # a tied table may have been quantized by its embedding
-            weight.data = quantize_rows(weight.data, self.types[0])
+            weight.data = quantize_rows(weight.data, self.types[0]).to(weight.device)
         if self.mixed:
             if len(self.parts) != len(self.types):
                 raise ValueError(f"{what}: parts {sorted(self.parts)} of {len(self.types)} were loaded")
@@ -175,6 +189,12 @@ class GGUFLinearMethod(LinearMethodBase):
             types = self.types
         else:
             params, types = [weight], self.types[:1]
+        if triton:
+            from nanovllm.layers.quantization import gguf_triton
+            self.triton_parts = [gguf_triton.held_once(p, t, self.k, self.params_dtype) for p, t in zip(params, types)]
+            del self.parts
+            self.layer_ref = None
+            return
         tied = getattr(layer, "is_tied", False)  # the embedding reads the same rows
         held = [part for param, t in zip(params, types) for part in held_parts(self.c_kernels, param, t, self.k, tied)]
         views = None
@@ -187,6 +207,9 @@ class GGUFLinearMethod(LinearMethodBase):
         self.layer_ref = None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.triton_parts is not None:
+            from nanovllm.layers.quantization.gguf_triton import linear
+            return linear(self.triton_parts, x, bias)
         dtype = x.dtype
         y = cpu_kernels.linear(self.c_kernels, self.c_linear, x.to(torch.float32),
                                None if bias is None else bias.to(torch.float32))
@@ -196,6 +219,9 @@ class GGUFLinearMethod(LinearMethodBase):
         return self.views
 
     def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        if self.triton_parts is not None:
+            return [t for p in self.triton_parts for t in ([p] if isinstance(p, torch.Tensor) else
+                                                          (p.q, p.scales, p.zeros, p.mins)) if t is not None]
         out, view = [], self.views
         while view is not None:
             out.append(view.data)
@@ -213,6 +239,8 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         self.online = online
         self.c_kernels = None
         self.c_table = None
+        self.view = None
+        self.triton_table = None  # on a GPU: the table as gguf_triton.hold keeps it
 
     @property
     def name(self) -> str:
@@ -221,6 +249,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
                        params_dtype: torch.dtype) -> None:
         self.k = embedding_dim
+        self.params_dtype = params_dtype
         if self.online:
             data = torch.empty(num_embeddings, embedding_dim, dtype=params_dtype)
         else:
@@ -228,14 +257,23 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         layer.register_weight("weight", data, output_dim=0, input_dim=1)
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
-        self.c_kernels = _need_kernels(kernels, layer.prefix)
+        triton = on_triton(layer.weight)
+        if not triton:
+            self.c_kernels = _need_kernels(kernels, layer.prefix)
         if self.online and layer.weight.dtype != torch.uint8:
-            layer.weight.data = quantize_rows(layer.weight.data, self.type_name)
+            layer.weight.data = quantize_rows(layer.weight.data, self.type_name).to(layer.weight.device)
+        if triton:
+            from nanovllm.layers.quantization.gguf_triton import held_once
+            self.triton_table = held_once(layer.weight, self.type_name, self.k, self.params_dtype)
+            return
         (type_name, data), = held_parts(self.c_kernels, layer.weight, self.type_name, self.k, one_matrix=True)
         self.view = CWeightView(type_name, data, data.shape[0], self.k, data.shape[1])
         self.c_table = cpu_kernels.linear_struct(self.c_kernels, self.view)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if self.triton_table is not None:
+            from nanovllm.layers.quantization.gguf_triton import rows
+            return rows(self.triton_table, ids.reshape(-1)).reshape(*ids.shape, self.k).to(layer.dtype)
         rows = cpu_kernels.rows_to_f32(self.c_kernels, self.c_table, ids.reshape(-1).cpu())
         return rows.reshape(*ids.shape, self.k).to(device=ids.device, dtype=layer.dtype)
 

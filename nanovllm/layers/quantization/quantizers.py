@@ -8,7 +8,7 @@ import torch
 def quantize_rows(weight: torch.Tensor, type_name: str) -> torch.Tensor:
     """A dense [n, k] weight as raw rows of type_name: by gguf.quants' reference quantizer, or for
     q4_k (which gguf.quants does not quantize) by quantize_q4_k."""
-    data = weight.detach().to(torch.float32).contiguous().numpy()
+    data = weight.detach().to("cpu", torch.float32).contiguous().numpy()
     if type_name == "q4_k":
         return torch.from_numpy(quantize_q4_k(data))
     from gguf import GGMLQuantizationType, quants
