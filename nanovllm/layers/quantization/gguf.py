@@ -25,6 +25,7 @@ from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase,
 from nanovllm.layers.quantization.parameter import tagged_parameter
 from nanovllm.layers.quantization.prequantized import checkpoint_modules
 from nanovllm.layers.quantization.quantizers import quantize_q4_k, quantize_rows  # noqa: F401 (the tests' names)
+from nanovllm.layers.quantization.weight_only import TRITON_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,6 @@ def held_parts(kernels, param: nn.Parameter, type_name: str, k: int,
             param.data = held
             param.c_parts = [(packed[0], 0, whole)] + ([(type_name, whole, n)] if whole < n else [])
     return [(t, param.data[first:end]) for t, first, end in param.c_parts]
-
-
-TRITON_ENV = "NANOVLLM_TRITON_WEIGHT_ONLY"  # as layers/quantization/weight_only.py
 
 
 def on_triton(weight: torch.Tensor) -> bool:
