@@ -288,21 +288,26 @@ DEFINE_ROW_DISPATCH(run_row_bf16, row_dot_bf16, uint16_t)
  * input vector per FMA and is bound by loads (~34 GFLOP/s on 2 AVX-512 cores); a tile of TILE_W
  * weight rows x NB <= STREAM_ROWS input rows loads TILE_W + NB vectors per TILE_W * NB FMAs. AVX2's
  * 16 registers hold a 2 x 4 tile's 8 sums, 2 weight vectors and an input vector; AVX-512's 32
- * (8-lane vectors) a 4 x 4 tile's. */
+ * (8-lane vectors) a 4 x 4 tile's. The next tile's rows (wn) are prefetched a cache line per line
+ * read: otherwise a tile's memory reads and its FMAs take turns rather than overlapping (212 MB of
+ * fp32 matrices streamed at 8 input rows, AVX2: 12.5 -> 16.6 GB/s; at 4 rows 14.6 -> 21.3). */
 #ifdef __AVX512F__
 #define TILE_W 4
 #else
 #define TILE_W 2
 #endif
 #define DEFINE_TILE_DOT(NAME, WT, LOADV, LOADS)                                                                  \
-    static inline __attribute__((always_inline)) void NAME(const WT *const *w, const float *x, int64_t ldx,      \
-                                                           int64_t k, const int NB, float (*d)[STREAM_ROWS]) {   \
+    static inline __attribute__((always_inline)) void NAME(const WT *const *w, const WT *const *wn, const float *x, \
+                                                           int64_t ldx, int64_t k, const int NB,                 \
+                                                           float (*d)[STREAM_ROWS]) {                            \
         vf a[TILE_W][STREAM_ROWS];                                                                               \
         for (int r = 0; r < TILE_W; r++)                                                                         \
             for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                      \
         int64_t i = 0;                                                                                           \
         for (; i + VL <= k; i += VL) {                                                                           \
             vf v[TILE_W];                                                                                        \
+            if ((i * (int64_t)sizeof(WT)) % 64 == 0)                                                             \
+                for (int r = 0; r < TILE_W; r++) __builtin_prefetch(wn[r] + i);                                  \
             for (int r = 0; r < TILE_W; r++) v[r] = LOADV(w[r] + i);                                             \
             for (int b = 0; b < NB; b++) {                                                                       \
                 const vf xv = load_f32(x + b * ldx + i);                                                         \
@@ -321,12 +326,13 @@ DEFINE_TILE_DOT(tile_dot_f32, float, load_f32, IDENTITY)
 DEFINE_TILE_DOT(tile_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 
 #define DEFINE_TILE_DISPATCH(NAME, DOT, WT)                                                                      \
-    static void NAME(const WT *const *w, const float *x, int64_t ldx, int64_t k, int nb, float (*d)[STREAM_ROWS]) { \
+    static void NAME(const WT *const *w, const WT *const *wn, const float *x, int64_t ldx, int64_t k, int nb,     \
+                     float (*d)[STREAM_ROWS]) {                                                                  \
         switch (nb) {                                                                                            \
-        case 1: DOT(w, x, ldx, k, 1, d); return;                                                                 \
-        case 2: DOT(w, x, ldx, k, 2, d); return;                                                                 \
-        case 3: DOT(w, x, ldx, k, 3, d); return;                                                                 \
-        default: DOT(w, x, ldx, k, 4, d); return;                                                                \
+        case 1: DOT(w, wn, x, ldx, k, 1, d); return;                                                             \
+        case 2: DOT(w, wn, x, ldx, k, 2, d); return;                                                             \
+        case 3: DOT(w, wn, x, ldx, k, 3, d); return;                                                             \
+        default: DOT(w, wn, x, ldx, k, 4, d); return;                                                            \
         }                                                                                                        \
     }
 
@@ -346,16 +352,17 @@ static inline const void *row_of(const Linear *m, int64_t r) { return (const cha
         const int64_t n = m->n, k = m->k;                                                                       \
         if (rows >= TILE_MIN_ROWS) {                                                                            \
             _Pragma("omp for schedule(static)") for (int64_t p = 0; p < (n + TILE_W - 1) / TILE_W; p++) {       \
-                const WT *w[TILE_W];                                                                            \
+                const WT *w[TILE_W], *wn[TILE_W];                                                               \
                 int64_t r[TILE_W];                                                                              \
                 for (int t = 0; t < TILE_W; t++) {                                                              \
                     r[t] = p * TILE_W + t < n ? p * TILE_W + t : n - 1;                                         \
                     w[t] = (const WT *)row_of(m, r[t]);                                                         \
+                    wn[t] = (const WT *)row_of(m, r[t] + TILE_W < n ? r[t] + TILE_W : n - 1);                   \
                 }                                                                                               \
                 for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {                                            \
                     const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;                    \
                     float d[TILE_W][STREAM_ROWS];                                                               \
-                    RUN_TILE(w, x + b0 * ldx, ldx, k, nb, d);                                                   \
+                    RUN_TILE(w, wn, x + b0 * ldx, ldx, k, nb, d);                                               \
                     for (int t = 0; t < TILE_W; t++)                                                            \
                         for (int b = 0; b < nb; b++)                                                            \
                             y[(b0 + b) * ldy + r[t]] = d[t][b] + (m->bias != NULL ? m->bias[r[t]] : 0.0f);     \
