@@ -232,65 +232,19 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 
 /* ---- linear layers over a few rows ------------------------------------------------------------
  * Decode batches of 1-2 rows beside a packed copy for oneDNN (bf16 weights: oneDNN reads its packed
- * fp32 copy at bandwidth from 4 rows up), 1-16 rows of fp32 weights held once (MKL above). Each thread takes a
- * contiguous range of weight rows (static schedule) and walks it as one sequential stream,
- * multiplying each vector of a weight row (widened once, for bf16) into every input row: the
- * hardware prefetcher follows one stream better than interleaved ones (one row: 45 GB/s against
- * 33-38 with 4-row tiles on this machine's 2 cores). GCC vector types of VL lanes, so one source
- * serves AVX2 and AVX-512 (-march=native). */
+ * fp32 copy at bandwidth from 4 rows up), 1-16 rows of fp32 weights held once (MKL above), a MoE
+ * expert's tokens. Each thread takes a contiguous range of weight rows (static schedule), TILE_W at a
+ * time: a tile of TILE_W weight rows x NB <= STREAM_ROWS input rows loads TILE_W + NB vectors per
+ * TILE_W * NB FMAs (more input rows reread the tile from L1, STREAM_ROWS at a time). AVX2's 16
+ * registers hold a 2 x 4 tile's 8 sums, 2 weight vectors and an input vector; AVX-512's 32 (8-lane
+ * vectors) a 4 x 4 tile's. The next tile's rows (wn) are prefetched a cache line per line read:
+ * otherwise a tile's memory reads and its FMAs take turns rather than overlapping (212 MB of fp32
+ * matrices streamed, AVX2: 8 input rows 12.9 -> 17.8 GB/s, 4 rows 15 -> 21.7, and 1-2 rows 18-19
+ * GB/s by the one-row stream this replaced -> 20-21 by the tile). GCC vector types of VL lanes, so
+ * one source serves AVX2 and AVX-512 (-march=native). */
 
 #define IDENTITY(v) (v)
 
-/* One weight row against NB input rows, VL * U lanes per step in U independent sums per input
- * row (U chains of FMAs hide their latency when NB is small). NB and U are constants at every call
- * site (always_inline), so the sums live in registers. */
-#define DEFINE_ROW_DOT(NAME, WT, LOADV, LOADS)                                                                   \
-    static inline __attribute__((always_inline)) void NAME(const WT *w, const float *x, int64_t ldx, int64_t k,  \
-                                                           const int NB, const int U, float *dot) {              \
-        vf a[STREAM_ROWS][4];                                                                                    \
-        for (int b = 0; b < NB; b++)                                                                             \
-            for (int u = 0; u < U; u++) a[b][u] = (vf){0};                                                       \
-        int64_t i = 0;                                                                                           \
-        for (; i + VL * U <= k; i += VL * U)                                                                     \
-            for (int u = 0; u < U; u++) {                                                                        \
-                const vf wv = LOADV(w + i + VL * u);                                                             \
-                for (int b = 0; b < NB; b++) a[b][u] += wv * load_f32(x + b * ldx + i + VL * u);                 \
-            }                                                                                                    \
-        for (; i + VL <= k; i += VL) {                                                                           \
-            const vf wv = LOADV(w + i);                                                                          \
-            for (int b = 0; b < NB; b++) a[b][0] += wv * load_f32(x + b * ldx + i);                              \
-        }                                                                                                        \
-        for (int b = 0; b < NB; b++) {                                                                           \
-            for (int u = 1; u < U; u++) a[b][0] += a[b][u];                                                      \
-            float s = hsum(a[b][0]);                                                                             \
-            for (int64_t j = i; j < k; j++) s += LOADS(w[j]) * x[b * ldx + j];                                   \
-            dot[b] = s;                                                                                          \
-        }                                                                                                        \
-    }
-
-DEFINE_ROW_DOT(row_dot_f32, float, load_f32, IDENTITY)
-DEFINE_ROW_DOT(row_dot_bf16, uint16_t, load_bf16, scalar_bf16)
-
-#define DEFINE_ROW_DISPATCH(NAME, DOT, WT)                                                                       \
-    static void NAME(const WT *w, const float *x, int64_t ldx, int64_t k, int nb, float *dot) {                  \
-        switch (nb) {                                                                                            \
-        case 1: DOT(w, x, ldx, k, 1, 4, dot); return;                                                            \
-        case 2: DOT(w, x, ldx, k, 2, 2, dot); return;                                                            \
-        case 3: DOT(w, x, ldx, k, 3, 2, dot); return;                                                            \
-        default: DOT(w, x, ldx, k, 4, 1, dot); return;                                                           \
-        }                                                                                                        \
-    }
-
-DEFINE_ROW_DISPATCH(run_row_f32, row_dot_f32, float)
-DEFINE_ROW_DISPATCH(run_row_bf16, row_dot_bf16, uint16_t)
-
-/* Many input rows (a MoE expert's tokens, prefill-sized groups): the row stream above loads an
- * input vector per FMA and is bound by loads (~34 GFLOP/s on 2 AVX-512 cores); a tile of TILE_W
- * weight rows x NB <= STREAM_ROWS input rows loads TILE_W + NB vectors per TILE_W * NB FMAs. AVX2's
- * 16 registers hold a 2 x 4 tile's 8 sums, 2 weight vectors and an input vector; AVX-512's 32
- * (8-lane vectors) a 4 x 4 tile's. The next tile's rows (wn) are prefetched a cache line per line
- * read: otherwise a tile's memory reads and its FMAs take turns rather than overlapping (212 MB of
- * fp32 matrices streamed at 8 input rows, AVX2: 12.5 -> 16.6 GB/s; at 4 rows 14.6 -> 21.3). */
 #ifdef __AVX512F__
 #define TILE_W 4
 #else
@@ -342,47 +296,33 @@ DEFINE_TILE_DISPATCH(run_tile_bf16, tile_dot_bf16, uint16_t)
 /* ---- the weight-type table: one entry per format ---------------------------------------------- */
 static inline const void *row_of(const Linear *m, int64_t r) { return (const char *)m->data + r * m->row_bytes; }
 
-/* A format's LinearRows from its row dot RUN_ROW(w_row, x, ldx, k, nb, dot): the type is dispatched
- * once per matrix, not per row (an indirect call per 576-weight row cost ~5% of a batch-1 step). */
-/* From TILE_MIN_ROWS input rows the weight rows go TILE_W at a time through RUN_TILE (the last
- * tile's missing rows repeat its last row). */
-#define TILE_MIN_ROWS 4
-#define DEFINE_LINEAR_ROWS(NAME, RUN_ROW, RUN_TILE, WT)                                                         \
+/* A format's LinearRows from its tile dot RUN_TILE (the last tile's missing rows repeat its last
+ * row): the type is dispatched once per matrix, not per row (an indirect call per 576-weight row
+ * cost ~5% of a batch-1 step). */
+#define DEFINE_LINEAR_ROWS(NAME, RUN_TILE, WT)                                                                  \
     static void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {       \
         const int64_t n = m->n, k = m->k;                                                                       \
-        if (rows >= TILE_MIN_ROWS) {                                                                            \
-            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < (n + TILE_W - 1) / TILE_W; p++) {       \
-                const WT *w[TILE_W], *wn[TILE_W];                                                               \
-                int64_t r[TILE_W];                                                                              \
-                for (int t = 0; t < TILE_W; t++) {                                                              \
-                    r[t] = p * TILE_W + t < n ? p * TILE_W + t : n - 1;                                         \
-                    w[t] = (const WT *)row_of(m, r[t]);                                                         \
-                    wn[t] = (const WT *)row_of(m, r[t] + TILE_W < n ? r[t] + TILE_W : n - 1);                   \
-                }                                                                                               \
-                for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {                                            \
-                    const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;                    \
-                    float d[TILE_W][STREAM_ROWS];                                                               \
-                    RUN_TILE(w, wn, x + b0 * ldx, ldx, k, nb, d);                                               \
-                    for (int t = 0; t < TILE_W; t++)                                                            \
-                        for (int b = 0; b < nb; b++)                                                            \
-                            y[(b0 + b) * ldy + r[t]] = d[t][b] + (m->bias != NULL ? m->bias[r[t]] : 0.0f);     \
-                }                                                                                               \
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < (n + TILE_W - 1) / TILE_W; p++) {           \
+            const WT *w[TILE_W], *wn[TILE_W];                                                                   \
+            int64_t r[TILE_W];                                                                                  \
+            for (int t = 0; t < TILE_W; t++) {                                                                  \
+                r[t] = p * TILE_W + t < n ? p * TILE_W + t : n - 1;                                             \
+                w[t] = (const WT *)row_of(m, r[t]);                                                             \
+                wn[t] = (const WT *)row_of(m, r[t] + TILE_W < n ? r[t] + TILE_W : n - 1);                       \
             }                                                                                                   \
-            return;                                                                                             \
-        }                                                                                                       \
-        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < n; r++) {                                   \
-            /* More than STREAM_ROWS input rows: the weight row again (from cache) per group of them. */        \
             for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {                                                \
                 const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;                        \
-                float dot[STREAM_ROWS];                                                                         \
-                RUN_ROW((const WT *)row_of(m, r), x + b0 * ldx, ldx, k, nb, dot);                              \
-                for (int b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f); \
+                float d[TILE_W][STREAM_ROWS];                                                                   \
+                RUN_TILE(w, wn, x + b0 * ldx, ldx, k, nb, d);                                                   \
+                for (int t = 0; t < TILE_W; t++)                                                                \
+                    for (int b = 0; b < nb; b++)                                                                \
+                        y[(b0 + b) * ldy + r[t]] = d[t][b] + (m->bias != NULL ? m->bias[r[t]] : 0.0f);         \
             }                                                                                                   \
         }                                                                                                       \
     }
 
-DEFINE_LINEAR_ROWS(linear_rows_f32, run_row_f32, run_tile_f32, float)
-DEFINE_LINEAR_ROWS(linear_rows_bf16, run_row_bf16, run_tile_bf16, uint16_t)
+DEFINE_LINEAR_ROWS(linear_rows_f32, run_tile_f32, float)
+DEFINE_LINEAR_ROWS(linear_rows_bf16, run_tile_bf16, uint16_t)
 
 static void to_f32_f32(const Linear *m, int64_t r, float *out) {
     memcpy(out, row_of(m, r), sizeof(float) * (size_t)m->k);
