@@ -39,11 +39,11 @@ def pack(values: torch.Tensor, scales: torch.Tensor, group: int, zeros: torch.Te
     span more than 8 bits."""
     n, k = values.shape
     if mins is not None:
-        if zeros is not None or int(values.min()) < 0:
+        shift = int(values.min())
+        if zeros is not None or shift < 0:
             raise ValueError("a weight with mins takes unsigned values and no zero points")
-        packed = pack(values, scales, group, None, g_idx)  # u = values - min(values)
+        packed = pack(values, scales, group, None, g_idx)  # u = values - shift
         if packed is not None:
-            shift = float(values.min())
             packed.zeros, packed.mins = None, (mins.float() + shift * scales.float()).contiguous()
         return packed
     g = None if g_idx is None else g_idx.to(torch.int32).contiguous()

@@ -174,7 +174,7 @@ class GGUFLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         what = getattr(layer, "prefix", "") or type(layer).__name__
         weight = layer.weight
-        triton = on_triton(weight if not self.mixed else next(iter(self.parts.values()), weight))
+        triton = on_triton(weight)  # (a mixed layer's seat is created on the model's device too)
         if not triton:
             self.c_kernels = _need_kernels(kernels, what)
         if self.online and weight.dtype != torch.uint8:  # a tied table may have been quantized by its embedding

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.triton_weight_only import PackedWeight, pack
+from nanovllm.layers.quantization.gguf import block_shape
 
-BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
-         "q4_k": (256, 144), "q6_k": (256, 210)}
+UNPACKED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")  # the formats unpack_blocks reads
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -41,7 +41,9 @@ def _fifth_bits(b: torch.Tensor) -> torch.Tensor:
 def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
     """Raw rows uint8 [n, row bytes] of a block format as (values int32 [n, k], scales fp32
     [n, groups], group, zero points int32 [n, groups] or None, mins fp32 [n, groups] or None)."""
-    size, nbytes = BLOCK[type_name]
+    if type_name not in UNPACKED:
+        raise ValueError(f"no GPU unpacking for {type_name}; supported: {list(UNPACKED)} and f16 / bf16")
+    size, nbytes = block_shape(type_name)
     n = raw.shape[0]
     b = raw.reshape(n, k // size, nbytes)
     zeros = mins = None
@@ -65,7 +67,7 @@ def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
         scales = (_f16(b, 0)[..., None] * sc).reshape(n, -1)
         mins = (-_f16(b, 2)[..., None] * mn).reshape(n, -1)
         group = 32
-    elif type_name == "q6_k":
+    else:  # q6_k
         ql = b[..., 0:128].reshape(n, -1, 2, 2, 32).to(torch.int32)  # [half, low bits of quarters 0-1 / 2-3]
         qh = b[..., 128:192].reshape(n, -1, 2, 1, 32).to(torch.int32)
         quarters = []
@@ -76,8 +78,6 @@ def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
         sc = b[..., 192:208].contiguous().view(torch.int8).float()
         scales, group = (_f16(b, 208)[..., None] * sc).reshape(n, -1), 16
         zeros = torch.full_like(scales, 32, dtype=torch.int32)
-    else:
-        raise ValueError(f"no GPU unpacking for {type_name}; supported: {sorted(BLOCK)} and f16 / bf16")
     return values.reshape(n, k), scales.reshape(n, -1), group, zeros, mins
 
 
