@@ -12,6 +12,11 @@ import sys
 from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 
 
+def input_bits(text: str) -> int | str:
+    """--cpu-input-bits: "auto" or a number (Config checks which)."""
+    return int(text) if text.isdigit() else text
+
+
 # Engine options: (flag, Config field, type, help). Defaults stay Config's own (shown by --help).
 _ENGINE_OPTIONS = [
     ("--device", "device", str, "auto, cpu or cuda"),
@@ -19,8 +24,9 @@ _ENGINE_OPTIONS = [
     ("--quantization", "quantization", str,
      "quantize a dense checkpoint's weights at load: q8_0, q4_0, q4_1, q5_0, q5_1 or q4_k (GGUF block formats; "
      "a .gguf MODEL keeps its own)"),
-    ("--cpu-input-bits", "cpu_input_bits", int,
-     "CPU block-format kernels' input rounding: 14 (two int8 planes) or 8 (llama.cpp's int8 inputs: faster, coarser)"),
+    ("--cpu-input-bits", "cpu_input_bits", input_bits,
+     "CPU block-format kernels' input rounding per group: auto (int8 where that is within 40 dB of the group, "
+     "14-bit elsewhere), 14 (14-bit everywhere) or 8 (llama.cpp's int8 inputs: fastest, coarsest)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "most tokens in one step"),
     ("--max-model-len", "max_model_len", int, "longest prompt + completion"),

@@ -91,6 +91,11 @@ def check_nodes(nnodes, node_rank, dist_init_addr, tensor_parallel_size: int | N
         raise ValueError(f"dist_init_addr ('HOST:PORT' of node 0) is required when nnodes > 1 (nnodes={nnodes})")
 
 
+# Config.cpu_input_bits -> the C kernels' input rounding mode (Linear.input_planes, cpu_quant.c):
+# 1 int8, 2 two int8 planes, 0 per group.
+CPU_INPUT_BITS = {"auto": 0, 8: 1, 14: 2}
+
+
 @dataclass
 class Config:
     """Engine settings. Derived values (hf_config, torch_dtype, the resolved device and its
@@ -124,10 +129,12 @@ class Config:
     # A dense checkpoint's weights quantized at load into a GGUF block format ("q8_0", "q4_0", ...);
     # None: the checkpoint's own format (a .gguf file always keeps its own).
     quantization: str | None = None
-    # CPU block-format kernels (GGUF files, quantization=): inputs rounded to 14-bit integers per
-    # group (14, two int8 planes: within fp16's error of fp32) or to int8 (8: llama.cpp's Q8 inputs,
-    # about 1.5x less integer work at 8+ rows, coarser: a small model's greedy answer can change).
-    cpu_input_bits: int = 14
+    # CPU block-format kernels (GGUF files, quantization=): how each group of a layer's inputs is
+    # rounded. "auto": to int8 where that keeps the group's rounding noise 40 dB below its signal
+    # (most groups), to 14-bit integers (two int8 planes) where it would not (groups holding an
+    # outlier channel); 14: 14-bit everywhere (within fp16's error of fp32, twice int8's integer
+    # work); 8: int8 everywhere (llama.cpp's Q8 inputs; a small model's greedy answer can change).
+    cpu_input_bits: int | str = "auto"
     # Derived, filled in __post_init__.
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)  # activations and KV cache
@@ -136,8 +143,8 @@ class Config:
     platform: Platform = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.cpu_input_bits, bool) or self.cpu_input_bits not in (8, 14):
-            raise ValueError(f"cpu_input_bits must be 8 or 14, got {self.cpu_input_bits!r}")
+        if type(self.cpu_input_bits) not in (int, str) or self.cpu_input_bits not in CPU_INPUT_BITS:
+            raise ValueError(f"cpu_input_bits must be 'auto', 8 or 14, got {self.cpu_input_bits!r}")
         self.hf_config = _load_hf_config(self.model)
         self.model = str(self.model)
         from nanovllm.models import get_model_class

@@ -142,7 +142,7 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def start_ours(path: str, batches: list[int], threads: int, dtype: str, input_bits: int):
+def start_ours(path: str, batches: list[int], threads: int, dtype: str, input_bits: int | str):
     """Our engine for every point of one weight width (it stays loaded while llama.cpp runs)."""
     import torch
     from nanovllm import LLM
@@ -248,7 +248,8 @@ def table(name: str, results: dict, batches: list[int]) -> str:
         cells += ["-" if v is None else f"{v:.0f}" for v in (extra or [])]
         return f"| {label} | " + " | ".join(cells) + " |"
     rss_cols = [f"RSS MiB {c}" for c in RSS_COLUMNS]
-    inputs = ", our block kernels' inputs in int8" if results.get("cpu_input_bits") == 8 else ""
+    inputs = {8: ", our block kernels' inputs in int8", 14: ", our block kernels' inputs in 14 bits"}.get(
+        results.get("cpu_input_bits"), "")
     lines = [f"### {name} (tok/s, {results['threads']} threads{inputs})", "",
              "| engine | " + " | ".join(cols + rss_cols) + " |", "|---" * (len(cols) + len(rss_cols) + 1) + "|"]
     keys = [k for pair in zip(QUANTS, [o for o, _ in sorted(RATIOS.items(), key=lambda kv: QUANTS.index(kv[1]))])
@@ -304,9 +305,10 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma-separated rows: {', '.join(QUANTS)} (default: all); f32 / f16: llama.cpp's "
                    "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
                    "llama-quantize's file from the F32 conversion, loaded by both engines")
-    p.add_argument("--input-bits", type=int, default=14, choices=(8, 14),
-                   help="our block-format kernels' input rounding (LLM(cpu_input_bits=)): 14, two int8 planes "
-                   "(the default), or 8, llama.cpp's int8 inputs")
+    p.add_argument("--input-bits", type=lambda s: int(s) if s.isdigit() else s, default="auto", choices=("auto", 8, 14),
+                   help="our block-format kernels' input rounding per group (LLM(cpu_input_bits=)): auto (the "
+                   "default: int8 where that is within 40 dB of the group, 14-bit elsewhere), 14 (two int8 planes "
+                   "everywhere) or 8 (llama.cpp's int8 inputs everywhere)")
     p.add_argument("--perplexity", action="store_true",
                    help="also score tests/data/english.txt with llama-perplexity and with ours, each row's weights")
     skip = p.add_mutually_exclusive_group()

@@ -41,6 +41,27 @@ def quantized_inputs(x, group, top=XMAX):
     return (q * (amax / np.float32(top))).reshape(x.shape).astype(np.float64)
 
 
+def loud_groups(x, group):
+    """The groups input_planes=0 rounds to 14 bits: int8's rounding noise, group (max|x| / 127)^2 / 12,
+    above 1e-4 of the group's sum of squares (40 dB)."""
+    g = x.reshape(x.shape[0], -1, group).astype(np.float64)
+    return (np.abs(g).max(-1) / 127) ** 2 * group / 12 > 1e-4 * (g * g).sum(-1)
+
+
+def per_group_inputs(x, group):
+    """x as input_planes=0 rounds it: 14 bits in the loud groups, int8 in the others."""
+    loud = np.repeat(loud_groups(x, group), group, axis=1)
+    return np.where(loud, quantized_inputs(x, group), quantized_inputs(x, group, top=127))
+
+
+def with_outliers(rng, rows, k, group):
+    """Gaussian inputs where about half the groups hold an outlier (30x the group's largest value)."""
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    for r, g in zip(*np.nonzero(rng.random((rows, k // group)) < 0.5)):
+        x[r, g * group + rng.integers(group)] = 30 * np.abs(x[r, g * group:(g + 1) * group]).max()
+    return x
+
+
 def exact_inputs(rng, rows, k, group, step=1):
     """Integer inputs, multiples of step, whose every group holds a +-127^2 (the input scale is
     then 1; step 127 for one plane, whose int8 values are then exact)."""
@@ -126,6 +147,20 @@ def check_all(kernels):
         x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(unit), k)
         np.testing.assert_array_equal(c_linear(kernels, x8_name, x8.numpy(), k, x, input_planes=1),
                                       exact.astype(np.float64), err_msg=f"{x8_name} 1 plane")
+        # input_planes=0 (the default): each group rounded to int8 or to 14 bits as it needs, the
+        # interleaved kernels taking the low plane's products of the loud groups only
+        k = 512 if group == 256 else 256
+        x = with_outliers(rng, 6, k, group)
+        loud = loud_groups(x, group)
+        assert 0.2 < loud.mean() < 0.8
+        w = dequantized(name, raw, k)
+        want = per_group_inputs(x, group) @ w.T
+        for held, data in ((x8_name, raw_x8), (name, raw)):
+            got = c_linear(kernels, held, data, k, x, input_planes=0)
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(), err_msg=f"{held} per group")
+            err = np.abs(got - want).max()
+            for other in (quantized_inputs(x, group), quantized_inputs(x, group, top=127)):  # 14 bits, int8 throughout
+                assert np.abs(other @ w.T - want).max() > 10 * err, held
     assert cpu_kernels.interleaved(kernels, "e4m3", torch.zeros(8, 36, dtype=torch.uint8), 32) is None
     assert cpu_kernels.interleaved(kernels, "q8_0", torch.zeros(12, 34, dtype=torch.uint8), 32) is None  # 12 rows
     # A chain of parts in different formats (Q4_K q / k, Q6_K v) writes them side by side, bias included.
@@ -133,7 +168,7 @@ def check_all(kernels):
     q, v = random_weights("q4_k", 12, k, rng), random_weights("q6_k", 5, k, rng)
     x = rng.standard_normal((3, k)).astype(np.float32)
     bias = torch.randn(17)
-    v_view = CWeightView("q6_k", torch.from_numpy(v), 5, k, v.shape[1])
+    v_view = CWeightView("q6_k", torch.from_numpy(v), 5, k, v.shape[1], input_planes=2)
     got = c_linear(kernels, "q4_k", q, k, x, chain=v_view, bias=bias)
     xin = quantized_inputs(x, 256)
     want = np.concatenate([xin @ dequantized("q4_k", q, k).T, xin @ dequantized("q6_k", v, k).T], 1) + bias.numpy()

@@ -9,6 +9,7 @@
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ gguf = pytest.importorskip("gguf")
 
 from helpers import make_qwen3, qtype, random_weights  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.config import CPU_INPUT_BITS  # noqa: E402
 from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.quantization import linear_layers  # noqa: E402
 from nanovllm.utils import default_model as dm  # noqa: E402
@@ -173,17 +175,25 @@ def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=5
     return path
 
 
-def quantized_like_kernels(x: torch.Tensor, group: int, top: int = 127 * 127) -> torch.Tensor:
-    """x rounded as the C kernels quantize a linear layer's input: 14-bit integers per group of
-    `group` values, scale max|x| / 127^2 (top 127: int8, cpu_input_bits=8), round half to even."""
+def quantized_like_kernels(x: torch.Tensor, group: int, bits: int | str = 14) -> torch.Tensor:
+    """x rounded as the C kernels quantize a linear layer's input, per group of `group` values:
+    to 14-bit integers, scale max|x| / 127^2 (bits 14), to int8, scale max|x| / 127 (bits 8), or
+    (bits "auto") to int8 where its rounding noise, group (max|x| / 127)^2 / 12, is within 1e-4 of
+    the group's sum of squares and to 14 bits elsewhere; round half to even."""
     g = x.reshape(*x.shape[:-1], -1, group)
     amax = g.abs().amax(-1, keepdim=True)
-    q = torch.where(amax > 0, g * (top / amax.clamp_min(1e-30)), torch.zeros_like(g)).round().clamp(-top, top)
+    if bits == "auto":
+        loud = (amax.double() / 127) ** 2 * group / 12 > 1e-4 * (g.double() ** 2).sum(-1, keepdim=True)
+        top = torch.where(loud, 127.0 * 127, 127.0).to(g.dtype)
+    else:
+        top = torch.tensor(127.0 * 127 if bits == 14 else 127.0, dtype=g.dtype)
+    q = torch.where(amax > 0, g * (top / amax.clamp_min(1e-30)), torch.zeros_like(g)).round()
+    q = torch.minimum(torch.maximum(q, -top), top)
     return (q * (amax / top)).reshape(x.shape)
 
 
 def hf_logprobs_of_file(path: Path, prompt: list[int], input_groups: dict[str, int] | None = None,
-                        top: int = 127 * 127) -> torch.Tensor:
+                        bits: int | str = 14) -> torch.Tensor:
     """transformers' log-probabilities on the file (it dequantizes the tensors itself); with
     input_groups (HF module name suffix -> group), each such linear layer's input quantized as the
     C kernels quantize it, so that the result differs from ours only by the order of float sums."""
@@ -192,7 +202,7 @@ def hf_logprobs_of_file(path: Path, prompt: list[int], input_groups: dict[str, i
     for name, module in model.named_modules():
         group = next((g for suffix, g in (input_groups or {}).items() if name.endswith(suffix)), None)
         if group is not None and isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(lambda m, args, g=group: (quantized_like_kernels(args[0], g, top),))
+            module.register_forward_pre_hook(lambda m, args, g=group: (quantized_like_kernels(args[0], g, bits),))
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
 
@@ -262,7 +272,7 @@ def test_tiny_files_match_transformers(tmp_path, case, caplog):
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 40)]
     ref = hf_logprobs_of_file(path, prompt)
     same_inputs = hf_logprobs_of_file(path, prompt, kernel_input_groups(types, tied=arch != "qwen3"))
-    with LLM(str(path), max_num_seqs=4, max_model_len=256) as llm:
+    with LLM(str(path), max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
         assert llm.tokenizer is None  # no vocabulary in the file: token-id prompts
         assert llm.config.hf_config.architectures == [ARCH_CLASSES[arch]]
         ours = our_logprobs(llm, prompt, 320)
@@ -278,28 +288,29 @@ def test_tiny_files_match_transformers(tmp_path, case, caplog):
     assert plain.mean() < tol, case
 
 
+@pytest.mark.parametrize("bits", [8, "auto"])
 @pytest.mark.parametrize("case", ["llama-q4_k_m", "qwen2-mixed", "qwen3-q4_0"])
-def test_int8_inputs_are_llama_cpp_rounding(tmp_path, case):
+def test_input_rounding_is_the_named_one(tmp_path, case, bits):
     """cpu_input_bits=8: every block-format layer's input rounded to int8 per group (llama.cpp's Q8
-    inputs), so the result is transformers' with its inputs rounded the same way, and not the
-    two-plane rounding's."""
+    inputs); "auto" (the default): to int8 or 14 bits per group, as the group needs. The result is
+    transformers' with its inputs rounded the same way, and not with the others' rounding."""
     arch, types = CASES[case]
     shape = dict(heads=2, kv_heads=1, untied=True) if arch == "qwen3" else {}
     path = write_tiny(tmp_path / f"{case}.gguf", arch, types, **shape)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 40)]
     groups = kernel_input_groups(types, tied=arch != "qwen3")
-    int8, two_planes = (hf_logprobs_of_file(path, prompt, groups, top) for top in (127, 127 * 127))
-    with LLM(str(path), max_num_seqs=4, max_model_len=256, cpu_input_bits=8) as llm:
+    refs = {b: hf_logprobs_of_file(path, prompt, groups, b) for b in (8, 14, "auto")}
+    with LLM(str(path), max_num_seqs=4, max_model_len=256, **({"cpu_input_bits": bits} if bits != "auto" else {})) as llm:
         assert {layer.quant_method.input_planes for layer in linear_layers(model_of(llm))
-                if hasattr(layer.quant_method, "input_planes")} == {1}
+                if hasattr(layer.quant_method, "input_planes")} == {CPU_INPUT_BITS[bits]}
         ours = our_logprobs(llm, prompt, 320)
-    same, other = logprob_errors(ours, int8, prompt), logprob_errors(ours, two_planes, prompt)
-    print(case, "int8 inputs: |logprob error| against int8-rounded transformers", same.mean().item(),
-          "against two-plane-rounded", other.mean().item())
+    errors = {b: logprob_errors(ours, ref, prompt).mean().item() for b, ref in refs.items()}
+    print(case, bits, "inputs: mean |logprob error| against transformers with each rounding", errors)
+    same, others = errors.pop(bits), errors.values()
     # (int8 steps are 128x coarser than the two planes': a float-sum-order difference that moves a
     # value across one moves the next layers more than in test_tiny_files_match_transformers)
-    assert same.mean() < 1e-2, case
-    assert other.mean() > 2 * same.mean(), case
+    assert same < 1e-2, case
+    assert min(others) > 2 * same, case
 
 
 def test_decode_step_with_chained_parts(tmp_path):
@@ -391,7 +402,8 @@ def test_online_quantization(tmp_path, fmt):
         state.update(load_file(str(f)))
     qt = gguf.GGMLQuantizationType[fmt.upper()]
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 256, 30)]
-    with LLM(folder, quantization=fmt, max_num_seqs=4, max_model_len=128) as llm:
+    # (14-bit inputs: the check is of the blocks; test_input_rounding_is_the_named_one checks the roundings)
+    with LLM(folder, quantization=fmt, max_num_seqs=4, max_model_len=128, cpu_input_bits=14) as llm:
         model = model_of(llm)
         kernels = cpu_kernels.load()
 
@@ -414,7 +426,7 @@ def test_online_quantization(tmp_path, fmt):
         assert table.dtype == torch.uint8 and model.lm_head.weight is table  # tied: one quantized table
         ours = our_logprobs(llm, prompt, 256)
     # The reference: transformers with every weight we quantize replaced by gguf's dequantization
-    # of gguf's quantization of it, so that only our int8 inputs differ.
+    # of gguf's quantization of it, so that only our inputs' rounding differs.
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -454,8 +466,8 @@ def test_bad_files_and_options(tmp_path):
     folder = make_qwen3(str(tmp_path / "qwen3"))
     with pytest.raises(ValueError, match=r"quantization 'int3' is not supported; choose one of \['q8_0'"):
         LLM(folder, quantization="int3")
-    for bits in (4, 16, True):
-        with pytest.raises(ValueError, match=f"cpu_input_bits must be 8 or 14, got {bits!r}"):
+    for bits in (4, 16, True, 14.0, "8", "int8", None):
+        with pytest.raises(ValueError, match=f"cpu_input_bits must be 'auto', 8 or 14, got {re.escape(repr(bits))}"):
             LLM(str(good), cpu_input_bits=bits)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
+from nanovllm.config import CPU_INPUT_BITS, Config
 from nanovllm.executor.cuda_graph import DecodeGraphs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -52,7 +52,7 @@ class ModelRunner:
         hf_config = config.hf_config
         # The weight format picks each layer's method as the model is built (layers/quantization).
         quant_config = quant_config_for_model(config.model, hf_config, config.quantization)
-        quant_config.input_planes = 1 if config.cpu_input_bits == 8 else 2
+        quant_config.input_planes = CPU_INPUT_BITS[config.cpu_input_bits]
         with default_dtype(self.dtype), self.device:
             self.model = get_model_class(hf_config)(hf_config, quant_config)
         load_model(self.model, config.model)

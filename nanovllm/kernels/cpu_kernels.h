@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 5
+#define NANOVLLM_ABI_VERSION 6
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -23,8 +23,9 @@ typedef struct Linear {
     /* The outputs after these n come from another matrix of the same k (a stacked layer whose
      * parts are stored in different formats, e.g. Q4_K q/k and Q6_K v), or NULL. */
     const struct Linear *next;
-    /* The block formats' inputs: 1, rounded to int8 per group (llama.cpp's arithmetic: the
-     * interleaved kernels do half the integer work); anything else, 14-bit in two int8 planes. */
+    /* The block formats' inputs, rounded per group: 1, to int8 (llama.cpp's arithmetic: the
+     * interleaved kernels do half the integer work); 2, to 14 bits in two int8 planes; anything
+     * else, to int8 where that is within 40 dB of the group's signal and to 14 bits elsewhere. */
     int64_t input_planes;
 } Linear;
 

@@ -112,7 +112,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64)]
 
 
-ABI_VERSION = 5  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 6  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 

@@ -78,13 +78,24 @@ float nanovllm_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
  * of a small model flips; the second plane brings the inputs' error to that of fp16. */
 #define XMAX 16129 /* 127 * 127 */
 
+/* Input rounding modes (Linear.input_planes): one plane everywhere (llama.cpp's int8), two
+ * everywhere, or per group ("auto", the default): one plane where int8 rounding keeps the group's
+ * noise 40 dB below its signal, two where it would not. Int8's noise is ~ group (max|x| / 127)^2 / 12
+ * (uniform rounding error); the group is quiet when that is <= 1e-4 sum(x^2), i.e. its peak-to-rms
+ * ratio is <= 4.4 (a group of gaussian values: ~2.5; a group holding an outlier channel: up to
+ * sqrt(group)). On the default model 14% of the groups take two planes, and its perplexity and
+ * answers are the two planes' (docs/performance.md item 34); the interleaved kernels skip the low
+ * plane's products of the other groups. */
+#define PLANES_AUTO 0
+#define QUIET_RATIO2 (12.0f * 127.0f * 127.0f * 1e-4f) /* max|x|^2 group / sum(x^2) at the 40 dB floor */
+
 typedef struct {
     const int8_t *hi, *lo; /* [rows][k] */
     const float *d;        /* [rows][k / group]: value = d X */
     const int32_t *sums;   /* [rows][k / 16]: sum of each 16 consecutive X */
     const int16_t *x16;    /* [rows][k]: X itself, or NULL (asked for by the Q8_0 kernel where Q8_0_X16) */
+    const uint8_t *two;    /* [rows][k / group]: 0 where the group's lo is all zeros (X = 127 hi) */
     int64_t k, group;
-    int planes;            /* 1: lo is all zeros (X = 127 hi, llama.cpp's int8 inputs); 2: both planes */
 } QuantRows;
 
 #if QUANT_SIMD
@@ -113,21 +124,34 @@ static inline void store_i8x8(int8_t *p, __m256i v) {
 static inline __m256i planes(__m256i h, __m256i l) { return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 7), h), l); }
 #endif
 
+/* Whether a group of max |x| amax and sum of squares ss is rounded to int8 alone (PLANES_AUTO). */
+static inline int quiet(float amax, float ss, int64_t group) { return amax * amax * (float)group <= QUIET_RATIO2 * ss; }
+
+#if QUANT_SIMD
+/* The sum of v's lanes, as (0 + 4) + (2 + 6) + ((1 + 5) + (3 + 7)): the plain build adds in this order too. */
+static inline float sum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* s4 */
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                 /* s4[0] + s4[2], s4[1] + s4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 /* One thread's buffer for the quantized rows, grown as needed and kept for its next calls. */
 static _Thread_local void *quant_buffer;
 static _Thread_local size_t quant_capacity;
 
 /* x [rows, k] (row stride ldx) quantized in groups of `group` values (k a multiple of group and
- * of 16); with_x16 (vector builds only) also keeps X in int16. planes 1: each value rounded to an
- * int8 hi = round(127 x / max|x|) (llama.cpp's Q8 inputs) and lo = 0, a two-plane input like any
- * other (X = 127 hi, the same scale d), so every kernel takes it; the interleaved ones then skip
- * the low plane's products. Returns 0, or 1 when the buffer cannot be had. */
+ * of 16); with_x16 (vector builds only) also keeps X in int16. mode (PLANES_AUTO, 1 or 2): a group
+ * of one plane has each value rounded to an int8 hi = round(127 x / max|x|) (llama.cpp's Q8 inputs)
+ * and lo = 0, a two-plane input like any other (X = 127 hi, the same scale d), so every kernel takes
+ * it; the interleaved ones skip the low plane's products where q->two says 0. Returns 0, or 1 when
+ * the buffer cannot be had. */
 static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, int with_x16,
-                         int nplanes, QuantRows *q) {
+                         int mode, QuantRows *q) {
     const int64_t groups = k / group, sixteens = k / 16;
     with_x16 = with_x16 && QUANT_SIMD;
     const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + sizeof(float) * (size_t)groups +
-                                        sizeof(int32_t) * (size_t)sixteens) + 64;
+                                        sizeof(int32_t) * (size_t)sixteens + (size_t)groups) + 64;
     if (need > quant_capacity) {
         void *grown = realloc(quant_buffer, need);
         if (grown == NULL) return 1;
@@ -137,6 +161,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     int32_t *sums = (int32_t *)(d + rows * groups);
     int16_t *x16 = with_x16 ? (int16_t *)(sums + rows * sixteens) : NULL;
     int8_t *hi = (int8_t *)(sums + rows * sixteens) + (with_x16 ? 2 * rows * k : 0), *lo = hi + rows * k;
+    uint8_t *two = (uint8_t *)(lo + rows * k);
 #if QUANT_SIMD
     /* The same integers as the plain loop below, 8 values at a time (prefill quantizes ~10^4 values
      * per row and layer, which the plain loop made a sixth of the matmuls' time): x inv rounded to
@@ -151,13 +176,18 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
         int16_t *xr16 = with_x16 ? x16 + r * k : NULL;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = xr + g * group;
-            __m256 m = _mm256_setzero_ps();
-            for (int64_t i = 0; i < group; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xg + i), absmask));
+            __m256 m = _mm256_setzero_ps(), ss = _mm256_setzero_ps();
+            for (int64_t i = 0; i < group; i += 8) {
+                const __m256 v = _mm256_loadu_ps(xg + i);
+                m = _mm256_max_ps(m, _mm256_and_ps(v, absmask));
+                if (mode == PLANES_AUTO) ss = _mm256_fmadd_ps(v, v, ss);
+            }
             const float amax = hmax_ps(m);
             const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
             d[r * groups + g] = amax / (float)XMAX;
             const __m256 vinv = _mm256_set1_ps(inv);
-            if (nplanes == 1) {
+            two[r * groups + g] = mode == 2 || (mode == PLANES_AUTO && !quiet(amax, sum8(ss), group));
+            if (!two[r * groups + g]) {
                 const __m256 vinv1 = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
                 const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
                 for (int64_t i = 0; i < group; i += 8) {
@@ -190,19 +220,24 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = hsum_epi32(_mm256_add_epi32(a, b));
         }
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, k, group, nplanes};
+    *q = (QuantRows){hi, lo, d, sums, x16, two, k, group};
     return 0;
 #else
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = xr + g * group;
-            float amax = 0.0f;
-            for (int64_t i = 0; i < group; i++) amax = fmaxf(amax, fabsf(xg[i]));
+            float amax = 0.0f, ss[8] = {0};
+            for (int64_t i = 0; i < group; i++) {
+                amax = fmaxf(amax, fabsf(xg[i]));
+                ss[i % 8] = fmaf(xg[i], xg[i], ss[i % 8]); /* the vector code's lanes and order */
+            }
             const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
             d[r * groups + g] = amax / (float)XMAX;
+            const float s4[4] = {ss[0] + ss[4], ss[1] + ss[5], ss[2] + ss[6], ss[3] + ss[7]};
+            two[r * groups + g] = mode == 2 || (mode == PLANES_AUTO && !quiet(amax, (s4[0] + s4[2]) + (s4[1] + s4[3]), group));
             for (int64_t i = 0; i < group; i++) {
-                if (nplanes == 1) {
+                if (!two[r * groups + g]) {
                     const float v = nearbyintf(xg[i] * (amax > 0.0f ? 127.0f / amax : 0.0f));
                     hi[r * k + g * group + i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
                     lo[r * k + g * group + i] = 0;
@@ -221,7 +256,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = sum;
         }
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, k, group, nplanes};
+    *q = (QuantRows){hi, lo, d, sums, x16, two, k, group};
     return 0;
 #endif
 }
@@ -311,6 +346,7 @@ typedef struct {
     const float *d[QROWS];
     const int32_t *sums[QROWS];
     const int16_t *x16[QROWS];
+    const uint8_t *two[QROWS];
 } InputRows;
 
 static inline __attribute__((always_inline)) InputRows input_rows(const QuantRows *q, int64_t b0, const int NB) {
@@ -322,6 +358,7 @@ static inline __attribute__((always_inline)) InputRows input_rows(const QuantRow
         in.d[b] = q->d + (b0 + b) * groups;
         in.sums[b] = q->sums + (b0 + b) * sixteens;
         in.x16[b] = q->x16 != NULL ? q->x16 + (b0 + b) * q->k : NULL;
+        in.two[b] = q->two + (b0 + b) * groups;
     }
     return in;
 }
@@ -446,6 +483,9 @@ static void x8_block(Fmt32 f, int to_x8, uint8_t *plain, uint8_t *x8, int lane) 
                                        to_x8 ? nib + 4 * c : values + 32 * c + 4 * lane, 4);
 }
 
+/* quantize_rows' mode for m's inputs: Linear.input_planes 1 or 2, anything else PLANES_AUTO. */
+static inline int input_mode(const Linear *m) { return m->input_planes == 1 || m->input_planes == 2 ? (int)m->input_planes : PLANES_AUTO; }
+
 static inline const uint8_t *group_of(const Linear *m, int64_t g) {
     return (const uint8_t *)m->data + g * IL * m->row_bytes;
 }
@@ -496,7 +536,8 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const uint8_t *values = blk + fmt_scales_bytes(f);
         __m256i sum[QROWS], sum_lo[QROWS];
-        for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm256_setzero_si256();
+        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
+        for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm256_setzero_si256(), two[b] = P == 2 && in.two[b][i];
         /* whole: sum holds w . X, not the planes' two sums */
         const int whole = f == FMT_Q8_0 && Q8_0_X16;
         int offset = fmt_offset(f);
@@ -508,13 +549,9 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
 #endif
             for (int c = 0; c < 8; c++) {
 #if QUANT_VNNI
-                const __m256i w = load_i8(values + 32 * c);
                 /* w + 128 as unsigned (no saturation in vpdpbusd); 128 S comes off below */
-                const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-                for (int b = 0; b < NB; b++) {
-                    sum[b] = dot_acc(sum[b], u, bcast4(in.hi[b] + i * 32 + 4 * c));
-                    if (P == 2) sum_lo[b] = dot_acc(sum_lo[b], u, bcast4(in.lo[b] + i * 32 + 4 * c));
-                }
+                const __m256i u = _mm256_xor_si256(load_i8(values + 32 * c), _mm256_set1_epi8((char)0x80));
+                for (int b = 0; b < NB; b++) sum[b] = dot_acc(sum[b], u, bcast4(in.hi[b] + i * 32 + 4 * c));
 #else
                 /* Without VNNI: the weights widened to int16 (once for all NB rows) and multiplied with
                  * X itself by vpmaddwd, 16 products per instruction, where the two int8 planes took
@@ -532,6 +569,12 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
 #endif
             }
 #if QUANT_VNNI
+            /* the low plane, for the rows whose group has one (the weights reread from L1) */
+            for (int b = 0; b < NB; b++)
+                if (two[b])
+                    for (int c = 0; c < 8; c++)
+                        sum_lo[b] = dot_acc(sum_lo[b], _mm256_xor_si256(load_i8(values + 32 * c), _mm256_set1_epi8((char)0x80)),
+                                            bcast4(in.lo[b] + i * 32 + 4 * c));
             offset = 128;
 #else
             /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
@@ -541,46 +584,51 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
             const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
             const __m256i hbits = five ? load_i8(values) : _mm256_setzero_si256();
             const uint8_t *nib = values + (five ? 4 * IL : 0);
-#if !QUANT_VNNI
-            /* Without VNNI: the vpmaddubsw pair sums summed in int16 across chunks, one vpmaddwd per
-             * plane after them. A pair sum is at most 2 x 15 x 127 = 3,810 (4-bit weights, hi plane),
-             * 2 x 31 x 127 = 7,874 (5-bit) or 2 x 31 x 63 = 3,906 (lo plane): eight, four and eight
-             * of them fit int16, so the 5-bit hi plane is widened every two chunks. */
-            __m256i t_hi[QROWS], t_lo[QROWS];
-            const __m256i ones = _mm256_set1_epi16(1);
-            for (int b = 0; b < NB; b++) t_hi[b] = t_lo[b] = _mm256_setzero_si256();
-#endif
+            /* the 4 chunks' values: wl[c] 4c..4c+3 of each row, wh[c] 16 + 4c.. */
+            __m256i wl[4], wh[4];
             for (int c = 0; c < 4; c++) {
                 const __m256i v = load_i8(nib + 32 * c);
-                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                wl[c] = _mm256_and_si256(v, m4), wh[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                 if (five) {
                     const __m256i one = _mm256_set1_epi32(0x01010101);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
-                }
-                for (int b = 0; b < NB; b++) {
-                    const __m256i h0 = bcast4(in.hi[b] + i * 32 + 4 * c), h1 = bcast4(in.hi[b] + i * 32 + 16 + 4 * c);
-                    const __m256i l0 = bcast4(in.lo[b] + i * 32 + 4 * c), l1 = bcast4(in.lo[b] + i * 32 + 16 + 4 * c);
-#if QUANT_VNNI
-                    sum[b] = dot_acc(dot_acc(sum[b], lo, h0), hi, h1);
-                    if (P == 2) sum_lo[b] = dot_acc(dot_acc(sum_lo[b], lo, l0), hi, l1);
-#else
-                    t_hi[b] = _mm256_add_epi16(t_hi[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, h0),
-                                                                         _mm256_maddubs_epi16(hi, h1)));
-                    if (P == 2)
-                        t_lo[b] = _mm256_add_epi16(t_lo[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, l0),
-                                                                             _mm256_maddubs_epi16(hi, l1)));
-                    if (c == 3 || (five && c == 1)) {
-                        sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t_hi[b], ones));
-                        t_hi[b] = _mm256_setzero_si256();
-                    }
-#endif
+                    wl[c] = _mm256_or_si256(wl[c], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
+                    wh[c] = _mm256_or_si256(wh[c], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
                 }
             }
-#if !QUANT_VNNI
-            if (P == 2)
-                for (int b = 0; b < NB; b++) sum_lo[b] = _mm256_add_epi32(sum_lo[b], _mm256_madd_epi16(t_lo[b], ones));
+            /* every row's high plane, then the low plane of the rows whose group has one */
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 32;
+#if QUANT_VNNI
+                for (int c = 0; c < 4; c++) sum[b] = dot_acc(dot_acc(sum[b], wl[c], bcast4(xh + 4 * c)), wh[c], bcast4(xh + 16 + 4 * c));
+#else
+                /* Without VNNI: the vpmaddubsw pair sums summed in int16 across chunks, one vpmaddwd
+                 * after them. A pair sum is at most 2 x 15 x 127 = 3,810 (4-bit weights, hi plane),
+                 * 2 x 31 x 127 = 7,874 (5-bit) or 2 x 31 x 63 = 3,906 (lo plane): eight, four and
+                 * eight of them fit int16, so the 5-bit hi plane is widened every two chunks. */
+                __m256i t = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(wl[c], bcast4(xh + 4 * c)),
+                                                             _mm256_maddubs_epi16(wh[c], bcast4(xh + 16 + 4 * c))));
+                    if (c == 3 || (five && c == 1)) {
+                        sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+                        t = _mm256_setzero_si256();
+                    }
+                }
 #endif
+            }
+            for (int b = 0; b < NB; b++) {
+                if (!two[b]) continue;
+                const int8_t *xl = in.lo[b] + i * 32;
+#if QUANT_VNNI
+                for (int c = 0; c < 4; c++) sum_lo[b] = dot_acc(dot_acc(sum_lo[b], wl[c], bcast4(xl + 4 * c)), wh[c], bcast4(xl + 16 + 4 * c));
+#else
+                __m256i t = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++)
+                    t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(wl[c], bcast4(xl + 4 * c)),
+                                                             _mm256_maddubs_epi16(wh[c], bcast4(xl + 16 + 4 * c))));
+                sum_lo[b] = _mm256_madd_epi16(t, _mm256_set1_epi16(1));
+#endif
+            }
         }
         const __m256 m8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
                                          : _mm256_setzero_ps();
@@ -985,24 +1033,27 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         __m256i sh[QROWS], sl[QROWS]; /* the two planes' scaled sums: |sh| <= 8 x 63 x 32 x 15 x 127 < 2^25 */
         for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
 #endif
+        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
+        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
         for (int j = 0; j < 8; j++) {
             const uint8_t *u8 = units + 32 * 8 * (j >> 1);
             const int shift = 4 * (j & 1);
-            __m256i th[QROWS], tl[QROWS];
-            for (int b = 0; b < NB; b++) th[b] = tl[b] = _mm256_setzero_si256();
-            for (int t = 0; t < 8; t++) {
-                const __m256i w = _mm256_and_si256(_mm256_srli_epi16(load_i8(u8 + 32 * t), shift), m4);
-                for (int b = 0; b < NB; b++) {
-                    const int64_t at = i * 256 + 32 * j + 4 * t;
+            __m256i th[QROWS], tl[QROWS], w[8];
+            for (int t = 0; t < 8; t++) w[t] = _mm256_and_si256(_mm256_srli_epi16(load_i8(u8 + 32 * t), shift), m4);
+            /* every row's high plane, then the low plane of the rows whose group has one */
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 32 * j, *xl = in.lo[b] + i * 256 + 32 * j;
+                th[b] = tl[b] = _mm256_setzero_si256();
 #if QUANT_VNNI
-                    th[b] = dot_acc(th[b], w, bcast4(in.hi[b] + at));
-                    if (P == 2) tl[b] = dot_acc(tl[b], w, bcast4(in.lo[b] + at));
+                for (int t = 0; t < 8; t++) th[b] = dot_acc(th[b], w[t], bcast4(xh + 4 * t));
+                if (two[b])
+                    for (int t = 0; t < 8; t++) tl[b] = dot_acc(tl[b], w[t], bcast4(xl + 4 * t));
 #else
-                    /* int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most */
-                    th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w, bcast4(in.hi[b] + at)));
-                    if (P == 2) tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w, bcast4(in.lo[b] + at)));
+                /* int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most */
+                for (int t = 0; t < 8; t++) th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w[t], bcast4(xh + 4 * t)));
+                if (two[b])
+                    for (int t = 0; t < 8; t++) tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w[t], bcast4(xl + 4 * t)));
 #endif
-                }
             }
             const __m256i s32 = lanes_u8(sc + 8 * j);
 #if QUANT_VNNI
@@ -1012,7 +1063,7 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
             const __m256i s16 = pairs16(s32);
             for (int b = 0; b < NB; b++) {
                 sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[b], s16));
-                if (P == 2) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
+                if (two[b]) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
             }
 #endif
         }
@@ -1057,6 +1108,8 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
         __m256i sh[QROWS], sl[QROWS]; /* |sh| <= 16 x 128 x 16 x 63 x 127 < 2^29 */
         for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
 #endif
+        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
+        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
         for (int j = 0; j < 16; j++) {
             const __m256i h = load_i8(qh + 32 * j), u0 = load_i8(ql + 64 * j), u1 = load_i8(ql + 64 * j + 32);
             /* the 4 chunks of sub-block j: values 16 j + 4 c + 0..3 of each row (the high bits masked
@@ -1076,10 +1129,9 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
                 const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
 #if QUANT_VNNI
                 __m256i th = _mm256_setzero_si256(), tl = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) {
-                    th = dot_acc(th, w[c], bcast4(xh + 4 * c));
-                    if (P == 2) tl = dot_acc(tl, w[c], bcast4(xl + 4 * c));
-                }
+                for (int c = 0; c < 4; c++) th = dot_acc(th, w[c], bcast4(xh + 4 * c));
+                if (two[b])
+                    for (int c = 0; c < 4; c++) tl = dot_acc(tl, w[c], bcast4(xl + 4 * c));
                 /* |127 th + tl| <= 16 x 63 x 16,129 < 2^24: exact in fp32 */
                 sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th, tl)), sub[b]);
 #else
@@ -1088,7 +1140,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
                     const __m256i th = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xh + 4 * c)),
                                                         _mm256_maddubs_epi16(w[c + 1], bcast4(xh + 4 * c + 4)));
                     sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th, s16));
-                    if (P == 2) {
+                    if (two[b]) {
                         const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xl + 4 * c)),
                                                             _mm256_maddubs_epi16(w[c + 1], bcast4(xl + 4 * c + 4)));
                         sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl, s16));
@@ -1130,7 +1182,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
         const int one = m->input_planes == 1;                                                                    \
-        if (quantize_rows(x, ldx, rows, m->k, GROUP, X16, one ? 1 : 2, &q)) {                                    \
+        if (quantize_rows(x, ldx, rows, m->k, GROUP, X16, input_mode(m), &q)) {                                  \
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
@@ -1196,7 +1248,7 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
     }                                                                                                            \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
-        if (quantize_rows(x, ldx, rows, m->k, GROUP, 0, m->input_planes == 1 ? 1 : 2, &q)) {                     \
+        if (quantize_rows(x, ldx, rows, m->k, GROUP, 0, input_mode(m), &q)) {                                    \
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \

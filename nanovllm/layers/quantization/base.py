@@ -37,7 +37,8 @@ class CWeightView:
     scales: torch.Tensor | None = None
     next: "CWeightView | None" = None  # the matrix whose rows give the outputs after these n (a stacked
                                        # layer whose parts are held in different formats)
-    input_planes: int = 2  # block formats: 1 rounds the inputs to int8 (Config.cpu_input_bits = 8)
+    # block formats' input rounding (config.CPU_INPUT_BITS): 0 per group, 1 int8, 2 two int8 planes
+    input_planes: int = 0
 
     @property
     def outputs(self) -> int:
@@ -113,7 +114,7 @@ class QuantizationConfig:
     name: ClassVar[str]
     # How the CPU block kernels round a layer's inputs (CWeightView.input_planes): set by the engine
     # from Config.cpu_input_bits before the model is built; the GGUF methods pass it on.
-    input_planes: int = 2
+    input_planes: int = 0
 
     @classmethod
     def from_model(cls, path: str, hf_config: Any) -> "QuantizationConfig | None":

@@ -123,7 +123,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
     c_only = True
 
-    def __init__(self, types: list[str], online: bool = False, input_planes: int = 2):
+    def __init__(self, types: list[str], online: bool = False, input_planes: int = 0):
         self.types = types
         self.online = online
         self.input_planes = input_planes

@@ -22,7 +22,7 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
 
     c_only = True
 
-    def __init__(self, types: tuple[str, str], online: bool = False, input_planes: int = 2):
+    def __init__(self, types: tuple[str, str], online: bool = False, input_planes: int = 0):
         self.types = types
         self.online = online
         self.input_planes = input_planes  # CWeightView.input_planes

@@ -142,7 +142,11 @@ class PrequantizedConfig(QuantizationConfig):
         if any(s != schemes[0] for s in schemes):
             raise ValueError(f"{prefix}: its stacked parts {modules} are quantized differently ({schemes}); "
                              "they must share one scheme")
-        return self.method(schemes[0], layer, modules)
+        method = self.method(schemes[0], layer, modules)
+        # "A16" formats: under cpu_input_bits "auto" the block kernels keep their inputs at 14 bits
+        # (two planes, fp16's error), as vLLM keeps 16-bit activations; 8 or 14 apply as asked
+        method.input_planes = self.input_planes or 2
+        return method
 
     def expert_modules(self, prefix: str) -> list[str]:
         return sorted({name.rsplit(".", 1)[0] for name in self.header if name.startswith(f"{prefix}.")})

@@ -165,6 +165,7 @@ class WeightOnlyLinearMethod(LinearMethodBase):
     the block formats' (gguf.py, GGUFLinearMethod) or the dense one."""
 
     format_name = "?"
+    input_planes = 2  # the block kernels' input rounding (CWeightView.input_planes), set by the config
 
     def __init__(self):
         self.inner = None
@@ -248,7 +249,7 @@ class WeightOnlyLinearMethod(LinearMethodBase):
         held = to_blocks(qw) if kernels.c_kernels is not None else None
         if held is not None:
             type_name, rows, self.perm = held
-            inner = GGUFLinearMethod([type_name])
+            inner = GGUFLinearMethod([type_name], input_planes=self.input_planes)
             inner.sizes, inner.k = [rows.shape[0]], self.k
             layer.register_weight("weight", rows, output_dim=0, input_dim=1)
             return inner
