@@ -38,6 +38,14 @@
 #endif
 /* The interleaved Q8_0 kernel multiplies X itself (int16) rather than its two int8 planes */
 #define Q8_0_X16 (QUANT_SIMD && !QUANT_VNNI)
+/* 512-bit vpdpbusd: the interleaved 32-weight formats multiply two 8-row groups at once (one row per
+ * 32-bit lane of a zmm register), half the instructions per product of the 256-bit kernel; a zmm
+ * vpdpbusd costs ~1.2-1.5x a ymm one here (2-core Xeon VM), so ~1.4-1.7x the products per cycle */
+#if QUANT_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QUANT_VNNI512 1
+#else
+#define QUANT_VNNI512 0
+#endif
 
 #define QROWS 4 /* input rows multiplied per pass over a weight row */
 
@@ -666,6 +674,91 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
 #endif
 }
 
+#if QUANT_VNNI512
+static inline __m512i bcast4x16(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The 32 bytes at a (group g's) and b (group g + 1's) as one zmm: lanes 0-7 rows 8 g.., 8-15 the next 8. */
+static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load_i8(a)), load_i8(b), 1);
+}
+
+/* out[b][r] = row 16 h + r . input row b0 + b (r < 16, b < NB), rows 16 h .. 16 h + 16 being the 8-row
+ * groups at grp (2 h) and grp + group_bytes (2 h + 1): dot_fmt32x8's arithmetic on both at once. */
+static inline __attribute__((always_inline)) void dot_fmt32x16(Fmt32 f, const uint8_t *grp, int64_t group_bytes,
+                                                              const QuantRows *q, int64_t b0, const int NB,
+                                                              const int P, float out[QROWS][2 * IL]) {
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
+    __m512 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *ba = grp + i * bytes, *bb = ba + group_bytes;
+        const __m512 d16 = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)bb), _mm_loadu_si128((const __m128i *)ba)));
+        const int64_t vo = fmt_scales_bytes(f); /* the values' offset in a block */
+        __m512i sum[QROWS], sum_lo[QROWS];
+        int two[QROWS];
+        for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm512_setzero_si512(), two[b] = P == 2 && in.two[b][i];
+        int offset = fmt_offset(f);
+        if (f == FMT_Q8_0) {
+            __m512i u[8]; /* w + 128 as unsigned; 128 S comes off below */
+            for (int c = 0; c < 8; c++) u[c] = _mm512_xor_si512(load_pair(ba + vo + 32 * c, bb + vo + 32 * c), _mm512_set1_epi8((char)0x80));
+            for (int b = 0; b < NB; b++)
+                for (int c = 0; c < 8; c++) sum[b] = _mm512_dpbusd_epi32(sum[b], u[c], bcast4x16((in.hi[b] + i * 32 + 4 * c)));
+            for (int b = 0; b < NB; b++)
+                if (two[b])
+                    for (int c = 0; c < 8; c++)
+                        sum_lo[b] = _mm512_dpbusd_epi32(sum_lo[b], u[c], bcast4x16((in.lo[b] + i * 32 + 4 * c)));
+            offset = 128;
+        } else {
+            const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+            const __m512i hbits = five ? load_pair(ba + vo, bb + vo) : _mm512_setzero_si512();
+            const int64_t no = vo + (five ? 4 * IL : 0);
+            __m512i wl[4], wh[4];
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = load_pair(ba + no + 32 * c, bb + no + 32 * c);
+                wl[c] = _mm512_and_si512(v, m4), wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (five) {
+                    const __m512i one = _mm512_set1_epi32(0x01010101);
+                    wl[c] = _mm512_or_si512(wl[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hbits, c), one), 4));
+                    wh[c] = _mm512_or_si512(wh[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hbits, c + 4), one), 4));
+                }
+            }
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 32;
+                for (int c = 0; c < 4; c++)
+                    sum[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[b], wl[c], bcast4x16((xh + 4 * c))),
+                                                 wh[c], bcast4x16((xh + 16 + 4 * c)));
+            }
+            for (int b = 0; b < NB; b++) {
+                if (!two[b]) continue;
+                const int8_t *xl = in.lo[b] + i * 32;
+                for (int c = 0; c < 4; c++)
+                    sum_lo[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum_lo[b], wl[c], bcast4x16((xl + 4 * c))),
+                                                    wh[c], bcast4x16((xl + 16 + 4 * c)));
+            }
+        }
+        const __m512 m16 = fmt_has_min(f) ? _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(bb + 2 * IL)),
+                                                                              _mm_loadu_si128((const __m128i *)(ba + 2 * IL))))
+                                          : _mm512_setzero_ps();
+        for (int b = 0; b < NB; b++) {
+            const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+            const float dx = in.d[b][i];
+            /* 127 hi + lo, less the offset's share */
+            __m512i x = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(sum[b], 7), sum[b]), sum_lo[b]);
+            if (offset) x = _mm512_sub_epi32(x, _mm512_set1_epi32(offset * s32));
+            acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(x), acc[b]);
+            if (fmt_has_min(f)) acc[b] = _mm512_fmadd_ps(m16, _mm512_set1_ps(dx * (float)s32), acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[b], acc[b]);
+}
+#endif
+
 /* (the x8 layouts' row loops and repack_x8 follow the K-quants' interleaved kernels, below) */
 void to_f32_q8_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q8_0, m, r, out); }
 void to_f32_q4_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q4_0, m, r, out); }
@@ -1172,12 +1265,31 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
 }
 
 /* An interleaved format's LinearRows: the inputs quantized in groups of GROUP (X16: also kept in
- * int16), then each thread takes its share of the 8-row groups, QROWS input rows per pass. */
-#define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL)                                                        \
-    static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *grp, const QuantRows *q,          \
+ * int16), then each thread takes its share of the 8-row groups (W = 16: of the pairs of groups, a
+ * last odd group on its own), QROWS input rows per pass. */
+#define X8_PASS(NAME, W, grp, gb, b0, dot)                                                                   \
+    switch ((rows - b0 < QROWS ? rows - b0 : QROWS) + (one ? QROWS : 0)) {                                   \
+    case 1: NAME(grp, gb, &q, b0, 1, 2, dot); break;                                                         \
+    case 2: NAME(grp, gb, &q, b0, 2, 2, dot); break;                                                         \
+    case 3: NAME(grp, gb, &q, b0, 3, 2, dot); break;                                                         \
+    case 4: NAME(grp, gb, &q, b0, 4, 2, dot); break;                                                         \
+    case 5: NAME(grp, gb, &q, b0, 1, 1, dot); break;                                                         \
+    case 6: NAME(grp, gb, &q, b0, 2, 1, dot); break;                                                         \
+    case 7: NAME(grp, gb, &q, b0, 3, 1, dot); break;                                                         \
+    default: NAME(grp, gb, &q, b0, 4, 1, dot); break;                                                        \
+    }
+#define DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, W, DOT16_CALL)                                      \
+    static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *grp, int64_t gb, const QuantRows *q, \
                                                                 int64_t b0, const int NB, const int P,           \
                                                                 float out[QROWS][IL]) {                          \
+        (void)gb;                                                                                                \
         DOT_CALL;                                                                                                \
+    }                                                                                                            \
+    static inline __attribute__((always_inline)) void NAME##_dot16(const uint8_t *grp, int64_t gb,               \
+                                                                  const QuantRows *q, int64_t b0, const int NB,  \
+                                                                  const int P, float out[QROWS][2 * IL]) {       \
+        (void)grp, (void)gb, (void)q, (void)b0, (void)NB, (void)P, (void)out;                                   \
+        DOT16_CALL;                                                                                              \
     }                                                                                                            \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
@@ -1186,33 +1298,40 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
-        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < m->n / IL; g++) {                            \
+        const int64_t groups = m->n / IL, units = W == 16 ? (groups + 1) / 2 : groups;                           \
+        const int64_t gb = IL * m->row_bytes;                                                                    \
+        _Pragma("omp for schedule(static)") for (int64_t u = 0; u < units; u++) {                                \
+            const int64_t g = W == 16 ? 2 * u : u;                                                               \
             const uint8_t *grp = group_of(m, g);                                                                 \
+            const int wide = W == 16 && g + 1 < groups, width = wide ? 2 * IL : IL;                              \
             for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
-                float dot[QROWS][IL];                                                                            \
-                switch ((rows - b0 < QROWS ? rows - b0 : QROWS) + (one ? QROWS : 0)) {                           \
-                case 1: NAME##_dot(grp, &q, b0, 1, 2, dot); break;                                               \
-                case 2: NAME##_dot(grp, &q, b0, 2, 2, dot); break;                                               \
-                case 3: NAME##_dot(grp, &q, b0, 3, 2, dot); break;                                               \
-                case 4: NAME##_dot(grp, &q, b0, 4, 2, dot); break;                                               \
-                case 5: NAME##_dot(grp, &q, b0, 1, 1, dot); break;                                               \
-                case 6: NAME##_dot(grp, &q, b0, 2, 1, dot); break;                                               \
-                case 7: NAME##_dot(grp, &q, b0, 3, 1, dot); break;                                               \
-                default: NAME##_dot(grp, &q, b0, 4, 1, dot); break;                                              \
-                }                                                                                                \
                 const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
+                float dot[QROWS][2 * IL], dot8[QROWS][IL];                                                       \
+                if (wide) {                                                                                      \
+                    X8_PASS(NAME##_dot16, W, grp, gb, b0, dot)                                                   \
+                } else {                                                                                         \
+                    X8_PASS(NAME##_dot, W, grp, gb, b0, dot8)                                                    \
+                    for (int64_t b = 0; b < nb; b++) memcpy(dot[b], dot8[b], sizeof dot8[b]);                    \
+                }                                                                                                \
                 for (int64_t b = 0; b < nb; b++)                                                                 \
-                    for (int r = 0; r < IL; r++)                                                                 \
+                    for (int r = 0; r < width; r++)                                                              \
                         y[(b0 + b) * ldy + g * IL + r] = dot[b][r] + (m->bias != NULL ? m->bias[g * IL + r] : 0.0f); \
             }                                                                                                    \
         }                                                                                                        \
     }
+#define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL) DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, 8, (void)0)
+#if QUANT_VNNI512
+#define DEFINE_X16_LINEAR_ROWS(NAME, FMT) \
+    DEFINE_X8_LINEAR_ROWS_W(NAME, 32, 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out), 16, dot_fmt32x16(FMT, grp, gb, q, b0, NB, P, out))
+#else
+#define DEFINE_X16_LINEAR_ROWS(NAME, FMT) DEFINE_X8_LINEAR_ROWS(NAME, 32, FMT == FMT_Q8_0 ? Q8_0_X16 : 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out))
+#endif
 
-DEFINE_X8_LINEAR_ROWS(linear_rows_q8_0x8, 32, Q8_0_X16, dot_fmt32x8(FMT_Q8_0, grp, q, b0, NB, P, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q4_0x8, 32, 0, dot_fmt32x8(FMT_Q4_0, grp, q, b0, NB, P, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q4_1x8, 32, 0, dot_fmt32x8(FMT_Q4_1, grp, q, b0, NB, P, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q5_0x8, 32, 0, dot_fmt32x8(FMT_Q5_0, grp, q, b0, NB, P, out))
-DEFINE_X8_LINEAR_ROWS(linear_rows_q5_1x8, 32, 0, dot_fmt32x8(FMT_Q5_1, grp, q, b0, NB, P, out))
+DEFINE_X16_LINEAR_ROWS(linear_rows_q8_0x8, FMT_Q8_0)
+DEFINE_X16_LINEAR_ROWS(linear_rows_q4_0x8, FMT_Q4_0)
+DEFINE_X16_LINEAR_ROWS(linear_rows_q4_1x8, FMT_Q4_1)
+DEFINE_X16_LINEAR_ROWS(linear_rows_q5_0x8, FMT_Q5_0)
+DEFINE_X16_LINEAR_ROWS(linear_rows_q5_1x8, FMT_Q5_1)
 DEFINE_X8_LINEAR_ROWS(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out))
 DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out))
 
