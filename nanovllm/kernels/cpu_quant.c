@@ -1087,6 +1087,26 @@ static inline __m256i lanes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_
 static inline __m256i pairs16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
 #endif
 
+#if QUANT_SIMD
+/* The 6-bit scales and mins of a q4_kx8 super-block's 8 rows, sub-block j's at sc[8 j .. 8 j + 8)
+ * (q4k_scales, 8 rows at once). */
+static inline void q4k_scales_x8(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64]) {
+    const __m128i m6 = _mm_set1_epi8(63), m4b = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
+    for (int j = 0; j < 4; j++) {
+        const __m128i p = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * j));
+        const __m128i pm = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 4)));
+        const __m128i ph = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 8)));
+        _mm_storel_epi64((__m128i *)(sc + 8 * j), _mm_and_si128(p, m6));
+        _mm_storel_epi64((__m128i *)(mn + 8 * j), _mm_and_si128(pm, m6));
+        _mm_storel_epi64((__m128i *)(sc + 8 * (j + 4)),
+                         _mm_or_si128(_mm_and_si128(ph, m4b), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(p, 6), m2), 4)));
+        _mm_storel_epi64((__m128i *)(mn + 8 * (j + 4)),
+                         _mm_or_si128(_mm_and_si128(_mm_srli_epi16(ph, 4), m4b),
+                                      _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(pm, 6), m2), 4)));
+    }
+}
+#endif
+
 /* out[b][r] = row 8 g + r of the group . input row b0 + b, b < NB (Q4_K). Per super-block and row
  * the sub-block sums of the two planes are scaled in integers (vpmaddwd by the lane's scale) or, with
  * VNNI, in fp32; the mins come off as dmin (sum over sub-blocks of mn X-sums), from the input's sums. */
@@ -1102,23 +1122,8 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         const uint8_t *blk = grp + i * Q4K_X8, *units = blk + 128;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        /* the 6-bit scales and mins of the 8 rows, sub-block j's at sc[8 j .. 8 j + 8) (q4k_scales, 8 rows at once) */
         uint8_t sc[64], mn[64];
-        {
-            const __m128i m6 = _mm_set1_epi8(63), m4b = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
-            for (int j = 0; j < 4; j++) {
-                const __m128i p = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * j));
-                const __m128i pm = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 4)));
-                const __m128i ph = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 8)));
-                _mm_storel_epi64((__m128i *)(sc + 8 * j), _mm_and_si128(p, m6));
-                _mm_storel_epi64((__m128i *)(mn + 8 * j), _mm_and_si128(pm, m6));
-                _mm_storel_epi64((__m128i *)(sc + 8 * (j + 4)),
-                                 _mm_or_si128(_mm_and_si128(ph, m4b), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(p, 6), m2), 4)));
-                _mm_storel_epi64((__m128i *)(mn + 8 * (j + 4)),
-                                 _mm_or_si128(_mm_and_si128(_mm_srli_epi16(ph, 4), m4b),
-                                              _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(pm, 6), m2), 4)));
-            }
-        }
+        q4k_scales_x8(blk, sc, mn);
 #if QUANT_VNNI
         __m256 sub[QROWS]; /* sum over sub-blocks of scale x (127 (w . hi) + (w . lo)), in fp32 */
         for (int b = 0; b < NB; b++) sub[b] = _mm256_setzero_ps();
@@ -1264,6 +1269,116 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
 #endif
 }
 
+#if QUANT_VNNI512
+/* 8 bytes at a and 8 at b as 16 int32 lanes (a's first). */
+static inline __m512i lanes_u8x16(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+}
+static inline __m512i lanes_i8x16(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+}
+static inline __m512 halfs_x16(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)b), _mm_loadu_si128((const __m128i *)a)));
+}
+/* sub + scale x (127 th + tl), in fp32 (|127 th + tl| <= 32 x 15 x 16,129 < 2^24: exact) */
+static inline __m512 add_scaled(__m512 sub, __m512 scale, __m512i th, __m512i tl) {
+    return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(th, 7), th), tl)), sub);
+}
+
+/* dot_q4_kx8 for two 8-row groups at once (grp and grp + group_bytes), as dot_fmt32x16 is for the
+ * 32-weight formats. */
+static inline __attribute__((always_inline)) void dot_q4_kx16(const uint8_t *grp, int64_t group_bytes, const QuantRows *q,
+                                                             int64_t b0, const int NB, const int P,
+                                                             float out[QROWS][2 * IL]) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *ba = grp + i * Q4K_X8, *bb = ba + group_bytes;
+        const __m512 d16 = halfs_x16(ba, bb), dm16 = halfs_x16(ba + 16, bb + 16);
+        uint8_t sa[64], ma[64], sb[64], mb[64];
+        q4k_scales_x8(ba, sa, ma);
+        q4k_scales_x8(bb, sb, mb);
+        __m512 sub[QROWS];
+        int two[QROWS];
+        for (int b = 0; b < NB; b++) sub[b] = _mm512_setzero_ps(), two[b] = P == 2 && in.two[b][i];
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *ua = ba + 128 + 32 * 8 * (j >> 1), *ub = bb + 128 + 32 * 8 * (j >> 1);
+            const int shift = 4 * (j & 1);
+            __m512i w[8];
+            for (int t = 0; t < 8; t++) w[t] = _mm512_and_si512(_mm512_srli_epi16(load_pair(ua + 32 * t, ub + 32 * t), shift), m4);
+            const __m512 sf = _mm512_cvtepi32_ps(lanes_u8x16(sa + 8 * j, sb + 8 * j));
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 32 * j, *xl = in.lo[b] + i * 256 + 32 * j;
+                __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
+                for (int t = 0; t < 8; t++) th = _mm512_dpbusd_epi32(th, w[t], bcast4x16(xh + 4 * t));
+                if (two[b])
+                    for (int t = 0; t < 8; t++) tl = _mm512_dpbusd_epi32(tl, w[t], bcast4x16(xl + 4 * t));
+                sub[b] = add_scaled(sub[b], sf, th, tl);
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m512 msum = _mm512_setzero_ps();
+            for (int j = 0; j < 8; j++)
+                msum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes_u8x16(ma + 8 * j, mb + 8 * j)),
+                                       _mm512_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+            acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx)), sub[b], acc[b]);
+            acc[b] = _mm512_fnmadd_ps(_mm512_mul_ps(dm16, _mm512_set1_ps(dx)), msum, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[b], acc[b]);
+}
+
+/* dot_q6_kx8 for two 8-row groups at once. */
+static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp, int64_t group_bytes, const QuantRows *q,
+                                                             int64_t b0, const int NB, const int P,
+                                                             float out[QROWS][2 * IL]) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *ba = grp + i * Q6K_X8, *bb = ba + group_bytes;
+        const __m512 d16 = halfs_x16(ba, bb);
+        __m512 sub[QROWS];
+        int two[QROWS];
+        for (int b = 0; b < NB; b++) sub[b] = _mm512_setzero_ps(), two[b] = P == 2 && in.two[b][i];
+        for (int j = 0; j < 16; j++) {
+            const __m512i h = load_pair(ba + 1168 + 32 * j, bb + 1168 + 32 * j);
+            const __m512i u0 = load_pair(ba + 144 + 64 * j, bb + 144 + 64 * j), u1 = load_pair(ba + 176 + 64 * j, bb + 176 + 64 * j);
+            __m512i w[4];
+            w[0] = _mm512_or_si512(_mm512_and_si512(u0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+            w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(u0, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+            w[2] = _mm512_or_si512(_mm512_and_si512(u1, m4), _mm512_and_si512(h, m30));
+            w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(u1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+            const __m512 sf = _mm512_cvtepi32_ps(lanes_i8x16(ba + 16 + 8 * j, bb + 16 + 8 * j));
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
+                __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) th = _mm512_dpbusd_epi32(th, w[c], bcast4x16(xh + 4 * c));
+                if (two[b])
+                    for (int c = 0; c < 4; c++) tl = _mm512_dpbusd_epi32(tl, w[c], bcast4x16(xl + 4 * c));
+                sub[b] = add_scaled(sub[b], sf, th, tl);
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m512 off = _mm512_setzero_ps();
+            for (int j = 0; j < 16; j++)
+                off = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes_i8x16(ba + 16 + 8 * j, bb + 16 + 8 * j)), _mm512_set1_ps((float)s16[j]), off);
+            acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx)), _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), off, sub[b]), acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[b], acc[b]);
+}
+#endif
+
 /* An interleaved format's LinearRows: the inputs quantized in groups of GROUP (X16: also kept in
  * int16), then each thread takes its share of the 8-row groups (W = 16: of the pairs of groups, a
  * last odd group on its own), QROWS input rows per pass. */
@@ -1332,8 +1447,13 @@ DEFINE_X16_LINEAR_ROWS(linear_rows_q4_0x8, FMT_Q4_0)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q4_1x8, FMT_Q4_1)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_0x8, FMT_Q5_0)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_1x8, FMT_Q5_1)
+#if QUANT_VNNI512
+DEFINE_X8_LINEAR_ROWS_W(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out), 16, dot_q4_kx16(grp, gb, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS_W(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out), 16, dot_q6_kx16(grp, gb, q, b0, NB, P, out))
+#else
 DEFINE_X8_LINEAR_ROWS(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out))
 DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out))
+#endif
 
 /* dst = the n x k matrix src of a plain block format (named) interleaved by 8 rows (n a multiple
  * of 8). Returns 0, or 1 for a format without an interleaved layout or a bad shape. */
