@@ -18,6 +18,7 @@
  * The AVX2 + FMA + F16C code is the baseline; each format also has a plain C version (other CPUs,
  * and the reference the tests compare the vector code with: same integer sums). */
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,6 +148,14 @@ static inline float sum8(__m256 v) {
 /* One thread's buffer for the quantized rows, grown as needed and kept for its next calls. */
 static _Thread_local void *quant_buffer;
 static _Thread_local size_t quant_capacity;
+/* From SHARED_ROWS input rows on (prefill, large batches) the team quantizes them once, each thread
+ * its share, into one buffer they all read (below that, every thread quantizes every row itself:
+ * a few thousand values, cheaper than the barrier). One team at a time uses it: every caller is a
+ * parallel region's `omp for` over a matrix, which ends in a barrier. */
+#define SHARED_ROWS 16
+static void *shared_buffer;
+static size_t shared_capacity;
+static int shared_failed;
 
 /* x [rows, k] (row stride ldx) quantized in groups of `group` values (k a multiple of group and
  * of 16); with_x16 (vector builds only) also keeps X in int16. mode (PLANES_AUTO, 1 or 2): a group
@@ -160,12 +169,34 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     with_x16 = with_x16 && QUANT_SIMD;
     const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + sizeof(float) * (size_t)groups +
                                         sizeof(int32_t) * (size_t)sixteens + (size_t)groups) + 64;
-    if (need > quant_capacity) {
-        void *grown = realloc(quant_buffer, need);
-        if (grown == NULL) return 1;
-        quant_buffer = grown, quant_capacity = need;
+    const int shared = rows >= SHARED_ROWS && omp_in_parallel() && omp_get_num_threads() > 1;
+    void *buffer;
+    int64_t r0 = 0, r1 = rows; /* the rows this thread quantizes */
+    if (shared) {
+#pragma omp single
+        {
+            shared_failed = 0;
+            if (need > shared_capacity) {
+                void *grown = realloc(shared_buffer, need);
+                if (grown == NULL)
+                    shared_failed = 1;
+                else
+                    shared_buffer = grown, shared_capacity = need;
+            }
+        }
+        if (shared_failed) return 1;
+        buffer = shared_buffer;
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
+    } else {
+        if (need > quant_capacity) {
+            void *grown = realloc(quant_buffer, need);
+            if (grown == NULL) return 1;
+            quant_buffer = grown, quant_capacity = need;
+        }
+        buffer = quant_buffer;
     }
-    float *d = quant_buffer;
+    float *d = buffer;
     int32_t *sums = (int32_t *)(d + rows * groups);
     int16_t *x16 = with_x16 ? (int16_t *)(sums + rows * sixteens) : NULL;
     int8_t *hi = (int8_t *)(sums + rows * sixteens) + (with_x16 ? 2 * rows * k : 0), *lo = hi + rows * k;
@@ -178,7 +209,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i xmax = _mm256_set1_epi32(XMAX), xmin = _mm256_set1_epi32(-XMAX);
     const __m256 inv127 = _mm256_set1_ps(1.0f / 127.0f);
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * ldx;
         int8_t *hr = hi + r * k, *lr = lo + r * k;
         int16_t *xr16 = with_x16 ? x16 + r * k : NULL;
@@ -228,10 +259,13 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             sums[r * sixteens + s] = hsum_epi32(_mm256_add_epi32(a, b));
         }
     }
+    if (shared) {
+#pragma omp barrier
+    }
     *q = (QuantRows){hi, lo, d, sums, x16, two, k, group};
     return 0;
 #else
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * ldx;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = xr + g * group;
@@ -263,6 +297,9 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             for (int i = 0; i < 16; i++) sum += 127 * hi[r * k + s * 16 + i] + lo[r * k + s * 16 + i];
             sums[r * sixteens + s] = sum;
         }
+    }
+    if (shared) {
+#pragma omp barrier
     }
     *q = (QuantRows){hi, lo, d, sums, x16, two, k, group};
     return 0;
