@@ -133,8 +133,11 @@ static inline void store_i8x8(int8_t *p, __m256i v) {
 static inline __m256i planes(__m256i h, __m256i l) { return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 7), h), l); }
 #endif
 
-/* Whether a group of max |x| amax and sum of squares ss is rounded to int8 alone (PLANES_AUTO). */
-static inline int quiet(float amax, float ss, int64_t group) { return amax * amax * (float)group <= QUIET_RATIO2 * ss; }
+/* Whether mode gives a group of max |x| amax and sum of squares ss both planes (PLANES_AUTO: unless
+ * int8 alone keeps its noise at the 40 dB floor). */
+static inline uint8_t two_planes(int mode, float amax, float ss, int64_t group) {
+    return mode == 2 || (mode == PLANES_AUTO && !(amax * amax * (float)group <= QUIET_RATIO2 * ss));
+}
 
 #if QUANT_SIMD
 /* The sum of v's lanes, as (0 + 4) + (2 + 6) + ((1 + 5) + (3 + 7)): the plain build adds in this order too. */
@@ -225,7 +228,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
             d[r * groups + g] = amax / (float)XMAX;
             const __m256 vinv = _mm256_set1_ps(inv);
-            two[r * groups + g] = mode == 2 || (mode == PLANES_AUTO && !quiet(amax, sum8(ss), group));
+            two[r * groups + g] = two_planes(mode, amax, sum8(ss), group);
             if (!two[r * groups + g]) {
                 const __m256 vinv1 = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
                 const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
@@ -277,7 +280,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
             d[r * groups + g] = amax / (float)XMAX;
             const float s4[4] = {ss[0] + ss[4], ss[1] + ss[5], ss[2] + ss[6], ss[3] + ss[7]};
-            two[r * groups + g] = mode == 2 || (mode == PLANES_AUTO && !quiet(amax, (s4[0] + s4[2]) + (s4[1] + s4[3]), group));
+            two[r * groups + g] = two_planes(mode, amax, (s4[0] + s4[2]) + (s4[1] + s4[3]), group);
             for (int64_t i = 0; i < group; i++) {
                 if (!two[r * groups + g]) {
                     const float v = nearbyintf(xg[i] * (amax > 0.0f ? 127.0f / amax : 0.0f));
@@ -1317,8 +1320,15 @@ static inline __m512i lanes_i8x16(const uint8_t *a, const uint8_t *b) {
 static inline __m512 halfs_x16(const uint8_t *a, const uint8_t *b) {
     return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)b), _mm_loadu_si128((const __m128i *)a)));
 }
-/* sub + scale x (127 th + tl), in fp32 (|127 th + tl| <= 32 x 15 x 16,129 < 2^24: exact) */
-static inline __m512 add_scaled(__m512 sub, __m512 scale, __m512i th, __m512i tl) {
+/* sub + scale x (w . X) for one K-quant sub-block of 4 x chunks values (w[c]: chunk c's values of the
+ * 16 rows; xh / xl: the input's planes there, xl's products taken where two), in fp32
+ * (|127 th + tl| <= 32 x 15 x 16,129 for Q4_K, 16 x 63 x 16,129 for Q6_K: < 2^24, exact). */
+static inline __attribute__((always_inline)) __m512 add_sub_block(__m512 sub, __m512 scale, const __m512i *w, const int chunks,
+                                                                  const int8_t *xh, const int8_t *xl, int two) {
+    __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
+    for (int c = 0; c < chunks; c++) th = _mm512_dpbusd_epi32(th, w[c], bcast4x16(xh + 4 * c));
+    if (two)
+        for (int c = 0; c < chunks; c++) tl = _mm512_dpbusd_epi32(tl, w[c], bcast4x16(xl + 4 * c));
     return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(th, 7), th), tl)), sub);
 }
 
@@ -1347,14 +1357,8 @@ static inline __attribute__((always_inline)) void dot_q4_kx16(const uint8_t *grp
             __m512i w[8];
             for (int t = 0; t < 8; t++) w[t] = _mm512_and_si512(_mm512_srli_epi16(load_pair(ua + 32 * t, ub + 32 * t), shift), m4);
             const __m512 sf = _mm512_cvtepi32_ps(lanes_u8x16(sa + 8 * j, sb + 8 * j));
-            for (int b = 0; b < NB; b++) {
-                const int8_t *xh = in.hi[b] + i * 256 + 32 * j, *xl = in.lo[b] + i * 256 + 32 * j;
-                __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
-                for (int t = 0; t < 8; t++) th = _mm512_dpbusd_epi32(th, w[t], bcast4x16(xh + 4 * t));
-                if (two[b])
-                    for (int t = 0; t < 8; t++) tl = _mm512_dpbusd_epi32(tl, w[t], bcast4x16(xl + 4 * t));
-                sub[b] = add_scaled(sub[b], sf, th, tl);
-            }
+            for (int b = 0; b < NB; b++)
+                sub[b] = add_sub_block(sub[b], sf, w, 8, in.hi[b] + i * 256 + 32 * j, in.lo[b] + i * 256 + 32 * j, two[b]);
         }
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
@@ -1394,14 +1398,8 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
             w[2] = _mm512_or_si512(_mm512_and_si512(u1, m4), _mm512_and_si512(h, m30));
             w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(u1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
             const __m512 sf = _mm512_cvtepi32_ps(lanes_i8x16(ba + 16 + 8 * j, bb + 16 + 8 * j));
-            for (int b = 0; b < NB; b++) {
-                const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
-                __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++) th = _mm512_dpbusd_epi32(th, w[c], bcast4x16(xh + 4 * c));
-                if (two[b])
-                    for (int c = 0; c < 4; c++) tl = _mm512_dpbusd_epi32(tl, w[c], bcast4x16(xl + 4 * c));
-                sub[b] = add_scaled(sub[b], sf, th, tl);
-            }
+            for (int b = 0; b < NB; b++)
+                sub[b] = add_sub_block(sub[b], sf, w, 4, in.hi[b] + i * 256 + 16 * j, in.lo[b] + i * 256 + 16 * j, two[b]);
         }
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
