@@ -91,18 +91,18 @@ def generate(llm, prompts, max_tokens=10):
 @pytest.mark.parametrize("name", ["qwen3_gqa", "qwen3_bias_tied", "qwen2_gqa", "llama_bias", "llama3_tied"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch):
-    """Batches of up to the one-call limit (one C call per step: 2 sequences for bf16 weights
-    beside a packed copy, DENSE_MAX_ROWS for fp32 weights held once) and above it (C between the
-    MKL / oneDNN matmuls), prompts crossing KV blocks, prefills with and without a cached prefix (the
-    later batches repeat the earlier prompts): the same tokens and logprobs as the eager forward of
-    the same engine."""
+    """Batches of up to a one-call limit (one C call per step; dense fp32 and bf16 weights take any
+    batch, lowered here to 2 sequences) and above it (the per-layer path: C phases between the
+    layers' own matmuls, as for a model with a layer outside C), prompts crossing KV blocks,
+    prefills with and without a cached prefix (the later batches repeat the earlier prompts): the
+    same tokens and logprobs as the eager forward of the same engine."""
     llm = LLM(checkpoints[name], dtype=dtype, kvcache_block_size=16, max_model_len=128,
               cpu_kvcache_bytes=1 << 24)
     try:
         runner = llm.model_runner
         fused = runner.fused_decode
-        limit = cpu_kernels.DENSE_MAX_ROWS if dtype == "float32" else cpu_kernels.MAX_ROWS
-        assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == limit
+        assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == cpu_kernels.ALL_ROWS
+        limit = fused.max_rows = 2
         calls = {"decode_layers": 0, "decode_attention_layer": 0, "rope_store_layer": 0}
 
         def counted(name_):

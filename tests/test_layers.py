@@ -13,7 +13,8 @@ from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.quantization import LinearKernels, UnquantizedLinearMethod, process_weights_after_loading
+from nanovllm.layers.quantization import (LinearKernels, UnquantizedLinearMethod, describe_linear_methods,
+                                          process_weights_after_loading)
 from nanovllm.platforms.cpu import can_pack_weights
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.sample.sampler import Sampler, exponential_race_sample, inverse_cdf_sample
@@ -111,17 +112,17 @@ def test_onednn_packed_weights_match_plain_matmul():
     assert model.qkv.packed_weight.shape == dense["qkv.weight"].shape
 
 
-@pytest.mark.skipif(not can_pack_weights(torch.float32), reason="no oneDNN in this torch")
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
-    """With the C kernels, packed layers keep their dense weight and run one-row inputs through
-    the C GEMV (output widths not a multiple of 4 included); more rows go to oneDNN."""
+def test_bf16_weights_are_held_once_for_the_c_kernels(monkeypatch):
+    """bf16 weights (fp32 activations) are narrowed once and read in place by the C kernels at every
+    row count (output widths not a multiple of the kernels' row groups included): one copy, nothing
+    packed beside it, and x W^T of the bf16-rounded weights to fp32 rounding."""
     from nanovllm.kernels import cpu_kernels
     kernels = cpu_kernels.load()
     assert kernels is not None
     calls = []
-    real_gemv = cpu_kernels.linear
-    monkeypatch.setattr(cpu_kernels, "linear", lambda *a: calls.append(1) or real_gemv(*a))
+    real_linear = cpu_kernels.linear
+    monkeypatch.setattr(cpu_kernels, "linear", lambda *a: calls.append(1) or real_linear(*a))
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.qkv = QKVParallelLinear(32, head_size=8, total_num_heads=3, total_num_kv_heads=1, bias=True)  # 40 wide
@@ -129,17 +130,23 @@ def test_one_row_inputs_use_the_c_gemv_on_kept_dense_weights(monkeypatch):
     model.head = ParallelLMHead(101, 32)
     for p in model.parameters():
         p.data.normal_()
-    dense = {name: p.detach().clone() for name, p in model.named_parameters()}
-    process_weights_after_loading(model, LinearKernels(onednn_packing=True, c_kernels=kernels, c_max_rows=1))
-    assert all(m.quant_method.kernel == "packed+c" for m in (model.qkv, model.down, model.head))
-    assert model.qkv.weight.numel() == dense["qkv.weight"].numel()  # kept for the GEMV
-    x, h = torch.randn(1, 32), torch.randn(1, 48)
-    torch.testing.assert_close(model.qkv(x), x @ dense["qkv.weight"].T + dense["qkv.bias"])
-    torch.testing.assert_close(model.down(h), h @ dense["down.weight"].T + dense["down.bias"])
-    torch.testing.assert_close(model.head(x), x @ dense["head.weight"].T)
-    assert len(calls) == 3
-    torch.testing.assert_close(model.qkv(x.expand(2, -1)), (x @ dense["qkv.weight"].T + dense["qkv.bias"]).expand(2, -1))
-    assert len(calls) == 3
+    # the weights rounded to bf16, the biases kept in fp32
+    rounded = {name: (p.detach().to(torch.bfloat16) if name.endswith("weight") else p.detach()).double()
+               for name, p in model.named_parameters()}
+    process_weights_after_loading(model, LinearKernels(c_kernels=kernels, c_weight_dtype=torch.bfloat16))
+    layers = (model.qkv, model.down, model.head)
+    assert all(m.quant_method.kernel == "c" and m.quant_method.c_only for m in layers)
+    assert all(m.weight.dtype == torch.bfloat16 and m.weight.data_ptr() == m.quant_method.c_linear.data
+               and not hasattr(m, "packed_weight") for m in layers)
+    assert describe_linear_methods(model) == "dense bf16: C kernel at every row count"
+    for rows in (1, 3, 16, 17, 33, 70):
+        x, h = torch.randn(rows, 32), torch.randn(rows, 48)
+        want = {"qkv": x.double() @ rounded["qkv.weight"].T + rounded["qkv.bias"],
+                "down": h.double() @ rounded["down.weight"].T + rounded["down.bias"],
+                "head": x.double() @ rounded["head.weight"].T}
+        for name, got in (("qkv", model.qkv(x)), ("down", model.down(h)), ("head", model.head(x))):
+            torch.testing.assert_close(got.double(), want[name], rtol=1e-5, atol=1e-4, msg=f"{name} rows={rows}")
+    assert len(calls) == 3 * 6
 
 
 # ---- attention over the paged cache -----------------------------------------------------------

@@ -25,11 +25,11 @@ def test_greedy_matches_transformers(fixture, request):
     prompts = mixed_prompts()
     ref = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, kvcache_block_size=16, dtype="float32") as llm:
-        # On CPU the projections run on the fp32 weights held once (the C kernels up to
-        # DENSE_MAX_ROWS rows, MKL above; 6 prompts decode in C, their prefill on MKL; oneDNN-packed
+        # On CPU the projections run on the fp32 weights held once (the C kernels at every row
+        # count: 6 prompts decode on the tiles, their prefill on the outer-product path; oneDNN-packed
         # where the C kernels do not build): this parity covers that path.
         layers = linear_layers(llm.model_runner.model)
-        expected = {"dense+c" if cpu_kernels.load() is not None else "packed"} if can_pack_weights(torch.float32) \
+        expected = {"c" if cpu_kernels.load() is not None else "packed"} if can_pack_weights(torch.float32) \
             else {"dense", "transposed"}  # MKL alone
         assert layers and all(m.quant_method.kernel in expected for m in layers)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),

@@ -175,14 +175,14 @@ def test_cpu_weight_processing_matches_f_linear(dtype):
     described = CpuPlatform().process_weights_after_loading(model, dtype)
     if dtype == torch.float32 and cpu_platform.can_pack_weights(dtype):
         # held once, dense: the C kernel wherever the kernels build (oneDNN-packed where they do not)
-        kernel = "dense+c" if cpu_kernels.load() is not None else "packed"
+        kernel = "c" if cpu_kernels.load() is not None else "packed"
         expected = {name: kernel for name in layers}
     else:
         # MKL, transposed where the output is at least as wide as the input
         expected = {"qkv": "transposed", "down": "dense", "head": "transposed"}
     assert {name: m.quant_method.kernel for name, m in layers.items()} == expected
-    if expected["qkv"] == "dense+c":
-        assert described == f"dense fp32: C kernel at <= {cpu_kernels.DENSE_MAX_ROWS} rows, MKL above"
+    if expected["qkv"] == "c":
+        assert described == "dense fp32: C kernel at every row count"
         # one copy: the loaded weight itself, nothing packed beside it
         assert all(m.weight.data_ptr() == m.quant_method.c_linear.data and not hasattr(m, "packed_weight")
                    for m in layers.values())
@@ -190,7 +190,7 @@ def test_cpu_weight_processing_matches_f_linear(dtype):
         names = {"packed": "oneDNN-packed", "transposed": "transposed", "dense": "dense"}
         assert described == ", ".join(sorted({names[kernel] for kernel in expected.values()}))
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-1)
-    for rows in (1, 3, 16, 17, 70):  # both sides of the C kernel's row limit
+    for rows in (1, 3, 16, 17, 33, 70):  # the C kernels' tiles and their outer-product path
         x, h = torch.randn(rows, 32, dtype=dtype), torch.randn(rows, 48, dtype=dtype)
         torch.testing.assert_close(model.qkv(x), F.linear(x, dense["qkv.weight"], dense["qkv.bias"]), **tol)
         torch.testing.assert_close(model.down(h), F.linear(h, dense["down.weight"], dense["down.bias"]), **tol)

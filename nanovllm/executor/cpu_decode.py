@@ -6,12 +6,12 @@ than reading the weights at a few sequences and a good share of the step at more
 Built once after the KV cache exists, from the model's own tensors: each linear layer (and the
 embedding) gives a C view of its weights through its method, or None; norms, the rotary cos/sin
 cache and the caches are read directly. Pointers are laid out in ctypes structures
-(kernels/cpu_kernels.py) that the C side reads every step. Decode steps of at most
-cpu_kernels.MAX_ROWS sequences (DENSE_MAX_ROWS for fp32 weights held once) run each range of
-layers whose weights all have views (and whose MLP is the gated one or a sparse MoE block,
+(kernels/cpu_kernels.py) that the C side reads every step. Decode steps of any batch (of
+cpu_kernels.MAX_ROWS where some layer's weights are read by torch) run each range of layers whose
+weights all have views (and whose MLP is the gated one or a sparse MoE block,
 kernels/cpu_moe.c) as one C call; a layer without them runs its own modules between the C phases.
 Larger decode steps and prefill steps run every layer that way: the matmuls on the layers' own
-methods (MKL or oneDNN), norms, rotary + KV store, attention (decode) and SiLU in C.
+methods, norms, rotary + KV store, attention (decode) and SiLU in C.
 """
 import ctypes
 import logging
@@ -29,7 +29,6 @@ from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedM
 from nanovllm.utils.context import Context
 
 DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
-MOE_MAX_ROWS = 16
 
 logger = logging.getLogger(__name__)
 
@@ -154,23 +153,14 @@ class FusedDecode:
             raise ValueError(f"the C description of {'layer %d' % bad if bad < len(descs) else 'the embedding or head'}"
                              " is not valid")
         self.one_call_layers = sum(in_c)
-        # Every matmul on the C kernels alone (block-quantized weights: no oneDNN path to hand larger
-        # batches to): the step is one C call at every batch size, not only up to MAX_ROWS.
+        # Every matmul on the C kernels alone (block formats, dense fp32 / bf16: no torch path to
+        # hand larger batches to): the step is one C call at every batch size, not only up to MAX_ROWS.
         # (A MoE router or shared-expert gate is a dense [E, H] / [1, H] matrix: too small to matter.)
         methods = [m.quant_method for layer in layers for m in layer.modules()
                    if hasattr(m, "quant_method") and not isinstance(m, ReplicatedLinear)]
         methods += [self.embed.quant_method, self.lm_head.quant_method]
-        # Dense weights read by the C kernels up to their method's row limit (cpu_kernels.MAX_ROWS
-        # beside a packed copy, DENSE_MAX_ROWS for fp32 held once): the one-call step up to the same.
-        dense_rows = [method.c_max_rows for method in methods if getattr(method, "c_max_rows", 0) > 0]
-        if dense_rows:
-            self.max_rows = min(dense_rows)
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
-            self.max_rows = 1 << 30
-        elif self.moes:
-            # The experts run in C at any batch; up to MOE_MAX_ROWS rows the attention's matmuls in
-            # C too (one call) beat them on oneDNN between C phases (docs/performance.md, item 30).
-            self.max_rows = max(self.max_rows, MOE_MAX_ROWS)
+            self.max_rows = cpu_kernels.ALL_ROWS
 
     def can_run(self, num_seqs: int, context: Context) -> bool:
         return context.attn_metadata.seqlens_k is not None

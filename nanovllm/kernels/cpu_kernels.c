@@ -296,11 +296,133 @@ DEFINE_TILE_DISPATCH(run_tile_bf16, tile_dot_bf16, uint16_t)
 /* ---- the weight-type table: one entry per format ---------------------------------------------- */
 static inline const void *row_of(const Linear *m, int64_t r) { return (const char *)m->data + r * m->row_bytes; }
 
+/* ---- dense fp32 / bf16 weights over many input rows (prefill, large decode batches) ------------
+ * The tiles above take a dot product per (weight row, input row): every tile converts its bf16
+ * weights again for each group of input rows, ends in horizontal sums, and reads its inputs from
+ * L2 as often as its weights. From GEMM_MIN_ROWS rows the outputs are computed the other way round,
+ * as outer products (the register blocking of BLAS kernels): the inputs are transposed once per
+ * thread into panels of GEMM_NB rows ([k][GEMM_NB], GEMM_X_ROWS input rows at a time, so a block stays
+ * in L2), each thread's GEMM_MR weight rows are widened to fp32 once per block, and for every k one
+ * weight scalar per row is broadcast against the panel's GEMM_NV vectors: GEMM_MR x GEMM_NV
+ * accumulators, no horizontal sums, one weight conversion per block. Each output is one lane's
+ * running sum over k (the tiles' sums run in VL lanes, then add up): results agree to fp32 rounding.
+ * AVX-512: 8 x 2 zmm accumulators of 16 lanes; AVX2: 6 x 2 ymm (of 16 registers). More weight rows
+ * spill their row pointers from the 16 general registers (12 rows: four stack loads per k, and
+ * 10-20% slower). Below GEMM_MIN_ROWS (one panel) the padded panel wastes more than the tiles lose.
+ * One 3072 x 1024 matrix at 64-128 rows, GMAC/s: bf16 59-70 -> 80-99 (AVX-512), level with oneDNN on
+ * a packed fp32 copy; fp32 MKL 48-77 -> 86-107 (docs/performance.md, item 35). */
+#if defined(__AVX512F__)
+#define GL 16
+#define GEMM_MR 8
+#elif defined(__AVX2__)
+#define GL 8
+#define GEMM_MR 6
+#else
+#define GL 8
+#define GEMM_MR 4
+#endif
+#define GEMM_NV 2
+#define GEMM_NB (GEMM_NV * GL)
+#define GEMM_MIN_ROWS GEMM_NB
+#define GEMM_X_ROWS 128
+typedef float vg __attribute__((vector_size(4 * GL)));
+
+/* out[r][j] = sum_i w[r][i] xt[i][j] for GEMM_MR rows w (fp32, k each) and one panel xt. */
+static inline void gemm_tile(const float *const *w, const float *xt, int64_t k, float (*out)[GEMM_NB]) {
+    vg acc[GEMM_MR][GEMM_NV];
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int v = 0; v < GEMM_NV; v++) acc[r][v] = (vg){0};
+    for (int64_t i = 0; i < k; i++) {
+        vg xv[GEMM_NV];
+        for (int v = 0; v < GEMM_NV; v++) xv[v] = *(const vg *)(xt + i * GEMM_NB + v * GL);
+#pragma GCC unroll 8
+        for (int r = 0; r < GEMM_MR; r++) {
+            const float wi = w[r][i];
+            for (int v = 0; v < GEMM_NV; v++) acc[r][v] += wi * xv[v];
+        }
+    }
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int v = 0; v < GEMM_NV; v++) memcpy(&out[r][v * GL], &acc[r][v], sizeof(vg));
+}
+
+/* Input rows [0, rows) transposed into panels: xt[p][i][j] = x[p * GEMM_NB + j][i], zero past rows. */
+static void gemm_pack_inputs(const float *x, int64_t ldx, int64_t rows, int64_t k, float *xt) {
+    const int64_t panels = (rows + GEMM_NB - 1) / GEMM_NB;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t j = 0; j < GEMM_NB; j++) {
+            float *dst = xt + p * k * GEMM_NB + j;
+            const int64_t b = p * GEMM_NB + j;
+            if (b < rows)
+                for (int64_t i = 0; i < k; i++) dst[i * GEMM_NB] = x[b * ldx + i];
+            else
+                for (int64_t i = 0; i < k; i++) dst[i * GEMM_NB] = 0.0f;
+        }
+}
+
+/* y [rows, n] (row stride ldy) = x W^T (+ m->bias) for a dense f32 / bf16 matrix (bf16: widened
+ * into wbuf, GEMM_MR x k floats). Called inside a parallel region; work-shares its weight rows. */
+static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
+    const int64_t n = m->n, k = m->k, groups = (n + GEMM_MR - 1) / GEMM_MR;
+    /* panels are read as aligned vectors: GEMM_NB floats are a whole number of vectors */
+    float *xt = aligned_alloc(sizeof(vg), sizeof(float) * (size_t)(k * ((GEMM_X_ROWS + GEMM_NB - 1) / GEMM_NB) * GEMM_NB));
+    float *wbuf = bf16 ? malloc(sizeof(float) * (size_t)(GEMM_MR * k)) : NULL;
+    const int ok = xt != NULL && (!bf16 || wbuf != NULL);
+    for (int64_t b0 = 0; b0 < rows; b0 += GEMM_X_ROWS) {
+        const int64_t nb = rows - b0 < GEMM_X_ROWS ? rows - b0 : GEMM_X_ROWS;
+        if (ok) gemm_pack_inputs(x + b0 * ldx, ldx, nb, k, xt);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r0 = g * GEMM_MR, mr = n - r0 < GEMM_MR ? n - r0 : GEMM_MR;
+            if (!ok) { /* no scratch: plain dot products */
+                for (int64_t r = r0; r < r0 + mr; r++) {
+                    const float *wf = bf16 ? NULL : (const float *)row_of(m, r);
+                    const uint16_t *wh = bf16 ? (const uint16_t *)row_of(m, r) : NULL;
+                    for (int64_t b = 0; b < nb; b++) {
+                        float s = m->bias != NULL ? m->bias[r] : 0.0f;
+                        for (int64_t i = 0; i < k; i++) s += (bf16 ? scalar_bf16(wh[i]) : wf[i]) * x[(b0 + b) * ldx + i];
+                        y[(b0 + b) * ldy + r] = s;
+                    }
+                }
+                continue;
+            }
+            const float *w[GEMM_MR];
+            for (int r = 0; r < GEMM_MR; r++) {
+                const int64_t row = r0 + (r < mr ? r : mr - 1); /* a short last group repeats its last row */
+                if (!bf16) {
+                    w[r] = (const float *)row_of(m, row);
+                    continue;
+                }
+                const uint16_t *src = (const uint16_t *)row_of(m, row);
+                float *dst = wbuf + r * k;
+                int64_t i = 0;
+                for (; i + VL <= k; i += VL) store_f32(dst + i, load_bf16(src + i));
+                for (; i < k; i++) dst[i] = scalar_bf16(src[i]);
+                w[r] = dst;
+            }
+            for (int64_t p = 0; p * GEMM_NB < nb; p++) {
+                float out[GEMM_MR][GEMM_NB];
+                gemm_tile(w, xt + p * k * GEMM_NB, k, out);
+                const int64_t cols = nb - p * GEMM_NB < GEMM_NB ? nb - p * GEMM_NB : GEMM_NB;
+                for (int64_t j = 0; j < cols; j++) {
+                    float *yrow = y + (b0 + p * GEMM_NB + j) * ldy + r0;
+                    for (int64_t r = 0; r < mr; r++) yrow[r] = out[r][j] + (m->bias != NULL ? m->bias[r0 + r] : 0.0f);
+                }
+            }
+        }
+    }
+    free(xt);
+    free(wbuf);
+}
+
 /* A format's LinearRows from its tile dot RUN_TILE (the last tile's missing rows repeat its last
  * row): the type is dispatched once per matrix, not per row (an indirect call per 576-weight row
  * cost ~5% of a batch-1 step). */
-#define DEFINE_LINEAR_ROWS(NAME, RUN_TILE, WT)                                                                  \
+#define DEFINE_LINEAR_ROWS(NAME, RUN_TILE, WT, BF16)                                                            \
     static void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {       \
+        if (rows >= GEMM_MIN_ROWS) {                                                                            \
+            gemm_rows(m, BF16, x, ldx, rows, y, ldy);                                                           \
+            return;                                                                                             \
+        }                                                                                                       \
         const int64_t n = m->n, k = m->k;                                                                       \
         _Pragma("omp for schedule(static)") for (int64_t p = 0; p < (n + TILE_W - 1) / TILE_W; p++) {           \
             const WT *w[TILE_W], *wn[TILE_W];                                                                   \
@@ -321,8 +443,8 @@ static inline const void *row_of(const Linear *m, int64_t r) { return (const cha
         }                                                                                                       \
     }
 
-DEFINE_LINEAR_ROWS(linear_rows_f32, run_tile_f32, float)
-DEFINE_LINEAR_ROWS(linear_rows_bf16, run_tile_bf16, uint16_t)
+DEFINE_LINEAR_ROWS(linear_rows_f32, run_tile_f32, float, 0)
+DEFINE_LINEAR_ROWS(linear_rows_bf16, run_tile_bf16, uint16_t, 1)
 
 static void to_f32_f32(const Linear *m, int64_t r, float *out) {
     memcpy(out, row_of(m, r), sizeof(float) * (size_t)m->k);

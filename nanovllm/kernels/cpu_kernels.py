@@ -70,14 +70,13 @@ def build(path: Path) -> None:
             os.unlink(tmp)
 
 
-# Linear inputs of up to this many rows (decode batches of 1-2 sequences) go to the C kernels, as
-# does the one-call decode step; more rows go to oneDNN, which uses the cores better there
-# (docs/performance.md, items 14 and 16). The one crossover of both, where a packed copy is held
-# beside the dense one (bf16 weights).
-MAX_ROWS = 2
-# The same for fp32 weights held once, dense (no packed copy): up to this many rows the C kernels
-# (and the one-call decode step), MKL on the same weights above (docs/performance.md, item 32).
-DENSE_MAX_ROWS = 16
+# The one-call decode step's batch limit where some layer's weights are read by torch (a layer or
+# format without a C view): up to here its dispatch costs more than the other layers' per-layer
+# path saves (docs/performance.md, items 16 and 32).
+MAX_ROWS = 16
+# Methods whose weights only the C kernels read (block formats, dense fp32 / bf16): every row count
+# (dense: kernels/cpu_kernels.c, gemm_rows from GEMM_MIN_ROWS rows; docs/performance.md, item 35).
+ALL_ROWS = 1 << 30
 
 c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

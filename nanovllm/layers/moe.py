@@ -171,7 +171,7 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Dense experts in the model dtype: the C experts kernel on a CPU that has the C kernels
-    (kernels/cpu_moe.c: fp32 weights, or bf16 when the platform holds dense copies so), the Triton
+    (kernels/cpu_moe.c: fp32 weights, or bf16 when the platform holds them so), the Triton
     kernel on CUDA, the grouped torch loop otherwise. One copy of the weights, read by whichever."""
 
     name = "dense experts"
@@ -205,6 +205,10 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             from nanovllm.kernels.fused_moe import fused_experts
             return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids)
         return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids)
+
+    @property
+    def c_only(self) -> bool:
+        return self.c_moe is not None
 
     def c_struct(self, layer: nn.Module):
         return self.c_moe

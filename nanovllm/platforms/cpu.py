@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.quantization import LinearKernels, linear_layers
+from nanovllm.layers.quantization import LinearKernels
 from nanovllm.platforms.interface import Platform
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes
@@ -26,10 +26,6 @@ if TYPE_CHECKING:
 # The default KV budget: a safe share of free RAM (the model and activations need the rest).
 KV_RAM_SHARE = 0.25
 KV_MAX_BYTES = 8 << 30
-# Batch-1 decode reads every weight once; the C GEMV streams dense weights faster than oneDNN's
-# packed one-row path (docs/performance.md, item 14), at the price of holding both forms, so only
-# when the dense copies take at most this share of the available RAM.
-DENSE_COPY_RAM_SHARE = 0.15
 
 
 def threads_per_rank(tp_size: int) -> int:
@@ -43,16 +39,6 @@ def can_pack_weights(dtype: torch.dtype) -> bool:
     (faster than MKL at every batch size measured, docs/performance.md). bf16 stays on MKL (packed
     bf16 was not measured; `auto` picks fp32 on CPUs, item 15)."""
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def dense_copies_fit(model: nn.Module, dense_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the linear weights can stay in RAM twice (dense in dense_dtype for the C kernels,
-    packed for oneDNN): when the dense copies take at most DENSE_COPY_RAM_SHARE of the available
-    memory."""
-    # A tied LM head keeps its dense table for the embedding anyway.
-    dense = sum(layer.output_size * layer.input_size * dense_dtype.itemsize for layer in linear_layers(model)
-                if not getattr(layer, "is_tied", False))
-    return dense <= DENSE_COPY_RAM_SHARE * available_ram_bytes()
 
 
 class CpuPlatform(Platform):
@@ -109,24 +95,19 @@ class CpuPlatform(Platform):
 
     def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
                        weight_dtype: torch.dtype | None = None) -> LinearKernels:
-        """fp32: the weights held once, dense, for the C kernels up to cpu_kernels.DENSE_MAX_ROWS
-        rows and MKL above (oneDNN packing where the kernels do not build). bf16 weights: oneDNN
-        packing (fp32) plus dense bf16 copies for the C kernels up to cpu_kernels.MAX_ROWS rows,
-        when the copies fit and the kernels build; without them bf16 weights stay fp32 (the same
-        values). Otherwise MKL, in the transposed orientation for layers whose output is at least
-        as wide as their input."""
+        """Weights held once, in the form their kernel reads: dense fp32, or dense bf16 for bf16
+        weights, read in place by the C kernels at every row count (docs/performance.md, item 35;
+        an fp32 copy of bf16 weights for oneDNN would triple the bytes a user asked to halve).
+        Without the C kernels: oneDNN packing (bf16 weights then stay fp32, the same values).
+        Otherwise MKL, in the transposed orientation for layers whose output is at least as wide as
+        their input."""
         if not can_pack_weights(dtype):
             return LinearKernels(transposed_when_wide=True)
-        if weight_dtype != torch.bfloat16:
-            kernels = cpu_kernels.load()
-            if kernels is None:
-                return LinearKernels(onednn_packing=True)
-            return LinearKernels(c_kernels=kernels, c_max_rows=cpu_kernels.DENSE_MAX_ROWS)
-        kernels = cpu_kernels.load() if dense_copies_fit(model, torch.bfloat16) else None
+        kernels = cpu_kernels.load()
         if kernels is None:
             return LinearKernels(onednn_packing=True)
-        return LinearKernels(onednn_packing=True, c_kernels=kernels, c_weight_dtype=torch.bfloat16,
-                             c_max_rows=cpu_kernels.MAX_ROWS)
+        return LinearKernels(c_kernels=kernels, c_weight_dtype=torch.bfloat16 if weight_dtype == torch.bfloat16
+                             else torch.float32)
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         return config.cpu_kvcache_bytes

@@ -19,9 +19,8 @@ class LinearKernels:
 
     onednn_packing: bool = False          # fp32 weights reordered once into oneDNN's blocked layout
     transposed_when_wide: bool = False    # MKL: x W^T as (W x^T)^T where output >= input
-    c_kernels: "CpuKernels | None" = None  # the C library (kernels/cpu_kernels.py), for few-row inputs
-    c_weight_dtype: torch.dtype = torch.float32  # how a dense copy for the C kernels is held
-    c_max_rows: int = 0                   # inputs of at most this many rows go to the C kernels
+    c_kernels: "CpuKernels | None" = None  # the C library (kernels/cpu_kernels.py): dense weights read there
+    c_weight_dtype: torch.dtype = torch.float32  # how a dense weight for the C kernels is held
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Dense weights, the format of plain checkpoints: a linear layer's [output, input] matrix and the
 embedding table in the model dtype. After loading, the linear method picks the kernel the machine
 has (LinearKernels): F.linear; MKL in the transposed orientation for wide layers; oneDNN on a
-packed fp32 copy; fp32 weights held once, dense, read by the C kernel for inputs of a few rows and by
-MKL for more; bf16 weights as a dense bf16 copy for the C kernel beside a packed fp32 one."""
+packed fp32 copy (where the C kernels do not build); otherwise fp32 and bf16 weights are held once,
+dense, and read in place by the C kernels at every row count."""
 from typing import Any
 
 import torch
@@ -40,20 +40,21 @@ class UnquantizedLinearMethod(LinearMethodBase):
     """x W^T (+ bias) over the layer's dense weight, with the kernel chosen after loading."""
 
     def __init__(self):
-        self.kernel = "dense"  # dense | transposed | packed | packed+c | dense+c
+        self.kernel = "dense"  # dense | transposed | packed | c
         self.c_kernels: cpu_kernels.CpuKernels | None = None
-        self.c_max_rows = 0
-        self.c_dtype = torch.float32
+        self.c_dtype = "fp32"  # how the C kernel's weight is held (fp32 | bf16)
         self.c_linear = None  # the C kernel's description of the weight (cpu_kernels.Linear)
 
     @property
     def name(self) -> str:
-        if self.kernel == "packed+c":
-            dtype = str(self.c_dtype).removeprefix("torch.")
-            return f"oneDNN-packed fp32 + C kernel at <= {self.c_max_rows} rows ({dtype})"
-        if self.kernel == "dense+c":
-            return f"dense fp32: C kernel at <= {self.c_max_rows} rows, MKL above"
+        if self.kernel == "c":
+            return f"dense {self.c_dtype}: C kernel at every row count"
         return {"dense": "dense", "transposed": "transposed", "packed": "oneDNN-packed"}[self.kernel]
+
+    @property
+    def c_only(self) -> bool:
+        """Only the C kernels read the weight (the one-call decode step may take any batch)."""
+        return self.kernel == "c"
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -63,26 +64,24 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         weight = layer.weight
         n, k = weight.shape
-        if not kernels.onednn_packing and kernels.c_kernels is not None and weight.dtype == torch.float32:
-            # One copy: the C kernel and MKL both read the loaded dense weight (at 64-128 rows MKL on
-            # it is level with oneDNN on a packed copy under AVX2, docs/performance.md item 32).
-            self.kernel, self.c_kernels, self.c_max_rows = "dense+c", kernels.c_kernels, kernels.c_max_rows
+        if kernels.c_kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            # One copy, read in place by the C kernels at every row count: their outer-product path
+            # from one panel of rows up is level with oneDNN on a packed copy and faster than MKL
+            # (docs/performance.md, item 35). bf16 weights are narrowed once. NOTE: a shared weight
+            # (tied embedding table) is narrowed for its other user too; the embedding gives its
+            # rows in the model dtype whatever the table's.
+            if kernels.c_weight_dtype == torch.bfloat16:
+                weight.data = weight.data.to(torch.bfloat16)
+                self.c_dtype = "bf16"
+            self.kernel, self.c_kernels = "c", kernels.c_kernels
             self.c_linear = cpu_kernels.linear_struct(self.c_kernels, self.c_view(layer))
         elif kernels.onednn_packing:
-            # oneDNN reads this copy; the dense one is freed unless the C kernel streams it or
-            # another module (a tied embedding) reads it.
+            # oneDNN reads this copy; the dense one is freed unless another module (a tied
+            # embedding) reads it.
             layer.packed_weight = pack_weight(weight)
-            if kernels.c_kernels is not None:
-                # NOTE: a shared weight (tied embedding table) is narrowed for its other user too;
-                # the embedding gives its rows in the model dtype whatever the table's.
-                weight.data = weight.data.to(kernels.c_weight_dtype)
-                self.kernel, self.c_kernels, self.c_max_rows = "packed+c", kernels.c_kernels, kernels.c_max_rows
-                self.c_dtype = kernels.c_weight_dtype
-                self.c_linear = cpu_kernels.linear_struct(self.c_kernels, self.c_view(layer))
-            else:
-                self.kernel = "packed"
-                if not is_shared:
-                    weight.data = weight.data.new_empty(0)
+            self.kernel = "packed"
+            if not is_shared:
+                weight.data = weight.data.new_empty(0)
         elif kernels.transposed_when_wide and n >= k:
             # MKL runs (W x^T)^T faster for outputs at least as wide as the input and 2-1024 rows
             # (docs/performance.md, "Linear orientation").
@@ -90,9 +89,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = self.kernel
-        if (kernel == "packed+c" or kernel == "dense+c") and x.shape[0] <= self.c_max_rows:
+        if kernel == "c":
             return cpu_kernels.linear(self.c_kernels, self.c_linear, x, bias)
-        if kernel == "packed" or kernel == "packed+c":
+        if kernel == "packed":
             return packed_linear(x, layer.packed_weight, bias)
         if kernel == "transposed":
             y = torch.mm(layer.weight, x.t()).t().contiguous()  # [num_tokens, output_size]
@@ -100,16 +99,17 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
     def c_view(self, layer: nn.Module) -> CWeightView | None:
-        return dense_c_view(layer.weight) if self.kernel in ("packed+c", "dense+c") else None
+        return dense_c_view(layer.weight) if self.kernel == "c" else None
 
     def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
-        return [layer.packed_weight] if self.kernel.startswith("packed") else [layer.weight]
+        return [layer.packed_weight] if self.kernel == "packed" else [layer.weight]
 
 
 class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
-    """The table as loaded (or as a tied LM head's method left it: bf16 for the C kernel)."""
+    """The table as loaded (or as a tied LM head's method left it: bf16 weights narrowed once)."""
 
     name = "dense"
+    c_only = True  # a lookup: no other kernel would serve larger batches faster
 
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
                        params_dtype: torch.dtype) -> None:
