@@ -53,30 +53,32 @@ from transformers import AutoConfig, AutoTokenizer
 from nanovllm import LLM
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
-path, quantization = sys.argv[1], sys.argv[2] or None
+path, quantization, dtype = sys.argv[1], sys.argv[2] or None, sys.argv[3]
 AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)  # transformers' own imports and caches
 base = rss()
-llm = LLM(path, max_num_seqs=4, max_model_len=256, cpu_kvcache_bytes=32 << 20, quantization=quantization)
+llm = LLM(path, max_num_seqs=4, max_model_len=256, cpu_kvcache_bytes=32 << 20, quantization=quantization,
+          dtype=dtype)
 print(json.dumps({"grew": rss() - base, "kv": llm.config.cpu_kvcache_bytes}))
 """
 
 
-def hand_count_bytes(quantization):
+def hand_count_bytes(quantization, dtype="float32"):
     """The bytes the weights take as held, from the shapes: linear matrices (and the untied
-    embedding and LM head) in fp32 or in Q8_0 blocks of 34 bytes per 32, norms in fp32."""
+    embedding and LM head) in fp32, bf16 or in Q8_0 blocks of 34 bytes per 32, norms in fp32."""
     h, i, layers = BODY["hidden_size"], BODY["intermediate_size"], BODY["num_hidden_layers"]
     q, kv = BODY["num_attention_heads"] * BODY["head_dim"], BODY["num_key_value_heads"] * BODY["head_dim"]
     matrices = layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + 2 * VOCAB * h
     norms = layers * (2 * h + 2 * BODY["head_dim"]) + h
-    per_weight = 4 if quantization is None else 34 / 32
+    per_weight = 34 / 32 if quantization is not None else 2 if dtype == "bfloat16" else 4
     return matrices * per_weight + 4 * norms
 
 
-@pytest.mark.parametrize("quantization", [None, "q8_0"])
-def test_rss_after_load_is_the_weights_held_once(tmp_path, quantization):
+@pytest.mark.parametrize("quantization,dtype", [(None, "float32"), (None, "bfloat16"), ("q8_0", "float32")])
+def test_rss_after_load_is_the_weights_held_once(tmp_path, quantization, dtype):
     """A fresh process's RSS grows by the weights as held (a hand count from the shapes), the KV
-    cache and at most MARGIN_MIB when the engine loads: fp32 weights are held once (no packed copy
-    beside the dense one), quantized ones only as their blocks (no fp32 copy left from the load)."""
+    cache and at most MARGIN_MIB when the engine loads: fp32 and bf16 weights are held once (no
+    packed fp32 copy beside the dense one), quantized ones only as their blocks (no fp32 copy left
+    from the load)."""
     import json
     import os
     import subprocess
@@ -84,11 +86,11 @@ def test_rss_after_load_is_the_weights_held_once(tmp_path, quantization):
 
     from helpers import make_qwen3
     path = make_qwen3(str(tmp_path / "body"), vocab_size=VOCAB, tie_word_embeddings=False, **BODY)
-    out = subprocess.run([sys.executable, "-c", MEASURE, path, quantization or ""], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", MEASURE, path, quantization or "", dtype], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    held = hand_count_bytes(quantization)
+    held = hand_count_bytes(quantization, dtype)
     assert got["grew"] <= held + got["kv"] + (MARGIN_MIB << 20), (got, held)
     # and the weights are there: not a test that an unloaded model would pass
     assert got["grew"] >= 0.9 * held, (got, held)

@@ -106,10 +106,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
-    """The table as loaded (or as a tied LM head's method left it: bf16 weights narrowed once)."""
+    """The table as loaded; with bf16 weights on a CPU (LinearKernels.c_weight_dtype) narrowed once,
+    like the linear layers (a tied LM head's method may have done it already)."""
 
     name = "dense"
     c_only = True  # a lookup: no other kernel would serve larger batches faster
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
+        weight = layer.weight
+        if kernels.c_kernels is not None and kernels.c_weight_dtype == torch.bfloat16 and weight.device.type == "cpu":
+            weight.data = weight.data.to(torch.bfloat16)
 
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
                        params_dtype: torch.dtype) -> None:
