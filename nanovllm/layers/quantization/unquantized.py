@@ -64,14 +64,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         weight = layer.weight
         n, k = weight.shape
-        if kernels.c_kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        # (a tied table may already be narrowed by its embedding's method)
+        if kernels.c_kernels is not None and weight.dtype in (torch.float32, kernels.c_weight_dtype) \
+                and weight.device.type == "cpu":
             # One copy, read in place by the C kernels at every row count: their outer-product path
             # from one panel of rows up is level with oneDNN on a packed copy and faster than MKL
             # (docs/performance.md, item 35). bf16 weights are narrowed once. NOTE: a shared weight
             # (tied embedding table) is narrowed for its other user too; the embedding gives its
             # rows in the model dtype whatever the table's.
             if kernels.c_weight_dtype == torch.bfloat16:
-                weight.data = weight.data.to(torch.bfloat16)
+                weight.data = weight.data.to(torch.bfloat16)  # a no-op when already narrowed
                 self.c_dtype = "bf16"
             self.kernel, self.c_kernels = "c", kernels.c_kernels
             self.c_linear = cpu_kernels.linear_struct(self.c_kernels, self.c_view(layer))
