@@ -175,12 +175,12 @@ def check_all(kernels):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4)
     # Dense fp32 / bf16 rows: the weight-row tiles (below one panel of inputs: 16 rows with AVX2, 32
     # with AVX-512) and the outer-product path (from one panel: a last group of weight rows that does
-    # not fill, a last panel that does not fill, two blocks of inputs past 128 rows), a k that is not
+    # not fill, a last panel that does not fill, two blocks of inputs past 256 rows), a k that is not
     # whole vectors.
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(37, 203).to(dtype)
         bias = torch.randn(37)
-        for rows in (1, 3, 4, 5, 9, 15, 16, 17, 31, 32, 33, 70, 140):
+        for rows in (1, 3, 4, 5, 9, 15, 16, 17, 31, 32, 33, 70, 140, 300):
             x = torch.randn(rows, 203)
             view = CWeightView({torch.float32: "f32", torch.bfloat16: "bf16"}[dtype], w, 37, 203, 203 * w.element_size())
             got = cpu_kernels.linear(kernels, cpu_kernels.linear_struct(kernels, view, bias), x, bias)

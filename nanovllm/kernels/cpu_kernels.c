@@ -300,17 +300,19 @@ static inline const void *row_of(const Linear *m, int64_t r) { return (const cha
  * The tiles above take a dot product per (weight row, input row): every tile converts its bf16
  * weights again for each group of input rows, ends in horizontal sums, and reads its inputs from
  * L2 as often as its weights. From GEMM_MIN_ROWS rows the outputs are computed the other way round,
- * as outer products (the register blocking of BLAS kernels): the inputs are transposed once per
- * thread into panels of GEMM_NB rows ([k][GEMM_NB], GEMM_X_ROWS input rows at a time, so a block stays
- * in L2), each thread's GEMM_MR weight rows are widened to fp32 once per block, and for every k one
- * weight scalar per row is broadcast against the panel's GEMM_NV vectors: GEMM_MR x GEMM_NV
- * accumulators, no horizontal sums, one weight conversion per block. Each output is one lane's
- * running sum over k (the tiles' sums run in VL lanes, then add up): results agree to fp32 rounding.
+ * as outer products (the register blocking of BLAS kernels): the team transposes GEMM_X_ROWS input
+ * rows at a time into shared panels of GEMM_NB rows ([k][GEMM_NB]); each thread takes groups of
+ * GEMM_MR weight rows and, per chunk of GEMM_KC columns (bf16: widened into an L1 buffer once per
+ * chunk for every panel of the block), broadcasts one weight scalar per row against each panel's
+ * GEMM_NV vectors: GEMM_MR x GEMM_NV accumulators, no horizontal sums, partial sums kept per panel
+ * across chunks. Each output is one lane's running sum over k (the tiles' sums run in VL lanes,
+ * then add up): results agree to fp32 rounding. 256-row blocks halve the bf16 widening of 128-row
+ * ones (Qwen3-0.6B's matrices at 512 rows: 1.17x -> 1.08x oneDNN's time on a packed fp32 copy).
  * AVX-512: 8 x 2 zmm accumulators of 16 lanes; AVX2: 6 x 2 ymm (of 16 registers). More weight rows
  * spill their row pointers from the 16 general registers (12 rows: four stack loads per k, and
  * 10-20% slower). Below GEMM_MIN_ROWS (one panel) the padded panel wastes more than the tiles lose.
- * One 3072 x 1024 matrix at 64-128 rows, GMAC/s: bf16 59-70 -> 80-99 (AVX-512), level with oneDNN on
- * a packed fp32 copy; fp32 MKL 48-77 -> 86-107 (docs/performance.md, item 35). */
+ * One 3072 x 1024 matrix at 64-128 rows, GMAC/s: bf16 59-70 -> 80-99 (AVX-512), near oneDNN on a
+ * packed fp32 copy; fp32 MKL 48-77 -> 86-107 (docs/performance.md, item 35). */
 #if defined(__AVX512F__)
 #define GL 16
 #define GEMM_MR 8
@@ -324,14 +326,18 @@ static inline const void *row_of(const Linear *m, int64_t r) { return (const cha
 #define GEMM_NV 2
 #define GEMM_NB (GEMM_NV * GL)
 #define GEMM_MIN_ROWS GEMM_NB
-#define GEMM_X_ROWS 128
+#define GEMM_X_ROWS 256 /* a whole number of panels */
+#define GEMM_KC 256
 typedef float vg __attribute__((vector_size(4 * GL)));
 
-/* out[r][j] = sum_i w[r][i] xt[i][j] for GEMM_MR rows w (fp32, k each) and one panel xt. */
-static inline void gemm_tile(const float *const *w, const float *xt, int64_t k, float (*out)[GEMM_NB]) {
+/* out[r][j] (+)= sum_i w[r][i] xt[i][j] for GEMM_MR rows w (fp32, k each) and one panel xt (add: onto out). */
+static inline void gemm_tile(const float *const *w, const float *xt, int64_t k, float (*out)[GEMM_NB], int add) {
     vg acc[GEMM_MR][GEMM_NV];
     for (int r = 0; r < GEMM_MR; r++)
-        for (int v = 0; v < GEMM_NV; v++) acc[r][v] = (vg){0};
+        for (int v = 0; v < GEMM_NV; v++) {
+            acc[r][v] = (vg){0};
+            if (add) memcpy(&acc[r][v], &out[r][v * GL], sizeof(vg));
+        }
     for (int64_t i = 0; i < k; i++) {
         vg xv[GEMM_NV];
         for (int v = 0; v < GEMM_NV; v++) xv[v] = *(const vg *)(xt + i * GEMM_NB + v * GL);
@@ -345,31 +351,37 @@ static inline void gemm_tile(const float *const *w, const float *xt, int64_t k, 
         for (int v = 0; v < GEMM_NV; v++) memcpy(&out[r][v * GL], &acc[r][v], sizeof(vg));
 }
 
-/* Input rows [0, rows) transposed into panels: xt[p][i][j] = x[p * GEMM_NB + j][i], zero past rows. */
+/* Input rows [0, rows) transposed into panels, xt[p][i][j] = x[p * GEMM_NB + j][i] (zero past rows),
+ * shared by the team: each thread writes its share of the panels' columns. */
 static void gemm_pack_inputs(const float *x, int64_t ldx, int64_t rows, int64_t k, float *xt) {
-    const int64_t panels = (rows + GEMM_NB - 1) / GEMM_NB;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t j = 0; j < GEMM_NB; j++) {
-            float *dst = xt + p * k * GEMM_NB + j;
-            const int64_t b = p * GEMM_NB + j;
-            if (b < rows)
-                for (int64_t i = 0; i < k; i++) dst[i * GEMM_NB] = x[b * ldx + i];
-            else
-                for (int64_t i = 0; i < k; i++) dst[i * GEMM_NB] = 0.0f;
-        }
+    const int64_t columns = (rows + GEMM_NB - 1) / GEMM_NB * GEMM_NB;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < columns; b++) {
+        float *dst = xt + (b / GEMM_NB) * k * GEMM_NB + b % GEMM_NB;
+        if (b < rows)
+            for (int64_t i = 0; i < k; i++) dst[i * GEMM_NB] = x[b * ldx + i];
+        else
+            for (int64_t i = 0; i < k; i++) dst[i * GEMM_NB] = 0.0f;
+    }
 }
 
 /* y [rows, n] (row stride ldy) = x W^T (+ m->bias) for a dense f32 / bf16 matrix (bf16: widened
- * into wbuf, GEMM_MR x k floats). Called inside a parallel region; work-shares its weight rows. */
+ * into wbuf, GEMM_MR x GEMM_KC floats). Called by every thread of a team (or outside one):
+ * work-shares the packing and its weight rows, and ends in a barrier like the tiles. */
 static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
     const int64_t n = m->n, k = m->k, groups = (n + GEMM_MR - 1) / GEMM_MR;
-    /* panels are read as aligned vectors: GEMM_NB floats are a whole number of vectors */
-    float *xt = aligned_alloc(sizeof(vg), sizeof(float) * (size_t)(k * ((GEMM_X_ROWS + GEMM_NB - 1) / GEMM_NB) * GEMM_NB));
-    float *wbuf = bf16 ? malloc(sizeof(float) * (size_t)(GEMM_MR * k)) : NULL;
+    /* one panel buffer for the team (panels are read as aligned vectors: GEMM_NB floats are a
+     * whole number of them); the weight chunk buffer per thread */
+    float *xt;
+#pragma omp single copyprivate(xt)
+    xt = aligned_alloc(sizeof(vg), sizeof(float) * (size_t)(k * GEMM_X_ROWS));
+    float *wbuf = bf16 ? malloc(sizeof(float) * GEMM_MR * GEMM_KC) : NULL;
     const int ok = xt != NULL && (!bf16 || wbuf != NULL);
+    /* NOTE: the worksharing loops end in barriers: a block's panels are whole before any thread
+     * reads them, and read by all before the next block overwrites them */
     for (int64_t b0 = 0; b0 < rows; b0 += GEMM_X_ROWS) {
         const int64_t nb = rows - b0 < GEMM_X_ROWS ? rows - b0 : GEMM_X_ROWS;
-        if (ok) gemm_pack_inputs(x + b0 * ldx, ldx, nb, k, xt);
+        if (xt != NULL) gemm_pack_inputs(x + b0 * ldx, ldx, nb, k, xt);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t r0 = g * GEMM_MR, mr = n - r0 < GEMM_MR ? n - r0 : GEMM_MR;
@@ -385,33 +397,44 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
                 }
                 continue;
             }
-            const float *w[GEMM_MR];
-            for (int r = 0; r < GEMM_MR; r++) {
-                const int64_t row = r0 + (r < mr ? r : mr - 1); /* a short last group repeats its last row */
-                if (!bf16) {
-                    w[r] = (const float *)row_of(m, row);
-                    continue;
+            /* k in chunks of GEMM_KC: a bf16 chunk widened into wbuf stays in L1 for every panel */
+            float out[GEMM_X_ROWS / GEMM_NB][GEMM_MR][GEMM_NB];
+            const int64_t panels = (nb + GEMM_NB - 1) / GEMM_NB;
+            for (int64_t kc = 0; kc < k; kc += GEMM_KC) {
+                const int64_t kl = k - kc < GEMM_KC ? k - kc : GEMM_KC;
+                const float *w[GEMM_MR];
+                for (int r = 0; r < GEMM_MR; r++) {
+                    const int64_t row = r0 + (r < mr ? r : mr - 1); /* a short last group repeats its last row */
+                    if (!bf16) {
+                        w[r] = (const float *)row_of(m, row) + kc;
+                        continue;
+                    }
+                    const uint16_t *src = (const uint16_t *)row_of(m, row) + kc;
+                    float *dst = wbuf + r * GEMM_KC;
+                    int64_t i = 0;
+#ifdef __AVX512F__
+                    for (; i + 16 <= kl; i += 16)
+                        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                                         _mm256_loadu_si256((const __m256i *)(src + i))), 16));
+#endif
+                    for (; i + VL <= kl; i += VL) store_f32(dst + i, load_bf16(src + i));
+                    for (; i < kl; i++) dst[i] = scalar_bf16(src[i]);
+                    w[r] = dst;
                 }
-                const uint16_t *src = (const uint16_t *)row_of(m, row);
-                float *dst = wbuf + r * k;
-                int64_t i = 0;
-                for (; i + VL <= k; i += VL) store_f32(dst + i, load_bf16(src + i));
-                for (; i < k; i++) dst[i] = scalar_bf16(src[i]);
-                w[r] = dst;
+                for (int64_t p = 0; p < panels; p++) gemm_tile(w, xt + (p * k + kc) * GEMM_NB, kl, out[p], kc > 0);
             }
-            for (int64_t p = 0; p * GEMM_NB < nb; p++) {
-                float out[GEMM_MR][GEMM_NB];
-                gemm_tile(w, xt + p * k * GEMM_NB, k, out);
+            for (int64_t p = 0; p < panels; p++) {
                 const int64_t cols = nb - p * GEMM_NB < GEMM_NB ? nb - p * GEMM_NB : GEMM_NB;
                 for (int64_t j = 0; j < cols; j++) {
                     float *yrow = y + (b0 + p * GEMM_NB + j) * ldy + r0;
-                    for (int64_t r = 0; r < mr; r++) yrow[r] = out[r][j] + (m->bias != NULL ? m->bias[r0 + r] : 0.0f);
+                    for (int64_t r = 0; r < mr; r++) yrow[r] = out[p][r][j] + (m->bias != NULL ? m->bias[r0 + r] : 0.0f);
                 }
             }
         }
     }
-    free(xt);
     free(wbuf);
+#pragma omp single
+    free(xt);
 }
 
 /* A format's LinearRows from its tile dot RUN_TILE (the last tile's missing rows repeat its last
