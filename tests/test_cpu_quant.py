@@ -186,6 +186,10 @@ def check_all(kernels):
             got = cpu_kernels.linear(kernels, cpu_kernels.linear_struct(kernels, view, bias), x, bias)
             want = x.double() @ w.double().T + bias.double()
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-4, err_msg=f"{dtype} rows={rows}")
+        # and the rows as embedding lookups read them: exactly the table's values, k not whole vectors
+        view = CWeightView({torch.float32: "f32", torch.bfloat16: "bf16"}[dtype], w, 37, 203, 203 * w.element_size())
+        ids = torch.tensor([36, 0, 17])
+        assert torch.equal(cpu_kernels.rows_to_f32(kernels, cpu_kernels.linear_struct(kernels, view), ids), w[ids].float())
 
 
 @pytest.fixture(scope="module")

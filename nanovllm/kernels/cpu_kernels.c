@@ -47,6 +47,18 @@ static inline vf load_bf16(const uint16_t *p) {
 #endif
 }
 
+/* dst[0..n) = the bf16 values src[0..n) as fp32 (exact: bf16 is the top half of an fp32). */
+static void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_si512(dst + i,
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
+#endif
+    for (; i + VL <= n; i += VL) store_f32(dst + i, load_bf16(src + i));
+    for (; i < n; i++) dst[i] = scalar_bf16(src[i]);
+}
+
 /* The 8 sums of a[0..8), one per lane (lane i: the sum of a[i]'s lanes). */
 static inline vf reduce8(const vf a[8]) {
 #if defined(__AVX2__) && VL == 8
@@ -409,16 +421,8 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
                         w[r] = (const float *)row_of(m, row) + kc;
                         continue;
                     }
-                    const uint16_t *src = (const uint16_t *)row_of(m, row) + kc;
                     float *dst = wbuf + r * GEMM_KC;
-                    int64_t i = 0;
-#ifdef __AVX512F__
-                    for (; i + 16 <= kl; i += 16)
-                        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                                         _mm256_loadu_si256((const __m256i *)(src + i))), 16));
-#endif
-                    for (; i + VL <= kl; i += VL) store_f32(dst + i, load_bf16(src + i));
-                    for (; i < kl; i++) dst[i] = scalar_bf16(src[i]);
+                    widen_bf16((const uint16_t *)row_of(m, row) + kc, kl, dst);
                     w[r] = dst;
                 }
                 for (int64_t p = 0; p < panels; p++) gemm_tile(w, xt + (p * k + kc) * GEMM_NB, kl, out[p], kc > 0);
@@ -474,8 +478,7 @@ static void to_f32_f32(const Linear *m, int64_t r, float *out) {
 }
 
 static void to_f32_bf16(const Linear *m, int64_t r, float *out) {
-    const uint16_t *row = (const uint16_t *)row_of(m, r);
-    for (int64_t i = 0; i < m->k; i++) out[i] = scalar_bf16(row[i]);
+    widen_bf16((const uint16_t *)row_of(m, r), m->k, out);
 }
 
 /* Names are GGUF's type names in lower case; block sizes and bytes are ggml's (cpu_quant.c). */
