@@ -1415,8 +1415,13 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
 #endif
 
 /* An interleaved format's LinearRows: the inputs quantized in groups of GROUP (X16: also kept in
- * int16), then each thread takes its share of the 8-row groups (W = 16: of the pairs of groups, a
- * last odd group on its own), QROWS input rows per pass. */
+ * int16), then each thread takes its share of the 8-row groups (W = 16 and at least MIN16 input
+ * rows: of the pairs of groups, a last odd group on its own), QROWS input rows per pass.
+ * MIN16: the zmm pairs read two groups' streams at once, which on a Zen 4 core (zmm as two 256-bit
+ * halves) streams weights from memory slower than one group at a time (30 SmolLM2 layers of random
+ * weights, 2 threads, one row: Q4_0 3.73 ms in pairs against 2.04 ms in single groups, Q8_0 5.09
+ * against 4.07); from a few rows on the pairs' arithmetic wins (Q4_0 at 64 rows: 37.8 against 42.9
+ * ms). docs/performance.md item 36. */
 #define X8_PASS(NAME, W, grp, gb, b0, dot)                                                                   \
     switch ((rows - b0 < QROWS ? rows - b0 : QROWS) + (one ? QROWS : 0)) {                                   \
     case 1: NAME(grp, gb, &q, b0, 1, 2, dot); break;                                                         \
@@ -1428,7 +1433,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
     case 7: NAME(grp, gb, &q, b0, 3, 1, dot); break;                                                         \
     default: NAME(grp, gb, &q, b0, 4, 1, dot); break;                                                        \
     }
-#define DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, W, DOT16_CALL)                                      \
+#define DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, W, DOT16_CALL, MIN16)                                \
     static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *grp, int64_t gb, const QuantRows *q, \
                                                                 int64_t b0, const int NB, const int P,           \
                                                                 float out[QROWS][IL]) {                          \
@@ -1448,12 +1453,13 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
-        const int64_t groups = m->n / IL, units = W == 16 ? (groups + 1) / 2 : groups;                           \
+        const int pairs = W == 16 && rows >= (MIN16);                                                            \
+        const int64_t groups = m->n / IL, units = pairs ? (groups + 1) / 2 : groups;                             \
         const int64_t gb = IL * m->row_bytes;                                                                    \
         _Pragma("omp for schedule(static)") for (int64_t u = 0; u < units; u++) {                                \
-            const int64_t g = W == 16 ? 2 * u : u;                                                               \
+            const int64_t g = pairs ? 2 * u : u;                                                                 \
             const uint8_t *grp = group_of(m, g);                                                                 \
-            const int wide = W == 16 && g + 1 < groups, width = wide ? 2 * IL : IL;                              \
+            const int wide = pairs && g + 1 < groups, width = wide ? 2 * IL : IL;                                \
             for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
                 const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
                 float dot[QROWS][2 * IL], dot8[QROWS][IL];                                                       \
@@ -1469,10 +1475,10 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
             }                                                                                                    \
         }                                                                                                        \
     }
-#define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL) DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, 8, (void)0)
+#define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL) DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, 8, (void)0, 0)
 #if QUANT_VNNI512
 #define DEFINE_X16_LINEAR_ROWS(NAME, FMT) \
-    DEFINE_X8_LINEAR_ROWS_W(NAME, 32, 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out), 16, dot_fmt32x16(FMT, grp, gb, q, b0, NB, P, out))
+    DEFINE_X8_LINEAR_ROWS_W(NAME, 32, 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out), 16, dot_fmt32x16(FMT, grp, gb, q, b0, NB, P, out), 8)
 #else
 #define DEFINE_X16_LINEAR_ROWS(NAME, FMT) DEFINE_X8_LINEAR_ROWS(NAME, 32, FMT == FMT_Q8_0 ? Q8_0_X16 : 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out))
 #endif
@@ -1483,8 +1489,8 @@ DEFINE_X16_LINEAR_ROWS(linear_rows_q4_1x8, FMT_Q4_1)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_0x8, FMT_Q5_0)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_1x8, FMT_Q5_1)
 #if QUANT_VNNI512
-DEFINE_X8_LINEAR_ROWS_W(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out), 16, dot_q4_kx16(grp, gb, q, b0, NB, P, out))
-DEFINE_X8_LINEAR_ROWS_W(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out), 16, dot_q6_kx16(grp, gb, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS_W(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out), 16, dot_q4_kx16(grp, gb, q, b0, NB, P, out), 4)
+DEFINE_X8_LINEAR_ROWS_W(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out), 16, dot_q6_kx16(grp, gb, q, b0, NB, P, out), 1)
 #else
 DEFINE_X8_LINEAR_ROWS(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out))
 DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out))
