@@ -1012,10 +1012,14 @@ void to_f32_q6_k(const Linear *m, int64_t r, float *out) {
  *          row (row r at 4 r): low nibbles values 64 (u / 8) + 4 (u % 8) + 0..3 (sub-block
  *          2 (u / 8)), high nibbles the same + 32 (sub-block 2 (u / 8) + 1).
  *   q6_kx8 (1680 bytes): d[8] (fp16), the 16 int8 scales (scale j of row r at 8 j + r), then per
- *          sub-block j of 16 values two low-bits units, byte e of row r holding value 16 j + 8 p
- *          + e in its low nibble and 16 j + 8 p + 4 + e in its high one (p = 0, 1), then 16
- *          high-bits units, byte e of unit j holding the top 2 bits of values 16 j + 4 c + e at
- *          bits 2c. */
+ *          sub-block j of 16 values 96 bytes: two low-bits units, byte e of row r holding value
+ *          16 j + 8 p + e in its low nibble and 16 j + 8 p + 4 + e in its high one (p = 0, 1),
+ *          then the high-bits unit, byte e of row r holding the top 2 bits of values 16 j + 4 c + e
+ *          at bits 2c. A sub-block's bytes are adjacent, so the kernels read the super-block in
+ *          one forward stream: with the high bits in a region of their own after the low bits
+ *          (two streams, restarting every super-block), one Q6_K row of Qwen3's LM head (151,936 x
+ *          1024) streamed from memory at ~15 GB/s against ~30-40 for Q4_0 and Q8_0 (at ~60 all
+ *          three when in cache). */
 #define Q4K_X8 (IL * 144)
 #define Q6K_X8 (IL * 210)
 
@@ -1053,26 +1057,26 @@ static void kx8_block(int q6, int to_x8, uint8_t *plain, uint8_t *x8, int lane) 
         uint8_t *a = plain + 192 + j, *s = x8 + 16 + 8 * j + lane;
         *(to_x8 ? s : a) = *(to_x8 ? a : s);
     }
-    uint8_t *ql = x8 + 144, *qh = x8 + 144 + 1024;
+    uint8_t *ql = x8 + 144, *qh = x8 + 144 + 64; /* sub-block j's units at 96 j */
     int32_t v[256];
     if (to_x8) {
         q6k_values(plain, v);
         for (int j = 0; j < 16; j++)
             for (int e = 0; e < 4; e++) {
                 for (int p = 0; p < 2; p++)
-                    ql[32 * (2 * j + p) + 4 * lane + e] =
+                    ql[96 * j + 32 * p + 4 * lane + e] =
                         (uint8_t)((v[16 * j + 8 * p + e] & 0x0F) | ((v[16 * j + 8 * p + 4 + e] & 0x0F) << 4));
                 uint8_t bits = 0;
                 for (int c = 0; c < 4; c++) bits |= (uint8_t)((v[16 * j + 4 * c + e] >> 4) << (2 * c));
-                qh[32 * j + 4 * lane + e] = bits;
+                qh[96 * j + 4 * lane + e] = bits;
             }
         return;
     }
     for (int j = 0; j < 16; j++)
         for (int e = 0; e < 4; e++) {
-            const uint8_t bits = qh[32 * j + 4 * lane + e];
+            const uint8_t bits = qh[96 * j + 4 * lane + e];
             for (int p = 0; p < 2; p++) {
-                const uint8_t lo = ql[32 * (2 * j + p) + 4 * lane + e];
+                const uint8_t lo = ql[96 * j + 32 * p + 4 * lane + e];
                 v[16 * j + 8 * p + e] = (lo & 0x0F) | (((bits >> (2 * (2 * p))) & 3) << 4);
                 v[16 * j + 8 * p + 4 + e] = (lo >> 4) | (((bits >> (2 * (2 * p + 1))) & 3) << 4);
             }
@@ -1237,7 +1241,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < supers; i++) {
-        const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *ql = blk + 144, *qh = blk + 144 + 1024;
+        const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *units = blk + 144;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
 #if QUANT_VNNI
         __m256 sub[QROWS];
@@ -1249,7 +1253,8 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
         int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
         for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
         for (int j = 0; j < 16; j++) {
-            const __m256i h = load_i8(qh + 32 * j), u0 = load_i8(ql + 64 * j), u1 = load_i8(ql + 64 * j + 32);
+            const uint8_t *sub_block = units + 96 * j;
+            const __m256i u0 = load_i8(sub_block), u1 = load_i8(sub_block + 32), h = load_i8(sub_block + 64);
             /* the 4 chunks of sub-block j: values 16 j + 4 c + 0..3 of each row (the high bits masked
              * after the 16-bit shifts, so no bit crosses into the next byte) */
             __m256i w[4];
@@ -1390,8 +1395,8 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
         int two[QROWS];
         for (int b = 0; b < NB; b++) sub[b] = _mm512_setzero_ps(), two[b] = P == 2 && in.two[b][i];
         for (int j = 0; j < 16; j++) {
-            const __m512i h = load_pair(ba + 1168 + 32 * j, bb + 1168 + 32 * j);
-            const __m512i u0 = load_pair(ba + 144 + 64 * j, bb + 144 + 64 * j), u1 = load_pair(ba + 176 + 64 * j, bb + 176 + 64 * j);
+            const uint8_t *sa = ba + 144 + 96 * j, *sb = bb + 144 + 96 * j;
+            const __m512i u0 = load_pair(sa, sb), u1 = load_pair(sa + 32, sb + 32), h = load_pair(sa + 64, sb + 64);
             __m512i w[4];
             w[0] = _mm512_or_si512(_mm512_and_si512(u0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
             w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(u0, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
@@ -1415,13 +1420,15 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
 #endif
 
 /* An interleaved format's LinearRows: the inputs quantized in groups of GROUP (X16: also kept in
- * int16), then each thread takes its share of the 8-row groups (W = 16 and at least MIN16 input
- * rows: of the pairs of groups, a last odd group on its own), QROWS input rows per pass.
- * MIN16: the zmm pairs read two groups' streams at once, which on a Zen 4 core (zmm as two 256-bit
- * halves) streams weights from memory slower than one group at a time (30 SmolLM2 layers of random
- * weights, 2 threads, one row: Q4_0 3.73 ms in pairs against 2.04 ms in single groups, Q8_0 5.09
- * against 4.07); from a few rows on the pairs' arithmetic wins (Q4_0 at 64 rows: 37.8 against 42.9
- * ms). docs/performance.md item 36. */
+ * int16), then each thread takes its share of the 8-row groups (W = 16 and at least X16_MIN_ROWS
+ * input rows: of the pairs of groups, a last odd group on its own), QROWS input rows per pass.
+ * X16_MIN_ROWS: a pair is read as two forward streams, which a Zen 4 core (zmm as two 256-bit
+ * halves) fetches from memory slower than one group's single stream; at a few rows, bound by
+ * those bytes, single groups win (one row of a 151,936 x 1024 matrix, 2 threads: Q4_K 2.2 against
+ * 5.1 ms, Q6_K 3.8-4.3 against 7.2-8.4; 30 SmolLM2 layers of Q4_0: 2.0 against 3.7 ms), and from
+ * 8 rows on the pairs' arithmetic does (Q6_K at 16 rows 20 against 25 ms, Q4_0 at 64 rows 38
+ * against 43). docs/performance.md item 36. */
+#define X16_MIN_ROWS 8
 #define X8_PASS(NAME, W, grp, gb, b0, dot)                                                                   \
     switch ((rows - b0 < QROWS ? rows - b0 : QROWS) + (one ? QROWS : 0)) {                                   \
     case 1: NAME(grp, gb, &q, b0, 1, 2, dot); break;                                                         \
@@ -1433,7 +1440,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
     case 7: NAME(grp, gb, &q, b0, 3, 1, dot); break;                                                         \
     default: NAME(grp, gb, &q, b0, 4, 1, dot); break;                                                        \
     }
-#define DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, W, DOT16_CALL, MIN16)                                \
+#define DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, W, DOT16_CALL)                                       \
     static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *grp, int64_t gb, const QuantRows *q, \
                                                                 int64_t b0, const int NB, const int P,           \
                                                                 float out[QROWS][IL]) {                          \
@@ -1453,7 +1460,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
-        const int pairs = W == 16 && rows >= (MIN16);                                                            \
+        const int pairs = W == 16 && rows >= X16_MIN_ROWS;                                                          \
         const int64_t groups = m->n / IL, units = pairs ? (groups + 1) / 2 : groups;                             \
         const int64_t gb = IL * m->row_bytes;                                                                    \
         _Pragma("omp for schedule(static)") for (int64_t u = 0; u < units; u++) {                                \
@@ -1475,10 +1482,10 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
             }                                                                                                    \
         }                                                                                                        \
     }
-#define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL) DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, 8, (void)0, 0)
+#define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL) DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, 8, (void)0)
 #if QUANT_VNNI512
 #define DEFINE_X16_LINEAR_ROWS(NAME, FMT) \
-    DEFINE_X8_LINEAR_ROWS_W(NAME, 32, 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out), 16, dot_fmt32x16(FMT, grp, gb, q, b0, NB, P, out), 8)
+    DEFINE_X8_LINEAR_ROWS_W(NAME, 32, 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out), 16, dot_fmt32x16(FMT, grp, gb, q, b0, NB, P, out))
 #else
 #define DEFINE_X16_LINEAR_ROWS(NAME, FMT) DEFINE_X8_LINEAR_ROWS(NAME, 32, FMT == FMT_Q8_0 ? Q8_0_X16 : 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out))
 #endif
@@ -1489,8 +1496,8 @@ DEFINE_X16_LINEAR_ROWS(linear_rows_q4_1x8, FMT_Q4_1)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_0x8, FMT_Q5_0)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_1x8, FMT_Q5_1)
 #if QUANT_VNNI512
-DEFINE_X8_LINEAR_ROWS_W(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out), 16, dot_q4_kx16(grp, gb, q, b0, NB, P, out), 4)
-DEFINE_X8_LINEAR_ROWS_W(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out), 16, dot_q6_kx16(grp, gb, q, b0, NB, P, out), 1)
+DEFINE_X8_LINEAR_ROWS_W(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out), 16, dot_q4_kx16(grp, gb, q, b0, NB, P, out))
+DEFINE_X8_LINEAR_ROWS_W(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out), 16, dot_q6_kx16(grp, gb, q, b0, NB, P, out))
 #else
 DEFINE_X8_LINEAR_ROWS(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out))
 DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out))
