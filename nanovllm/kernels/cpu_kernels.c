@@ -262,25 +262,30 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 #else
 #define TILE_W 2
 #endif
+/* Up to ONE_STREAM_ROWS input rows the tile is one weight row wide: each thread then reads its rows
+ * as one forward stream, which the memory system serves faster than TILE_W interleaved ones (30
+ * SmolLM2 layers of fp32, 424 MB, one input row, 2 threads, AMD EPYC: 18-26 -> 15-29 ms native,
+ * 22-23 -> 15-17 ms AVX2; level at 4 rows; docs/performance.md item 36). */
+#define ONE_STREAM_ROWS 2
 #define DEFINE_TILE_DOT(NAME, WT, LOADV, LOADS)                                                                  \
     static inline __attribute__((always_inline)) void NAME(const WT *const *w, const WT *const *wn, const float *x, \
-                                                           int64_t ldx, int64_t k, const int NB,                 \
+                                                           int64_t ldx, int64_t k, const int NB, const int TW,   \
                                                            float (*d)[STREAM_ROWS]) {                            \
         vf a[TILE_W][STREAM_ROWS];                                                                               \
-        for (int r = 0; r < TILE_W; r++)                                                                         \
+        for (int r = 0; r < TW; r++)                                                                             \
             for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                      \
         int64_t i = 0;                                                                                           \
         for (; i + VL <= k; i += VL) {                                                                           \
             vf v[TILE_W];                                                                                        \
             if ((i * (int64_t)sizeof(WT)) % 64 == 0)                                                             \
-                for (int r = 0; r < TILE_W; r++) __builtin_prefetch(wn[r] + i);                                  \
-            for (int r = 0; r < TILE_W; r++) v[r] = LOADV(w[r] + i);                                             \
+                for (int r = 0; r < TW; r++) __builtin_prefetch(wn[r] + i);                                      \
+            for (int r = 0; r < TW; r++) v[r] = LOADV(w[r] + i);                                                 \
             for (int b = 0; b < NB; b++) {                                                                       \
                 const vf xv = load_f32(x + b * ldx + i);                                                         \
-                for (int r = 0; r < TILE_W; r++) a[r][b] += v[r] * xv;                                           \
+                for (int r = 0; r < TW; r++) a[r][b] += v[r] * xv;                                               \
             }                                                                                                    \
         }                                                                                                        \
-        for (int r = 0; r < TILE_W; r++)                                                                         \
+        for (int r = 0; r < TW; r++)                                                                             \
             for (int b = 0; b < NB; b++) {                                                                       \
                 float s = hsum(a[r][b]);                                                                         \
                 for (int64_t j = i; j < k; j++) s += LOADS(w[r][j]) * x[b * ldx + j];                            \
@@ -292,13 +297,18 @@ DEFINE_TILE_DOT(tile_dot_f32, float, load_f32, IDENTITY)
 DEFINE_TILE_DOT(tile_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 
 #define DEFINE_TILE_DISPATCH(NAME, DOT, WT)                                                                      \
-    static void NAME(const WT *const *w, const WT *const *wn, const float *x, int64_t ldx, int64_t k, int nb,     \
-                     float (*d)[STREAM_ROWS]) {                                                                  \
+    static void NAME(const WT *const *w, const WT *const *wn, const float *x, int64_t ldx, int64_t k, int nb,    \
+                     int tw, float (*d)[STREAM_ROWS]) {                                                          \
+        if (tw == 1) {                                                                                           \
+            if (nb == 1) DOT(w, wn, x, ldx, k, 1, 1, d);                                                         \
+            else DOT(w, wn, x, ldx, k, 2, 1, d);                                                                 \
+            return;                                                                                              \
+        }                                                                                                        \
         switch (nb) {                                                                                            \
-        case 1: DOT(w, wn, x, ldx, k, 1, d); return;                                                             \
-        case 2: DOT(w, wn, x, ldx, k, 2, d); return;                                                             \
-        case 3: DOT(w, wn, x, ldx, k, 3, d); return;                                                             \
-        default: DOT(w, wn, x, ldx, k, 4, d); return;                                                            \
+        case 1: DOT(w, wn, x, ldx, k, 1, TILE_W, d); return;                                                     \
+        case 2: DOT(w, wn, x, ldx, k, 2, TILE_W, d); return;                                                     \
+        case 3: DOT(w, wn, x, ldx, k, 3, TILE_W, d); return;                                                     \
+        default: DOT(w, wn, x, ldx, k, 4, TILE_W, d); return;                                                    \
         }                                                                                                        \
     }
 
@@ -444,30 +454,31 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
 /* A format's LinearRows from its tile dot RUN_TILE (the last tile's missing rows repeat its last
  * row): the type is dispatched once per matrix, not per row (an indirect call per 576-weight row
  * cost ~5% of a batch-1 step). */
-#define DEFINE_LINEAR_ROWS(NAME, RUN_TILE, WT, BF16)                                                            \
-    static void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {       \
-        if (rows >= GEMM_MIN_ROWS) {                                                                            \
-            gemm_rows(m, BF16, x, ldx, rows, y, ldy);                                                           \
-            return;                                                                                             \
-        }                                                                                                       \
-        const int64_t n = m->n, k = m->k;                                                                       \
-        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < (n + TILE_W - 1) / TILE_W; p++) {           \
-            const WT *w[TILE_W], *wn[TILE_W];                                                                   \
-            int64_t r[TILE_W];                                                                                  \
-            for (int t = 0; t < TILE_W; t++) {                                                                  \
-                r[t] = p * TILE_W + t < n ? p * TILE_W + t : n - 1;                                             \
-                w[t] = (const WT *)row_of(m, r[t]);                                                             \
-                wn[t] = (const WT *)row_of(m, r[t] + TILE_W < n ? r[t] + TILE_W : n - 1);                       \
-            }                                                                                                   \
-            for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {                                                \
-                const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;                        \
-                float d[TILE_W][STREAM_ROWS];                                                                   \
-                RUN_TILE(w, wn, x + b0 * ldx, ldx, k, nb, d);                                                   \
-                for (int t = 0; t < TILE_W; t++)                                                                \
-                    for (int b = 0; b < nb; b++)                                                                \
-                        y[(b0 + b) * ldy + r[t]] = d[t][b] + (m->bias != NULL ? m->bias[r[t]] : 0.0f);         \
-            }                                                                                                   \
-        }                                                                                                       \
+#define DEFINE_LINEAR_ROWS(NAME, RUN_TILE, WT, BF16)                                                             \
+    static void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {        \
+        if (rows >= GEMM_MIN_ROWS) {                                                                             \
+            gemm_rows(m, BF16, x, ldx, rows, y, ldy);                                                            \
+            return;                                                                                              \
+        }                                                                                                        \
+        const int64_t n = m->n, k = m->k;                                                                        \
+        const int tw = rows <= ONE_STREAM_ROWS ? 1 : TILE_W; /* the tile's width: 1 only while nb <= 2 */        \
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < (n + tw - 1) / tw; p++) {                    \
+            const WT *w[TILE_W], *wn[TILE_W];                                                                    \
+            int64_t r[TILE_W];                                                                                   \
+            for (int t = 0; t < tw; t++) {                                                                       \
+                r[t] = p * tw + t < n ? p * tw + t : n - 1;                                                      \
+                w[t] = (const WT *)row_of(m, r[t]);                                                              \
+                wn[t] = (const WT *)row_of(m, r[t] + tw < n ? r[t] + tw : n - 1);                                \
+            }                                                                                                    \
+            for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {                                                 \
+                const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;                         \
+                float d[TILE_W][STREAM_ROWS];                                                                    \
+                RUN_TILE(w, wn, x + b0 * ldx, ldx, k, nb, tw, d);                                                \
+                for (int t = 0; t < tw; t++)                                                                     \
+                    for (int b = 0; b < nb; b++)                                                                 \
+                        y[(b0 + b) * ldy + r[t]] = d[t][b] + (m->bias != NULL ? m->bias[r[t]] : 0.0f);           \
+            }                                                                                                    \
+        }                                                                                                        \
     }
 
 DEFINE_LINEAR_ROWS(linear_rows_f32, run_tile_f32, float, 0)
