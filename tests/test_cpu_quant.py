@@ -114,7 +114,7 @@ def check_all(kernels):
         x8_name, x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(raw), k)
         raw_x8 = x8.numpy()
         assert x8_name == f"{name}x8" and x8.shape == raw.shape and not torch.equal(x8, torch.from_numpy(raw))
-        for rows in (1, 3, 6, 18):
+        for rows in (1, 3, 6, 18):  # single 8-row groups below X16_MIN_ROWS (8), pairs of them from it
             x = rng.standard_normal((rows, k)).astype(np.float32)
             got = c_linear(kernels, x8_name, x8.numpy(), k, x)
             want = quantized_inputs(x, group) @ dequantized(name, raw, k).T
@@ -173,14 +173,14 @@ def check_all(kernels):
     xin = quantized_inputs(x, 256)
     want = np.concatenate([xin @ dequantized("q4_k", q, k).T, xin @ dequantized("q6_k", v, k).T], 1) + bias.numpy()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4)
-    # Dense fp32 / bf16 rows: the weight-row tiles (below one panel of inputs: 16 rows with AVX2, 32
-    # with AVX-512) and the outer-product path (from one panel: a last group of weight rows that does
+    # Dense fp32 / bf16 rows: the weight-row tiles (one weight row wide at 1-2 input rows, TILE_W
+    # from 3; below one panel of inputs: 16 rows with AVX2, 32 with AVX-512) and the outer-product path (from one panel: a last group of weight rows that does
     # not fill, a last panel that does not fill, two blocks of inputs past 256 rows), a k that is not
     # whole vectors.
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(37, 203).to(dtype)
         bias = torch.randn(37)
-        for rows in (1, 3, 4, 5, 9, 15, 16, 17, 31, 32, 33, 70, 140, 300):
+        for rows in (1, 2, 3, 4, 5, 9, 15, 16, 17, 31, 32, 33, 70, 140, 300):
             x = torch.randn(rows, 203)
             view = CWeightView({torch.float32: "f32", torch.bfloat16: "bf16"}[dtype], w, 37, 203, 203 * w.element_size())
             got = cpu_kernels.linear(kernels, cpu_kernels.linear_struct(kernels, view, bias), x, bias)

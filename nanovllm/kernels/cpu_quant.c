@@ -1440,7 +1440,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
     case 7: NAME(grp, gb, &q, b0, 3, 1, dot); break;                                                         \
     default: NAME(grp, gb, &q, b0, 4, 1, dot); break;                                                        \
     }
-#define DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, W, DOT16_CALL)                                       \
+#define DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, W, DOT16_CALL)                                      \
     static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *grp, int64_t gb, const QuantRows *q, \
                                                                 int64_t b0, const int NB, const int P,           \
                                                                 float out[QROWS][IL]) {                          \
@@ -1460,7 +1460,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
-        const int pairs = W == 16 && rows >= X16_MIN_ROWS;                                                          \
+        const int pairs = W == 16 && rows >= X16_MIN_ROWS;                                                       \
         const int64_t groups = m->n / IL, units = pairs ? (groups + 1) / 2 : groups;                             \
         const int64_t gb = IL * m->row_bytes;                                                                    \
         _Pragma("omp for schedule(static)") for (int64_t u = 0; u < units; u++) {                                \
