@@ -148,8 +148,11 @@ def check_all(kernels):
         np.testing.assert_array_equal(c_linear(kernels, x8_name, x8.numpy(), k, x, input_planes=1),
                                       exact.astype(np.float64), err_msg=f"{x8_name} 1 plane")
         # input_planes=0 (the default): each group rounded to int8 or to 14 bits as it needs, the
-        # interleaved kernels taking the low plane's products of the loud groups only
-        k = 512 if group == 256 else 256
+        # interleaved kernels taking the low plane's products of the loud groups only (33 blocks of
+        # 32: the 32-weight tile reads the groups' flags 32 at a time, then the one left)
+        k = 512 if group == 256 else 32 * 33
+        raw = random_weights(name, 40, k, rng)
+        raw_x8 = cpu_kernels.interleaved(kernels, name, torch.from_numpy(raw), k)[1].numpy()
         x = with_outliers(rng, 17, k, group)
         loud = loud_groups(x, group)
         assert 0.2 < loud.mean() < 0.8

@@ -104,6 +104,8 @@ typedef struct {
     const int32_t *sums;   /* [rows][k / 16]: sum of each 16 consecutive X */
     const int16_t *x16;    /* [rows][k]: X itself, or NULL (asked for by the Q8_0 kernel where Q8_0_X16) */
     const uint8_t *two;    /* [rows][k / group]: 0 where the group's lo is all zeros (X = 127 hi) */
+    const float *dh;       /* [rows][k / group]: 127 d, the high plane's scale */
+    const float *ds;       /* [rows][k / group]: d (sum of the group's X), the group's sum as a value */
     int64_t k, group;
 } QuantRows;
 
@@ -160,6 +162,18 @@ static void *shared_buffer;
 static size_t shared_capacity;
 static int shared_failed;
 
+/* Row r's per-group scales for the kernels that scale a group's two planes separately: 127 d (the
+ * high plane's) and d S, S the group's X-sum (what a weight offset or min multiplies). */
+static void group_scales(int64_t r, int64_t groups, int64_t group, const float *d, const int32_t *sums, float *dh,
+                         float *ds) {
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t s = 0;
+        for (int64_t j = 0; j < group / 16; j++) s += sums[r * (groups * group / 16) + g * (group / 16) + j];
+        dh[r * groups + g] = 127.0f * d[r * groups + g];
+        ds[r * groups + g] = d[r * groups + g] * (float)s;
+    }
+}
+
 /* x [rows, k] (row stride ldx) quantized in groups of `group` values (k a multiple of group and
  * of 16); with_x16 (vector builds only) also keeps X in int16. mode (PLANES_AUTO, 1 or 2): a group
  * of one plane has each value rounded to an int8 hi = round(127 x / max|x|) (llama.cpp's Q8 inputs)
@@ -170,7 +184,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
                          int mode, QuantRows *q) {
     const int64_t groups = k / group, sixteens = k / 16;
     with_x16 = with_x16 && QUANT_SIMD;
-    const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + sizeof(float) * (size_t)groups +
+    const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + 3 * sizeof(float) * (size_t)groups +
                                         sizeof(int32_t) * (size_t)sixteens + (size_t)groups) + 64;
     const int shared = rows >= SHARED_ROWS && omp_in_parallel() && omp_get_num_threads() > 1;
     void *buffer;
@@ -204,6 +218,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     int16_t *x16 = with_x16 ? (int16_t *)(sums + rows * sixteens) : NULL;
     int8_t *hi = (int8_t *)(sums + rows * sixteens) + (with_x16 ? 2 * rows * k : 0), *lo = hi + rows * k;
     uint8_t *two = (uint8_t *)(lo + rows * k);
+    float *dh = (float *)(((uintptr_t)(two + rows * groups) + 3) & ~(uintptr_t)3), *ds = dh + rows * groups;
 #if QUANT_SIMD
     /* The same integers as the plain loop below, 8 values at a time (prefill quantizes ~10^4 values
      * per row and layer, which the plain loop made a sixth of the matmuls' time): x inv rounded to
@@ -261,11 +276,12 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             const __m256i a = planes(widen8(h), widen8(l)), b = planes(widen8(h + 8), widen8(l + 8));
             sums[r * sixteens + s] = hsum_epi32(_mm256_add_epi32(a, b));
         }
+        group_scales(r, groups, group, d, sums, dh, ds);
     }
     if (shared) {
 #pragma omp barrier
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, two, k, group};
+    *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group};
     return 0;
 #else
     for (int64_t r = r0; r < r1; r++) {
@@ -300,11 +316,12 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
             for (int i = 0; i < 16; i++) sum += 127 * hi[r * k + s * 16 + i] + lo[r * k + s * 16 + i];
             sums[r * sixteens + s] = sum;
         }
+        group_scales(r, groups, group, d, sums, dh, ds);
     }
     if (shared) {
 #pragma omp barrier
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, two, k, group};
+    *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group};
     return 0;
 #endif
 }
@@ -391,7 +408,7 @@ static inline void block32_values(Fmt32 f, const uint8_t *blk, int32_t q[32]) {
  * the divisions behind them cost more than a block's dot product). */
 typedef struct {
     const int8_t *hi[QROWS], *lo[QROWS];
-    const float *d[QROWS];
+    const float *d[QROWS], *dh[QROWS], *ds[QROWS];
     const int32_t *sums[QROWS];
     const int16_t *x16[QROWS];
     const uint8_t *two[QROWS];
@@ -407,6 +424,8 @@ static inline __attribute__((always_inline)) InputRows input_rows(const QuantRow
         in.sums[b] = q->sums + (b0 + b) * sixteens;
         in.x16[b] = q->x16 != NULL ? q->x16 + (b0 + b) * q->k : NULL;
         in.two[b] = q->two + (b0 + b) * groups;
+        in.dh[b] = q->dh + (b0 + b) * groups;
+        in.ds[b] = q->ds + (b0 + b) * groups;
     }
     return in;
 }
@@ -566,6 +585,109 @@ static inline __m256i bcast4(const int8_t *p) {
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
+
+/* Chunk c (0..3) of an interleaved 4- or 5-bit block's values (at `values`: the fifth bits' words,
+ * then the nibbles): wl the 8 rows' values 4c..4c+3, wh 16 + 4c... */
+static inline __attribute__((always_inline)) void nib_chunk(const int five, const uint8_t *values, int c, __m256i *wl,
+                                                           __m256i *wh) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), v = load_i8(values + (five ? 4 * IL : 0) + 32 * c);
+    *wl = _mm256_and_si256(v, m4), *wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (five) {
+        const __m256i hbits = load_i8(values), one = _mm256_set1_epi32(0x01010101);
+        *wl = _mm256_or_si256(*wl, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
+        *wh = _mm256_or_si256(*wh, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
+    }
+}
+
+/* Bit j: flag j of two[0 .. n) (n <= 32) is set. */
+static inline uint32_t flag_bits(const uint8_t *two, int64_t n) {
+    if (n == 32) return ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8(two), _mm256_setzero_si256()));
+    uint32_t bits = 0;
+    for (int64_t j = 0; j < n; j++) bits |= (uint32_t)(two[j] != 0) << j;
+    return bits;
+}
+
+/* The 4- and 5-bit formats' interleaved tile: out[b][r] = row 8 g + r . input row b0 + b, b < NB.
+ * Per block the high plane's products of every row, summed in int16 (vpmaddubsw; without VNNI) and
+ * scaled by the input's precomputed 127 d; the weights' offset or min against the input's d S.
+ * The low plane's products, needed by the few loud groups only, come after the blocks, for the set
+ * bits of each row's flags: no branch in the block loop, and the unpacked weights of a block serve
+ * all NB rows (performance.md item 37). */
+static inline __attribute__((always_inline)) void dot_nib32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
+                                                             int64_t b0, const int NB, const int P,
+                                                             float out[QROWS][IL]) {
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1, vo = fmt_scales_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *blk = grp + i * bytes;
+        __m256i sum[QROWS];
+#if !QUANT_VNNI
+        __m256i t[QROWS]; /* int16 pair sums: <= 8 x 2 x 15 x 127 = 30,480 (4-bit); 5-bit: 4 of 7,874 */
+#endif
+        for (int b = 0; b < NB; b++) sum[b] = _mm256_setzero_si256();
+        /* chunks 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
+        const int run = QUANT_VNNI || !five ? 4 : 2;
+        for (int c0 = 0; c0 < 4; c0 += run) {
+#if !QUANT_VNNI
+            for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
+#endif
+            /* NOTE: unrolled, GCC unpacked all four chunks first and spilled them (16 ymm registers) */
+#pragma GCC unroll 1
+            for (int c = c0; c < c0 + run; c++) {
+                __m256i wl, wh;
+                nib_chunk(five, blk + vo, c, &wl, &wh);
+                for (int b = 0; b < NB; b++) {
+                    const int8_t *xh = in.hi[b] + i * 32;
+#if QUANT_VNNI
+                    sum[b] = dot_acc(dot_acc(sum[b], wl, bcast4(xh + 4 * c)), wh, bcast4(xh + 16 + 4 * c));
+#else
+                    t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(wl, bcast4(xh + 4 * c)),
+                                                                   _mm256_maddubs_epi16(wh, bcast4(xh + 16 + 4 * c))));
+#endif
+                }
+            }
+#if !QUANT_VNNI
+            for (int b = 0; b < NB; b++) sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t[b], _mm256_set1_epi16(1)));
+#endif
+        }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 e8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
+                                         : _mm256_mul_ps(d8, _mm256_set1_ps(-(float)fmt_offset(f)));
+        for (int b = 0; b < NB; b++) {
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.dh[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
+            acc[b] = _mm256_fmadd_ps(e8, _mm256_set1_ps(in.ds[b][i]), acc[b]);
+        }
+    }
+    if (P == 2)
+        for (int b = 0; b < NB; b++)
+            for (int64_t i0 = 0; i0 < blocks; i0 += 32)
+                for (uint32_t bits = flag_bits(in.two[b] + i0, blocks - i0 < 32 ? blocks - i0 : 32); bits; bits &= bits - 1) {
+                    const int64_t i = i0 + __builtin_ctz(bits);
+                    const uint8_t *blk = grp + i * bytes;
+                    const int8_t *xl = in.lo[b] + i * 32;
+                    __m256i sum = _mm256_setzero_si256();
+                    for (int c = 0; c < 4; c++) {
+                        __m256i wl, wh;
+                        nib_chunk(five, blk + vo, c, &wl, &wh);
+#if QUANT_VNNI
+                        sum = dot_acc(dot_acc(sum, wl, bcast4(xl + 4 * c)), wh, bcast4(xl + 16 + 4 * c));
+#else
+                        /* int16: <= 8 x 2 x 31 x 63 = 31,248 */
+                        sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(wl, bcast4(xl + 4 * c)),
+                                                                     _mm256_maddubs_epi16(wh, bcast4(xl + 16 + 4 * c))));
+#endif
+                    }
+#if !QUANT_VNNI
+                    sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+#endif
+                    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+                    acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum), acc[b]);
+                }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
 #endif
 
 /* acc[b] (lane r: weight row 8 g + r) += group g . input row b0 + b, b < NB. */
@@ -576,9 +698,12 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
     const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
 #if QUANT_SIMD
+    if (f != FMT_Q8_0) {
+        dot_nib32x8(f, grp, q, b0, NB, P, out);
+        return;
+    }
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
@@ -586,6 +711,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         __m256i sum[QROWS], sum_lo[QROWS];
         int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
         for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm256_setzero_si256(), two[b] = P == 2 && in.two[b][i];
+        (void)two; /* (the int16 path multiplies X itself) */
         /* whole: sum holds w . X, not the planes' two sums */
         const int whole = f == FMT_Q8_0 && Q8_0_X16;
         int offset = fmt_offset(f);
@@ -628,65 +754,12 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
             /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
             for (int b = 0; b < NB; b++) sum[b] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[b], sum_lo[b]), 0xD8);
 #endif
-        } else {
-            const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
-            const __m256i hbits = five ? load_i8(values) : _mm256_setzero_si256();
-            const uint8_t *nib = values + (five ? 4 * IL : 0);
-            /* the 4 chunks' values: wl[c] 4c..4c+3 of each row, wh[c] 16 + 4c.. */
-            __m256i wl[4], wh[4];
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = load_i8(nib + 32 * c);
-                wl[c] = _mm256_and_si256(v, m4), wh[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (five) {
-                    const __m256i one = _mm256_set1_epi32(0x01010101);
-                    wl[c] = _mm256_or_si256(wl[c], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
-                    wh[c] = _mm256_or_si256(wh[c], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
-                }
-            }
-            /* every row's high plane, then the low plane of the rows whose group has one */
-            for (int b = 0; b < NB; b++) {
-                const int8_t *xh = in.hi[b] + i * 32;
-#if QUANT_VNNI
-                for (int c = 0; c < 4; c++) sum[b] = dot_acc(dot_acc(sum[b], wl[c], bcast4(xh + 4 * c)), wh[c], bcast4(xh + 16 + 4 * c));
-#else
-                /* Without VNNI: the vpmaddubsw pair sums summed in int16 across chunks, one vpmaddwd
-                 * after them. A pair sum is at most 2 x 15 x 127 = 3,810 (4-bit weights, hi plane),
-                 * 2 x 31 x 127 = 7,874 (5-bit) or 2 x 31 x 63 = 3,906 (lo plane): eight, four and
-                 * eight of them fit int16, so the 5-bit hi plane is widened every two chunks. */
-                __m256i t = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) {
-                    t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(wl[c], bcast4(xh + 4 * c)),
-                                                             _mm256_maddubs_epi16(wh[c], bcast4(xh + 16 + 4 * c))));
-                    if (c == 3 || (five && c == 1)) {
-                        sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
-                        t = _mm256_setzero_si256();
-                    }
-                }
-#endif
-            }
-            for (int b = 0; b < NB; b++) {
-                if (!two[b]) continue;
-                const int8_t *xl = in.lo[b] + i * 32;
-#if QUANT_VNNI
-                for (int c = 0; c < 4; c++) sum_lo[b] = dot_acc(dot_acc(sum_lo[b], wl[c], bcast4(xl + 4 * c)), wh[c], bcast4(xl + 16 + 4 * c));
-#else
-                __m256i t = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++)
-                    t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(wl[c], bcast4(xl + 4 * c)),
-                                                             _mm256_maddubs_epi16(wh[c], bcast4(xl + 16 + 4 * c))));
-                sum_lo[b] = _mm256_madd_epi16(t, _mm256_set1_epi16(1));
-#endif
-            }
         }
-        const __m256 m8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
-                                         : _mm256_setzero_ps();
         for (int b = 0; b < NB; b++) {
             const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
-            const float dx = in.d[b][i];
             if (!whole) sum[b] = planes(sum[b], sum_lo[b]);
             if (offset) sum[b] = _mm256_sub_epi32(sum[b], _mm256_set1_epi32(offset * s32));
-            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sum[b]), acc[b]);
-            if (fmt_has_min(f)) acc[b] = _mm256_fmadd_ps(m8, _mm256_set1_ps(dx * (float)s32), acc[b]);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
         }
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
