@@ -586,18 +586,32 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Chunk c (0..3) of an interleaved 4- or 5-bit block's values (at `values`: the fifth bits' words,
- * then the nibbles): wl the 8 rows' values 4c..4c+3, wh 16 + 4c... */
-static inline __attribute__((always_inline)) void nib_chunk(const int five, const uint8_t *values, int c, __m256i *wl,
-                                                           __m256i *wh) {
+/* Units 2c and 2c + 1 (c = 0..3) of an interleaved 32-weight block whose values start at `values`:
+ * each the 8 rows' 4 values that one broadcast 4-value input chunk multiplies, as unsigned bytes.
+ * 4/5-bit: the low and the high nibbles (values 4c.. and 16 + 4c..), with their fifth bits; Q8_0
+ * (VNNI only: vpdpbusd does not saturate): chunks 2c and 2c + 1 plus 128 (values 8c.., 8c + 4..).
+ * *xa, *xb: where their input chunks start in the block. */
+static inline __attribute__((always_inline)) void units_x8(Fmt32 f, const uint8_t *values, int c, __m256i *a,
+                                                          __m256i *b, int *xa, int *xb) {
+    if (f == FMT_Q8_0) {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        *a = _mm256_xor_si256(load_i8(values + 64 * c), flip), *b = _mm256_xor_si256(load_i8(values + 64 * c + 32), flip);
+        *xa = 8 * c, *xb = 8 * c + 4;
+        return;
+    }
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
     const __m256i m4 = _mm256_set1_epi8(0x0F), v = load_i8(values + (five ? 4 * IL : 0) + 32 * c);
-    *wl = _mm256_and_si256(v, m4), *wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    *a = _mm256_and_si256(v, m4), *b = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     if (five) {
         const __m256i hbits = load_i8(values), one = _mm256_set1_epi32(0x01010101);
-        *wl = _mm256_or_si256(*wl, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
-        *wh = _mm256_or_si256(*wh, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
+        *a = _mm256_or_si256(*a, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
+        *b = _mm256_or_si256(*b, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
     }
+    *xa = 4 * c, *xb = 16 + 4 * c;
 }
+
+/* What the unsigned units hold above the weights' values (Q4_0's 8, Q5_0's 16, Q8_0's 128). */
+static inline int units_offset(Fmt32 f) { return f == FMT_Q8_0 ? 128 : fmt_offset(f); }
 
 /* Bit j: flag j of two[0 .. n) (n <= 32) is set. */
 static inline uint32_t flag_bits(const uint8_t *two, int64_t n) {
@@ -607,15 +621,15 @@ static inline uint32_t flag_bits(const uint8_t *two, int64_t n) {
     return bits;
 }
 
-/* The 4- and 5-bit formats' interleaved tile: out[b][r] = row 8 g + r . input row b0 + b, b < NB.
- * Per block the high plane's products of every row, summed in int16 (vpmaddubsw; without VNNI) and
- * scaled by the input's precomputed 127 d; the weights' offset or min against the input's d S.
- * The low plane's products, needed by the few loud groups only, come after the blocks, for the set
- * bits of each row's flags: no branch in the block loop, and the unpacked weights of a block serve
- * all NB rows (performance.md item 37). */
-static inline __attribute__((always_inline)) void dot_nib32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
-                                                             int64_t b0, const int NB, const int P,
-                                                             float out[QROWS][IL]) {
+/* The interleaved 32-weight tile (4/5-bit formats; Q8_0 with VNNI): out[b][r] = row 8 g + r . input
+ * row b0 + b, b < NB. Per block the high plane's products of every row (without VNNI: vpmaddubsw
+ * pair sums added in int16), scaled by the input's precomputed 127 d; the weights' offset or min
+ * against the input's d S. The low plane's products, needed by the few loud groups only, come after
+ * the blocks, for the set bits of each row's flags: no branch in the block loop, and the unpacked
+ * units of a block serve all NB rows (performance.md item 37). */
+static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
+                                                               int64_t b0, const int NB, const int P,
+                                                               float out[QROWS][IL]) {
     const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
     const int five = f == FMT_Q5_0 || f == FMT_Q5_1, vo = fmt_scales_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
@@ -628,24 +642,25 @@ static inline __attribute__((always_inline)) void dot_nib32x8(Fmt32 f, const uin
         __m256i t[QROWS]; /* int16 pair sums: <= 8 x 2 x 15 x 127 = 30,480 (4-bit); 5-bit: 4 of 7,874 */
 #endif
         for (int b = 0; b < NB; b++) sum[b] = _mm256_setzero_si256();
-        /* chunks 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
+        /* unit pairs 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
         const int run = QUANT_VNNI || !five ? 4 : 2;
         for (int c0 = 0; c0 < 4; c0 += run) {
 #if !QUANT_VNNI
             for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
 #endif
-            /* NOTE: unrolled, GCC unpacked all four chunks first and spilled them (16 ymm registers) */
+            /* NOTE: unrolled, GCC unpacked all units first and spilled them (16 ymm registers) */
 #pragma GCC unroll 1
             for (int c = c0; c < c0 + run; c++) {
-                __m256i wl, wh;
-                nib_chunk(five, blk + vo, c, &wl, &wh);
+                __m256i ua, ub;
+                int xa, xb;
+                units_x8(f, blk + vo, c, &ua, &ub, &xa, &xb);
                 for (int b = 0; b < NB; b++) {
                     const int8_t *xh = in.hi[b] + i * 32;
 #if QUANT_VNNI
-                    sum[b] = dot_acc(dot_acc(sum[b], wl, bcast4(xh + 4 * c)), wh, bcast4(xh + 16 + 4 * c));
+                    sum[b] = dot_acc(dot_acc(sum[b], ua, bcast4(xh + xa)), ub, bcast4(xh + xb));
 #else
-                    t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(wl, bcast4(xh + 4 * c)),
-                                                                   _mm256_maddubs_epi16(wh, bcast4(xh + 16 + 4 * c))));
+                    t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(xh + xa)),
+                                                                   _mm256_maddubs_epi16(ub, bcast4(xh + xb))));
 #endif
                 }
             }
@@ -655,7 +670,7 @@ static inline __attribute__((always_inline)) void dot_nib32x8(Fmt32 f, const uin
         }
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 e8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
-                                         : _mm256_mul_ps(d8, _mm256_set1_ps(-(float)fmt_offset(f)));
+                                         : _mm256_mul_ps(d8, _mm256_set1_ps(-(float)units_offset(f)));
         for (int b = 0; b < NB; b++) {
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.dh[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
             acc[b] = _mm256_fmadd_ps(e8, _mm256_set1_ps(in.ds[b][i]), acc[b]);
@@ -670,14 +685,15 @@ static inline __attribute__((always_inline)) void dot_nib32x8(Fmt32 f, const uin
                     const int8_t *xl = in.lo[b] + i * 32;
                     __m256i sum = _mm256_setzero_si256();
                     for (int c = 0; c < 4; c++) {
-                        __m256i wl, wh;
-                        nib_chunk(five, blk + vo, c, &wl, &wh);
+                        __m256i ua, ub;
+                        int xa, xb;
+                        units_x8(f, blk + vo, c, &ua, &ub, &xa, &xb);
 #if QUANT_VNNI
-                        sum = dot_acc(dot_acc(sum, wl, bcast4(xl + 4 * c)), wh, bcast4(xl + 16 + 4 * c));
+                        sum = dot_acc(dot_acc(sum, ua, bcast4(xl + xa)), ub, bcast4(xl + xb));
 #else
                         /* int16: <= 8 x 2 x 31 x 63 = 31,248 */
-                        sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(wl, bcast4(xl + 4 * c)),
-                                                                     _mm256_maddubs_epi16(wh, bcast4(xl + 16 + 4 * c))));
+                        sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(xl + xa)),
+                                                                     _mm256_maddubs_epi16(ub, bcast4(xl + xb))));
 #endif
                     }
 #if !QUANT_VNNI
@@ -698,68 +714,39 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
     const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
 #if QUANT_SIMD
-    if (f != FMT_Q8_0) {
-        dot_nib32x8(f, grp, q, b0, NB, P, out);
+    if (QUANT_VNNI || f != FMT_Q8_0) {
+        dot_units32x8(f, grp, q, b0, NB, P, out);
         return;
     }
+    /* Q8_0 without VNNI: the weights widened to int16 (once for all NB rows) and multiplied with X
+     * itself by vpmaddwd, 16 products per instruction (vpmaddubsw would saturate on Q8_0's range).
+     * Lane pairs of w03 hold rows 0-3 (values 4c..4c+1 and 4c+2..4c+3), of w47 rows 4-7;
+     * |sum| <= 32 x 128 x 16129 < 2^31. */
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
-        const uint8_t *blk = grp + i * bytes;
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const uint8_t *values = blk + fmt_scales_bytes(f);
-        __m256i sum[QROWS], sum_lo[QROWS];
-        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
-        for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm256_setzero_si256(), two[b] = P == 2 && in.two[b][i];
-        (void)two; /* (the int16 path multiplies X itself) */
-        /* whole: sum holds w . X, not the planes' two sums */
-        const int whole = f == FMT_Q8_0 && Q8_0_X16;
-        int offset = fmt_offset(f);
-        if (f == FMT_Q8_0) {
-            /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
-             * on the stack (the AVX2 build has 16 vector registers): 1.8x slower at 64 rows */
-#if !QUANT_VNNI
+        const uint8_t *blk = grp + i * bytes, *values = blk + fmt_scales_bytes(f);
+        __m256i s03[QROWS], s47[QROWS];
+        for (int b = 0; b < NB; b++) s03[b] = s47[b] = _mm256_setzero_si256();
+        /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
+         * on the stack (the AVX2 build has 16 vector registers): 1.8x slower at 64 rows */
 #pragma GCC unroll 4
-#endif
-            for (int c = 0; c < 8; c++) {
-#if QUANT_VNNI
-                /* w + 128 as unsigned (no saturation in vpdpbusd); 128 S comes off below */
-                const __m256i u = _mm256_xor_si256(load_i8(values + 32 * c), _mm256_set1_epi8((char)0x80));
-                for (int b = 0; b < NB; b++) sum[b] = dot_acc(sum[b], u, bcast4(in.hi[b] + i * 32 + 4 * c));
-#else
-                /* Without VNNI: the weights widened to int16 (once for all NB rows) and multiplied with
-                 * X itself by vpmaddwd, 16 products per instruction, where the two int8 planes took
-                 * vpsignb + vpmaddubsw + vpmaddwd per plane for 32. Lane pairs of pa hold rows 0-3
-                 * (values 4c..4c+1 and 4c+2..4c+3), of pb rows 4-7; |sum| <= 32 x 128 x 16129 < 2^31. */
-                const __m256i w03 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c)));
-                const __m256i w47 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c + 16)));
-                for (int b = 0; b < NB; b++) {
-                    long long x4;
-                    memcpy(&x4, in.x16[b] + i * 32 + 4 * c, sizeof x4);
-                    const __m256i xv = _mm256_set1_epi64x(x4);
-                    sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(w03, xv));
-                    sum_lo[b] = _mm256_add_epi32(sum_lo[b], _mm256_madd_epi16(w47, xv));
-                }
-#endif
+        for (int c = 0; c < 8; c++) {
+            const __m256i w03 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c)));
+            const __m256i w47 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c + 16)));
+            for (int b = 0; b < NB; b++) {
+                long long x4;
+                memcpy(&x4, in.x16[b] + i * 32 + 4 * c, sizeof x4);
+                const __m256i xv = _mm256_set1_epi64x(x4);
+                s03[b] = _mm256_add_epi32(s03[b], _mm256_madd_epi16(w03, xv));
+                s47[b] = _mm256_add_epi32(s47[b], _mm256_madd_epi16(w47, xv));
             }
-#if QUANT_VNNI
-            /* the low plane, for the rows whose group has one (the weights reread from L1) */
-            for (int b = 0; b < NB; b++)
-                if (two[b])
-                    for (int c = 0; c < 8; c++)
-                        sum_lo[b] = dot_acc(sum_lo[b], _mm256_xor_si256(load_i8(values + 32 * c), _mm256_set1_epi8((char)0x80)),
-                                            bcast4(in.lo[b] + i * 32 + 4 * c));
-            offset = 128;
-#else
-            /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
-            for (int b = 0; b < NB; b++) sum[b] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[b], sum_lo[b]), 0xD8);
-#endif
         }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         for (int b = 0; b < NB; b++) {
-            const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
-            if (!whole) sum[b] = planes(sum[b], sum_lo[b]);
-            if (offset) sum[b] = _mm256_sub_epi32(sum[b], _mm256_set1_epi32(offset * s32));
-            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
+            /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
+            const __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s03[b], s47[b]), 0xD8);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum), acc[b]);
         }
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
@@ -799,75 +786,78 @@ static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(load_i8(a)), load_i8(b), 1);
 }
 
+/* The 8 fp16 at a and 8 at b as 16 floats (a's first). */
+static inline __m512 halfs_x16(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)b), _mm_loadu_si128((const __m128i *)a)));
+}
+
+/* units_x8 for two 8-row groups at once: their blocks' values at a and b, lanes 0-7 group a's rows. */
+static inline __attribute__((always_inline)) void units_x16(Fmt32 f, const uint8_t *a, const uint8_t *b, int c,
+                                                           __m512i *ua, __m512i *ub, int *xa, int *xb) {
+    if (f == FMT_Q8_0) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        *ua = _mm512_xor_si512(load_pair(a + 64 * c, b + 64 * c), flip);
+        *ub = _mm512_xor_si512(load_pair(a + 64 * c + 32, b + 64 * c + 32), flip);
+        *xa = 8 * c, *xb = 8 * c + 4;
+        return;
+    }
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1, no = five ? 4 * IL : 0;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), v = load_pair(a + no + 32 * c, b + no + 32 * c);
+    *ua = _mm512_and_si512(v, m4), *ub = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (five) {
+        const __m512i hbits = load_pair(a, b), one = _mm512_set1_epi32(0x01010101);
+        *ua = _mm512_or_si512(*ua, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hbits, c), one), 4));
+        *ub = _mm512_or_si512(*ub, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hbits, c + 4), one), 4));
+    }
+    *xa = 4 * c, *xb = 16 + 4 * c;
+}
+
 /* out[b][r] = row 16 h + r . input row b0 + b (r < 16, b < NB), rows 16 h .. 16 h + 16 being the 8-row
- * groups at grp (2 h) and grp + group_bytes (2 h + 1): dot_fmt32x8's arithmetic on both at once. */
-static inline __attribute__((always_inline)) void dot_fmt32x16(Fmt32 f, const uint8_t *grp, int64_t group_bytes,
-                                                              const QuantRows *q, int64_t b0, const int NB,
-                                                              const int P, float out[QROWS][2 * IL]) {
-    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
+ * groups at grp (2 h) and grp + group_bytes (2 h + 1): dot_units32x8's arithmetic on both at once. */
+static inline __attribute__((always_inline)) void dot_units32x16(Fmt32 f, const uint8_t *grp, int64_t group_bytes,
+                                                                const QuantRows *q, int64_t b0, const int NB,
+                                                                const int P, float out[QROWS][2 * IL]) {
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f), vo = fmt_scales_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
     __m512 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *ba = grp + i * bytes, *bb = ba + group_bytes;
-        const __m512 d16 = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)bb), _mm_loadu_si128((const __m128i *)ba)));
-        const int64_t vo = fmt_scales_bytes(f); /* the values' offset in a block */
-        __m512i sum[QROWS], sum_lo[QROWS];
-        int two[QROWS];
-        for (int b = 0; b < NB; b++) sum[b] = sum_lo[b] = _mm512_setzero_si512(), two[b] = P == 2 && in.two[b][i];
-        int offset = fmt_offset(f);
-        if (f == FMT_Q8_0) {
-            __m512i u[8]; /* w + 128 as unsigned; 128 S comes off below */
-            for (int c = 0; c < 8; c++) u[c] = _mm512_xor_si512(load_pair(ba + vo + 32 * c, bb + vo + 32 * c), _mm512_set1_epi8((char)0x80));
-            for (int b = 0; b < NB; b++)
-                for (int c = 0; c < 8; c++) sum[b] = _mm512_dpbusd_epi32(sum[b], u[c], bcast4x16((in.hi[b] + i * 32 + 4 * c)));
-            for (int b = 0; b < NB; b++)
-                if (two[b])
-                    for (int c = 0; c < 8; c++)
-                        sum_lo[b] = _mm512_dpbusd_epi32(sum_lo[b], u[c], bcast4x16((in.lo[b] + i * 32 + 4 * c)));
-            offset = 128;
-        } else {
-            const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
-            const __m512i hbits = five ? load_pair(ba + vo, bb + vo) : _mm512_setzero_si512();
-            const int64_t no = vo + (five ? 4 * IL : 0);
-            __m512i wl[4], wh[4];
-            for (int c = 0; c < 4; c++) {
-                const __m512i v = load_pair(ba + no + 32 * c, bb + no + 32 * c);
-                wl[c] = _mm512_and_si512(v, m4), wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                if (five) {
-                    const __m512i one = _mm512_set1_epi32(0x01010101);
-                    wl[c] = _mm512_or_si512(wl[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hbits, c), one), 4));
-                    wh[c] = _mm512_or_si512(wh[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hbits, c + 4), one), 4));
-                }
-            }
+        __m512i sum[QROWS];
+        for (int b = 0; b < NB; b++) sum[b] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            __m512i ua, ub;
+            int xa, xb;
+            units_x16(f, ba + vo, bb + vo, c, &ua, &ub, &xa, &xb);
             for (int b = 0; b < NB; b++) {
                 const int8_t *xh = in.hi[b] + i * 32;
-                for (int c = 0; c < 4; c++)
-                    sum[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[b], wl[c], bcast4x16((xh + 4 * c))),
-                                                 wh[c], bcast4x16((xh + 16 + 4 * c)));
-            }
-            for (int b = 0; b < NB; b++) {
-                if (!two[b]) continue;
-                const int8_t *xl = in.lo[b] + i * 32;
-                for (int c = 0; c < 4; c++)
-                    sum_lo[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum_lo[b], wl[c], bcast4x16((xl + 4 * c))),
-                                                    wh[c], bcast4x16((xl + 16 + 4 * c)));
+                sum[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[b], ua, bcast4x16(xh + xa)), ub, bcast4x16(xh + xb));
             }
         }
-        const __m512 m16 = fmt_has_min(f) ? _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(bb + 2 * IL)),
-                                                                              _mm_loadu_si128((const __m128i *)(ba + 2 * IL))))
-                                          : _mm512_setzero_ps();
+        const __m512 d16 = halfs_x16(ba, bb);
+        const __m512 e16 = fmt_has_min(f) ? halfs_x16(ba + 2 * IL, bb + 2 * IL)
+                                          : _mm512_mul_ps(d16, _mm512_set1_ps(-(float)units_offset(f)));
         for (int b = 0; b < NB; b++) {
-            const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
-            const float dx = in.d[b][i];
-            /* 127 hi + lo, less the offset's share */
-            __m512i x = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(sum[b], 7), sum[b]), sum_lo[b]);
-            if (offset) x = _mm512_sub_epi32(x, _mm512_set1_epi32(offset * s32));
-            acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(x), acc[b]);
-            if (fmt_has_min(f)) acc[b] = _mm512_fmadd_ps(m16, _mm512_set1_ps(dx * (float)s32), acc[b]);
+            acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(in.dh[b][i])), _mm512_cvtepi32_ps(sum[b]), acc[b]);
+            acc[b] = _mm512_fmadd_ps(e16, _mm512_set1_ps(in.ds[b][i]), acc[b]);
         }
     }
+    if (P == 2)
+        for (int b = 0; b < NB; b++)
+            for (int64_t i0 = 0; i0 < blocks; i0 += 32)
+                for (uint32_t bits = flag_bits(in.two[b] + i0, blocks - i0 < 32 ? blocks - i0 : 32); bits; bits &= bits - 1) {
+                    const int64_t i = i0 + __builtin_ctz(bits);
+                    const uint8_t *ba = grp + i * bytes, *bb = ba + group_bytes;
+                    const int8_t *xl = in.lo[b] + i * 32;
+                    __m512i sum = _mm512_setzero_si512();
+                    for (int c = 0; c < 4; c++) {
+                        __m512i ua, ub;
+                        int xa, xb;
+                        units_x16(f, ba + vo, bb + vo, c, &ua, &ub, &xa, &xb);
+                        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ua, bcast4x16(xl + xa)), ub, bcast4x16(xl + xb));
+                    }
+                    acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(halfs_x16(ba, bb), _mm512_set1_ps(in.d[b][i])), _mm512_cvtepi32_ps(sum), acc[b]);
+                }
     for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[b], acc[b]);
 }
 #endif
@@ -1395,9 +1385,6 @@ static inline __m512i lanes_u8x16(const uint8_t *a, const uint8_t *b) {
 static inline __m512i lanes_i8x16(const uint8_t *a, const uint8_t *b) {
     return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
 }
-static inline __m512 halfs_x16(const uint8_t *a, const uint8_t *b) {
-    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)b), _mm_loadu_si128((const __m128i *)a)));
-}
 /* sub + scale x (w . X) for one K-quant sub-block of 4 x chunks values (w[c]: chunk c's values of the
  * 16 rows; xh / xl: the input's planes there, xl's products taken where two), in fp32
  * (|127 th + tl| <= 32 x 15 x 16,129 for Q4_K, 16 x 63 x 16,129 for Q6_K: < 2^24, exact). */
@@ -1410,7 +1397,7 @@ static inline __attribute__((always_inline)) __m512 add_sub_block(__m512 sub, __
     return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(th, 7), th), tl)), sub);
 }
 
-/* dot_q4_kx8 for two 8-row groups at once (grp and grp + group_bytes), as dot_fmt32x16 is for the
+/* dot_q4_kx8 for two 8-row groups at once (grp and grp + group_bytes), as dot_units32x16 is for the
  * 32-weight formats. */
 static inline __attribute__((always_inline)) void dot_q4_kx16(const uint8_t *grp, int64_t group_bytes, const QuantRows *q,
                                                              int64_t b0, const int NB, const int P,
@@ -1558,7 +1545,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
 #define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL) DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, 8, (void)0)
 #if QUANT_VNNI512
 #define DEFINE_X16_LINEAR_ROWS(NAME, FMT) \
-    DEFINE_X8_LINEAR_ROWS_W(NAME, 32, 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out), 16, dot_fmt32x16(FMT, grp, gb, q, b0, NB, P, out))
+    DEFINE_X8_LINEAR_ROWS_W(NAME, 32, 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out), 16, dot_units32x16(FMT, grp, gb, q, b0, NB, P, out))
 #else
 #define DEFINE_X16_LINEAR_ROWS(NAME, FMT) DEFINE_X8_LINEAR_ROWS(NAME, 32, FMT == FMT_Q8_0 ? Q8_0_X16 : 0, dot_fmt32x8(FMT, grp, q, b0, NB, P, out))
 #endif
