@@ -613,61 +613,75 @@ static inline __attribute__((always_inline)) void units_x8(Fmt32 f, const uint8_
 /* What the unsigned units hold above the weights' values (Q4_0's 8, Q5_0's 16, Q8_0's 128). */
 static inline int units_offset(Fmt32 f) { return f == FMT_Q8_0 ? 128 : fmt_offset(f); }
 
-/* Bit j: flag j of two[0 .. n) (n <= 32) is set. */
+/* Bit j: flag j of two[0 .. n) (n <= 32) is set. Reads 32 bytes whatever n: quantize_rows' buffer
+ * holds the scales' arrays (and 64 spare bytes) after the flags. */
 static inline uint32_t flag_bits(const uint8_t *two, int64_t n) {
-    if (n == 32) return ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8(two), _mm256_setzero_si256()));
+    const uint32_t bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8(two), _mm256_setzero_si256()));
+    return n < 32 ? bits & ((1u << n) - 1) : bits;
+}
+
+/* Bit j: block i0 + j (of i0 .. i0 + n, n <= 32) takes the low plane's products in some row b < NB. */
+static inline __attribute__((always_inline)) uint32_t loud_blocks(const InputRows *in, int64_t i0, int64_t n, const int NB) {
     uint32_t bits = 0;
-    for (int64_t j = 0; j < n; j++) bits |= (uint32_t)(two[j] != 0) << j;
+    for (int b = 0; b < NB; b++) bits |= flag_bits(in->two[b] + i0, n);
     return bits;
 }
 
+/* sum[b] (b < NB; lane r: row r of the group) = the integer products of one block's units (values at
+ * `values`) with 32 values of an input plane at x[b] (without VNNI: vpmaddubsw pair sums added in
+ * int16, <= 8 x 2 x 15 x 127 = 30,480 for 4-bit weights, 4 of 2 x 31 x 127 for 5-bit). */
+static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const uint8_t *values, const int8_t *x[QROWS],
+                                                                const int NB, __m256i sum[QROWS]) {
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+    for (int b = 0; b < NB; b++) sum[b] = _mm256_setzero_si256();
+    /* unit pairs 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
+    const int run = QUANT_VNNI || !five ? 4 : 2;
+    for (int c0 = 0; c0 < 4; c0 += run) {
+#if !QUANT_VNNI
+        __m256i t[QROWS];
+        for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
+#endif
+        /* NOTE: unrolled, GCC unpacked all units first and spilled them (16 ymm registers) */
+#pragma GCC unroll 1
+        for (int c = c0; c < c0 + run; c++) {
+            __m256i ua, ub;
+            int xa, xb;
+            units_x8(f, values, c, &ua, &ub, &xa, &xb);
+            for (int b = 0; b < NB; b++) {
+#if QUANT_VNNI
+                sum[b] = dot_acc(dot_acc(sum[b], ua, bcast4(x[b] + xa)), ub, bcast4(x[b] + xb));
+#else
+                t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(x[b] + xa)),
+                                                               _mm256_maddubs_epi16(ub, bcast4(x[b] + xb))));
+#endif
+            }
+        }
+#if !QUANT_VNNI
+        for (int b = 0; b < NB; b++) sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t[b], _mm256_set1_epi16(1)));
+#endif
+    }
+}
+
 /* The interleaved 32-weight tile (4/5-bit formats; Q8_0 with VNNI): out[b][r] = row 8 g + r . input
- * row b0 + b, b < NB. Per block the high plane's products of every row (without VNNI: vpmaddubsw
- * pair sums added in int16), scaled by the input's precomputed 127 d; the weights' offset or min
- * against the input's d S. The low plane's products, needed by the few loud groups only, come after
- * the blocks, for the set bits of each row's flags: no branch in the block loop, and the unpacked
- * units of a block serve all NB rows (performance.md item 37). */
+ * row b0 + b, b < NB. Per block the high plane's products of every row, scaled by the input's
+ * precomputed 127 d, and the weights' offset or min against the input's d S. The low plane's
+ * products come after the blocks, for the blocks loud in any of the NB rows (a quiet row's low
+ * plane there is zeros): no branch in the block loop, and the unpacked units of a block serve all
+ * NB rows in both passes (an outlier channel makes the same groups loud in most rows).
+ * performance.md item 37. */
 static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
                                                                int64_t b0, const int NB, const int P,
                                                                float out[QROWS][IL]) {
-    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
-    const int five = f == FMT_Q5_0 || f == FMT_Q5_1, vo = fmt_scales_bytes(f);
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f), vo = fmt_scales_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes;
+        const int8_t *x[QROWS];
+        for (int b = 0; b < NB; b++) x[b] = in.hi[b] + 32 * i;
         __m256i sum[QROWS];
-#if !QUANT_VNNI
-        __m256i t[QROWS]; /* int16 pair sums: <= 8 x 2 x 15 x 127 = 30,480 (4-bit); 5-bit: 4 of 7,874 */
-#endif
-        for (int b = 0; b < NB; b++) sum[b] = _mm256_setzero_si256();
-        /* unit pairs 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
-        const int run = QUANT_VNNI || !five ? 4 : 2;
-        for (int c0 = 0; c0 < 4; c0 += run) {
-#if !QUANT_VNNI
-            for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
-#endif
-            /* NOTE: unrolled, GCC unpacked all units first and spilled them (16 ymm registers) */
-#pragma GCC unroll 1
-            for (int c = c0; c < c0 + run; c++) {
-                __m256i ua, ub;
-                int xa, xb;
-                units_x8(f, blk + vo, c, &ua, &ub, &xa, &xb);
-                for (int b = 0; b < NB; b++) {
-                    const int8_t *xh = in.hi[b] + i * 32;
-#if QUANT_VNNI
-                    sum[b] = dot_acc(dot_acc(sum[b], ua, bcast4(xh + xa)), ub, bcast4(xh + xb));
-#else
-                    t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(xh + xa)),
-                                                                   _mm256_maddubs_epi16(ub, bcast4(xh + xb))));
-#endif
-                }
-            }
-#if !QUANT_VNNI
-            for (int b = 0; b < NB; b++) sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t[b], _mm256_set1_epi16(1)));
-#endif
-        }
+        block_units_x8(f, blk + vo, x, NB, sum);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 e8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
                                          : _mm256_mul_ps(d8, _mm256_set1_ps(-(float)units_offset(f)));
@@ -677,31 +691,18 @@ static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const u
         }
     }
     if (P == 2)
-        for (int b = 0; b < NB; b++)
-            for (int64_t i0 = 0; i0 < blocks; i0 += 32)
-                for (uint32_t bits = flag_bits(in.two[b] + i0, blocks - i0 < 32 ? blocks - i0 : 32); bits; bits &= bits - 1) {
-                    const int64_t i = i0 + __builtin_ctz(bits);
-                    const uint8_t *blk = grp + i * bytes;
-                    const int8_t *xl = in.lo[b] + i * 32;
-                    __m256i sum = _mm256_setzero_si256();
-                    for (int c = 0; c < 4; c++) {
-                        __m256i ua, ub;
-                        int xa, xb;
-                        units_x8(f, blk + vo, c, &ua, &ub, &xa, &xb);
-#if QUANT_VNNI
-                        sum = dot_acc(dot_acc(sum, ua, bcast4(xl + xa)), ub, bcast4(xl + xb));
-#else
-                        /* int16: <= 8 x 2 x 31 x 63 = 31,248 */
-                        sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(xl + xa)),
-                                                                     _mm256_maddubs_epi16(ub, bcast4(xl + xb))));
-#endif
-                    }
-#if !QUANT_VNNI
-                    sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
-#endif
-                    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-                    acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum), acc[b]);
-                }
+        for (int64_t i0 = 0; i0 < blocks; i0 += 32)
+            for (uint32_t bits = loud_blocks(&in, i0, blocks - i0 < 32 ? blocks - i0 : 32, NB); bits; bits &= bits - 1) {
+                const int64_t i = i0 + __builtin_ctz(bits);
+                const uint8_t *blk = grp + i * bytes;
+                const int8_t *x[QROWS];
+                for (int b = 0; b < NB; b++) x[b] = in.lo[b] + 32 * i;
+                __m256i sum[QROWS]; /* (int16 runs: the low plane's 2 x 31 x 63 pair sums are smaller) */
+                block_units_x8(f, blk + vo, x, NB, sum);
+                const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+                for (int b = 0; b < NB; b++)
+                    acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
+            }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
 }
 #endif
@@ -812,6 +813,19 @@ static inline __attribute__((always_inline)) void units_x16(Fmt32 f, const uint8
     *xa = 4 * c, *xb = 16 + 4 * c;
 }
 
+/* block_units_x8 on two 8-row groups' blocks (values at a and b) at once. */
+static inline __attribute__((always_inline)) void block_units_x16(Fmt32 f, const uint8_t *va, const uint8_t *vb,
+                                                                 const int8_t *x[QROWS], const int NB, __m512i sum[QROWS]) {
+    for (int b = 0; b < NB; b++) sum[b] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        __m512i ua, ub;
+        int xa, xb;
+        units_x16(f, va, vb, c, &ua, &ub, &xa, &xb);
+        for (int b = 0; b < NB; b++)
+            sum[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[b], ua, bcast4x16(x[b] + xa)), ub, bcast4x16(x[b] + xb));
+    }
+}
+
 /* out[b][r] = row 16 h + r . input row b0 + b (r < 16, b < NB), rows 16 h .. 16 h + 16 being the 8-row
  * groups at grp (2 h) and grp + group_bytes (2 h + 1): dot_units32x8's arithmetic on both at once. */
 static inline __attribute__((always_inline)) void dot_units32x16(Fmt32 f, const uint8_t *grp, int64_t group_bytes,
@@ -823,17 +837,10 @@ static inline __attribute__((always_inline)) void dot_units32x16(Fmt32 f, const 
     for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *ba = grp + i * bytes, *bb = ba + group_bytes;
+        const int8_t *x[QROWS];
+        for (int b = 0; b < NB; b++) x[b] = in.hi[b] + 32 * i;
         __m512i sum[QROWS];
-        for (int b = 0; b < NB; b++) sum[b] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            __m512i ua, ub;
-            int xa, xb;
-            units_x16(f, ba + vo, bb + vo, c, &ua, &ub, &xa, &xb);
-            for (int b = 0; b < NB; b++) {
-                const int8_t *xh = in.hi[b] + i * 32;
-                sum[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[b], ua, bcast4x16(xh + xa)), ub, bcast4x16(xh + xb));
-            }
-        }
+        block_units_x16(f, ba + vo, bb + vo, x, NB, sum);
         const __m512 d16 = halfs_x16(ba, bb);
         const __m512 e16 = fmt_has_min(f) ? halfs_x16(ba + 2 * IL, bb + 2 * IL)
                                           : _mm512_mul_ps(d16, _mm512_set1_ps(-(float)units_offset(f)));
@@ -843,21 +850,18 @@ static inline __attribute__((always_inline)) void dot_units32x16(Fmt32 f, const 
         }
     }
     if (P == 2)
-        for (int b = 0; b < NB; b++)
-            for (int64_t i0 = 0; i0 < blocks; i0 += 32)
-                for (uint32_t bits = flag_bits(in.two[b] + i0, blocks - i0 < 32 ? blocks - i0 : 32); bits; bits &= bits - 1) {
-                    const int64_t i = i0 + __builtin_ctz(bits);
-                    const uint8_t *ba = grp + i * bytes, *bb = ba + group_bytes;
-                    const int8_t *xl = in.lo[b] + i * 32;
-                    __m512i sum = _mm512_setzero_si512();
-                    for (int c = 0; c < 4; c++) {
-                        __m512i ua, ub;
-                        int xa, xb;
-                        units_x16(f, ba + vo, bb + vo, c, &ua, &ub, &xa, &xb);
-                        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ua, bcast4x16(xl + xa)), ub, bcast4x16(xl + xb));
-                    }
-                    acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(halfs_x16(ba, bb), _mm512_set1_ps(in.d[b][i])), _mm512_cvtepi32_ps(sum), acc[b]);
-                }
+        for (int64_t i0 = 0; i0 < blocks; i0 += 32)
+            for (uint32_t bits = loud_blocks(&in, i0, blocks - i0 < 32 ? blocks - i0 : 32, NB); bits; bits &= bits - 1) {
+                const int64_t i = i0 + __builtin_ctz(bits);
+                const uint8_t *ba = grp + i * bytes, *bb = ba + group_bytes;
+                const int8_t *x[QROWS];
+                for (int b = 0; b < NB; b++) x[b] = in.lo[b] + 32 * i;
+                __m512i sum[QROWS];
+                block_units_x16(f, ba + vo, bb + vo, x, NB, sum);
+                const __m512 d16 = halfs_x16(ba, bb);
+                for (int b = 0; b < NB; b++)
+                    acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(in.d[b][i])), _mm512_cvtepi32_ps(sum[b]), acc[b]);
+            }
     for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[b], acc[b]);
 }
 #endif
