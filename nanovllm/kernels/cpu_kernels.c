@@ -462,7 +462,7 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
         }                                                                                                        \
         const int64_t n = m->n, k = m->k;                                                                        \
         const int tw = rows <= ONE_STREAM_ROWS ? 1 : TILE_W; /* the tile's width: 1 only while nb <= 2 */        \
-        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < (n + tw - 1) / tw; p++) {                    \
+        _Pragma("omp for schedule(static) nowait") for (int64_t p = 0; p < (n + tw - 1) / tw; p++) {             \
             const WT *w[TILE_W], *wn[TILE_W];                                                                    \
             int64_t r[TILE_W];                                                                                   \
             for (int t = 0; t < tw; t++) {                                                                       \
@@ -563,8 +563,14 @@ int64_t nanovllm_struct_size(const char *name) {
 }
 
 /* NOTE: m must be valid (linear_is_valid): the callers check every matrix once. */
-void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
+void linear_rows_nowait(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
     for (; m != NULL; y += m->n, m = m->next) weight_types[m->type].linear_rows(m, x, ldx, rows, y, ldy);
+}
+
+/* The parts of a chain (q, k, v; gate, up) write disjoint outputs: one barrier after the last. */
+void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
+    linear_rows_nowait(m, x, ldx, rows, y, ldy);
+#pragma omp barrier
 }
 
 /* y [rows, n] = x [rows, k] W^T (+ bias: this call's, not w's; over all outputs of a chain), all

@@ -30,7 +30,7 @@ typedef struct Linear {
 } Linear;
 
 /* y[b, r] = W[r, :] . x[b, :] (+ bias[r]) for b < rows and every weight row r, as an orphaned `omp
- * for` over the rows (see linear_rows_for). One per format, generated from the format's row dot
+ * for nowait` over the rows (see linear_rows_for, which adds the barrier). One per format, generated from the format's row dot
  * product (DEFINE_LINEAR_ROWS in cpu_kernels.c), so the dot is inlined in the row loop. */
 typedef void (*LinearRows)(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);
 /* out[0, k) = W[r, :] as fp32 (embedding lookups). */
@@ -70,8 +70,11 @@ int64_t linear_outputs(const Linear *m);
 /* y[r, :] = W x[r, :] (+ bias) for rows r < rows (x row stride ldx, y row stride ldy), W's
  * chained matrices writing the outputs after its own.
  * An orphaned `omp for` over W's rows: inside a parallel region the threads share the work;
- * outside one it runs on the calling thread. */
+ * outside one it runs on the calling thread. One barrier at the end of the chain. */
 void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);
+/* The same without the barrier: the matrices of independent products (a step's experts) run back
+ * to back, each thread going on to its share of the next; the caller puts a barrier before reading y. */
+void linear_rows_nowait(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);
 
 /* Decode attention of one work item: the query heads of KV heads [kv_first, kv_end) of one
  * sequence, whose q and out are [num_heads, head_dim] and whose first `len` tokens sit in the

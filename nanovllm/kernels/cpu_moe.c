@@ -69,17 +69,20 @@ void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logi
     }
 #pragma omp for schedule(static)
     for (int64_t place = 0; place < P; place++) memcpy(xg + place * H, x + (order[place] / k) * H, sizeof(float) * (size_t)H);
+    /* the chosen experts back to back, one barrier after all of them (at one row: 2 a layer, not 16) */
     for (int64_t e = 0; e < E; e++) {
         const int64_t first = start[e], rows = start[e + 1] - first;
-        if (rows > 0) linear_rows_for(&m->gate_up[e], xg + first * H, H, rows, gu + first * 2 * I, 2 * I);
+        if (rows > 0) linear_rows_nowait(&m->gate_up[e], xg + first * H, H, rows, gu + first * 2 * I, 2 * I);
     }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t place = 0; place < P; place++)
         silu_mul_span(gu + place * 2 * I, gu + place * 2 * I + I, 0, I, act + place * I);
     for (int64_t e = 0; e < E; e++) {
         const int64_t first = start[e], rows = start[e + 1] - first;
-        if (rows > 0) linear_rows_for(&m->down[e], act + first * I, I, rows, yd + first * H, H);
+        if (rows > 0) linear_rows_nowait(&m->down[e], act + first * I, I, rows, yd + first * H, H);
     }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) {
         float *o = out + b * H;

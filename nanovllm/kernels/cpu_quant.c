@@ -156,7 +156,7 @@ static _Thread_local size_t quant_capacity;
 /* From SHARED_ROWS input rows on (prefill, large batches) the team quantizes them once, each thread
  * its share, into one buffer they all read (below that, every thread quantizes every row itself:
  * a few thousand values, cheaper than the barrier). One team at a time uses it: every caller is a
- * parallel region's `omp for` over a matrix, which ends in a barrier. */
+ * parallel region's `omp for` over a matrix. */
 #define SHARED_ROWS 16
 static void *shared_buffer;
 static size_t shared_capacity;
@@ -190,6 +190,9 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     void *buffer;
     int64_t r0 = 0, r1 = rows; /* the rows this thread quantizes */
     if (shared) {
+        /* every thread is done reading the last matrix's rows (the row loops end without a barrier)
+         * before the buffer is grown or rewritten */
+#pragma omp barrier
 #pragma omp single
         {
             shared_failed = 0;
@@ -1527,7 +1530,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
         const int pairs = W == 16 && rows >= X16_MIN_ROWS;                                                       \
         const int64_t groups = m->n / IL, units = pairs ? (groups + 1) / 2 : groups;                             \
         const int64_t gb = IL * m->row_bytes;                                                                    \
-        _Pragma("omp for schedule(static)") for (int64_t u = 0; u < units; u++) {                                \
+        _Pragma("omp for schedule(static) nowait") for (int64_t u = 0; u < units; u++) {                         \
             const int64_t g = pairs ? 2 * u : u;                                                                 \
             const uint8_t *grp = group_of(m, g);                                                                 \
             const int wide = pairs && g + 1 < groups, width = wide ? 2 * IL : IL;                                \
@@ -1603,7 +1606,7 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
             fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
             abort();                                                                                             \
         }                                                                                                        \
-        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m->n; r++) {                                 \
+        _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < m->n; r++) {                          \
             const uint8_t *w = (const uint8_t *)m->data + r * m->row_bytes;                                      \
             for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
                 float dot[QROWS];                                                                                \
@@ -1717,7 +1720,7 @@ static inline __attribute__((always_inline)) void dot_e4m3(const uint8_t *w, con
  * to QROWS input rows per pass over a weight row. */
 #define DEFINE_FLOAT_LINEAR_ROWS(NAME, WTYPE, DOT)                                                              \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {              \
-        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m->n; r++) {                                \
+        _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < m->n; r++) {                         \
             const WTYPE *w = (const WTYPE *)((const uint8_t *)m->data + r * m->row_bytes);                      \
             for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                      \
                 float dot[QROWS];                                                                               \
