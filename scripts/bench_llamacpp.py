@@ -7,7 +7,8 @@ as llama.cpp runs its F16 files); one markdown table per model, with ours fp32 /
 
 Shapes: random 64-token prompts, greedy decoding, 64 decode steps per sequence, at each batch size
 (llama-batched-bench -npp 64 -ntg 64 -npl B; llama.cpp's batch-1 decode is llama-bench -n 64), and a
-batch-1 prefill of 128 tokens (llama-bench -p 128). Decode tok/s = sequences x decode steps / decode
+batch-1 prefill of 128 tokens (llama-bench -p 128 -r 5; ours 5 prefills too: a prefill takes a fraction of a
+second, one of them moved 1.5x with the machine's other load; each engine's median of the 5). Decode tok/s = sequences x decode steps / decode
 time; prefill tok/s = prompt tokens / prefill time. Our steps are whole engine steps (scheduling and
 greedy sampling included); llama.cpp's time llama_decode. Both use --threads (default: every core).
 Both engines' KV caches are mapped before the timed runs (llama.cpp clears its cache at start-up; ours
@@ -38,6 +39,7 @@ import llamacpp_build  # noqa: E402
 from llamacpp_build import BuildError  # noqa: E402
 
 PROMPT_LEN, DECODE_STEPS, PREFILL_LEN = 64, 64, 128
+PREFILL_REPS = 5  # prefills timed per figure, both engines; the figure is their median
 QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
 LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "q4_0": "llama.cpp Q4_0",
           "q4_k_m": "llama.cpp Q4_K_M", "ours": "nano-vLLM fp32", "ours_bf16": "nano-vLLM bf16 weights",
@@ -68,12 +70,13 @@ def model_folder(name: str) -> str:
 # ---- llama.cpp ----------------------------------------------------------------------------------
 def parse_llama_bench(stdout: str) -> dict:
     """llama-bench -o json: {"prefill": pp tok/s, "decode": tg tok/s, "rows": its rows}. A rate is
-    tokens / mean time over the repetitions (total tokens / total time, as ours), not its avg_ts."""
+    tokens / mean time over the repetitions (total tokens / total time, as ours), not its avg_ts; prefill
+    is tokens / the median repetition's time (ours: the median of as many prefills)."""
     rows = json.loads(stdout[stdout.index("["):])
     out = {"rows": rows}
     for row in rows:
         if row["n_gen"] == 0:
-            out["prefill"] = row["n_prompt"] / (row["avg_ns"] * 1e-9)
+            out["prefill"] = row["n_prompt"] / (statistics.median(row.get("samples_ns") or [row["avg_ns"]]) * 1e-9)
         elif row["n_prompt"] == 0:
             out["decode"] = row["n_gen"] / (row["avg_ns"] * 1e-9)
     return out
@@ -108,7 +111,7 @@ def llamacpp_point(bins: dict[str, Path], gguf: Path, point: tuple[str, int], th
     out = logs / f"bench-{stem}.json"
     rss = llamacpp_build.run_step(f"llama-bench on {gguf.name}",
                             [str(bins["llama-bench"]), "-m", str(gguf), "-p", str(prompt), "-n", str(gen),
-                             "-r", "1", "-t", str(threads), "-o", "json"],
+                             "-r", str(PREFILL_REPS if kind == "prefill" else 1), "-t", str(threads), "-o", "json"],
                             logs / f"bench-{stem}.log", stdout=out)
     parsed = parse_llama_bench(out.read_text())
     raw.extend({**row, "peak_rss_mib": rss} for row in parsed["rows"])
@@ -163,9 +166,9 @@ def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> fl
         return [[rng.randrange(llm.vocab_size) for _ in range(length)] for _ in range(count)]
     if kind == "prefill":
         time_batch(llm, prompts(1, n), max_tokens=1)  # warm-up
-        t = time_batch(llm, prompts(1, n), max_tokens=1)
-        raw.append(t)
-        return t["prefill_tokens"] / t["prefill_s"]
+        runs = [time_batch(llm, prompts(1, n), max_tokens=1) for _ in range(PREFILL_REPS)]
+        raw.extend(runs)
+        return n / statistics.median(t["prefill_s"] for t in runs)
     time_batch(llm, prompts(n, PROMPT_LEN), max_tokens=3)  # warm-up at this shape
     # NOTE: prefill samples the first token, so max_tokens = 1 + the decode steps.
     t = time_batch(llm, prompts(n, PROMPT_LEN), max_tokens=1 + DECODE_STEPS)

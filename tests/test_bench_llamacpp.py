@@ -16,6 +16,7 @@ LLAMA_BENCH_JSON = """[
     "type_k": "f16", "type_v": "f16", "flash_attn": -1,
     "n_prompt": 128, "n_gen": 0, "n_depth": 0,
     "avg_ns": 1825004627, "stddev_ns": 3891631978, "avg_ts": 251.932724, "stddev_ts": 424.868185,
+    "samples_ns": [ 3123955122, 2511990831, 1403975224, 1958516179, 126581027 ],
     "samples_ts": [ 40.9737, 50.9556, 91.1697, 65.3556, 1011.21 ]
   },
   {
@@ -45,8 +46,9 @@ def bench():
 
 def test_llama_bench_rates_by_test_kind(bench):
     rates = bench.parse_llama_bench(LLAMA_BENCH_JSON)
-    # Tokens over the mean time of the repetitions (not llama-bench's noisier mean of rates).
-    assert rates["prefill"] == pytest.approx(128 / 1.825004627)
+    # Decode: tokens over the mean time of the repetitions (not llama-bench's noisier mean of rates);
+    # prefill: over the median repetition's time (the third slowest of five: 65.3556 tok/s).
+    assert rates["prefill"] == pytest.approx(128 / (1958516179 * 1e-9)) == pytest.approx(65.3556, rel=1e-5)
     assert rates["decode"] == pytest.approx(64 / 0.730995743)
     assert [r["n_prompt"] for r in rates["rows"]] == [128, 0]
     # Text before the array (a stray log line) does not break parsing.
