@@ -247,7 +247,7 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
  * fp32 copy at bandwidth from 4 rows up), 1-16 rows of fp32 weights held once (MKL above), a MoE
  * expert's tokens. Each thread takes a contiguous range of weight rows (static schedule), TILE_W at a
  * time: a tile of TILE_W weight rows x NB <= STREAM_ROWS input rows loads TILE_W + NB vectors per
- * TILE_W * NB FMAs (more input rows reread the tile from L1, STREAM_ROWS at a time). AVX2's 16
+ * TILE_W * NB FMAs (more input rows: the wider passes below, which reread the tile from L1). AVX2's 16
  * registers hold a 2 x 4 tile's 8 sums, 2 weight vectors and an input vector; AVX-512's 32 (8-lane
  * vectors) a 4 x 4 tile's. The next tile's rows (wn) are prefetched a cache line per line read:
  * otherwise a tile's memory reads and its FMAs take turns rather than overlapping (212 MB of fp32
@@ -257,26 +257,40 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 
 #define IDENTITY(v) (v)
 
+/* Tile shapes by input rows. Up to ONE_STREAM_ROWS the tile is one weight row wide: each thread then
+ * reads its rows as one forward stream, which the memory system serves faster than TILE_W
+ * interleaved ones (30 SmolLM2 layers of fp32, 424 MB, one input row, 2 threads, AMD EPYC: 18-26 ->
+ * 15-29 ms native, 22-23 -> 15-17 ms AVX2; level at 4 rows; docs/performance.md item 36). Up to
+ * STREAM_ROWS it is TILE_W wide and takes all the rows in one pass. From WIDE_ROWS on it takes the
+ * input rows PASS_ROWS at a time in WIDE_W weight rows: fewer passes over each tile, so fewer of a
+ * tile's FMAs wait for DRAM in its first pass while the later ones run from L1. AVX-512's 32
+ * registers hold 3 x 8 sums (AVX2's 16: 3 x 4, with 3 weight vectors and an input vector). 30
+ * SmolLM2 layers at 8 / 12 / 16 rows, 2 threads, AVX-512: 17.8 / 13.0 / 10.1 GB/s in 4 x 4 passes ->
+ * 23.0 / 16.3 / 14.8; AVX2 at 8 / 12 / 15 rows: 20.2 / 15.1 / 12.5 in 2 x 4 passes -> 21.5 / 18.3 /
+ * 15.4 (docs/performance.md item 38). */
 #ifdef __AVX512F__
 #define TILE_W 4
+#define WIDE_W 3
+#define PASS_ROWS 8
 #else
 #define TILE_W 2
+#define WIDE_W 3
+#define PASS_ROWS 4
 #endif
-/* Up to ONE_STREAM_ROWS input rows the tile is one weight row wide: each thread then reads its rows
- * as one forward stream, which the memory system serves faster than TILE_W interleaved ones (30
- * SmolLM2 layers of fp32, 424 MB, one input row, 2 threads, AMD EPYC: 18-26 -> 15-29 ms native,
- * 22-23 -> 15-17 ms AVX2; level at 4 rows; docs/performance.md item 36). */
 #define ONE_STREAM_ROWS 2
+#define STREAM_ROWS 4
+#define WIDE_ROWS 5
+#define MAX_TILE_W (TILE_W > WIDE_W ? TILE_W : WIDE_W)
 #define DEFINE_TILE_DOT(NAME, WT, LOADV, LOADS)                                                                  \
     static inline __attribute__((always_inline)) void NAME(const WT *const *w, const WT *const *wn, const float *x, \
                                                            int64_t ldx, int64_t k, const int NB, const int TW,   \
-                                                           float (*d)[STREAM_ROWS]) {                            \
-        vf a[TILE_W][STREAM_ROWS];                                                                               \
+                                                           float (*d)[PASS_ROWS]) {                              \
+        vf a[MAX_TILE_W][PASS_ROWS];                                                                             \
         for (int r = 0; r < TW; r++)                                                                             \
             for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                      \
         int64_t i = 0;                                                                                           \
         for (; i + VL <= k; i += VL) {                                                                           \
-            vf v[TILE_W];                                                                                        \
+            vf v[MAX_TILE_W];                                                                                    \
             if ((i * (int64_t)sizeof(WT)) % 64 == 0)                                                             \
                 for (int r = 0; r < TW; r++) __builtin_prefetch(wn[r] + i);                                      \
             for (int r = 0; r < TW; r++) v[r] = LOADV(w[r] + i);                                                 \
@@ -296,19 +310,34 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 DEFINE_TILE_DOT(tile_dot_f32, float, load_f32, IDENTITY)
 DEFINE_TILE_DOT(tile_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 
+/* The tile for tw (1, TILE_W or WIDE_W) and nb input rows, each shape a constant so that its sums
+ * stay in registers (UPTO: a shape the build's PASS_ROWS has, for the cases it never takes). */
+#define UPTO(c) ((c) < PASS_ROWS ? (c) : PASS_ROWS)
 #define DEFINE_TILE_DISPATCH(NAME, DOT, WT)                                                                      \
     static void NAME(const WT *const *w, const WT *const *wn, const float *x, int64_t ldx, int64_t k, int nb,    \
-                     int tw, float (*d)[STREAM_ROWS]) {                                                          \
+                     int tw, float (*d)[PASS_ROWS]) {                                                            \
         if (tw == 1) {                                                                                           \
             if (nb == 1) DOT(w, wn, x, ldx, k, 1, 1, d);                                                         \
             else DOT(w, wn, x, ldx, k, 2, 1, d);                                                                 \
             return;                                                                                              \
         }                                                                                                        \
+        if (tw == TILE_W && nb <= STREAM_ROWS) {                                                                 \
+            switch (nb) {                                                                                        \
+            case 1: DOT(w, wn, x, ldx, k, 1, TILE_W, d); return;                                                 \
+            case 2: DOT(w, wn, x, ldx, k, 2, TILE_W, d); return;                                                 \
+            case 3: DOT(w, wn, x, ldx, k, 3, TILE_W, d); return;                                                 \
+            default: DOT(w, wn, x, ldx, k, 4, TILE_W, d); return;                                                \
+            }                                                                                                    \
+        }                                                                                                        \
         switch (nb) {                                                                                            \
-        case 1: DOT(w, wn, x, ldx, k, 1, TILE_W, d); return;                                                     \
-        case 2: DOT(w, wn, x, ldx, k, 2, TILE_W, d); return;                                                     \
-        case 3: DOT(w, wn, x, ldx, k, 3, TILE_W, d); return;                                                     \
-        default: DOT(w, wn, x, ldx, k, 4, TILE_W, d); return;                                                    \
+        case 1: DOT(w, wn, x, ldx, k, 1, WIDE_W, d); return;                                                     \
+        case 2: DOT(w, wn, x, ldx, k, 2, WIDE_W, d); return;                                                     \
+        case 3: DOT(w, wn, x, ldx, k, 3, WIDE_W, d); return;                                                     \
+        case 4: DOT(w, wn, x, ldx, k, 4, WIDE_W, d); return;                                                     \
+        case 5: DOT(w, wn, x, ldx, k, UPTO(5), WIDE_W, d); return;                                               \
+        case 6: DOT(w, wn, x, ldx, k, UPTO(6), WIDE_W, d); return;                                               \
+        case 7: DOT(w, wn, x, ldx, k, UPTO(7), WIDE_W, d); return;                                               \
+        default: DOT(w, wn, x, ldx, k, PASS_ROWS, WIDE_W, d); return;                                            \
         }                                                                                                        \
     }
 
@@ -461,18 +490,18 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
             return;                                                                                              \
         }                                                                                                        \
         const int64_t n = m->n, k = m->k;                                                                        \
-        const int tw = rows <= ONE_STREAM_ROWS ? 1 : TILE_W; /* the tile's width: 1 only while nb <= 2 */        \
+        const int tw = rows <= ONE_STREAM_ROWS ? 1 : rows < WIDE_ROWS ? TILE_W : WIDE_W; /* the tile's width */  \
         _Pragma("omp for schedule(static) nowait") for (int64_t p = 0; p < (n + tw - 1) / tw; p++) {             \
-            const WT *w[TILE_W], *wn[TILE_W];                                                                    \
-            int64_t r[TILE_W];                                                                                   \
+            const WT *w[MAX_TILE_W], *wn[MAX_TILE_W];                                                            \
+            int64_t r[MAX_TILE_W];                                                                               \
             for (int t = 0; t < tw; t++) {                                                                       \
                 r[t] = p * tw + t < n ? p * tw + t : n - 1;                                                      \
                 w[t] = (const WT *)row_of(m, r[t]);                                                              \
                 wn[t] = (const WT *)row_of(m, r[t] + tw < n ? r[t] + tw : n - 1);                                \
             }                                                                                                    \
-            for (int64_t b0 = 0; b0 < rows; b0 += STREAM_ROWS) {                                                 \
-                const int nb = rows - b0 < STREAM_ROWS ? (int)(rows - b0) : STREAM_ROWS;                         \
-                float d[TILE_W][STREAM_ROWS];                                                                    \
+            for (int64_t b0 = 0; b0 < rows; b0 += PASS_ROWS) {                                                   \
+                const int nb = rows - b0 < PASS_ROWS ? (int)(rows - b0) : PASS_ROWS;                             \
+                float d[MAX_TILE_W][PASS_ROWS];                                                                  \
                 RUN_TILE(w, wn, x + b0 * ldx, ldx, k, nb, tw, d);                                                \
                 for (int t = 0; t < tw; t++)                                                                     \
                     for (int b = 0; b < nb; b++)                                                                 \

@@ -65,8 +65,6 @@ int linear_is_valid(const Linear *m);
 /* The outputs of m and every matrix chained after it. */
 int64_t linear_outputs(const Linear *m);
 
-#define STREAM_ROWS 4
-
 /* y[r, :] = W x[r, :] (+ bias) for rows r < rows (x row stride ldx, y row stride ldy), W's
  * chained matrices writing the outputs after its own.
  * An orphaned `omp for` over W's rows: inside a parallel region the threads share the work;
