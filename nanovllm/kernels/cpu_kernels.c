@@ -257,17 +257,18 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 
 #define IDENTITY(v) (v)
 
-/* Tile shapes by input rows. Up to ONE_STREAM_ROWS the tile is one weight row wide: each thread then
- * reads its rows as one forward stream, which the memory system serves faster than TILE_W
- * interleaved ones (30 SmolLM2 layers of fp32, 424 MB, one input row, 2 threads, AMD EPYC: 18-26 ->
- * 15-29 ms native, 22-23 -> 15-17 ms AVX2; level at 4 rows; docs/performance.md item 36). Up to
- * STREAM_ROWS it is TILE_W wide and takes all the rows in one pass. From WIDE_ROWS on it takes the
- * input rows PASS_ROWS at a time in WIDE_W weight rows: fewer passes over each tile, so fewer of a
- * tile's FMAs wait for DRAM in its first pass while the later ones run from L1. AVX-512's 32
- * registers hold 3 x 8 sums (AVX2's 16: 3 x 4, with 3 weight vectors and an input vector). 30
- * SmolLM2 layers at 8 / 12 / 16 rows, 2 threads, AVX-512: 17.8 / 13.0 / 10.1 GB/s in 4 x 4 passes ->
- * 23.0 / 16.3 / 14.8; AVX2 at 8 / 12 / 15 rows: 20.2 / 15.1 / 12.5 in 2 x 4 passes -> 21.5 / 18.3 /
- * 15.4 (docs/performance.md item 38). */
+/* Tile shapes by input rows. At one row the tile is one weight row wide: each thread then reads its
+ * rows as one forward stream, prefetched into L1 (30 SmolLM2 layers of fp32, 424 MB, one input row,
+ * 2 threads, AMD EPYC: 18-26 -> 15-29 ms native, 22-23 -> 15-17 ms AVX2; docs/performance.md item
+ * 36). From 2 rows it is TILE_W wide and the next tile is prefetched into L2 only: prefetched into
+ * L1, TILE_W streams took the L1 fill buffers and evicted the input rows, and 2-8 rows ran at 20-35
+ * GB/s where one row streams at 35-43 (item 38). Up to STREAM_ROWS the tile takes all the rows in
+ * one pass; from WIDE_ROWS on it takes them PASS_ROWS at a time in WIDE_W weight rows: fewer passes
+ * over each tile, so fewer of a tile's FMAs wait for DRAM in its first pass while the later ones run
+ * from L1. AVX-512's 32 registers hold 3 x 8 sums (AVX2's 16: 3 x 4, with 3 weight vectors and an
+ * input vector). Both changes, 30 SmolLM2 layers at 2 / 4 / 8 / 12 rows, 2 threads: AVX-512 35.9 /
+ * 26.6 / 23.4 / 16.3 GB/s -> 45.1 / 42.8 / 27.4 / 17.2; AVX2 34.6 / 23.0 / 21.5 / 18.0 -> 37.7 / 37.3
+ * / 30.2 / 22.3 (item 38). */
 #ifdef __AVX512F__
 #define TILE_W 4
 #define WIDE_W 3
@@ -277,7 +278,7 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 #define WIDE_W 3
 #define PASS_ROWS 4
 #endif
-#define ONE_STREAM_ROWS 2
+#define ONE_STREAM_ROWS 1
 #define STREAM_ROWS 4
 #define WIDE_ROWS 5
 #define MAX_TILE_W (TILE_W > WIDE_W ? TILE_W : WIDE_W)
@@ -292,7 +293,10 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
         for (; i + VL <= k; i += VL) {                                                                           \
             vf v[MAX_TILE_W];                                                                                    \
             if ((i * (int64_t)sizeof(WT)) % 64 == 0)                                                             \
-                for (int r = 0; r < TW; r++) __builtin_prefetch(wn[r] + i);                                      \
+                for (int r = 0; r < TW; r++) {                                                                   \
+                    if (TW == 1) __builtin_prefetch(wn[r] + i, 0, 3); /* into L1 */                              \
+                    else __builtin_prefetch(wn[r] + i, 0, 2);         /* into L2 */                              \
+                }                                                                                                \
             for (int r = 0; r < TW; r++) v[r] = LOADV(w[r] + i);                                                 \
             for (int b = 0; b < NB; b++) {                                                                       \
                 const vf xv = load_f32(x + b * ldx + i);                                                         \
@@ -316,9 +320,8 @@ DEFINE_TILE_DOT(tile_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 #define DEFINE_TILE_DISPATCH(NAME, DOT, WT)                                                                      \
     static void NAME(const WT *const *w, const WT *const *wn, const float *x, int64_t ldx, int64_t k, int nb,    \
                      int tw, float (*d)[PASS_ROWS]) {                                                            \
-        if (tw == 1) {                                                                                           \
-            if (nb == 1) DOT(w, wn, x, ldx, k, 1, 1, d);                                                         \
-            else DOT(w, wn, x, ldx, k, 2, 1, d);                                                                 \
+        if (tw == 1) { /* one input row */                                                                       \
+            DOT(w, wn, x, ldx, k, 1, 1, d);                                                                      \
             return;                                                                                              \
         }                                                                                                        \
         if (tw == TILE_W && nb <= STREAM_ROWS) {                                                                 \
