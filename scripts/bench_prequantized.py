@@ -8,10 +8,12 @@ every figure measured --rounds times with the engines alternating, each engine's
     python scripts/bench_prequantized.py [--batches 1,8] [--rounds 2] [--threads N] [--isa native|avx2] [--json F]
 
 SmolLM2-135M's 576 inputs are not whole groups of 128 (the presets' group size), so the schemes are
-W8A16 / W4A16 with groups of 64 (symmetric int8 / int4, lm_head dense); ours holds them as Q8_0 / Q4_0
-blocks. The folders keep lm_head (the tied embedding) dense, which llama-quantize quantizes: the
-"F32 embedding" rows are llama-quantize's file with --token-embedding-type f32, the same bytes per
-token as the folder. RSS: what loading each of our engines added (they share one process), and
+W8A16 / W4A16 with groups of 64 (symmetric int8 / int4); ours holds them as Q8_0 / Q4_0 blocks. The
+presets keep lm_head (the tied embedding) dense, which llama-quantize quantizes: the "F32
+embedding" rows are llama-quantize's file with --token-embedding-type f32, the same bytes per token
+as that folder. The "quantized head" rows are llm-compressor's folder with lm_head quantized too
+(no ignore list: it unties the head, the embedding stays dense), the same bytes per token as
+llama-quantize's own file. RSS: what loading each of our engines added (they share one process), and
 llama.cpp's process.
 """
 import argparse
@@ -75,9 +77,11 @@ def main() -> None:
         # the same file with the tied embedding / LM head left F32, as the llm-compressor folder keeps lm_head dense
         dense_head = llamacpp_build.quantize_gguf(cache, bins, f32, quant, embedding_type="f32")
         folder = llmcompressor_folder(cache, path, scheme)
+        head_folder = llmcompressor_folder(cache, path, f"{scheme}+head")  # lm_head quantized too
         name = quant.upper()
         rows = {f"llama.cpp {name}": (gguf, None), f"ours {name}": (gguf, str(gguf)),
-                f"ours {name}, F32 embedding": (dense_head, str(dense_head)), f"ours {label}": (None, folder)}
+                f"ours {name}, F32 embedding": (dense_head, str(dense_head)), f"ours {label}": (None, folder),
+                f"ours {label}, quantized head": (None, head_folder)}
         engines = {}
         for key, (_, source) in rows.items():  # one at a time: each one's RSS is what its loading added
             gc.collect()
@@ -113,8 +117,9 @@ def main() -> None:
         for key in rows:
             rss = results[key].get("rss", {}).get(bl.RSS_COLUMNS[0])
             lines.append(f"| {key} | " + " | ".join(f"{v:.1f}" for v in figures(key)) + f" | {rss:.0f} |")
-        for num, den in ((f"ours {label}", f"ours {name}"), (f"ours {label}", f"ours {name}, F32 embedding"),
-                         (f"ours {label}", f"llama.cpp {name}")):
+        for num, den in ((f"ours {label}", f"ours {name}, F32 embedding"), (f"ours {label}", f"ours {name}"),
+                         (f"ours {label}, quantized head", f"ours {name}"),
+                         (f"ours {label}, quantized head", f"llama.cpp {name}")):
             ratio = [a / b for a, b in zip(figures(num), figures(den))]
             lines.append(f"| {num} / {den} | " + " | ".join(f"{v:.2f}x" for v in ratio) + " | |")
     print("\n" + "\n".join(lines) + "\n", flush=True)

@@ -1,5 +1,5 @@
 """Quantize a HuggingFace folder with llm-compressor (the tool vLLM users quantize with), data-free:
-oneshot with a QuantizationModifier over every Linear but lm_head, saved compressed
+oneshot with a QuantizationModifier over every Linear but lm_head (or with it), saved compressed
 (compressed-tensors' pack-quantized / float-quantized formats), tokenizer files copied; and the
 reference outputs of such a folder from transformers with the compressed-tensors version that
 wrote it.
@@ -12,7 +12,8 @@ wrote it.
 
 SCHEME: one of llm-compressor's preset names (W8A16, W4A16, W4A16_ASYM, FP8_DYNAMIC, ...) or a
 weights-only scheme spelled out: `int{4|8}-{sym|asym}-{channel|group<N>}` or
-`fp8-{tensor|channel|block<N>}`.
+`fp8-{tensor|channel|block<N>}`; `+head` after it quantizes lm_head too (no ignore list:
+llm-compressor then unties a tied head from the embedding, which stays dense).
 llm-compressor pins a transformers older than the project's, so this runs in its own virtual
 environment (scripts/llmcompressor_env.sh makes it); nothing of the project is imported."""
 import argparse
@@ -49,11 +50,12 @@ def quantize(src: str, out: str, schemes: list[str], dtype: str) -> None:
 
     for name in schemes:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
-        scheme = scheme_of(name)
+        scheme = scheme_of(name.removesuffix("+head"))
+        ignore = [] if name.endswith("+head") else ["lm_head"]
         if isinstance(scheme, str):
-            modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+            modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
         else:
-            modifier = QuantizationModifier(config_groups=scheme, ignore=["lm_head"])
+            modifier = QuantizationModifier(config_groups=scheme, ignore=ignore)
         oneshot(model=model, recipe=modifier)
         dst = os.path.join(out, name)
         model.save_pretrained(dst, save_compressed=True)

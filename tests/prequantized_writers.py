@@ -113,24 +113,31 @@ WRITTEN = {  # case -> (quantization_config, tensors(w, rng) -> (tensors, dense)
 
 
 def write_quantized(src: str, dst: str, dense_dst: str, qc: dict, make) -> None:
-    """src's linear layers (not lm_head) replaced by make's tensors in dst (with qc in config.json),
-    and the weights they stand for in dense_dst (a plain checkpoint, for transformers)."""
+    """src's linear layers replaced by make's tensors in dst (with qc in config.json), and the
+    weights they stand for in dense_dst (a plain checkpoint, for transformers). lm_head stays dense
+    unless qc has GPTQ's "lm_head": true (GPTQModel's quantized head); a tied head is then written
+    as a head of its own (the tied table's copy), quantized, beside the dense embedding, and the
+    dense reference is untied."""
     rng = torch.Generator().manual_seed(0)
     dense = load_file(os.path.join(src, "model.safetensors"))
+    config = json.load(open(os.path.join(src, "config.json")))
+    untie = {}
+    if qc.get("lm_head") and "lm_head.weight" not in dense:
+        dense["lm_head.weight"] = dense["model.embed_tokens.weight"].clone()
+        untie = {"tie_word_embeddings": False}
     quantized, plain = {}, dict(dense)
     for name, tensor in dense.items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.endswith(LINEARS):
+        if name.endswith(".weight") and (module.endswith(LINEARS) or module == "lm_head" and qc.get("lm_head")):
             t, meant = make(tensor.float(), rng)
             quantized.update({f"{module}.{key}": value for key, value in t.items()})
             plain[name] = meant.contiguous()
         else:
             quantized[name] = tensor
-    for folder, tensors, extra in ((dst, quantized, {"quantization_config": qc}), (dense_dst, plain, {})):
+    for folder, tensors, extra in ((dst, quantized, {"quantization_config": qc}), (dense_dst, plain, untie)):
         os.makedirs(folder, exist_ok=True)
         for file in os.listdir(src):
             if file != "model.safetensors" and not file.endswith(".json") or file.startswith("tokenizer"):
                 subprocess.run(["cp", os.path.join(src, file), folder], check=True)
-        config = json.load(open(os.path.join(src, "config.json")))
         json.dump({**config, **extra}, open(os.path.join(folder, "config.json"), "w"))
         save_file(tensors, os.path.join(folder, "model.safetensors"))

@@ -30,8 +30,10 @@ import llmcompressor_quantize as lq  # noqa: E402  (its reference() runs here to
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [9, 8, 7, 100, 22, 5, 77, 31]]
 NEW_TOKENS = 10
 # llm-compressor scheme -> the block format that holds it exactly ("f32": none does; dense fp32)
+# ("+head": lm_head quantized too, which llm-compressor unties from the embedding)
 SCHEMES = {"W4A16": "q4_0", "W4A16_ASYM": "q5_0", "W8A16": "q8_0", "int4-asym-channel": "q5_0",
-           "int8-asym-channel": "f32", "fp8-channel": "e4m3", "fp8-block128": "e4m3", "fp8-tensor": "e4m3"}
+           "int8-asym-channel": "f32", "fp8-channel": "e4m3", "fp8-block128": "e4m3", "fp8-tensor": "e4m3",
+           "W4A16_ASYM+head": "q5_0"}
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +55,10 @@ def run_llmcompressor(python: str, *args: str) -> None:
 @pytest.fixture(scope="session")
 def ct_folders(llmcompressor, tmp_path_factory) -> dict[str, str]:
     """scheme -> a compressed-tensors folder of a tiny random Qwen3 (bf16, every input a multiple
-    of 128 per rank of two) written by llm-compressor, with transformers' reference beside it."""
+    of 128 per rank of two, tied embeddings) written by llm-compressor, with transformers'
+    reference beside it."""
     root = tmp_path_factory.mktemp("compressed_tensors")
-    src = make_qwen3(str(root / "dense"), shape="groups")
+    src = make_qwen3(str(root / "dense"), shape="groups", tie_word_embeddings=True)
     run_llmcompressor(llmcompressor, "quantize", src, str(root), *SCHEMES)
     folders = {s: str(root / s) for s in SCHEMES}
     run_llmcompressor(llmcompressor, "reference", json.dumps(PROMPTS), str(NEW_TOKENS), *folders.values())
@@ -172,9 +175,23 @@ def test_llmcompressor_folders(ct_folders, scheme):
                       "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
             ref = torch.cat([ct_dense(folder, m) for m in stacked_names(layer)])
             assert torch.equal(held_weight(layer_at(llm, layer)), ref), (scheme, layer)
+        check_head(llm, folder, held if scheme.endswith("+head") else None, lambda: ct_dense(folder, "lm_head"))
         worst = check_against_reference(llm, folder)
     # integer schemes: our inputs are rounded to 14-bit integers per block (about 1e-3 here); fp8 multiplies fp32
     assert worst < (1e-4 if held == "e4m3" or held == "f32" else 5e-3), worst
+
+
+def check_head(llm, folder: str, held: str | None, dense_head) -> None:
+    """lm_head dense and tied to the embedding (held None: as the checkpoint's tied table), or held
+    as block format held, equal to dense_head(), beside the checkpoint's dense embedding."""
+    head, embedding = layer_at(llm, "lm_head"), layer_at(llm, "model.embed_tokens")
+    table = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"].float()
+    assert torch.equal(embedding.weight.float(), table)
+    if held is None:
+        assert head.weight is embedding.weight
+        return
+    assert f" as {held} (C kernel)" in head.quant_method.name, head.quant_method.name
+    assert torch.equal(held_weight(head), dense_head())
 
 
 # ---- GPTQ, AWQ and FP8 folders written from the formats' definitions (prequantized_writers.py) -----
@@ -210,6 +227,20 @@ def test_written_formats(written, case):
     assert worst < (1e-4 if held == "e4m3" else 5e-3), worst
 
 
+def test_gptq_quantized_head_of_a_tied_model(tmp_path):
+    """GPTQ's lm_head: true (GPTQModel's quantized head) over a model with tied embeddings: the head
+    multiplies from its own 4-bit tensors, the embedding stays the checkpoint's dense table."""
+    qc, make, held = WRITTEN["gptq-4bit-g128-sym"]
+    src = make_qwen3(str(tmp_path / "src"), shape="groups", tie_word_embeddings=True, seed=1)
+    folder, dense = str(tmp_path / "gptq"), str(tmp_path / "dense")
+    write_quantized(src, folder, dense, {**qc, "lm_head": True}, make)
+    lq.reference(dense, PROMPTS, NEW_TOKENS)
+    plain = load_file(os.path.join(dense, "model.safetensors"))
+    with LLM(folder, max_num_seqs=4, max_model_len=256) as llm:
+        check_head(llm, folder, held, lambda: plain["lm_head.weight"])
+        assert check_against_reference(llm, dense) < 5e-3
+
+
 # ---- tensor parallelism ----------------------------------------------------------------------------
 def greedy(llm) -> list[list[int]]:
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
@@ -218,8 +249,9 @@ def greedy(llm) -> list[list[int]]:
 
 def test_tensor_parallel_equals_one_rank(ct_folders, written):
     """TP=2 shards the packed tensors (zero points packed along the outputs, scales by groups,
-    g_idx with every rank loading all groups' scales) and gives TP=1's tokens."""
-    for folder in (ct_folders["W4A16_ASYM"], written["gptq-4bit-g64-desc_act"][0], written["fp8-tensor"][0]):
+    g_idx with every rank loading all groups' scales; a quantized head by its vocabulary) and gives
+    TP=1's tokens."""
+    for folder in (ct_folders["W4A16_ASYM+head"], written["gptq-4bit-g64-desc_act"][0], written["fp8-tensor"][0]):
         with LLM(folder, max_num_seqs=4, max_model_len=256) as llm:
             one = greedy(llm)
         with LLM(folder, max_num_seqs=4, max_model_len=256, tensor_parallel_size=2) as llm:

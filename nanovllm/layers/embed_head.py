@@ -13,6 +13,8 @@ from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, 
 class VocabParallelBase(TaggedWeights):
     """A [num_embeddings, embedding_dim] table split over the ranks by rows."""
 
+    tp_dim = 0  # as a linear layer's: the outputs (the vocabulary) are split over the ranks
+
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str):
         super().__init__()
         self.tp_rank = get_tp_rank()
@@ -26,10 +28,14 @@ class VocabParallelBase(TaggedWeights):
         # The model dtype: a table held narrower (bf16 weights on CPU) still gives rows of it.
         self.dtype = torch.get_default_dtype()
 
+    def rank_part(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the vocabulary (of a tensor laid out with them along param.output_dim)."""
+        if self.tp_size == 1 or param.output_dim is None:
+            return loaded
+        return shard_of(loaded, param.output_dim, self.tp_rank, self.tp_size, "vocabulary size")
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if self.tp_size > 1 and param.output_dim is not None:
-            loaded = shard_of(loaded, param.output_dim, self.tp_rank, self.tp_size, "vocabulary size")
-        copy_checked(param.data, loaded, self.prefix or type(self).__name__)
+        copy_checked(param.data, self.rank_part(param, loaded), self.prefix or type(self).__name__)
 
 
 class VocabParallelEmbedding(VocabParallelBase):

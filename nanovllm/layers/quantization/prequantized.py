@@ -124,16 +124,13 @@ class PrequantizedConfig(QuantizationConfig):
         from nanovllm.layers.moe import FusedMoE
         if isinstance(layer, VocabParallelEmbedding):
             return None
-        if isinstance(layer, ParallelLMHead):
-            if self.is_quantized_module(prefix):
-                raise ValueError(f"{prefix}: a quantized LM head ({self.name}) is not supported; keep lm_head dense "
-                                 "(llm-compressor: ignore=['lm_head'])")
-            return None
+        if isinstance(layer, ParallelLMHead) and not self.is_quantized_module(prefix):
+            return None  # kept dense (llm-compressor's ignore=["lm_head"]), as most checkpoints keep it
         if isinstance(layer, FusedMoE):
             if any(self.is_quantized_module(m) for m in self.expert_modules(prefix)):
                 raise ValueError(f"{prefix}: {self.name} mixture-of-experts weights are not supported")
             return None
-        if not isinstance(layer, LinearBase):
+        if not isinstance(layer, (LinearBase, ParallelLMHead)):
             return None
         modules = checkpoint_modules(layer, prefix, self.packed_modules_mapping)
         schemes = [self.scheme_for(m) for m in modules]
