@@ -11,7 +11,8 @@ from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase,
 from nanovllm.layers.quantization.awq import AWQConfig
 from nanovllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from nanovllm.layers.quantization.fp8 import Fp8Config
-from nanovllm.layers.quantization.gguf import ONLINE_FORMATS, GGUFConfig, OnlineQuantConfig
+from nanovllm.layers.quantization.gguf import ONLINE_FORMATS
+from nanovllm.layers.quantization.gguf_config import GGUFConfig, OnlineQuantConfig
 from nanovllm.layers.quantization.gptq import GPTQConfig
 from nanovllm.layers.quantization.prequantized import PrequantizedConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
