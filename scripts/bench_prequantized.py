@@ -5,7 +5,8 @@ and by nano-vLLM. Same shapes and method as scripts/bench_llamacpp.py (whose hel
 decode tok/s at each batch size (64-token prompts, 64 greedy steps), batch-1 prefill of 128 tokens,
 every figure measured --rounds times with the engines alternating, each engine's best reported.
 
-    python scripts/bench_prequantized.py [--batches 1,8] [--rounds 2] [--threads N] [--isa native|avx2] [--json F]
+    python scripts/bench_prequantized.py [--batches 1,8] [--rounds 2] [--threads N] [--isa native|avx2]
+        [--input-bits auto|group|14|8] [--json F]
 
 SmolLM2-135M's 576 inputs are not whole groups of 128 (the presets' group size), so the schemes are
 W8A16 / W4A16 with groups of 64 (symmetric int8 / int4); ours holds them as Q8_0 / Q4_0 blocks. The
@@ -55,6 +56,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--isa", default="native", choices=sorted(llamacpp_build.ISA_FLAGS))
+    p.add_argument("--input-bits", type=lambda s: int(s) if s.isdigit() else s, default="auto",
+                   choices=("auto", "group", 8, 14),
+                   help="our engines' cpu_input_bits (every row): auto (per group for the GGUF files, 14-bit for "
+                   "the A16 folders), group (per group for both), 14 or 8")
     p.add_argument("--json")
     args = p.parse_args()
     batches = sorted({int(b) for b in args.batches.split(",")})
@@ -66,9 +71,11 @@ def main() -> None:
     bins = llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count(), isa=args.isa)
     path = bl.model_folder("default")
     points = [("decode", b) for b in batches] + [("prefill", bl.PREFILL_LEN)]
-    results = {"threads": args.threads, "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native")}
+    results = {"threads": args.threads, "isa": args.isa, "our_march": os.environ.get(MARCH_ENV, "native"),
+               "cpu_input_bits": args.input_bits}
     raw: dict = {}
-    lines = [f"### default model: pre-quantized vs GGUF (tok/s, {args.threads} threads, {args.isa})", "",
+    lines = [f"### default model: pre-quantized vs GGUF (tok/s, {args.threads} threads, {args.isa}, "
+             f"cpu_input_bits={args.input_bits})", "",
              "| engine | " + " | ".join(bl.point_key(pt) for pt in points) + " | RSS MiB of the loaded model |",
              "|---" * (len(points) + 2) + "|"]
     for quant, (label, scheme) in SCHEMES.items():
@@ -87,7 +94,7 @@ def main() -> None:
             gc.collect()
             release_freed_memory()  # what the engines before this one freed, returned first
             before = bl.rss_mib()
-            engines[key] = bl.start_ours(source, batches, args.threads, "float32") if source else None
+            engines[key] = bl.start_ours(source, batches, args.threads, "float32", args.input_bits) if source else None
             if source:
                 results.setdefault(key, {"decode": {}, "prefill": None, "samples": {}})["rss"] = \
                     {bl.RSS_COLUMNS[0]: bl.rss_mib() - before}

@@ -181,6 +181,22 @@ def test_llmcompressor_folders(ct_folders, scheme):
     assert worst < (1e-4 if held == "e4m3" or held == "f32" else 5e-3), worst
 
 
+@pytest.mark.parametrize("bits", ["auto", "group", 8])
+def test_input_rounding_of_a16_formats(ct_folders, bits):
+    """W8A16 under cpu_input_bits "auto" keeps 14-bit inputs (two planes, as vLLM keeps 16-bit
+    activations); "group" rounds them per group as the GGUF formats' "auto" does, 8 to int8: the
+    layers carry the named rounding, and the outputs stay close to transformers' on the folder."""
+    from nanovllm.config import CPU_INPUT_BITS
+    folder = ct_folders["W8A16"]
+    with LLM(folder, max_num_seqs=4, max_model_len=256, cpu_input_bits=bits) as llm:
+        planes = {layer.quant_method.input_planes for layer in linear_layers(model_of(llm)) if layer.prefix != "lm_head"}
+        assert planes == {2 if bits == "auto" else CPU_INPUT_BITS[bits]}, planes
+        worst = check_against_reference(llm, folder)
+    # int8 steps are 128x the two planes' (this random model's inputs hold few loud groups: "group"
+    # rounds almost all of them to int8); the tokens above kept vLLM's closeness rule either way
+    assert worst < {"auto": 5e-3, "group": 0.2, 8: 0.2}[bits], worst
+
+
 def check_head(llm, folder: str, held: str | None, dense_head) -> None:
     """lm_head dense and tied to the embedding (held None: as the checkpoint's tied table), or held
     as block format held, equal to dense_head(), beside the checkpoint's dense embedding."""

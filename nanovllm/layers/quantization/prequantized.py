@@ -141,8 +141,8 @@ class PrequantizedConfig(QuantizationConfig):
                              "they must share one scheme")
         method = self.method(schemes[0], layer, modules)
         # "A16" formats: under cpu_input_bits "auto" the block kernels keep their inputs at 14 bits
-        # (two planes, fp16's error), as vLLM keeps 16-bit activations; 8 or 14 apply as asked
-        method.input_planes = self.input_planes or 2
+        # (two planes, fp16's error), as vLLM keeps 16-bit activations; "group", 8 or 14 apply as asked
+        method.input_planes = self.input_planes if self.inputs_chosen else 2
         return method
 
     def expert_modules(self, prefix: str) -> list[str]:
