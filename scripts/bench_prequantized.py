@@ -12,9 +12,10 @@ SmolLM2-135M's 576 inputs are not whole groups of 128 (the presets' group size),
 W8A16 / W4A16 with groups of 64 (symmetric int8 / int4); ours holds them as Q8_0 / Q4_0 blocks. The
 presets keep lm_head (the tied embedding) dense, which llama-quantize quantizes: the "F32
 embedding" rows are llama-quantize's file with --token-embedding-type f32, the same bytes per token
-as that folder. The "quantized head" rows are llm-compressor's folder with lm_head quantized too
-(no ignore list: it unties the head, the embedding stays dense), the same bytes per token as
-llama-quantize's own file. RSS: what loading each of our engines added (they share one process), and
+as that folder. The "int8 head" rows are llm-compressor's folders with lm_head quantized to int8
+too (W8A16: no ignore list; W4A16: a second config group naming lm_head; llm-compressor unties the
+head, the embedding stays dense), the same bytes per token as llama-quantize's own files, which
+hold the tied head as Q8_0 in both. RSS: what loading each of our engines added (they share one process), and
 llama.cpp's process.
 """
 import argparse
@@ -33,8 +34,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_llamacpp as bl  # noqa: E402
 import llamacpp_build  # noqa: E402
 
-# block format -> the llm-compressor scheme held as it
-SCHEMES = {"q8_0": ("W8A16", "int8-sym-group64"), "q4_0": ("W4A16", "int4-sym-group64")}
+# block format -> (label, the llm-compressor scheme held as it, its variant with an int8 lm_head:
+# llama-quantize's Q8_0 and Q4_0 files of this model both hold the tied head as Q8_0)
+SCHEMES = {"q8_0": ("W8A16", "int8-sym-group64", "+head"), "q4_0": ("W4A16", "int4-sym-group64", "+head8")}
 
 
 def llmcompressor_folder(cache: Path, src: str, scheme: str) -> str:
@@ -78,17 +80,17 @@ def main() -> None:
              f"cpu_input_bits={args.input_bits})", "",
              "| engine | " + " | ".join(bl.point_key(pt) for pt in points) + " | RSS MiB of the loaded model |",
              "|---" * (len(points) + 2) + "|"]
-    for quant, (label, scheme) in SCHEMES.items():
+    for quant, (label, scheme, with_head) in SCHEMES.items():
         gguf, _, _ = bl.sources(cache, bins, "default", path, quant)
         f32 = llamacpp_build.convert_to_gguf(cache, path, f"default-{Path(path).name}", "f32")
         # the same file with the tied embedding / LM head left F32, as the llm-compressor folder keeps lm_head dense
         dense_head = llamacpp_build.quantize_gguf(cache, bins, f32, quant, embedding_type="f32")
         folder = llmcompressor_folder(cache, path, scheme)
-        head_folder = llmcompressor_folder(cache, path, f"{scheme}+head")  # lm_head quantized too
+        head_folder = llmcompressor_folder(cache, path, scheme + with_head)  # lm_head quantized too, int8
         name = quant.upper()
         rows = {f"llama.cpp {name}": (gguf, None), f"ours {name}": (gguf, str(gguf)),
                 f"ours {name}, F32 embedding": (dense_head, str(dense_head)), f"ours {label}": (None, folder),
-                f"ours {label}, quantized head": (None, head_folder)}
+                f"ours {label}, int8 head": (None, head_folder)}
         engines = {}
         for key, (_, source) in rows.items():  # one at a time: each one's RSS is what its loading added
             gc.collect()
@@ -125,8 +127,8 @@ def main() -> None:
             rss = results[key].get("rss", {}).get(bl.RSS_COLUMNS[0])
             lines.append(f"| {key} | " + " | ".join(f"{v:.1f}" for v in figures(key)) + f" | {rss:.0f} |")
         for num, den in ((f"ours {label}", f"ours {name}, F32 embedding"), (f"ours {label}", f"ours {name}"),
-                         (f"ours {label}, quantized head", f"ours {name}"),
-                         (f"ours {label}, quantized head", f"llama.cpp {name}")):
+                         (f"ours {label}, int8 head", f"ours {name}"),
+                         (f"ours {label}, int8 head", f"llama.cpp {name}")):
             ratio = [a / b for a, b in zip(figures(num), figures(den))]
             lines.append(f"| {num} / {den} | " + " | ".join(f"{v:.2f}x" for v in ratio) + " | |")
     print("\n" + "\n".join(lines) + "\n", flush=True)

@@ -13,7 +13,9 @@ wrote it.
 SCHEME: one of llm-compressor's preset names (W8A16, W4A16, W4A16_ASYM, FP8_DYNAMIC, ...) or a
 weights-only scheme spelled out: `int{4|8}-{sym|asym}-{channel|group<N>}` or
 `fp8-{tensor|channel|block<N>}`; `+head` after it quantizes lm_head too (no ignore list:
-llm-compressor then unties a tied head from the embedding, which stays dense).
+llm-compressor then unties a tied head from the embedding, which stays dense), `+head8` quantizes
+lm_head to int8 per channel in a group of its own (as llama-quantize keeps the head of a 4-bit
+file at 8 bits or more).
 llm-compressor pins a transformers older than the project's, so this runs in its own virtual
 environment (scripts/llmcompressor_env.sh makes it); nothing of the project is imported."""
 import argparse
@@ -26,10 +28,16 @@ import torch
 
 
 def scheme_of(name: str):
-    """A preset name as it is, or a spelled-out weights-only scheme as config_groups."""
+    """A preset name as it is, or a spelled-out weights-only scheme as config_groups; with
+    "+head8", config_groups of it and of an 8-bit per-channel lm_head (a second group, named)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+    if name.endswith("+head8"):
+        body = scheme_of(name.removesuffix("+head8"))
+        body = {"body": preset_name_to_scheme(body, ["Linear"])} if isinstance(body, str) else body
+        head = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+        return {**body, "head": QuantizationScheme(targets=["lm_head"], weights=head)}
     if not name.startswith(("int", "fp8-")):
         return name
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     if name.startswith("fp8-"):
         strategy = name[4:]
         block = [int(strategy[5:])] * 2 if strategy.startswith("block") else None
@@ -51,7 +59,7 @@ def quantize(src: str, out: str, schemes: list[str], dtype: str) -> None:
     for name in schemes:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
         scheme = scheme_of(name.removesuffix("+head"))
-        ignore = [] if name.endswith("+head") else ["lm_head"]
+        ignore = [] if name.endswith(("+head", "+head8")) else ["lm_head"]
         if isinstance(scheme, str):
             modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
         else:

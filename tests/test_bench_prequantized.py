@@ -57,7 +57,7 @@ def test_rows_and_ratios(monkeypatch, tmp_path, capsys):
     # each engine's rate is fixed per row, so the ratios are a hand count
     rate_of = {"q8_0.gguf": 100.0, "q8_0-f32emb.gguf": 80.0, "int8-sym-group64": 84.0,
                "int8-sym-group64+head": 95.0, "q4_0.gguf": 120.0, "q4_0-f32emb.gguf": 90.0,
-               "int4-sym-group64": 90.0, "int4-sym-group64+head": 126.0}
+               "int4-sym-group64": 90.0, "int4-sym-group64+head8": 126.0}
 
     def llamacpp_point(bins, gguf, point, threads, logs, raw):
         calls.append((f"llama.cpp {gguf.name}", point))
@@ -73,12 +73,12 @@ def test_rows_and_ratios(monkeypatch, tmp_path, capsys):
     bench.main()
 
     assert started == ["q8_0.gguf", "q8_0-f32emb.gguf", "int8-sym-group64", "int8-sym-group64+head",
-                       "q4_0.gguf", "q4_0-f32emb.gguf", "int4-sym-group64", "int4-sym-group64+head"]
+                       "q4_0.gguf", "q4_0-f32emb.gguf", "int4-sym-group64", "int4-sym-group64+head8"]
     q8 = ["llama.cpp q8_0.gguf", "q8_0.gguf", "q8_0-f32emb.gguf", "int8-sym-group64", "int8-sym-group64+head"]
     expected = [(name, point) for point in (("decode", 1), ("prefill", 128)) for _ in range(2) for name in q8]
     assert calls[:len(expected)] == expected
     assert calls[len(expected):len(expected) + 4] == [(n, "exit") for n in q8[1:]]
     out = capsys.readouterr().out
-    assert "| ours W8A16, quantized head / ours Q8_0 | 0.95x | 0.95x | |" in out
+    assert "| ours W8A16, int8 head / ours Q8_0 | 0.95x | 0.95x | |" in out
     assert "| ours W8A16 / ours Q8_0, F32 embedding | 1.05x | 1.05x | |" in out
-    assert "| ours W4A16, quantized head / llama.cpp Q4_0 | 2.52x | 2.52x | |" in out
+    assert "| ours W4A16, int8 head / llama.cpp Q4_0 | 2.52x | 2.52x | |" in out

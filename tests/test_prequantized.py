@@ -30,10 +30,12 @@ import llmcompressor_quantize as lq  # noqa: E402  (its reference() runs here to
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [9, 8, 7, 100, 22, 5, 77, 31]]
 NEW_TOKENS = 10
 # llm-compressor scheme -> the block format that holds it exactly ("f32": none does; dense fp32)
-# ("+head": lm_head quantized too, which llm-compressor unties from the embedding)
+# ("+head": lm_head quantized too, which llm-compressor unties from the embedding; "+head8": lm_head
+# int8 per channel in a config group of its own, named exactly, listed after the "Linear" group)
 SCHEMES = {"W4A16": "q4_0", "W4A16_ASYM": "q5_0", "W8A16": "q8_0", "int4-asym-channel": "q5_0",
            "int8-asym-channel": "f32", "fp8-channel": "e4m3", "fp8-block128": "e4m3", "fp8-tensor": "e4m3",
-           "W4A16_ASYM+head": "q5_0"}
+           "W4A16_ASYM+head": "q5_0", "W4A16+head8": "q4_0"}
+HEADS = {"W4A16_ASYM+head": "q5_0", "W4A16+head8": "q8_0"}  # how a quantized head is held
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +145,10 @@ def ct_dense(folder: str, module: str) -> torch.Tensor:
     """The fp32 weight a compressed-tensors module stands for: scale * (value - zero_point)."""
     t = load_file(os.path.join(folder, "model.safetensors"))
     qc = json.load(open(os.path.join(folder, "config.json")))["quantization_config"]
-    w = qc["config_groups"]["group_0"]["weights"]
+    # compressed-tensors' precedence (utils/match.py): a group naming the module, else the "Linear" one
+    groups = list(qc["config_groups"].values())
+    w = next((g for g in groups if module in g["targets"]), None) or next(g for g in groups if "Linear" in g["targets"])
+    w = w["weights"]
     scale = t[f"{module}.weight_scale"].float()
     if w["type"] == "float":
         values = t[f"{module}.weight"].float()
@@ -175,7 +180,7 @@ def test_llmcompressor_folders(ct_folders, scheme):
                       "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
             ref = torch.cat([ct_dense(folder, m) for m in stacked_names(layer)])
             assert torch.equal(held_weight(layer_at(llm, layer)), ref), (scheme, layer)
-        check_head(llm, folder, held if scheme.endswith("+head") else None, lambda: ct_dense(folder, "lm_head"))
+        check_head(llm, folder, HEADS.get(scheme), lambda: ct_dense(folder, "lm_head"))
         worst = check_against_reference(llm, folder)
     # integer schemes: our inputs are rounded to 14-bit integers per block (about 1e-3 here); fp8 multiplies fp32
     assert worst < (1e-4 if held == "e4m3" or held == "f32" else 5e-3), worst

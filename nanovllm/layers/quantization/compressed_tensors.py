@@ -87,6 +87,10 @@ class Scheme:
                    w.get("actorder") in ("group", "weight") and strategy == "group", fmt)
 
 
+def _target_kind(target: str) -> str:
+    return "re" if target.startswith("re:") else "Linear" if target == "Linear" else "name"
+
+
 def _matches(module: str, target: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], module) is not None
@@ -120,12 +124,14 @@ class CompressedTensorsConfig(PrequantizedConfig):
     def scheme_for(self, module: str) -> Scheme | None:
         if any(_matches(module, t) for t in self.ignore if t != "Linear"):
             return None
-        for targets, scheme in self.groups:
-            if any(_matches(module, t) for t in targets):
-                # a "Linear" target quantizes the linear layers the checkpoint has quantized tensors for
-                if f"{module}.weight" in self.header and self.header[f"{module}.weight"][0] not in ("F8_E4M3", "I8"):
-                    return None
-                return scheme
+        # compressed-tensors' precedence over all groups' targets (utils/match.py, match_targets): the
+        # module's exact name, then a "re:" pattern, then the class name "Linear"
+        for kind in ("name", "re", "Linear"):
+            for targets, scheme in self.groups:
+                if any(_matches(module, t) and _target_kind(t) == kind for t in targets):
+                    # a "Linear" target quantizes the linear layers the checkpoint has quantized tensors for
+                    dense = self.header.get(f"{module}.weight", ("F8_E4M3",))[0] not in ("F8_E4M3", "I8")
+                    return None if dense else scheme
         return None
 
     def method(self, scheme: Scheme, layer: nn.Module, modules: list[str]) -> WeightOnlyLinearMethod:
