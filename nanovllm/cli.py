@@ -13,7 +13,7 @@ from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 
 
 def input_bits(text: str) -> int | str:
-    """--cpu-input-bits: "auto", "group" or a number (Config checks which)."""
+    """--cpu-input-bits: "auto" or a number (Config checks which)."""
     return int(text) if text.isdigit() else text
 
 
@@ -26,8 +26,8 @@ _ENGINE_OPTIONS = [
      "a .gguf MODEL keeps its own)"),
     ("--cpu-input-bits", "cpu_input_bits", input_bits,
      "CPU block-format kernels' input rounding per group: auto (int8 where that is within 40 dB of the group, "
-     "14-bit elsewhere; 14-bit everywhere in W8A16 / W4A16 / GPTQ / AWQ checkpoints), group (that per-group "
-     "rule in every format), 14 (14-bit everywhere) or 8 (llama.cpp's int8 inputs: fastest, coarsest)"),
+     "14-bit elsewhere), 14 (14-bit everywhere: as vLLM keeps W8A16 / W4A16 activations in 16 bits) or 8 "
+     "(llama.cpp's int8 inputs: fastest, coarsest)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "most tokens in one step"),
     ("--max-model-len", "max_model_len", int, "longest prompt + completion"),

@@ -92,9 +92,8 @@ def check_nodes(nnodes, node_rank, dist_init_addr, tensor_parallel_size: int | N
 
 
 # Config.cpu_input_bits -> the C kernels' input rounding mode (Linear.input_planes, cpu_quant.c):
-# 1 int8, 2 two int8 planes, 0 per group ("auto" is per group except for the A16 pre-quantized
-# formats, which keep 14 bits: layers/quantization/prequantized.py).
-CPU_INPUT_BITS = {"auto": 0, "group": 0, 8: 1, 14: 2}
+# 1 int8, 2 two int8 planes, 0 per group.
+CPU_INPUT_BITS = {"auto": 0, 8: 1, 14: 2}
 
 
 @dataclass
@@ -133,10 +132,10 @@ class Config:
     # CPU block-format kernels (GGUF files, quantization=): how each group of a layer's inputs is
     # rounded. "auto": to int8 where that keeps the group's rounding noise 40 dB below its signal
     # (most groups), to 14-bit integers (two int8 planes) where it would not (groups holding an
-    # outlier channel), except in the A16 pre-quantized formats (W8A16, W4A16, GPTQ, AWQ: 14 bits,
-    # as vLLM keeps their activations in 16 bits); "group": that per-group rule for every format;
-    # 14: 14-bit everywhere (within fp16's error of fp32, twice int8's integer work); 8: int8
-    # everywhere (llama.cpp's Q8 inputs; a small model's greedy answer can change).
+    # outlier channel), in every format, the A16 pre-quantized ones (W8A16, W4A16, GPTQ, AWQ)
+    # included; 14: 14-bit everywhere (within fp16's error of fp32, as vLLM keeps A16 activations in
+    # 16 bits; twice int8's integer work); 8: int8 everywhere (llama.cpp's Q8 inputs; a small model's
+    # greedy answer can change).
     cpu_input_bits: int | str = "auto"
     # Derived, filled in __post_init__.
     hf_config: object = field(init=False, repr=False)
@@ -147,7 +146,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if type(self.cpu_input_bits) not in (int, str) or self.cpu_input_bits not in CPU_INPUT_BITS:
-            raise ValueError(f"cpu_input_bits must be 'auto', 'group', 8 or 14, got {self.cpu_input_bits!r}")
+            raise ValueError(f"cpu_input_bits must be 'auto', 8 or 14, got {self.cpu_input_bits!r}")
         self.hf_config = _load_hf_config(self.model)
         self.model = str(self.model)
         from nanovllm.models import get_model_class

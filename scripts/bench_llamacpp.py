@@ -308,7 +308,7 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma-separated rows: {', '.join(QUANTS)} (default: all); f32 / f16: llama.cpp's "
                    "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
                    "llama-quantize's file from the F32 conversion, loaded by both engines")
-    p.add_argument("--input-bits", type=lambda s: int(s) if s.isdigit() else s, default="auto", choices=("auto", "group", 8, 14),
+    p.add_argument("--input-bits", type=lambda s: int(s) if s.isdigit() else s, default="auto", choices=("auto", 8, 14),
                    help="our block-format kernels' input rounding per group (LLM(cpu_input_bits=)): auto (the "
                    "default: int8 where that is within 40 dB of the group, 14-bit elsewhere), 14 (two int8 planes "
                    "everywhere) or 8 (llama.cpp's int8 inputs everywhere)")

@@ -6,7 +6,7 @@ decode tok/s at each batch size (64-token prompts, 64 greedy steps), batch-1 pre
 every figure measured --rounds times with the engines alternating, each engine's best reported.
 
     python scripts/bench_prequantized.py [--batches 1,8] [--rounds 2] [--threads N] [--isa native|avx2]
-        [--input-bits auto|group|14|8] [--json F]
+        [--input-bits auto|14|8] [--json F]
 
 SmolLM2-135M's 576 inputs are not whole groups of 128 (the presets' group size), so the schemes are
 W8A16 / W4A16 with groups of 64 (symmetric int8 / int4); ours holds them as Q8_0 / Q4_0 blocks. The
@@ -59,9 +59,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--isa", default="native", choices=sorted(llamacpp_build.ISA_FLAGS))
     p.add_argument("--input-bits", type=lambda s: int(s) if s.isdigit() else s, default="auto",
-                   choices=("auto", "group", 8, 14),
-                   help="our engines' cpu_input_bits (every row): auto (per group for the GGUF files, 14-bit for "
-                   "the A16 folders), group (per group for both), 14 or 8")
+                   choices=("auto", 8, 14),
+                   help="our engines' cpu_input_bits (every row): auto (per group), 14 or 8")
     p.add_argument("--json")
     args = p.parse_args()
     batches = sorted({int(b) for b in args.batches.split(",")})

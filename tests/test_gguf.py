@@ -381,7 +381,7 @@ def test_bad_files_and_options(tmp_path):
     with pytest.raises(ValueError, match=r"quantization 'int3' is not supported; choose one of \['q8_0'"):
         LLM(folder, quantization="int3")
     for bits in (4, 16, True, 14.0, "8", "int8", None):
-        with pytest.raises(ValueError, match=f"cpu_input_bits must be 'auto', 'group', 8 or 14, got {re.escape(repr(bits))}"):
+        with pytest.raises(ValueError, match=f"cpu_input_bits must be 'auto', 8 or 14, got {re.escape(repr(bits))}"):
             LLM(str(good), cpu_input_bits=bits)
 
 

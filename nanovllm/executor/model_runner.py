@@ -53,7 +53,6 @@ class ModelRunner:
         # The weight format picks each layer's method as the model is built (layers/quantization).
         quant_config = quant_config_for_model(config.model, hf_config, config.quantization)
         quant_config.input_planes = CPU_INPUT_BITS[config.cpu_input_bits]
-        quant_config.inputs_chosen = config.cpu_input_bits != "auto"
         with default_dtype(self.dtype), self.device:
             self.model = get_model_class(hf_config)(hf_config, quant_config)
         load_model(self.model, config.model)

@@ -113,9 +113,7 @@ class QuantizationConfig:
     name: ClassVar[str]
     # How the CPU block kernels round a layer's inputs (CWeightView.input_planes): set by the engine
     # from Config.cpu_input_bits before the model is built; the GGUF methods pass it on.
-    # inputs_chosen: the user named the rounding (not "auto").
     input_planes: int = 0
-    inputs_chosen: bool = False
 
     @classmethod
     def from_model(cls, path: str, hf_config: Any) -> "QuantizationConfig | None":
