@@ -145,7 +145,7 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def start_ours(path: str, batches: list[int], threads: int, dtype: str, input_bits: int | str = "auto"):
+def start_ours(path: str, batches: list[int], threads: int, dtype: str, input_bits: int | str):
     """Our engine for every point of one weight width (it stays loaded while llama.cpp runs)."""
     import torch
     from nanovllm import LLM

@@ -50,7 +50,7 @@ def test_rows_and_ratios(monkeypatch, tmp_path, capsys):
         def exit(self):
             calls.append((self.name, "exit"))
 
-    def start_ours(path, batches, threads, dtype, input_bits="auto"):
+    def start_ours(path, batches, threads, dtype, input_bits):
         started.append(Path(path).name)
         return Engine(path)
 

@@ -8,6 +8,7 @@ from torch import nn
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
 from nanovllm.layers.quantization import QuantizationConfig, embedding_method_for, linear_method_for
 from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, shard_of
+from nanovllm.layers.quantization.weight_only import WeightOnlyLinearMethod
 
 
 class VocabParallelBase(TaggedWeights):
@@ -74,7 +75,11 @@ class ParallelLMHead(VocabParallelBase):
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Multiply by the embedding's table itself (tie_word_embeddings).
         NOTE: a method that repacks the table must keep the form the embedding reads
-        (process_weights_after_loading passes is_shared)."""
+        (process_weights_after_loading passes is_shared). A head the checkpoint quantized on its own
+        (GPTQ's lm_head: true, a compressed-tensors head not ignored) stays untied: it multiplies from
+        its own tensors, beside the dense embedding table."""
+        if isinstance(self.quant_method, WeightOnlyLinearMethod):
+            return
         mine = {name for name, _ in self.named_parameters(recurse=False)}
         theirs = {name for name, _ in embedding.named_parameters(recurse=False)}
         if mine != theirs:

@@ -14,7 +14,6 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.quantization import QuantizationConfig
-from nanovllm.layers.quantization.weight_only import WeightOnlyLinearMethod
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_settings
 from nanovllm.loader import StackedParam, load_weights
 
@@ -162,9 +161,7 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, o_bias, self.use_qk_norm, quant_config, "model", self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                       prefix="lm_head")
-        # A head the checkpoint quantized on its own (GPTQ's lm_head: true, a compressed-tensors head
-        # not ignored) multiplies from its own tensors, beside the dense embedding table.
-        if getattr(config, "tie_word_embeddings", False) and not isinstance(self.lm_head.quant_method, WeightOnlyLinearMethod):
+        if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_weights(self.model.embed_tokens)
 
     def make_mlp(self, config, layer_idx: int, prefix: str, quant_config: QuantizationConfig | None) -> nn.Module:
