@@ -1,13 +1,18 @@
 """Config: every engine knob, validated once at construction. Built by LLMEngine from LLM kwargs."""
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nanovllm.platforms import Platform, get_platform
+
+if TYPE_CHECKING:
+    from nanovllm.layers.quantization import QuantizationConfig
+    from nanovllm.loader.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -23,44 +28,6 @@ def _positive_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def _looks_like_hub_id(model: str) -> bool:
-    """Whether `model` is spelled like a HuggingFace hub id ("owner/name"), not like a path."""
-    parts = model.split("/")
-    return (len(parts) == 2 and all(p and p not in (".", "..") for p in parts)
-            and all(c.isalnum() or c in "-_." for p in parts for c in p))
-
-
-def _missing_folder_message(model: str) -> str:
-    message = f"model folder {model!r} does not exist or is not a directory"
-    if _looks_like_hub_id(model):
-        # vLLM downloads hub ids; users coming from it type one first.
-        message += (f"; it looks like a HuggingFace hub id, and nano-vLLM does not download from the hub: "
-                    f"pass a local checkpoint folder (huggingface_hub.snapshot_download({model!r}) "
-                    "downloads one and returns its path) or use LLM.default() for the default model")
-    return message
-
-
-def _load_hf_config(model: str):
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path to a checkpoint folder or a .gguf file, got {type(model).__name__}")
-    model = str(model)
-    from nanovllm.loader.gguf import is_gguf_path, open_gguf
-    if is_gguf_path(model):
-        return open_gguf(model).hf_config()  # ValueError for a missing, malformed or unsupported file
-    if not os.path.isdir(model):
-        raise ValueError(_missing_folder_message(model))
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ValueError(f"model folder {model!r} has no config.json")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model)):
-        raise ValueError(f"model folder {model!r} has no *.safetensors weights "
-                         "(only safetensors checkpoints are loaded)")
-    from transformers import AutoConfig
-    try:
-        return AutoConfig.from_pretrained(model)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
 
 
 def parse_init_addr(addr: str) -> tuple[str, int]:
@@ -138,7 +105,9 @@ class Config:
     # greedy answer can change).
     cpu_input_bits: int | str = "auto"
     # Derived, filled in __post_init__.
+    checkpoint: "Checkpoint" = field(init=False, repr=False, compare=False)  # loader/checkpoint.py
     hf_config: object = field(init=False, repr=False)
+    quant_config: "QuantizationConfig" = field(init=False, repr=False, compare=False)  # the weight format
     torch_dtype: torch.dtype = field(init=False)  # activations and KV cache
     weight_dtype: torch.dtype = field(init=False)  # how the linear weights are held (platform.weight_dtype)
     eos_token_ids: frozenset = field(init=False)
@@ -147,21 +116,18 @@ class Config:
     def __post_init__(self) -> None:
         if type(self.cpu_input_bits) not in (int, str) or self.cpu_input_bits not in CPU_INPUT_BITS:
             raise ValueError(f"cpu_input_bits must be 'auto', 8 or 14, got {self.cpu_input_bits!r}")
-        self.hf_config = _load_hf_config(self.model)
-        self.model = str(self.model)
+        from nanovllm.loader.checkpoint import Checkpoint
+        self.checkpoint = Checkpoint(self.model)  # ValueError for a missing or malformed checkpoint
+        self.hf_config = self.checkpoint.hf_config
+        self.model = self.checkpoint.path
         from nanovllm.models import get_model_class
-        get_model_class(self.hf_config)  # unsupported architectures fail here, naming the supported ones
-        from nanovllm.layers.quantization import check_quantization
-        quant_config = check_quantization(self.model, self.hf_config, self.quantization)
+        # unsupported architectures fail here, naming the supported ones
+        packed = getattr(get_model_class(self.hf_config), "packed_modules_mapping", {})
+        # the weight format, checked (a pre-quantized checkpoint's tensor index too) before any rank starts
+        self.quant_config = self.checkpoint.quant_config(self.quantization, packed, CPU_INPUT_BITS[self.cpu_input_bits])
         self.platform = get_platform(self.device)  # raises on an unknown or absent device
         self.device = self.platform.device_name
-        from nanovllm.loader.gguf import is_gguf_path
-        from nanovllm.layers.quantization import ONLINE_FORMATS
-        experts = getattr(self.hf_config, "num_experts", None) or getattr(self.hf_config, "num_local_experts", None)
-        if self.device != "cpu" and experts and (self.quantization in ONLINE_FORMATS or is_gguf_path(self.model)):
-            what = "a GGUF file" if self.quantization is None else f"quantization={self.quantization!r}"
-            raise ValueError(f"{what} with experts (a mixture-of-experts model) runs on the CPU kernels only "
-                             "for now; pass device='cpu' (or a dense HF folder on a GPU)")
+        self.quant_config.check_device(self.device, self.hf_config)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__} {self.seed!r}")
         if not 0 <= self.seed < 2**63:
@@ -196,21 +162,21 @@ class Config:
                              f"max_num_seqs ({self.max_num_seqs})")
         dtype = self._resolve_dtype()
         self.torch_dtype, self.weight_dtype = self.platform.compute_dtype(dtype), self.platform.weight_dtype(dtype)
-        self.eos_token_ids = self._collect_eos_ids()
-        self._check_tensor_parallel(quant_config)
+        self.eos_token_ids = self.checkpoint.eos_token_ids()
+        self._check_tensor_parallel()
         if self.cpu_kvcache_bytes is None:
             self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size // self.nnodes)
 
-    def _check_tensor_parallel(self, quant_config) -> None:
+    def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
         check_nodes(self.nnodes, self.node_rank, self.dist_init_addr, tp)
         if self.dist_init_addr is not None and self.dist_port is not None:
             raise ValueError(f"give dist_init_addr ({self.dist_init_addr!r}) or dist_port ({self.dist_port}), "
                              "not both: the address holds the port")
         self.platform.check_tensor_parallel_size(tp // self.nnodes)  # the ranks of one node
-        from nanovllm.layers.quantization import check_tensor_parallel
-        # blocks and groups split whole
-        check_tensor_parallel(self.model, self.hf_config, self.quantization, tp, quant_config)
+        if tp > 1:  # the weight format's blocks and groups split whole
+            from nanovllm.models.decoder import row_parallel_inputs
+            self.quant_config.check_tensor_parallel(tp, row_parallel_inputs(self.hf_config))
         if self.dist_port is not None:
             _positive_int("dist_port", self.dist_port)
             if self.dist_port > 65535:
@@ -254,22 +220,6 @@ class Config:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported")
         return dtype
-
-    def _collect_eos_ids(self) -> frozenset:
-        ids: set[int] = set()
-
-        def add(value) -> None:
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(v for v in value if isinstance(v, int))
-
-        add(getattr(self.hf_config, "eos_token_id", None))
-        gen_path = os.path.join(self.model, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                add(json.load(f).get("eos_token_id"))
-        return frozenset(ids)
 
 
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(Config) if f.init)

@@ -13,7 +13,7 @@ if DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from nanovllm.kernels.fused_moe import align_pairs, fused_experts  # noqa: E402
-from nanovllm.layers.moe import experts_reference, select_experts  # noqa: E402
+from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts  # noqa: E402
 
 
 def routing(tokens: int, num_experts: int, top_k: int, seed: int, unused: int = 0):

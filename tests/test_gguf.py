@@ -65,13 +65,13 @@ def test_shipped_q4_1_file(shipped):
 
 
 def test_shipped_file_tokenizer_is_the_one_autotokenizer_builds(shipped):
-    """load_tokenizer() builds a GGUF file's tokenizer without the model config AutoTokenizer loads
+    """Checkpoint.load_tokenizer() builds a GGUF file's tokenizer without the model config AutoTokenizer loads
     to pick its class: the same vocabulary, special tokens, encodings and chat template."""
     from transformers import AutoTokenizer
 
-    from nanovllm.engine.llm_engine import load_tokenizer
+    from nanovllm.loader.checkpoint import Checkpoint
     path = shipped[0]
-    ours = load_tokenizer(path)
+    ours = Checkpoint(path).load_tokenizer()
     theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     texts = ["The capital of France is", " a leading space\n\nand   runs\tof whitespace",
              "<|im_start|>user\nhi<|im_end|>", "digits 1234567 and émigré 🙂"]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from helpers import check_tokens_close, hf_greedy, save_decisive
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.moe import experts_reference, select_experts
+from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
 
 VOCAB = 256
 MAX_NEW = 24
@@ -186,7 +186,7 @@ def test_sparse_block_equals_transformers_block(norm_topk_prob):
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-    from nanovllm.layers.moe import SparseMoeBlock, expert_stacked_params
+    from nanovllm.models.moe_block import SparseMoeBlock, expert_stacked_params
     from nanovllm.loader import load_weights
     from nanovllm.models.decoder import DecoderForCausalLM
     from nanovllm.models.qwen_moe import Qwen2MoeForCausalLM

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.moe import select_experts
+from nanovllm.layers.quantization.moe_ops import select_experts
 from test_gguf import llama_cpp_row_order
 from test_moe import make_moe
 
@@ -144,7 +144,8 @@ def test_quantized_experts_equal_the_dense_kernel_per_expert(fmt, hidden, inter)
     """The grouped kernel against cpu_kernels.linear (the dense layers' kernel, whose integer part
     test_cpu_quant checks) run expert by expert on the same blocks; and against the dequantized
     weights within the inputs' 8-bit rounding."""
-    from nanovllm.layers.moe import FusedMoE, experts_reference
+    from nanovllm.layers.moe import FusedMoE
+    from nanovllm.layers.quantization.moe_ops import experts_reference
     from nanovllm.layers.quantization import LinearKernels, OnlineQuantConfig
 
     kernels = cpu_kernels.load()

@@ -26,7 +26,7 @@ def quantized(w: np.ndarray, fmt: str) -> np.ndarray:
     has no Q4_K quantizer; its layout is checked through gguf's dequantization)."""
     fmt = format_of(w, fmt)
     if fmt == "q4_k":
-        from nanovllm.layers.quantization.gguf import quantize_q4_k
+        from nanovllm.layers.quantization.quantizers import quantize_q4_k
         return quantize_q4_k(w)
     return gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt.upper()])
 
@@ -35,7 +35,7 @@ def test_our_q4_k_blocks_are_gguf_blocks():
     """gguf's own Q4_K dequantization of our blocks: closer to the input than gguf's Q4_1 (5 bits a
     weight, Q4_K's 4.5) and Q4_0 quantizers manage, an outlier column included; at most 16 levels in
     each sub-block of 32 (its d sc q - dmin m)."""
-    from nanovllm.layers.quantization.gguf import quantize_q4_k
+    from nanovllm.layers.quantization.quantizers import quantize_q4_k
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((64, 512)) * 0.02).astype(np.float32)
     x[:, 7] *= 20

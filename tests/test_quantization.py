@@ -18,7 +18,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.executor import cpu_decode, model_runner
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers import quantization
-from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.quantization import (LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod,
                                           register_quantization_config)
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
@@ -47,14 +47,13 @@ class TransposedConfig(QuantizationConfig):
         self.ignore = ignore
 
     @classmethod
-    def from_model(cls, path, hf_config):
+    def from_model(cls, path, hf_config, packed_modules_mapping):
         qc = getattr(hf_config, "quantization_config", None) or {}
         return cls(qc.get("ignore", [])) if qc.get("quant_method") == cls.name else None
 
-    def method_for(self, layer, prefix):
-        if isinstance(layer, LinearBase) and prefix not in self.ignore:
-            return TransposedMethod()
-        return None  # lm_head, the embedding and ignored layers stay dense
+    def linear_method(self, layer, prefix):
+        return TransposedMethod() if prefix not in self.ignore else None
+        # (lm_head, the embedding and ignored layers stay dense: the base config's answer)
 
 
 @pytest.fixture
@@ -199,7 +198,7 @@ def test_packed_dim_offsets_are_in_packed_units():
     class Packed(QuantizationConfig):
         name = "toy_packed"
 
-        def method_for(self, layer, prefix):
+        def linear_method(self, layer, prefix):
             return PackedRowsMethod()
     merged = MergedColumnParallelLinear(3, [8, 4], quant_config=Packed(), prefix="gate_up")
     gate, up = torch.randn(8, 3), torch.randn(4, 3)

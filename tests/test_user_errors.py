@@ -14,7 +14,7 @@ import pytest
 
 from nanovllm import LLM
 from nanovllm.cli import build_parser, check_port
-from nanovllm.engine.llm_engine import load_tokenizer
+from nanovllm.loader.checkpoint import Checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,6 +224,6 @@ def test_existing_owner_name_folder_is_read_as_a_folder(tmp_path, monkeypatch):
 
 def test_weights_only_folder_is_info_not_warning(weights_only, caplog):
     with caplog.at_level(logging.DEBUG, logger="nanovllm"):
-        assert load_tokenizer(weights_only) is None
+        assert Checkpoint(weights_only).load_tokenizer() is None
     [record] = [r for r in caplog.records if "no tokenizer files" in r.getMessage()]
     assert record.levelno == logging.INFO

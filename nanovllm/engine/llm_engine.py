@@ -21,31 +21,6 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(path: str):
-    """The folder's HF tokenizer (a GGUF file's own, built by transformers from its metadata), or
-    None for a weights-only folder (then prompts must be token ids)."""
-    from nanovllm.loader.gguf import is_gguf_path, open_gguf
-    if is_gguf_path(path):
-        if open_gguf(path).field("tokenizer.ggml.model", None) is None:
-            logger.info("%s has no vocabulary: prompts must be token ids and outputs carry no text", path)
-            return None
-        # The class AutoTokenizer picks for a GGUF file, without the model config it would load to
-        # pick it (whose import costs ~60 MiB, see GGUFFile.hf_config)
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                       gguf_file=os.path.basename(path))
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        # INFO, not a warning: weights-only folders are meant for token-id prompts (bench.py's), and
-        # a string prompt or stop string then fails with a ValueError that says why.
-        logger.info("%s has no tokenizer files: prompts must be token ids and outputs carry no text", path)
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
-
-
 class StepOutput(NamedTuple):
     """What one step() did."""
 
@@ -77,7 +52,7 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {unknown}; known: {sorted(CONFIG_FIELDS - {'model'})}")
         self.config = config = Config(model, **kwargs)
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = config.checkpoint.load_tokenizer()
         if config.tensor_parallel_size > 1:
             from nanovllm.distributed.tp_runner import TensorParallelRunner
             self.model_runner = TensorParallelRunner(config)

@@ -24,7 +24,7 @@ from torch import nn
 from nanovllm.kernels import cpu_kernels
 from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.layers.moe import SparseMoeBlock
+from nanovllm.models.moe_block import SparseMoeBlock
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
 from nanovllm.utils.context import Context
 

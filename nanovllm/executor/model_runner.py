@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import CPU_INPUT_BITS, Config
+from nanovllm.config import Config
 from nanovllm.executor.cuda_graph import DecodeGraphs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -19,7 +19,6 @@ from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
 from nanovllm.executor.compile import compile_fused_ops
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.layers.quantization import quant_config_for_model
 from nanovllm.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -51,11 +50,9 @@ class ModelRunner:
         platform.prepare_process()
         hf_config = config.hf_config
         # The weight format picks each layer's method as the model is built (layers/quantization).
-        quant_config = quant_config_for_model(config.model, hf_config, config.quantization)
-        quant_config.input_planes = CPU_INPUT_BITS[config.cpu_input_bits]
         with default_dtype(self.dtype), self.device:
-            self.model = get_model_class(hf_config)(hf_config, quant_config)
-        load_model(self.model, config.model)
+            self.model = get_model_class(hf_config)(hf_config, config.quant_config)
+        load_model(self.model, config.checkpoint)
         self.model.eval()
         self.linear_methods = platform.process_weights_after_loading(self.model, self.dtype, config.weight_dtype)
         if config.compile_ops:

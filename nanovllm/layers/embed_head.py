@@ -6,9 +6,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
-from nanovllm.layers.quantization import QuantizationConfig, embedding_method_for, linear_method_for
+from nanovllm.layers.quantization.base import QuantizationConfig, method_for
 from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, shard_of
-from nanovllm.layers.quantization.weight_only import WeightOnlyLinearMethod
 
 
 class VocabParallelBase(TaggedWeights):
@@ -43,7 +42,7 @@ class VocabParallelEmbedding(VocabParallelBase):
     def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = ""):
         super().__init__(num_embeddings, embedding_dim, prefix)
-        self.quant_method = embedding_method_for(quant_config, self, prefix)
+        self.quant_method = method_for(quant_config, "embedding_method", self, prefix)
         self.quant_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim,
                                          torch.get_default_dtype())
 
@@ -68,17 +67,17 @@ class ParallelLMHead(VocabParallelBase):
         # The linear-layer view of the table, for the methods (and the C decode's descriptors).
         self.input_size, self.output_size = embedding_dim, self.num_embeddings_per_partition
         self.is_tied = False
-        self.quant_method = linear_method_for(quant_config, self, prefix)
+        self.quant_method = method_for(quant_config, "lm_head_method", self, prefix)
         self.quant_method.create_weights(self, embedding_dim, [self.num_embeddings_per_partition],
                                          torch.get_default_dtype())
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Multiply by the embedding's table itself (tie_word_embeddings).
         NOTE: a method that repacks the table must keep the form the embedding reads
-        (process_weights_after_loading passes is_shared). A head the checkpoint quantized on its own
-        (GPTQ's lm_head: true, a compressed-tensors head not ignored) stays untied: it multiplies from
-        its own tensors, beside the dense embedding table."""
-        if isinstance(self.quant_method, WeightOnlyLinearMethod):
+        (process_weights_after_loading passes is_shared). A head whose method may not tie (one the
+        checkpoint quantized on its own: GPTQ's lm_head: true, a compressed-tensors head not ignored)
+        stays untied: it multiplies from its own tensors, beside the dense embedding table."""
+        if not self.quant_method.may_tie:
             return
         mine = {name for name, _ in self.named_parameters(recurse=False)}
         theirs = {name for name, _ in embedding.named_parameters(recurse=False)}

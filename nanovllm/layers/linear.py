@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
-from nanovllm.layers.quantization import QuantizationConfig, linear_method_for
+from nanovllm.layers.quantization.base import QuantizationConfig, method_for
 from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, in_param_units, shard_of
 
 
@@ -28,7 +28,7 @@ class LinearBase(TaggedWeights):
         self.output_size = output_size
         self.output_partition_sizes = output_partition_sizes or [output_size]
         self.prefix = prefix
-        self.quant_method = linear_method_for(quant_config, self, prefix)
+        self.quant_method = method_for(quant_config, "linear_method", self, prefix)
         self.quant_method.create_weights(self, input_size, self.output_partition_sizes, torch.get_default_dtype())
         if bias:
             self.register_weight("bias", torch.empty(output_size), output_dim=0)

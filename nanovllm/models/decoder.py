@@ -13,13 +13,22 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.quantization import QuantizationConfig
+from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_settings
-from nanovllm.loader import StackedParam, load_weights
+from nanovllm.loader.weights import StackedParam, load_weights
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def row_parallel_inputs(config) -> dict[str, int]:
+    """The inputs of each kind of row-parallel layer (split over the tensor-parallel ranks), for the
+    formats' checks that a split keeps their blocks whole."""
+    sizes = {"o_proj": config.num_attention_heads * head_dim_of(config), "down_proj": config.intermediate_size,
+             "experts' down_proj": getattr(config, "moe_intermediate_size", None),
+             "shared_expert.down_proj": getattr(config, "shared_expert_intermediate_size", None)}
+    return {name: k for name, k in sizes.items() if k}
 
 
 def build_rope(config) -> RotaryEmbedding:

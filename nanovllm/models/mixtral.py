@@ -5,7 +5,7 @@ from collections.abc import Iterable
 
 import torch
 
-from nanovllm.layers.moe import EXPERT_PARTS, MIXTRAL_EXPERT_PARTS, expert_stacked_params
+from nanovllm.models.moe_block import EXPERT_PARTS, MIXTRAL_EXPERT_PARTS, expert_stacked_params
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.qwen_moe import MoeMixin

@@ -1,10 +1,11 @@
-"""Qwen3-MoE and Qwen2-MoE: the dense models' attention with a sparse MoE block (layers/moe.py)
+"""Qwen3-MoE and Qwen2-MoE: the dense models' attention with a sparse MoE block (moe_block.py)
 in every layer that is_sparse_layer names (mlp_only_layers and decoder_sparse_step; the others
 keep a gated MLP of intermediate_size); Qwen2-MoE adds a shared expert with a sigmoid gate."""
-from nanovllm.layers.moe import (EXPERT_PARTS, FusedMoE, SparseMoeBlock, check_router_options, expert_stacked_params,
-                                 is_sparse_layer)
-from nanovllm.loader import StackedParam
+from nanovllm.layers.moe import FusedMoE
+from nanovllm.loader.weights import StackedParam
 from nanovllm.models.decoder import gated_mlp
+from nanovllm.models.moe_block import (EXPERT_PARTS, SparseMoeBlock, check_router_options, expert_stacked_params,
+                                       is_sparse_layer)
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 

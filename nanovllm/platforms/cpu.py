@@ -12,7 +12,7 @@ from torch import nn
 
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization import LinearKernels
-from nanovllm.platforms.interface import Platform
+from nanovllm.platforms.interface import Platform, triton_weight_only_asked
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes
 from nanovllm.utils.cpu_memory import keep_freed_memory, release_freed_memory
@@ -101,13 +101,14 @@ class CpuPlatform(Platform):
         Without the C kernels: oneDNN packing (bf16 weights then stay fp32, the same values).
         Otherwise MKL, in the transposed orientation for layers whose output is at least as wide as
         their input."""
+        triton = triton_weight_only_asked()
         if not can_pack_weights(dtype):
-            return LinearKernels(transposed_when_wide=True)
+            return LinearKernels(transposed_when_wide=True, triton_weight_only=triton)
         kernels = cpu_kernels.load()
         if kernels is None:
-            return LinearKernels(onednn_packing=True)
+            return LinearKernels(onednn_packing=True, triton_weight_only=triton)
         return LinearKernels(c_kernels=kernels, c_weight_dtype=torch.bfloat16 if weight_dtype == torch.bfloat16
-                             else torch.float32)
+                             else torch.float32, triton_weight_only=triton)
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         return config.cpu_kvcache_bytes

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from nanovllm.layers.quantization import LinearKernels
 from nanovllm.platforms.interface import Platform
 from nanovllm.sample.sampler import RandomSample, exponential_race_sample
 
@@ -66,6 +68,12 @@ class CudaPlatform(Platform):
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+    def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
+                       weight_dtype: torch.dtype | None = None) -> LinearKernels:
+        """Block-format and pre-quantized weights through the Triton weight-only kernels, dense
+        experts through the Triton grouped kernel (the `cuda` extra)."""
+        return LinearKernels(triton_weight_only=True, fused_moe_triton=True)
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         """gpu_memory_utilization of the device, less what is in use after warmup() and the

@@ -1,5 +1,6 @@
 """Platform: the interface every device class implements. Config picks one from Config.device
 (platforms.get_platform); ModelRunner, the TP workers and the sampler ask it instead of the device."""
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,15 @@ from nanovllm.sample.sampler import RandomSample
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
+
+
+# "1": the Triton weight-only kernels on a CPU too (under TRITON_INTERPRET=1: how the tests run them
+# without a GPU).
+TRITON_WEIGHT_ONLY_ENV = "NANOVLLM_TRITON_WEIGHT_ONLY"
+
+
+def triton_weight_only_asked() -> bool:
+    return os.environ.get(TRITON_WEIGHT_ONLY_ENV) == "1"
 
 
 class Platform:
@@ -86,7 +96,7 @@ class Platform:
                        weight_dtype: torch.dtype | None = None) -> LinearKernels:
         """The kernels the layers' methods may use on this machine (dtype: the model's;
         weight_dtype: how dense weights are to be held, Config.weight_dtype)."""
-        return LinearKernels()
+        return LinearKernels(triton_weight_only=triton_weight_only_asked())
 
     def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
                                       weight_dtype: torch.dtype | None = None) -> str:

@@ -1,7 +1,8 @@
 """Weight formats behind a registry keyed by name (config.json's quantization_config.quant_method,
 vLLM's rule): a QuantizationConfig per format gives each layer its method at construction
 (base.py); plain checkpoints are the "unquantized" format (unquantized.py). A new format is one
-module here that registers its config class."""
+module here that registers its config class. Layers import base.py only; the checkpoint
+(loader/checkpoint.py) asks quant_config_for_model for the config of what it opened."""
 from typing import Any
 
 from torch import nn
@@ -9,14 +10,14 @@ from torch import nn
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
                                                LinearMethodBase, QuantizationConfig, QuantizeMethodBase)
 from nanovllm.layers.quantization.awq import AWQConfig
+from nanovllm.layers.quantization.block_formats import ONLINE_FORMATS
 from nanovllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from nanovllm.layers.quantization.fp8 import Fp8Config
-from nanovllm.layers.quantization.gguf import ONLINE_FORMATS
 from nanovllm.layers.quantization.gguf_config import GGUFConfig, OnlineQuantConfig
 from nanovllm.layers.quantization.gptq import GPTQConfig
 from nanovllm.layers.quantization.prequantized import PrequantizedConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
-                                                      UnquantizedLinearMethod)
+                                                      UnquantizedFusedMoEMethod, UnquantizedLinearMethod)
 
 _REGISTRY: dict[str, type[QuantizationConfig]] = {}
 
@@ -59,19 +60,15 @@ def prequantized_methods() -> list[str]:
     return sorted(name for name, cls in _REGISTRY.items() if issubclass(cls, PrequantizedConfig))
 
 
-def check_quantization(path: str, hf_config: Any, quantization: str | None) -> QuantizationConfig | None:
-    """ValueError unless `quantization=` (None: the checkpoint's own format) can apply to the
-    checkpoint; a pre-quantized checkpoint's config and tensor index are checked here too, before
-    any rank starts or any weight is allocated (returns that config)."""
-    from nanovllm.loader.gguf import is_gguf_path
+def _check_argument(quantization: str | None, method: str | None, is_gguf: bool) -> None:
+    """ValueError unless `quantization=` can apply to a checkpoint of config.json's method."""
     if quantization is not None and not isinstance(quantization, str):
         raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__} {quantization!r}")
-    if is_gguf_path(path):
+    if is_gguf:
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} cannot apply to a GGUF file, whose tensors keep the "
                              "formats the file stores them in; leave quantization unset")
-        return None
-    method = quant_method_of(hf_config)
+        return
     if quantization in prequantized_methods():
         if method != quantization:  # vLLM's rule: the argument may only confirm the checkpoint's own method
             raise ValueError(f"quantization={quantization!r} names a pre-quantized format, but config.json's "
@@ -87,66 +84,35 @@ def check_quantization(path: str, hf_config: Any, quantization: str | None) -> Q
         if method is not None:
             raise ValueError(f"the checkpoint is already quantized ({method}); "
                              f"quantization={quantization!r} applies to dense checkpoints only")
+
+
+def quant_config_for_model(path: str, hf_config: Any, quantization: str | None, packed_modules_mapping: dict,
+                           gguf_tensors: dict[str, tuple[str, tuple[int, ...]]] | None = None,
+                           input_planes: int = 0) -> QuantizationConfig:
+    """The weight format of the checkpoint at path: a GGUF file's own (gguf_tensors: its tensor
+    index, HF name -> (type, shape); None for a folder), the one its config.json names (its config
+    and tensor index checked here, before any rank starts or any weight is allocated), or, with
+    quantization= ("q8_0", ...), a dense checkpoint quantized at load. ValueError where
+    `quantization=` cannot apply. input_planes: how the CPU block kernels round the inputs."""
+    if gguf_tensors is not None:
+        _check_argument(quantization, None, True)
+        return GGUFConfig(gguf_tensors, packed_modules_mapping, input_planes)
+    method = quant_method_of(hf_config)
+    _check_argument(quantization, method, False)
+    if quantization in ONLINE_FORMATS:
+        return OnlineQuantConfig(quantization, input_planes)
     if method is None:
-        return None
+        return UnquantizedConfig()
     cls = _REGISTRY.get(method)
     if cls is None:
         raise ValueError(f"quantization method {method!r} (config.json quantization_config.quant_method) is not "
                          f"supported; supported: {prequantized_methods()}")
-    config = cls.from_model(path, hf_config)
+    config = cls.from_model(path, hf_config, packed_modules_mapping)
     if config is None:
         raise ValueError(f"config.json of {path!r} names quantization method {method!r}, but {cls.__name__} "
                          "does not recognise the checkpoint's quantization_config")
+    config.input_planes = input_planes  # (before any layer asks it for a method)
     return config
-
-
-def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, tp_size: int,
-                          config: QuantizationConfig | None) -> None:
-    """Before any rank starts: every row-parallel weight splits over tp_size ranks whole (on block
-    boundaries for block formats, on group boundaries for pre-quantized checkpoints; config: what
-    check_quantization returned)."""
-    from nanovllm.layers.quantization.gguf import check_tensor_parallel as check_blocks
-    check_blocks(path, hf_config, quantization, tp_size)
-    if isinstance(config, PrequantizedConfig):
-        config.check_tensor_parallel(tp_size)
-
-
-def quant_config_for_model(path: str, hf_config: Any, quantization: str | None = None) -> QuantizationConfig:
-    """The weight format of the checkpoint at path: a GGUF file's own, the one its config.json
-    names, or, with quantization= ("q8_0", ...), a dense checkpoint quantized at load."""
-    from nanovllm.loader.gguf import is_gguf_path
-    config = check_quantization(path, hf_config, quantization)
-    if config is not None:
-        return config
-    if quantization in ONLINE_FORMATS:
-        return OnlineQuantConfig(quantization)
-    if is_gguf_path(path):
-        return GGUFConfig.from_model(path, hf_config)
-    return UnquantizedConfig()
-
-
-def _method_of(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str,
-               kind: type[QuantizeMethodBase], dense: type[QuantizeMethodBase]) -> QuantizeMethodBase:
-    """quant_config's method of kind for the layer, or the dense one where it gives none."""
-    method = quant_config.method_for(layer, prefix) if quant_config is not None else None
-    if method is not None and not isinstance(method, kind):
-        raise TypeError(f"{type(quant_config).__name__} gave {prefix!r} a {type(method).__name__}, "
-                        f"not a {kind.__name__}")
-    return method or dense()
-
-
-def linear_method_for(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str) -> LinearMethodBase:
-    return _method_of(quant_config, layer, prefix, LinearMethodBase, UnquantizedLinearMethod)
-
-
-def embedding_method_for(quant_config: QuantizationConfig | None, layer: nn.Module,
-                         prefix: str) -> EmbeddingMethodBase:
-    return _method_of(quant_config, layer, prefix, EmbeddingMethodBase, UnquantizedEmbeddingMethod)
-
-
-def moe_method_for(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
-    from nanovllm.layers.moe import UnquantizedFusedMoEMethod
-    return _method_of(quant_config, layer, prefix, FusedMoEMethodBase, UnquantizedFusedMoEMethod)
 
 
 def quantized_layers(model: nn.Module) -> list[nn.Module]:
@@ -180,7 +146,7 @@ def describe_linear_methods(model: nn.Module) -> str:
 __all__ = [
     "CWeightView", "EmbeddingMethodBase", "FusedMoEMethodBase", "GGUFConfig", "LinearKernels", "LinearMethodBase",
     "ONLINE_FORMATS", "OnlineQuantConfig", "QuantizationConfig", "QuantizeMethodBase", "UnquantizedConfig",
-    "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod", "check_quantization", "check_tensor_parallel",
-    "describe_linear_methods", "embedding_method_for", "linear_layers", "linear_method_for", "moe_method_for",
-    "prequantized_methods", "process_weights_after_loading", "quant_config_for_model", "quant_method_of",
-    "quantization_methods", "quantized_layers", "register_quantization_config"]
+    "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod",
+    "describe_linear_methods", "linear_layers", "prequantized_methods", "process_weights_after_loading",
+    "quant_config_for_model", "quant_method_of", "quantization_methods", "quantized_layers",
+    "register_quantization_config"]

@@ -21,6 +21,10 @@ class LinearKernels:
     transposed_when_wide: bool = False    # MKL: x W^T as (W x^T)^T where output >= input
     c_kernels: "CpuKernels | None" = None  # the C library (kernels/cpu_kernels.py): dense weights read there
     c_weight_dtype: torch.dtype = torch.float32  # how a dense weight for the C kernels is held
+    # Block-format and pre-quantized weights multiplied by the Triton weight-only kernels (a GPU,
+    # or the Triton interpreter where NANOVLLM_TRITON_WEIGHT_ONLY=1 asks for them on a CPU).
+    triton_weight_only: bool = False
+    fused_moe_triton: bool = False        # dense experts run by the Triton grouped kernel (a GPU)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class QuantizeMethodBase:
 
 
 class LinearMethodBase(QuantizeMethodBase):
+    # Whether an LM head with this method may multiply by the embedding's table (tie_word_embeddings).
+    # A head the checkpoint quantized on its own keeps its own tensors.
+    may_tie: bool = True
+
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         """Register the layer's parameters for this rank's [sum(output_partition_sizes), input_size]
@@ -107,20 +115,72 @@ class FusedMoEMethodBase(QuantizeMethodBase):
 
 
 class QuantizationConfig:
-    """One weight format of a checkpoint. Subclasses register under a name (registry.py), the
-    value of config.json's quantization_config.quant_method they answer to."""
+    """One weight format of a checkpoint. Subclasses register under a name (the package's
+    registry), the value of config.json's quantization_config.quant_method they answer to.
+
+    A layer asks for its method at construction by its kind; None means the layer keeps dense
+    weights (ignored modules such as an unquantized lm_head, routers)."""
 
     name: ClassVar[str]
-    # How the CPU block kernels round a layer's inputs (CWeightView.input_planes): set by the engine
-    # from Config.cpu_input_bits before the model is built; the GGUF methods pass it on.
+    # How the CPU block kernels round a layer's inputs (CWeightView.input_planes), given at
+    # construction from Config.cpu_input_bits; the block-format methods pass it on.
     input_planes: int = 0
 
     @classmethod
-    def from_model(cls, path: str, hf_config: Any) -> "QuantizationConfig | None":
-        """This format's config for the checkpoint folder, or None when it is not in this format."""
+    def from_model(cls, path: str, hf_config: Any, packed_modules_mapping: dict) -> "QuantizationConfig | None":
+        """This format's config for the checkpoint at path, or None when it is not in this format.
+        packed_modules_mapping: the model's stacked layers (checkpoint module -> (layer, shard))."""
         raise NotImplementedError
 
-    def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        """The method of the layer named prefix (e.g. "model.layers.0.mlp.down_proj"); None: the
-        layer keeps dense weights (ignored modules such as lm_head, routers)."""
-        raise NotImplementedError
+    def check_device(self, device: str, hf_config: Any) -> None:
+        """ValueError where the format's kernels cannot run this model on the device (Config.device)."""
+
+    def check_tensor_parallel(self, tp_size: int, row_parallel_inputs: dict[str, int]) -> None:
+        """Before any rank starts: ValueError naming the first weight tp_size ranks would cut inside a
+        block or group. row_parallel_inputs: the model's row-parallel layers and their inputs."""
+
+    def linear_method(self, layer: nn.Module, prefix: str) -> "LinearMethodBase | None":
+        """The method of the linear layer named prefix (e.g. "model.layers.0.mlp.down_proj")."""
+        return None
+
+    def lm_head_method(self, layer: nn.Module, prefix: str) -> "LinearMethodBase | None":
+        """The LM head's method (a tied head multiplies by the embedding's table); dense unless the
+        format says otherwise, as most checkpoints keep the head."""
+        return None
+
+    def embedding_method(self, layer: nn.Module, prefix: str) -> "EmbeddingMethodBase | None":
+        return None
+
+    def moe_method(self, layer: nn.Module, prefix: str) -> "FusedMoEMethodBase | None":
+        """The method of a mixture-of-experts layer (its experts stacked under prefix)."""
+        return None
+
+
+# The dense method of each kind (unquantized.py registers them): what a layer gets where its
+# config gives none. NOTE: the package's __init__ imports unquantized.py, so they are registered
+# before any layer can be built.
+_DENSE_METHODS: dict[str, type[QuantizeMethodBase]] = {}
+_KINDS = {"linear_method": LinearMethodBase, "lm_head_method": LinearMethodBase,
+          "embedding_method": EmbeddingMethodBase, "moe_method": FusedMoEMethodBase}
+
+
+def register_dense_method(kind: type[QuantizeMethodBase]):
+    """Class decorator: the dense method of its kind (LinearMethodBase, EmbeddingMethodBase, ...)."""
+    def register(cls: type[QuantizeMethodBase]) -> type[QuantizeMethodBase]:
+        _DENSE_METHODS[kind.__name__] = cls
+        return cls
+    return register
+
+
+def method_for(quant_config: QuantizationConfig | None, request: str, layer: nn.Module,
+               prefix: str) -> QuantizeMethodBase:
+    """quant_config's answer to request ("linear_method", "lm_head_method", "embedding_method",
+    "moe_method") for the layer, or the dense method of that kind where it gives none."""
+    kind = _KINDS[request]
+    method = getattr(quant_config, request)(layer, prefix) if quant_config is not None else None
+    if method is None:
+        return _DENSE_METHODS[kind.__name__]()
+    if not isinstance(method, kind):
+        raise TypeError(f"{type(quant_config).__name__} gave {prefix!r} a {type(method).__name__}, "
+                        f"not a {kind.__name__}")
+    return method

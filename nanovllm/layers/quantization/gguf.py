@@ -13,69 +13,17 @@ parts the file stores in different formats (Q4_K_M's Q6_K v next to Q4_K q and k
 per part, chained so that the kernels write each part's outputs after the previous one's.
 Tensor parallelism splits rows freely and columns only on block boundaries."""
 import logging
-import os
-from typing import Any
 
 import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase
+from nanovllm.layers.quantization.block_formats import block_shape, row_bytes
 from nanovllm.layers.quantization.parameter import tagged_parameter
-from nanovllm.layers.quantization.quantizers import quantize_q4_k, quantize_rows  # noqa: F401 (the tests' names)
-from nanovllm.layers.quantization.weight_only import TRITON_ENV
+from nanovllm.layers.quantization.quantizers import quantize_rows
 
 logger = logging.getLogger(__name__)
-
-def block_shape(type_name: str) -> tuple[int, int]:
-    """(weights, bytes) per block of a GGUF type, by its lower-case name (the gguf package's table)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
-
-
-# Formats `quantization=` offers: the ones gguf.quants has a reference quantizer for.
-ONLINE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
-
-
-def row_bytes(type_name: str, k: int, what: str) -> int:
-    size, nbytes = block_shape(type_name)
-    if k % size:
-        raise ValueError(f"{what}: {k} inputs are not whole {type_name} blocks of {size}")
-    return k // size * nbytes
-
-
-# The layers whose inputs tensor parallelism splits (row-parallel), by their checkpoint names.
-ROW_PARALLEL = ("self_attn.o_proj.weight", "down_proj.weight")  # the MLP's, a shared expert's, the experts'
-
-
-def check_split(name: str, type_name: str, k: int, tp_size: int) -> None:
-    """ValueError unless k inputs of type_name split over tp_size ranks on block boundaries."""
-    size = block_shape(type_name)[0]
-    if k % tp_size or (k // tp_size) % size:
-        raise ValueError(f"tensor_parallel_size={tp_size} would split {name} ({type_name}, {k} inputs) into parts of "
-                         f"{k / tp_size:g} inputs, not whole {type_name} blocks of {size}; use a tensor_parallel_size "
-                         f"that divides {k // size} blocks")
-
-
-def check_tensor_parallel(path: str, hf_config: Any, quantization: str | None, tp_size: int) -> None:
-    """Before any rank starts: every row-parallel weight of a GGUF file (or of a checkpoint
-    quantized at load) splits over tp_size ranks on block boundaries."""
-    from nanovllm.loader.gguf import is_gguf_path, open_gguf
-    from nanovllm.models.decoder import head_dim_of
-    if tp_size == 1:
-        return
-    if is_gguf_path(path):
-        for name, info in open_gguf(path).tensors.items():
-            if name.endswith(ROW_PARALLEL):
-                check_split(name, info.type_name, info.shape[-1], tp_size)
-    elif quantization is not None:
-        for name, k in (("o_proj", hf_config.num_attention_heads * head_dim_of(hf_config)),
-                        ("down_proj", hf_config.intermediate_size),
-                        ("experts' down_proj", getattr(hf_config, "moe_intermediate_size", None)),
-                        ("shared_expert.down_proj", getattr(hf_config, "shared_expert_intermediate_size", None))):
-            if k:
-                check_split(name, quantization, k, tp_size)
-
 
 def held_parts(kernels, param: nn.Parameter, type_name: str, k: int,
                one_matrix: bool = False) -> list[tuple[str, torch.Tensor]]:
@@ -99,13 +47,16 @@ def held_parts(kernels, param: nn.Parameter, type_name: str, k: int,
     return [(t, param.data[first:end]) for t, first, end in param.c_parts]
 
 
-def on_triton(weight: torch.Tensor) -> bool:
-    """Whether the block formats multiply by the Triton kernel (layers/quantization/gguf_triton.py):
-    on a GPU, or where NANOVLLM_TRITON_WEIGHT_ONLY=1 asks for it (the Triton interpreter on a CPU)."""
-    return weight.is_cuda or os.environ.get(TRITON_ENV) == "1"
+def check_split(name: str, type_name: str, k: int, tp_size: int) -> None:
+    """ValueError unless k inputs of type_name split over tp_size ranks on block boundaries."""
+    size = block_shape(type_name)[0]
+    if k % tp_size or (k // tp_size) % size:
+        raise ValueError(f"tensor_parallel_size={tp_size} would split {name} ({type_name}, {k} inputs) into parts of "
+                         f"{k / tp_size:g} inputs, not whole {type_name} blocks of {size}; use a tensor_parallel_size "
+                         f"that divides {k // size} blocks")
 
 
-def _need_kernels(kernels: LinearKernels, what: str):
+def need_kernels(kernels: LinearKernels, what: str):
     if kernels.c_kernels is None:
         raise RuntimeError(f"{what}: block-quantized weights are multiplied by the CPU C kernels, which are "
                            "unavailable here (no C compiler, or NANOVLLM_CPU_KERNEL=0)")
@@ -130,6 +81,16 @@ class GGUFLinearMethod(LinearMethodBase):
         self.views: CWeightView | None = None
         self.parts: dict[int, torch.Tensor] = {}
         self.triton_parts: list | None = None  # on a GPU: each part as gguf_triton.hold keeps it
+
+    @classmethod
+    def holding(cls, layer: nn.Module, type_name: str, rows: torch.Tensor, k: int,
+                input_planes: int) -> "GGUFLinearMethod":
+        """The method of a layer whose weight another format decoded into block rows (uint8 [n, row
+        bytes] of type_name, k inputs), registered here as layer.weight."""
+        method = cls([type_name], input_planes=input_planes)
+        method.sizes, method.k = [rows.shape[0]], k
+        layer.register_weight("weight", rows, output_dim=0, input_dim=1)
+        return method
 
     @property
     def name(self) -> str:
@@ -172,9 +133,9 @@ class GGUFLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         what = getattr(layer, "prefix", "") or type(layer).__name__
         weight = layer.weight
-        triton = on_triton(weight)  # (a mixed layer's seat is created on the model's device too)
+        triton = kernels.triton_weight_only
         if not triton:
-            self.c_kernels = _need_kernels(kernels, what)
+            self.c_kernels = need_kernels(kernels, what)
         if self.online and weight.dtype != torch.uint8:  # a tied table may have been quantized by its embedding
             weight.data = quantize_rows(weight.data, self.types[0]).to(weight.device)
         if self.mixed:
@@ -253,9 +214,9 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         layer.register_weight("weight", data, output_dim=0, input_dim=1)
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
-        triton = on_triton(layer.weight)
+        triton = kernels.triton_weight_only
         if not triton:
-            self.c_kernels = _need_kernels(kernels, layer.prefix)
+            self.c_kernels = need_kernels(kernels, layer.prefix)
         if self.online and layer.weight.dtype != torch.uint8:
             layer.weight.data = quantize_rows(layer.weight.data, self.type_name).to(layer.weight.device)
         if triton:

@@ -13,7 +13,8 @@ from torch import nn
 
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import CWeightView, FusedMoEMethodBase, LinearKernels
-from nanovllm.layers.quantization.gguf import _need_kernels, row_bytes
+from nanovllm.layers.quantization.block_formats import row_bytes
+from nanovllm.layers.quantization.gguf import need_kernels
 from nanovllm.layers.quantization.quantizers import quantize_rows
 
 
@@ -45,7 +46,7 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
             layer.register_weight(name, data, output_dim=1, input_dim=2)
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
-        self.c_kernels = _need_kernels(kernels, layer.prefix)
+        self.c_kernels = need_kernels(kernels, layer.prefix)
         views = []
         for param, type_name, k in ((layer.w13_weight, self.types[0], layer.hidden_size),
                                     (layer.w2_weight, self.types[1], layer.intermediate_size)):

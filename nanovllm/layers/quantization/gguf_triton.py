@@ -17,9 +17,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.triton_weight_only import PackedWeight, pack
-from nanovllm.layers.quantization.gguf import block_shape
-
-UNPACKED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")  # the formats unpack_blocks reads
+from nanovllm.layers.quantization.block_formats import TRITON_FORMATS as UNPACKED, block_shape
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:

@@ -10,11 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from nanovllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
-
-# The modules whose inputs tensor parallelism splits (row-parallel), by their checkpoint names.
-ROW_PARALLEL = ("self_attn.o_proj", "down_proj")
-
+from nanovllm.layers.quantization.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
+from nanovllm.layers.quantization.modules import ROW_PARALLEL, checkpoint_modules
 
 def checkpoint_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (safetensors dtype, shape) of every tensor in path/*.safetensors, from the headers."""
@@ -40,16 +37,6 @@ def config_dict(hf_config: Any) -> dict:
     return qc if isinstance(qc, dict) else qc.to_dict()
 
 
-def checkpoint_modules(layer: nn.Module, prefix: str, packed_modules_mapping: dict) -> list[str]:
-    """The checkpoint module names stacked in the layer at prefix (itself when not stacked), in part order."""
-    if not hasattr(layer, "shard_index"):
-        return [prefix]
-    base, _, last = prefix.rpartition(".")
-    parts = [(layer.shard_index(shard), f"{base}.{ckpt}")
-             for ckpt, (param, shard) in packed_modules_mapping.items() if param == last]
-    return [name for _, name in sorted(parts)] or [prefix]
-
-
 class PrequantizedConfig(QuantizationConfig):
     """A checkpoint quantized by an outside tool. Subclasses say which scheme a checkpoint module
     has (`scheme_for`: None for a dense one) and make the method for a scheme (`method`)."""
@@ -59,10 +46,8 @@ class PrequantizedConfig(QuantizationConfig):
         self.packed_modules_mapping = packed_modules_mapping
 
     @classmethod
-    def from_model(cls, path: str, hf_config: Any) -> "PrequantizedConfig | None":
-        from nanovllm.models import get_model_class
-        config = cls.parse(config_dict(hf_config), checkpoint_header(path),
-                           getattr(get_model_class(hf_config), "packed_modules_mapping", {}))
+    def from_model(cls, path: str, hf_config: Any, packed_modules_mapping: dict) -> "PrequantizedConfig | None":
+        config = cls.parse(config_dict(hf_config), checkpoint_header(path), packed_modules_mapping)
         config.check_checkpoint()
         return config
 
@@ -73,7 +58,7 @@ class PrequantizedConfig(QuantizationConfig):
     def scheme_for(self, module: str) -> Any:
         raise NotImplementedError
 
-    def method(self, scheme: Any, layer: nn.Module, modules: list[str]) -> QuantizeMethodBase:
+    def method(self, scheme: Any, layer: nn.Module, modules: list[str]) -> LinearMethodBase:
         raise NotImplementedError
 
     def check_checkpoint(self) -> None:
@@ -88,7 +73,7 @@ class PrequantizedConfig(QuantizationConfig):
         """How many blocks of outputs share scales in a module (block-scaled fp8), or None."""
         return None
 
-    def check_tensor_parallel(self, tp_size: int) -> None:
+    def check_tensor_parallel(self, tp_size: int, row_parallel_inputs: dict[str, int]) -> None:
         """ValueError naming the first module whose groups of inputs (row-parallel layers) or blocks
         of outputs (column-parallel) tp_size ranks would cut."""
         if tp_size == 1:
@@ -118,20 +103,17 @@ class PrequantizedConfig(QuantizationConfig):
     def modules_with(self, suffix: str) -> list[str]:
         return sorted(name[: -len(suffix) - 1] for name in self.header if name.endswith(f".{suffix}"))
 
-    def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-        from nanovllm.layers.linear import LinearBase
-        from nanovllm.layers.moe import FusedMoE
-        if isinstance(layer, VocabParallelEmbedding):
-            return None
-        if isinstance(layer, ParallelLMHead) and not self.is_quantized_module(prefix):
+    def lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not self.is_quantized_module(prefix):
             return None  # kept dense (llm-compressor's ignore=["lm_head"]), as most checkpoints keep it
-        if isinstance(layer, FusedMoE):
-            if any(self.is_quantized_module(m) for m in self.expert_modules(prefix)):
-                raise ValueError(f"{prefix}: {self.name} mixture-of-experts weights are not supported")
-            return None
-        if not isinstance(layer, (LinearBase, ParallelLMHead)):
-            return None
+        return self.linear_method(layer, prefix)
+
+    def moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase | None:
+        if any(self.is_quantized_module(m) for m in self.expert_modules(prefix)):
+            raise ValueError(f"{prefix}: {self.name} mixture-of-experts weights are not supported")
+        return None
+
+    def linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         modules = checkpoint_modules(layer, prefix, self.packed_modules_mapping)
         schemes = [self.scheme_for(m) for m in modules]
         if all(s is None for s in schemes):

@@ -1,5 +1,5 @@
 """Dense weights, the format of plain checkpoints: a linear layer's [output, input] matrix and the
-embedding table in the model dtype. After loading, the linear method picks the kernel the machine
+embedding table and the stacked experts in the model dtype. After loading, the linear method picks the kernel the machine
 has (LinearKernels): F.linear; MKL in the transposed orientation for wide layers; oneDNN on a
 packed fp32 copy (where the C kernels do not build); otherwise fp32 and bf16 weights are held once,
 dense, and read in place by the C kernels at every row count."""
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase,
-                                               QuantizationConfig, QuantizeMethodBase)
+from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
+                                               LinearMethodBase, QuantizationConfig, register_dense_method)
+from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
 
 # The C kernels' name of a dense weight's element type (kernels/cpu_kernels.c, weight_types).
 C_TYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -36,6 +37,7 @@ def dense_c_view(weight: torch.Tensor) -> CWeightView | None:
     return CWeightView(C_TYPE_NAMES[weight.dtype], weight, n, k, k * weight.element_size())
 
 
+@register_dense_method(LinearMethodBase)
 class UnquantizedLinearMethod(LinearMethodBase):
     """x W^T (+ bias) over the layer's dense weight, with the kernel chosen after loading."""
 
@@ -65,8 +67,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight = layer.weight
         n, k = weight.shape
         # (a tied table may already be narrowed by its embedding's method)
-        if kernels.c_kernels is not None and weight.dtype in (torch.float32, kernels.c_weight_dtype) \
-                and weight.device.type == "cpu":
+        if kernels.c_kernels is not None and weight.dtype in (torch.float32, kernels.c_weight_dtype):
             # One copy, read in place by the C kernels at every row count: their outer-product path
             # from one panel of rows up is level with oneDNN on a packed copy and faster than MKL
             # (docs/performance.md, item 35). bf16 weights are narrowed once. NOTE: a shared weight
@@ -107,6 +108,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return [layer.packed_weight] if self.kernel == "packed" else [layer.weight]
 
 
+@register_dense_method(EmbeddingMethodBase)
 class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
     """The table as loaded; with bf16 weights on a CPU (LinearKernels.c_weight_dtype) narrowed once,
     like the linear layers (a tied LM head's method may have done it already)."""
@@ -116,7 +118,7 @@ class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         weight = layer.weight
-        if kernels.c_kernels is not None and kernels.c_weight_dtype == torch.bfloat16 and weight.device.type == "cpu":
+        if kernels.c_kernels is not None and kernels.c_weight_dtype == torch.bfloat16:
             weight.data = weight.data.to(torch.bfloat16)
 
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
@@ -131,14 +133,62 @@ class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
         return dense_c_view(layer.weight)
 
 
+@register_dense_method(FusedMoEMethodBase)
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Dense experts in the model dtype: the C experts kernel on a CPU that has the C kernels
+    (kernels/cpu_moe.c: fp32 weights, or bf16 when the platform holds them so), the Triton
+    kernel on CUDA, the grouped torch loop otherwise. One copy of the weights, read by whichever."""
+
+    name = "dense experts"
+
+    def __init__(self):
+        self.c_kernels = None
+        self.c_moe = None  # kernels/cpu_kernels.py, MoeExperts over the stacked weights
+        self.use_triton = False  # LinearKernels.fused_moe_triton
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        layer.register_weight("w13_weight", torch.empty(num_experts, 2 * intermediate_size, hidden_size,
+                                                        dtype=params_dtype), output_dim=1, input_dim=2)
+        layer.register_weight("w2_weight", torch.empty(num_experts, hidden_size, intermediate_size,
+                                                       dtype=params_dtype), output_dim=1, input_dim=2)
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
+        self.use_triton = kernels.fused_moe_triton
+        if kernels.c_kernels is None:
+            return
+        for param in (layer.w13_weight, layer.w2_weight):
+            param.data = param.data.to(kernels.c_weight_dtype).contiguous()
+        views = [[dense_c_view(w[e]) for e in range(layer.num_experts)] for w in (layer.w13_weight, layer.w2_weight)]
+        self.c_kernels = kernels.c_kernels
+        self.c_moe = cpu_kernels.moe_experts_struct(self.c_kernels, views[0], views[1], layer.top_k,
+                                                    layer.renormalize)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.c_moe is not None and x.dtype == torch.float32:
+            return cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x, router_logits)
+        weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+        if self.use_triton:
+            from nanovllm.kernels.fused_moe import fused_experts
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids)
+
+    @property
+    def c_only(self) -> bool:
+        return self.c_moe is not None
+
+    def c_struct(self, layer: nn.Module):
+        return self.c_moe
+
+    def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        return [layer.w13_weight, layer.w2_weight]
+
+
 class UnquantizedConfig(QuantizationConfig):
     """Plain checkpoints: every layer dense."""
 
     name = "unquantized"
 
     @classmethod
-    def from_model(cls, path: str, hf_config: Any) -> "UnquantizedConfig | None":
+    def from_model(cls, path: str, hf_config: Any, packed_modules_mapping: dict) -> "UnquantizedConfig | None":
         return cls() if getattr(hf_config, "quantization_config", None) is None else None
-
-    def method_for(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        return None

@@ -20,20 +20,19 @@ permuted at load so that each group's inputs are adjacent, and the layer's input
 same way before its kernel. Without the C kernels (a GPU) the weight is dequantized into the
 model dtype."""
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanovllm.layers.quantization.base import CWeightView, LinearKernels, LinearMethodBase
+from nanovllm.layers.quantization.gguf import GGUFLinearMethod
 from nanovllm.layers.quantization.parameter import tagged_parameter
+from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # inputs per block of the block formats below
-# "1": the Triton kernels also on a CPU (under TRITON_INTERPRET=1: how the tests run them without a GPU)
-TRITON_ENV = "NANOVLLM_TRITON_WEIGHT_ONLY"
 
 
 @dataclass
@@ -165,6 +164,7 @@ class WeightOnlyLinearMethod(LinearMethodBase):
     the block formats' (gguf.py, GGUFLinearMethod) or the dense one."""
 
     format_name = "?"
+    may_tie = False  # its own tensors, beside the dense embedding table (LinearMethodBase.may_tie)
     input_planes = 2  # the block kernels' input rounding (CWeightView.input_planes), set by the config
 
     def __init__(self):
@@ -240,19 +240,14 @@ class WeightOnlyLinearMethod(LinearMethodBase):
 
     def _hold(self, layer: nn.Module, qw: QuantizedWeight, kernels: LinearKernels) -> LinearMethodBase:
         """Register layer.weight in the form a method multiplies from; that method."""
-        from nanovllm.layers.quantization.gguf import GGUFLinearMethod
-        from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
-        if qw.values.is_cuda or os.environ.get(TRITON_ENV) == "1":
+        if kernels.triton_weight_only:
             inner = triton_method(layer, qw, self.format_name)
             if inner is not None:
                 return inner
         held = to_blocks(qw) if kernels.c_kernels is not None else None
         if held is not None:
             type_name, rows, self.perm = held
-            inner = GGUFLinearMethod([type_name], input_planes=self.input_planes)
-            inner.sizes, inner.k = [rows.shape[0]], self.k
-            layer.register_weight("weight", rows, output_dim=0, input_dim=1)
-            return inner
+            return GGUFLinearMethod.holding(layer, type_name, rows, self.k, self.input_planes)
         dtype = torch.float32 if kernels.c_kernels is not None else self.params_dtype
         if kernels.c_kernels is not None:
             logger.info("%s: no block format holds its %s weights exactly; held dense (fp32)",
