@@ -131,12 +131,21 @@ def make_requests(args, vocab: int):
 
 
 def run_engine(llm, prompts, max_tokens) -> float:
+    """Seconds to generate every request. The progress bar (requests, tokens, elapsed time) redraws
+    at most twice a second: no measurable share of a run."""
     from nanovllm import SamplingParams
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=True)
     return time.perf_counter() - start
+
+
+def peak_rss_gib() -> float:
+    """The largest resident set of this process or of any of its finished children (TP workers), GiB."""
+    import resource
+    kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    return kib / 2**20
 
 
 @torch.inference_mode()
@@ -164,6 +173,7 @@ def main() -> int:
     args = parse_args()
     from nanovllm import LLM
     path = random_qwen3_moe_checkpoint() if args.model == "qwen3-moe" else args.model or random_qwen3_checkpoint()
+    print(f"bench.py: loading {path}", flush=True)
     try:
         llm = LLM(path, device=args.device, dtype=args.dtype, quantization=args.quantization,
                   enforce_eager=args.enforce_eager,
@@ -184,6 +194,10 @@ def main() -> int:
                "input_len": [args.min_input_len, args.max_input_len],
                "output_len": [args.min_output_len, args.max_output_len], "output_tokens": total,
                "threads": torch.get_num_threads()}
+    print(f"bench.py: {args.num_seqs} requests, {sum(map(len, prompts))} prompt tokens in, {total} tokens out "
+          f"(ignore_eos), on {cfg.device} with {results['threads']} threads; peak RSS so far "
+          f"{peak_rss_gib():.2f} GiB. The default CPU run takes 2-4 minutes on 2 cores "
+          "(docs/benchmarks.md)", flush=True)
     elapsed = run_engine(llm, prompts, max_tokens)
     results["nanovllm"] = {"time_s": elapsed, "tok_s": total / elapsed}
     print(f"nano-vLLM     Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s "
@@ -193,8 +207,10 @@ def main() -> int:
         from nanovllm.utils.efficiency import measure_efficiency
         results["efficiency"] = measure_efficiency(llm)
     device = llm.model_runner.device
-    llm.exit()
+    llm.exit()  # (its tensor-parallel workers end here, and count in the peak below)
     del llm
+    results["peak_rss_gib"] = peak_rss_gib()
+    print(f"peak RSS {results['peak_rss_gib']:.2f} GiB (this process, or its largest tensor-parallel worker)")
     if args.compare_hf:
         hf_time = run_hf(path, cfg.torch_dtype, str(device), prompts, max_tokens, args.hf_batch_size)
         results["transformers"] = {"time_s": hf_time, "tok_s": total / hf_time, "batch_size": args.hf_batch_size}

@@ -2,6 +2,7 @@
 generate() and generate_stream() come from LLMEngine, chat() and LLM.default() are added here."""
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.chat_template import render_chat
 
 
 class LLM(LLMEngine):
@@ -25,12 +26,9 @@ class LLM(LLMEngine):
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; call generate() with plain prompts")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """The prompt token ids of one conversation (the tokenizer's chat template, with the
+        assistant's turn opened)."""
+        return render_chat(self.tokenizer, conversation)
 
     def __enter__(self) -> "LLM":
         return self

@@ -86,17 +86,27 @@ def test_named_tool_choice_yields_a_valid_call(client):
     check_call(call)
 
 
-def test_start_up_says_whether_the_template_renders_tools(byte_model, qwen3_gqa):
+def test_start_up_says_whether_the_template_renders_tools(byte_model, qwen3_gqa, caplog):
+    """Said at start-up as information; a warning only once a request brings tools the template
+    ignores, and then once."""
     import logging
 
     from transformers import AutoTokenizer
 
-    from nanovllm.entrypoints.tool_calls import template_renders_tools, tools_note
+    from nanovllm.entrypoints.tool_calls import ToolsWarning, template_renders_tools, tools_note
     renders, ignores = AutoTokenizer.from_pretrained(byte_model), AutoTokenizer.from_pretrained(qwen3_gqa)
     assert template_renders_tools(renders) is True and template_renders_tools(ignores) is False
-    assert tools_note(renders, ChatSettings())[0] == logging.INFO
-    level, text = tools_note(ignores, ChatSettings("hermes", enable_auto_tool_choice=True))
-    assert level == logging.WARNING and 'tool_choice "auto" will never call one' in text
+    assert "renders tools" in tools_note(renders, ChatSettings())
+    auto = ChatSettings("hermes", enable_auto_tool_choice=True)
+    assert 'tool_choice "auto" will never call one' in tools_note(ignores, auto)
+    with caplog.at_level(logging.WARNING, logger="nanovllm"):
+        quiet, loud = ToolsWarning(renders, auto), ToolsWarning(ignores, auto)
+        assert caplog.records == []  # nothing before a request brings tools
+        for _ in range(3):
+            quiet.request_brings_tools()
+            loud.request_brings_tools()
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and 'tool_choice "auto" will never call one' in record.getMessage()
     renders.chat_template = None
     assert template_renders_tools(renders) is None and tools_note(renders, ChatSettings()) is None
 

@@ -217,21 +217,13 @@ class AsyncEngine:
             if req.request_id in self._requests:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                prompt = self._apply_chat_template(prompt)
+                prompt = self.llm.apply_chat_template(prompt)
             req.seqs = self.llm.add_request_group(prompt, sampling_params, req.request_id, stream=True)
         except Exception as e:  # validation errors go back to the caller, not to the loop
             _resolve(accepted, error=e)
             return
         self._requests[req.request_id] = req
         _resolve(accepted, result=list(req.seqs[0].prompt_token_ids))
-
-    def _apply_chat_template(self, conversation: list[dict]) -> list[int]:
-        from jinja2 import TemplateError
-
-        try:
-            return self.llm.apply_chat_template(conversation)
-        except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
-            raise ValueError(f"chat template failed on these messages: {e}") from e
 
     def _abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

@@ -30,8 +30,8 @@ from nanovllm.entrypoints.serving import Generation, completion_response, chat_r
 from nanovllm.entrypoints.sglang_compat import add_sglang_routes
 from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts, prepared,
                                                prompt_token_ids)
-from nanovllm.entrypoints.tool_calls import (ChatSettings, ToolReply, template_tools, tool_choice_of, tools_note,
-                                             with_forced_call)
+from nanovllm.entrypoints.tool_calls import (ChatSettings, ToolReply, ToolsWarning, template_tools, tool_choice_of,
+                                             tools_note, with_forced_call)
 from nanovllm.entrypoints.validation_errors import request_fields, validation_body
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
                            check_model: Callable[[str | None], None]) -> None:
     """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
     max_model_len = engine.llm.config.max_model_len
+    tools_warning = ToolsWarning(engine.llm.tokenizer, chat)
 
     def generation(prefix: str, n: int, logprobs: int | None, arrival: float) -> Generation:
         return MeteredGeneration(engine, engine.new_request_id(prefix), served_model_name, n, logprobs,
@@ -144,6 +145,8 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
             tool_choice = tool_choice_of(body, chat)
             params = with_forced_call(params, body, tool_choice, chat)
             conversation = body.conversation()
+        if body.tools:
+            tools_warning.request_brings_tools()
         prompt_ids = await chat_prompt_ids(engine, conversation, body, template_tools(body), body.add_special_tokens,
                                            chat.trust_request_chat_template)
         asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -295,7 +298,7 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     note = tools_note(llm.tokenizer, chat or ChatSettings())
     if note:
-        logger.log(*note)
+        logger.info(note)
     engine = AsyncEngine(llm).start()
     app = build_app(engine, served_model_name, api_key, limits, chat, model_aliases)
 

@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from nanovllm.entrypoints.protocol import (ApiError, ChatTemplateOptions, DetokenizeRequest, TokenizeRequest,
                                            error_responses)
+from nanovllm.utils.chat_template import render_chat
 
 
 async def prepared(engine: AsyncEngine, fn):
@@ -38,23 +39,10 @@ async def chat_prompt_ids(engine: AsyncEngine, conversation: list[dict], options
 
 def _templated(llm, conversation: list[dict], options: ChatTemplateOptions, tools: list[dict] | None,
                add_special_tokens: bool) -> list[int]:
-    from jinja2 import TemplateError
-
-    tokenizer = _tokenizer_of(llm)
-    if getattr(tokenizer, "chat_template", None) is None and options.chat_template is None:
-        raise ValueError("this model's tokenizer has no chat template; send a prompt instead of messages")
-    if options.continue_final_message and conversation[-1].get("role") != "assistant":
-        raise ValueError("continue_final_message needs the last message to be the assistant's, got role "
-                         f"{conversation[-1].get('role')!r}")
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, tools=tools, documents=options.documents, chat_template=options.chat_template,
-            add_generation_prompt=options.adds_generation_prompt,
-            continue_final_message=options.continue_final_message, tokenize=False,
-            **(options.chat_template_kwargs or {}))
-    except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
-        raise ValueError(f"chat template failed on these messages: {e}") from e
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return render_chat(llm.tokenizer, conversation, tools=tools, documents=options.documents,
+                       chat_template=options.chat_template, add_generation_prompt=options.adds_generation_prompt,
+                       continue_final_message=options.continue_final_message, add_special_tokens=add_special_tokens,
+                       template_kwargs=options.chat_template_kwargs)
 
 
 def _tokenizer_of(llm):

@@ -4,6 +4,7 @@ streamed. openai_server.py checks and constrains; serving.py builds the bodies w
 """
 import copy
 import json
+import logging
 import uuid
 from dataclasses import dataclass, replace
 
@@ -66,18 +67,37 @@ def template_renders_tools(tokenizer) -> bool | None:
     return with_tools != plain
 
 
-def tools_note(tokenizer, settings: ChatSettings) -> tuple[int, str] | None:
-    """The start-up log line (level, text) about tool calling with this model's chat template."""
-    import logging
-
+def tools_note(tokenizer, settings: ChatSettings) -> str | None:
+    """What the model's chat template does with tools, for the start-up log (INFO): nobody asked for
+    tools yet, so a template that ignores them is no warning until a request brings some
+    (ToolsWarning)."""
     renders = template_renders_tools(tokenizer)
     if renders is None:
         return None
     if renders:
-        return logging.INFO, "the chat template renders tools: requests' tools are shown to the model"
+        return "the chat template renders tools: requests' tools are shown to the model"
+    return "the chat template ignores tools: " + _ignored_tools_consequence(settings)
+
+
+def _ignored_tools_consequence(settings: ChatSettings) -> str:
     auto = ("; tool_choice \"auto\" will never call one" if settings.enable_auto_tool_choice else "")
-    return logging.WARNING, ("the chat template ignores tools: the model is not shown a request's tools" + auto
-                             + "; tool_choice \"required\" or a named tool still force a call by grammar")
+    return ("the model is not shown a request's tools" + auto
+            + "; tool_choice \"required\" or a named tool still force a call by grammar")
+
+
+class ToolsWarning:
+    """Warns once, at the first chat request that brings tools, where the chat template ignores them."""
+
+    def __init__(self, tokenizer, settings: ChatSettings):
+        self.ignores_tools = template_renders_tools(tokenizer) is False
+        self.settings = settings
+        self.warned = False
+
+    def request_brings_tools(self) -> None:
+        if self.ignores_tools and not self.warned:
+            self.warned = True
+            logging.getLogger(__name__).warning("a request brings tools, but the chat template ignores them: %s",
+                                                _ignored_tools_consequence(self.settings))
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict] | None:

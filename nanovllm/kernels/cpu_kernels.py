@@ -70,6 +70,20 @@ def build(path: Path) -> None:
             os.unlink(tmp)
 
 
+def build_once(path: Path) -> None:
+    """Build the library at path unless another process (a TP worker, a second engine) did while
+    this one waited: one build per cache key, under a lock file beside it."""
+    import fcntl
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.is_file():
+            return
+        logger.warning("compiling the CPU C kernels for this machine, once (about 10-30 s); later starts load "
+                       "them from %s", path.parent)
+        build(path)
+
+
 # The one-call decode step's batch limit where some layer's weights are read by torch (a layer or
 # format without a C view): up to here its dispatch costs more than the other layers' per-layer
 # path saves (docs/performance.md, items 16 and 32).
@@ -178,7 +192,7 @@ def load() -> CpuKernels | None:
     try:
         path = library_path()
         if not path.is_file():
-            build(path)
+            build_once(path)
         _kernels = CpuKernels(ctypes.CDLL(str(path)))
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         logger.warning("CPU C kernels unavailable, using the torch paths: %s", e)
