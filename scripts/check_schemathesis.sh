@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Schemathesis against `nanovllm serve` on a tiny random checkpoint, from the server's own
-# /openapi.json: every check but positive_data_acceptance (why: tests/test_schemathesis.py), then a
+# /openapi.json: every check but positive_data_acceptance (why: tests/server/test_schemathesis.py), then a
 # pass with --api-key for ignored_auth. Prints schemathesis' summaries; exits non-zero on a finding.
 #
 #   scripts/check_schemathesis.sh [MAX_EXAMPLES] [PORT]     (env: PYTHON, SCHEMATHESIS)

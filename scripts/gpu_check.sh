@@ -13,8 +13,8 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exi
 if $PY -c "import pytest" 2>/dev/null; then
     echo "running GPU tests (log: pytest tail below)"
     timeout 330 $PY -m pytest -q -p no:cacheprovider --junitxml="$work/junit.xml" \
-        tests/test_gpu.py tests/test_store_kvcache.py tests/test_cuda_graph.py tests/test_fused_moe.py \
-        tests/test_triton_weight_only.py "tests/test_prequantized.py::test_on_a_gpu_the_triton_kernels_run_the_checkpoints" \
+        tests/engine/test_gpu.py tests/kernels/test_store_kvcache.py tests/engine/test_cuda_graph.py tests/kernels/test_fused_moe.py \
+        tests/kernels/test_triton_weight_only.py "tests/models/test_prequantized.py::test_on_a_gpu_the_triton_kernels_run_the_checkpoints" \
         >"$work/pytest.log" 2>&1
     tests_rc=$?
     tail -n 25 "$work/pytest.log"

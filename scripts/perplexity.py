@@ -2,7 +2,7 @@
 where the vocabulary does not add one) in chunks of n_ctx, each chunk evaluated on its own, and only
 the predictions of its second half counted (tokens n_ctx / 2 + 1 .. n_ctx - 1 of each chunk);
 perplexity = exp(mean negative log-likelihood). Used by bench_llamacpp.py --perplexity (against
-llama-perplexity on the same file) and tests/test_gguf.py (against transformers)."""
+llama-perplexity on the same file) and tests/models/test_gguf.py (against transformers)."""
 import math
 import re
 

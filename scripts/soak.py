@@ -9,7 +9,7 @@ Without --url it starts `nanovllm serve --kvcache-prefault` on the default model
 port) and stops it after; a server of your own should prefault its KV cache too, or its RSS grows
 as blocks are first used. Exit status 0 when nothing was lost (every answer a 200 or a dropped stream, the server back
 to 0 running / 0 waiting / KV 0, the fixed text unchanged, RSS within 15%), else 1.
-tests/test_soak.py runs the same soak, short, against an in-process server.
+tests/server/test_soak.py runs the same soak, short, against an in-process server.
 """
 import argparse
 import asyncio

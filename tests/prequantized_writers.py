@@ -1,5 +1,5 @@
 """GPTQ, AWQ and FP8 checkpoints laid out from the formats' published definitions (cited at each
-writer), with the dense weights each definition gives: the references of tests/test_prequantized.py,
+writer), with the dense weights each definition gives: the references of tests/models/test_prequantized.py,
 written here and not by the engine's code."""
 import json
 import os

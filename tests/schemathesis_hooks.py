@@ -1,6 +1,6 @@
 """Schemathesis hooks for fuzzing `nanovllm serve`: generated bodies ask for the served model.
 
-Loaded by tests/test_schemathesis.py and, through SCHEMATHESIS_HOOKS, by scripts/check_schemathesis.sh.
+Loaded by tests/server/test_schemathesis.py and, through SCHEMATHESIS_HOOKS, by scripts/check_schemathesis.sh.
 The served name comes from NANOVLLM_SERVED_MODEL.
 """
 import json

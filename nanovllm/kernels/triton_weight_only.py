@@ -8,7 +8,7 @@
 g(k) = g_idx[k] (GPTQ's desc_act) or k // group. One program per BLOCK_M x BLOCK_N tile of y,
 looping over the inputs: the weight tile is dequantized to x's dtype and multiplied with fp32
 accumulation (tl.dot). Tested under TRITON_INTERPRET=1 on CPU against the dequantized matmul
-(tests/test_triton_weight_only.py), compiled on CUDA by scripts/gpu_check.sh."""
+(tests/kernels/test_triton_weight_only.py), compiled on CUDA by scripts/gpu_check.sh."""
 from dataclasses import dataclass
 
 import torch

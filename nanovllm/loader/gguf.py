@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm.layers.quantization.gguf import block_shape
+from nanovllm.layers.quantization.block_formats import CONVERTED_FORMATS as CONVERTED
+from nanovllm.layers.quantization.block_formats import NATIVE_FORMATS as NATIVE_TYPES
+from nanovllm.layers.quantization.block_formats import block_shape
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +31,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 # build_moe_ffn's norm_w); the files carry no key for it.
 NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 MIXTRAL = "MixtralForCausalLM"
-# GGUF tensor types held and multiplied as they are (names as the C weight-type table spells them).
-NATIVE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
-# Types converted at load into the nearest native one: a Q5_K sub-block of 32 (6-bit scale and
-# min under the super-block's fp16 d and dmin) is a Q5_1 block with d = d sc and m = -dmin mn
-# rounded to fp16 (relative error <= 2^-11 in those two numbers; the 5-bit values move as they are).
-CONVERTED = {"q5_k": "q5_1"}
-
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",

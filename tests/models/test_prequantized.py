@@ -23,7 +23,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization import linear_layers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import llmcompressor_quantize as lq  # noqa: E402  (its reference() runs here too, on dense folders)
 

@@ -194,7 +194,7 @@ def test_serve_flags_make_the_limits():
 def test_serve_ends_within_seconds_of_a_signal_mid_generation(tmp_path, signum):
     model = make_qwen3(str(tmp_path / "m"), seed=3)
     port = free_ports(1)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "nanovllm.cli", "serve", model, "--port", str(port), "--max-model-len", "512",
            "--kvcache-block-size", "16", "--cpu-kvcache-bytes", str(64 * 2**20), "--log-level", "warning"]
@@ -238,7 +238,7 @@ def test_a_dead_worker_is_seen_and_the_server_exits(tmp_path):
     psutil = pytest.importorskip("psutil")
     model = make_qwen3(str(tmp_path / "m"), seed=3)
     port = free_ports(1)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "nanovllm.cli", "serve", model, "--port", str(port), "-tp", "2", "--max-model-len",
            "256", "--kvcache-block-size", "16", "--cpu-kvcache-bytes", str(8 * 2**20), "--log-level", "warning"]

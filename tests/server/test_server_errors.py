@@ -46,7 +46,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [3, 99999]}, "outside the vocabulary"),
-    # An unknown model is a 404 (tests/test_server_routes.py).
+    # An unknown model is a 404 (tests/server/test_server_routes.py).
     ("/v1/completions", {"model": MODEL, "prompt": "fox " * 300}, "max_model_len"),
     ("/v1/completions", {"model": MODEL, "prompt": ["the fox", ""], "stream": True}, "empty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),

@@ -122,7 +122,7 @@ def test_default_model_holds_its_file_once():
     from pathlib import Path
 
     import nanovllm.utils.default_model as dm
-    cache = Path(os.environ.get(dm.CACHE_ENV) or Path(__file__).resolve().parents[1] / ".cache" / "nanovllm")
+    cache = Path(os.environ.get(dm.CACHE_ENV) or Path(__file__).resolve().parents[2] / ".cache" / "nanovllm")
     dm.default_model_path(cache)  # fetches the shipped file on first use, as LLM.default() does
     gguf = cache / "downloads" / dm.GGUF_NAME
     out = subprocess.run([sys.executable, "-c", DEFAULT_GGUF, str(gguf)], capture_output=True, text=True,

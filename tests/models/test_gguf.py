@@ -26,7 +26,7 @@ from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.quantization import linear_layers  # noqa: E402
 from nanovllm.utils import default_model as dm  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXT = (REPO / "tests" / "data" / "english.txt").read_text()
 sys.path.insert(0, str(REPO / "scripts"))
 import perplexity as ppl  # noqa: E402

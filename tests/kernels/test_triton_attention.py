@@ -207,7 +207,7 @@ def test_triton_on_cpu_needs_interpreter(model_path, monkeypatch):
 def test_kernels_build_for_hopper_without_spills():
     # The interpreter never compiles; this does, for sm_90, with the launchers' own tile table,
     # and fails on a build error, a register spill or a shared-memory overflow. No GPU needed.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root
     result = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_triton_build.py"), "--quick"],

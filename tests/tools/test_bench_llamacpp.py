@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_llamacpp.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_llamacpp.py"
 
 # llama-bench -p 128 -n 64 -t 2 -o json (stdout), fields trimmed.
 LLAMA_BENCH_JSON = """[

@@ -194,7 +194,7 @@ def test_core_imports_without_xgrammar():
     code = ("import sys; sys.modules['xgrammar'] = None; import nanovllm, nanovllm.engine.llm_engine, "
             "nanovllm.sample.sampler; from nanovllm import SamplingParams, StructuredOutputsParams; "
             "SamplingParams(structured_outputs=StructuredOutputsParams(regex='a'))")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
 
 
 def test_bitmask_matches_xgrammar_reference():

@@ -16,7 +16,7 @@ from nanovllm import LLM
 from nanovllm.cli import build_parser, check_port
 from nanovllm.loader.checkpoint import Checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str, cache: Path) -> subprocess.CompletedProcess:

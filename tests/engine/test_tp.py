@@ -348,7 +348,7 @@ def test_garbage_collection_and_interpreter_exit_end_workers(gqa, tmp_path):
             llm, pid, name = start()
             print("open", pid, name, flush=True)
     """))
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     collected, still_open = proc.stdout.splitlines()

@@ -12,7 +12,7 @@ from server_fixtures import ENGINE_OPTIONS, MODEL, probe, serve_engine  # noqa: 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.openai_server import build_app
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
 import soak  # noqa: E402
 
 

@@ -228,6 +228,6 @@ def test_other_builds(tmp_path, march, simd):
             "k = cpu_kernels.load(); assert k is not None; print('simd', k.quant_simd()); t.check_all(k)")
     env = {**os.environ, "NANOVLLM_CPU_MARCH": march, "NANOVLLM_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"simd {simd}" in out.stdout

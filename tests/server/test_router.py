@@ -20,7 +20,7 @@ from nanovllm import SamplingParams  # noqa: E402
 from process_helpers import IS_LINUX, children_of, free_ports, is_alive, wait_until  # noqa: E402
 from server_fixtures import ENGINE_OPTIONS, MODEL, ref_llm  # noqa: E402,F401  (ref_llm is a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENGINE_FLAGS = ["--kvcache-block-size", str(ENGINE_OPTIONS["kvcache_block_size"]),
                 "--max-model-len", str(ENGINE_OPTIONS["max_model_len"]),
                 "--cpu-kvcache-bytes", str(ENGINE_OPTIONS["cpu_kvcache_bytes"])]

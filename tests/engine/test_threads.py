@@ -9,7 +9,7 @@ import pytest
 
 from nanovllm.utils import threads
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def python(code: str, **env: str) -> str:

@@ -21,7 +21,7 @@ from nanovllm.distributed.node import run_node
 from process_helpers import free_ports
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def start_node1(model: str, addr: str, *extra: str) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """The data-parallel supervisor's pieces (entrypoints/replicas.py, cli.py): a replica's command, its
 ports, cores and GPUs, the user errors caught before anything starts, children dying with the parent.
-The replicas themselves, behind sglang-router, are tests/test_router.py."""
+The replicas themselves, behind sglang-router, are tests/server/test_router.py."""
 import os
 import signal
 import socket
@@ -16,7 +16,7 @@ from nanovllm.platforms import CudaPlatform
 
 from process_helpers import IS_LINUX, free_ports, is_alive, port_is_free, wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_replica_command_keeps_every_option_but_the_supervisors():

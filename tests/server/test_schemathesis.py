@@ -20,7 +20,7 @@ from nanovllm.entrypoints.openai_server import build_app  # noqa: E402
 
 from server_fixtures import MODEL, Server  # noqa: E402
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NOTE: positive_data_acceptance ("every schema-valid request gets a 2xx") is left out, here and in
 # scripts/check_schemathesis.sh: the server rightly refuses, with a documented 400, requests no JSON
 # schema can describe: constraints across fields (top_logprobs needs logprobs, exactly one of prompt
@@ -85,7 +85,7 @@ def test_findings_stay_fixed(server_url):
     r = httpx.post(server_url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"] == {
         "message": "top_p must be <= 1.0, got 1.5", "type": "invalid_request_error", "param": "top_p", "code": None}
-    # The 500 it found: a tiny repetition_penalty made NaN probabilities (tests/test_sampler.py).
+    # The 500 it found: a tiny repetition_penalty made NaN probabilities (tests/engine/test_sampler.py).
     body = {"model": MODEL, "messages": [{"role": "user"}], "repetition_penalty": 5e-324, "max_tokens": 4}
     r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text

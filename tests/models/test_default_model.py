@@ -12,7 +12,7 @@ from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils import default_model as dm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 32
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Name three fruits that are red and explain why each one is healthy."]

@@ -18,7 +18,7 @@ from nanovllm.entrypoints.async_engine import AsyncEngine  # noqa: E402
 from nanovllm.entrypoints.openai_server import build_app  # noqa: E402
 from nanovllm.utils import default_model as dm  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "mood", "count"],
           "properties": {"answer": {"type": "boolean"}, "mood": {"enum": ["happy", "sad"]},
                          "count": {"type": "integer", "minimum": 1, "maximum": 5},

@@ -194,7 +194,7 @@ def test_serve_command_line(qwen3_gqa, ref_llm):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "nanovllm.cli", "serve", qwen3_gqa, "--port", str(port), "--api-key", API_KEY,
            "--served-model-name", "served", "--max-model-len", "256", "--kvcache-block-size", "16",

@@ -1,0 +1,125 @@
+"""The code's shape, checked from its source: no import circle (deferred imports count); device questions only in the platform, the attention backends and the kernels; the
+weight formats never import model code; no assertion in the tests whose condition hides in its
+message (`assert ok, text and other_check` never evaluates other_check)."""
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "nanovllm"
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The package modules path imports anywhere (functions' deferred imports included), except
+    under `if TYPE_CHECKING:`, resolved to the longest known module name."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from package import module` imports that module; `from module import name`, the module
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {m: imports_of(p, set(files)) - {m} for m, p in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    """None anywhere in the package (layers/, models/ and loader/ held one of 17 modules together by
+    deferred imports before)."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_weight_formats_import_no_model_code():
+    graph = import_graph()
+    for module, deps in graph.items():
+        if module.startswith("nanovllm.layers.quantization"):
+            outside = sorted(d for d in deps if d.startswith("nanovllm.models")
+                             or (d.startswith("nanovllm.layers") and not d.startswith("nanovllm.layers.quantization")))
+            assert outside == [], module
+    for layer in ("nanovllm.layers.linear", "nanovllm.layers.embed_head", "nanovllm.layers.moe"):
+        formats = sorted(d for d in graph[layer] if d.startswith("nanovllm.layers.quantization"))
+        assert set(formats) <= {"nanovllm.layers.quantization.base", "nanovllm.layers.quantization.parameter"}, layer
+
+
+def test_device_questions_only_in_the_platform_backends_and_kernels():
+    allowed = ("platforms", "layers/backends", "kernels")
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).as_posix().startswith(allowed):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\.is_cuda\b|device\.type\b", line):
+                found.append(f"{path.relative_to(ROOT)}:{i}")
+    assert found == []
+
+
+def test_no_test_hides_a_check_in_an_assertion_message():
+    hidden = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assert) and isinstance(node.msg, (ast.BoolOp, ast.Compare)):
+                hidden.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Assert) and isinstance(node.test, ast.Tuple):
+                hidden.append(f"{path.relative_to(ROOT)}:{node.lineno} (a tuple is always true)")
+    assert hidden == []
+
+
+def test_the_hidden_check_finder_finds_one():
+    node = ast.parse("assert r.status == 200, r.text and r.json()['model'] == 'm'").body[0]
+    assert isinstance(node.msg, ast.BoolOp)
