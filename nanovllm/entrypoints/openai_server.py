@@ -112,9 +112,9 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
     max_model_len = engine.llm.config.max_model_len
     tools_warning = ToolsWarning(engine.llm.tokenizer, chat)
 
-    def generation(prefix: str, n: int, logprobs: int | None, arrival: float) -> Generation:
+    def generation(prefix: str, n: int, logprobs: int | None, arrival: float, **settings) -> Generation:
         return MeteredGeneration(engine, engine.new_request_id(prefix), served_model_name, n, logprobs,
-                                 metrics=metrics, arrival=arrival)
+                                 metrics=metrics, arrival=arrival, **settings)
 
     @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
@@ -127,11 +127,9 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
             params = body.sampling_params()
         prompt_ids = await prompt_token_ids(engine, prompts)
         check_context_length([len(ids) for ids in prompt_ids], params.max_tokens, max_model_len)
-        gen = generation("cmpl", params.n, params.logprobs, arrival)
-        gen.num_prompt_logprobs = params.prompt_logprobs
-        if body.echo:
-            gen.echo_texts = await echo_texts(engine, prompts, prompt_ids)
-        gen.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        echoed = await echo_texts(engine, prompts, prompt_ids) if body.echo else None
+        gen = generation("cmpl", params.n, params.logprobs, arrival, num_prompt_logprobs=params.prompt_logprobs,
+                         echo_texts=echoed, tokens_as_ids=bool(body.return_tokens_as_token_ids))
         return await _respond(gen, request, body, prompt_ids, params, "completion")
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
@@ -151,12 +149,11 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
                                            chat.trust_request_chat_template)
         asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         check_context_length([len(prompt_ids)], params.max_tokens, max_model_len, "messages", asked)
-        gen = generation("chatcmpl", params.n, params.logprobs, arrival)
-        gen.tokens_as_ids = bool(body.return_tokens_as_token_ids)
-        if body.echo and conversation[-1].get("role") == "assistant":
-            gen.echo_prefix = conversation[-1].get("content") or ""
-        if tool_choice != "none":
-            gen.new_tool_reply = lambda: ToolReply(tool_choice, chat)
+        echoes = body.echo and conversation[-1].get("role") == "assistant"
+        gen = generation("chatcmpl", params.n, params.logprobs, arrival,
+                         echo_prefix=(conversation[-1].get("content") or "") if echoes else "",
+                         tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                         new_tool_reply=(lambda: ToolReply(tool_choice, chat)) if tool_choice != "none" else None)
         return await _respond(gen, request, body, [prompt_ids], params, "chat")
 
 

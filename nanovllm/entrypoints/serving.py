@@ -101,7 +101,13 @@ def chat_logprobs(entries: list) -> dict:
 class Generation:
     """The engine requests of one HTTP request: prompt i's completion j is choice i * n + j."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, model: str, n: int, top_logprobs: int | None):
+    def __init__(self, engine: AsyncEngine, request_id: str, model: str, n: int, top_logprobs: int | None, *,
+                 num_prompt_logprobs: int | None = None, echo_texts: list[str] | None = None,
+                 echo_prefix: str = "", tokens_as_ids: bool = False, new_tool_reply=None):
+        """num_prompt_logprobs: SamplingParams.prompt_logprobs; echo_texts: completions' echo, each
+        prompt's text; echo_prefix: chat's echo, the last (assistant) message's content opening the
+        reply; tokens_as_ids: return_tokens_as_token_ids; new_tool_reply: chat with tools, () ->
+        tool_calls.ToolReply for one choice."""
         self.engine = engine
         self.id = request_id
         self.model = model
@@ -112,13 +118,13 @@ class Generation:
         self.prompt_index: dict[str, int] = {}  # engine request id -> prompt position
         self.prompt_lens: list[int] = []
         self.prompt_ids: list[list[int]] = []
-        self.echo_texts: list[str] | None = None  # completions' echo: each prompt's text, set by the server
-        self.num_prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs, set by the server
+        self.echo_texts = echo_texts
+        self.num_prompt_logprobs = num_prompt_logprobs
         self.choices: list[Choice] = []
         self.num_unfinished = 0
-        self.tokens_as_ids = False  # return_tokens_as_token_ids
-        self.echo_prefix = ""  # chat's echo: the last (assistant) message's content opens the reply
-        self.new_tool_reply = None  # chat with tools: () -> tool_calls.ToolReply for one choice
+        self.tokens_as_ids = tokens_as_ids
+        self.echo_prefix = echo_prefix
+        self.new_tool_reply = new_tool_reply
 
     async def submit(self, prompts: list, sampling_params) -> None:
         """Queue every prompt at once (they can share a step); if one is refused, abort the others

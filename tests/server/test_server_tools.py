@@ -267,8 +267,8 @@ AUTO_REPLY = ["I will look. ", "<tool", '_call>\n{"name": "get_weather", "argu',
 
 
 async def scripted(stream: bool):
-    gen = Generation(ScriptedEngine(AUTO_REPLY), "chatcmpl-1", MODEL, 1, None)
-    gen.new_tool_reply = lambda: ToolReply("auto", ChatSettings("hermes", enable_auto_tool_choice=True))
+    gen = Generation(ScriptedEngine(AUTO_REPLY), "chatcmpl-1", MODEL, 1, None,
+                     new_tool_reply=lambda: ToolReply("auto", ChatSettings("hermes", enable_auto_tool_choice=True)))
     await gen.submit(["prompt"], None)
     if not stream:
         await gen.run_to_end()

@@ -1,8 +1,8 @@
 """The one table of GGUF tensor formats in Python: a row per format (its name as the C weight-type
-table spells it, kernels/cpu_formats.h; weights and bytes per block; what can make or multiply it).
-Every list of formats (what a .gguf file may hold, what `quantization=` offers, what the Triton
-kernel unpacks) is read from here; the C side has its own row per format (see docs/architecture.md,
-"A weight format")."""
+table spells it, kernels/cpu_kernels.c weight_types[]; weights and bytes per block; what can make
+or multiply it). The lists of formats (what a .gguf file may hold, what `quantization=` offers, what
+the Triton kernel unpacks) are read from here; the C side has its own row per format
+(docs/architecture.md, "Where to change what")."""
 from dataclasses import dataclass
 
 
