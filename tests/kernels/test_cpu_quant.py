@@ -224,7 +224,7 @@ def test_other_builds(tmp_path, march, simd):
     """The AVX2 + FMA build (what AVX2-only machines run) and the plain C one, same checks."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 builds")
-    code = ("import sys; sys.path.insert(0, 'tests'); from nanovllm.kernels import cpu_kernels; import test_cpu_quant as t; "
+    code = ("import sys; sys.path[:0] = ['tests', 'tests/kernels']; from nanovllm.kernels import cpu_kernels; import test_cpu_quant as t; "
             "k = cpu_kernels.load(); assert k is not None; print('simd', k.quant_simd()); t.check_all(k)")
     env = {**os.environ, "NANOVLLM_CPU_MARCH": march, "NANOVLLM_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,

@@ -395,7 +395,7 @@ def test_default_model_quantized_by_llmcompressor(default_quantized, scheme):
 # ---- the Triton kernels (CUDA), here under the Triton interpreter ------------------------------------
 TRITON_RUN = """
 import json, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {models!r}]
 from test_prequantized import LLM, check_against_reference, llm_names
 with LLM({folder!r}, max_num_seqs=4, max_model_len=256, enforce_eager=True) as llm:
     names = llm_names(llm)
@@ -410,7 +410,7 @@ def test_triton_kernels_through_the_engine(written, ct_folders, case):
     under TRITON_INTERPRET=1), against the same references as the C kernels."""
     pytest.importorskip("triton")
     folder, reference = (ct_folders["W8A16"],) * 2 if case.startswith("ct-") else written[case]
-    code = TRITON_RUN.format(tests=str(REPO / "tests"), folder=folder, reference=reference)
+    code = TRITON_RUN.format(tests=str(REPO / "tests"), models=str(REPO / "tests" / "models"), folder=folder, reference=reference)
     env = {**os.environ, "TRITON_INTERPRET": "1", "NANOVLLM_TRITON_WEIGHT_ONLY": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
