@@ -215,6 +215,7 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
     float *moe_scratch = shared_gate + B;
     const int64_t per_item = kv_heads_per_item(B, NKV, num_threads), heads = per_item * (NH / NKV);
     int failed = 0;
+    const int64_t failures = kernel_failures();
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = alloc_or_flag((size_t)(heads * s->max_context), &failed);
@@ -281,7 +282,7 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
         free(inv_sum);
     }
     free(buf);
-    return failed;
+    return failed ? failed : kernel_failures() != failures ? 1 : 0;
 }
 
 /* ---- a layer's phases one call each, between matmuls done elsewhere (larger batches: oneDNN) --- */
@@ -301,6 +302,7 @@ int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, con
     const int64_t per_item = kv_heads_per_item(s->num_seqs, m->num_kv_heads, num_threads);
     const int64_t heads = per_item * (m->num_heads / m->num_kv_heads);
     int failed = 0;
+    const int64_t failures = kernel_failures();
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = alloc_or_flag((size_t)(heads * s->max_context), &failed);

@@ -594,6 +594,10 @@ int64_t nanovllm_struct_size(const char *name) {
     return -1;
 }
 
+static int64_t kernel_failure_count;
+void note_kernel_failure(void) { __atomic_add_fetch(&kernel_failure_count, 1, __ATOMIC_RELAXED); }
+int64_t kernel_failures(void) { return __atomic_load_n(&kernel_failure_count, __ATOMIC_RELAXED); }
+
 /* NOTE: m must be valid (linear_is_valid): the callers check every matrix once. */
 void linear_rows_nowait(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {
     for (; m != NULL; y += m->n, m = m->next) weight_types[m->type].linear_rows(m, x, ldx, rows, y, ldy);
@@ -607,9 +611,10 @@ void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows,
 
 /* y [rows, n] = x [rows, k] W^T (+ bias: this call's, not w's; over all outputs of a chain), all
  * contiguous, n the outputs of w's chain. Returns 1 (and computes nothing) when w is not a valid
- * matrix. */
+ * matrix, 2 when a row loop could not allocate its scratch (y is then incomplete). */
 int linear_f32(const Linear *w, const float *bias, const float *x, float *y, int64_t rows, int num_threads) {
     if (!linear_is_valid(w)) return 1;
+    const int64_t failures = kernel_failures();
     Linear parts[MAX_CHAIN];
     int64_t count = 0, offset = 0;
     for (const Linear *p = w; p != NULL; p = p->next, count++) {
@@ -621,7 +626,7 @@ int linear_f32(const Linear *w, const float *bias, const float *x, float *y, int
     }
 #pragma omp parallel num_threads(num_threads)
     linear_rows_for(parts, x, w->k, rows, y, offset);
-    return 0;
+    return kernel_failures() != failures ? 2 : 0;
 }
 
 /* out [count, k] = rows ids of m as fp32 (embedding lookups). Returns 1 for an id outside [0, n)

@@ -69,6 +69,12 @@ int64_t linear_outputs(const Linear *m);
  * chained matrices writing the outputs after its own.
  * An orphaned `omp for` over W's rows: inside a parallel region the threads share the work;
  * outside one it runs on the calling thread. One barrier at the end of the chain. */
+/* A row loop that cannot allocate its scratch (the quantized inputs) skips its share and counts
+ * the failure here; an entry point compares the count before and after its parallel region and
+ * returns an error code (a MemoryError in Python) instead of ending the process. */
+void note_kernel_failure(void);
+int64_t kernel_failures(void);
+
 void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);
 /* The same without the barrier: the matrices of independent products (a step's experts) run back
  * to back, each thread going on to its share of the next; the caller puts a barrier before reading y. */

@@ -259,8 +259,11 @@ def linear(kernels: CpuKernels, weight: Linear, x: torch.Tensor, bias: torch.Ten
     x = x.contiguous()
     assert x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
     y = torch.empty(x.shape[0], linear_outputs(weight), dtype=torch.float32)
-    if kernels.linear(ctypes.byref(weight), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(),
-                      x.shape[0], torch.get_num_threads()):
+    failed = kernels.linear(ctypes.byref(weight), None if bias is None else bias.data_ptr(), x.data_ptr(),
+                            y.data_ptr(), x.shape[0], torch.get_num_threads())
+    if failed == 2:
+        raise MemoryError(f"the C linear kernel could not allocate the quantized copy of {x.shape[0]} input rows")
+    if failed:
         raise ValueError("the C linear kernel refused its weight description")
     return y
 

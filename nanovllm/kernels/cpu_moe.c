@@ -118,15 +118,16 @@ int moe_is_valid(const MoeExperts *m) {
 }
 
 /* out [rows, H] = the routed experts of x [rows, H] under router logits [rows, E] (no shared
- * expert: the module adds its own). Returns 0; 1 when the scratch cannot be allocated, 3 when m
+ * expert: the module adds its own). Returns 0; 1 when the scratch (its own or a row loop's) cannot be allocated, 3 when m
  * is not valid. */
 int moe_experts_f32(const MoeExperts *m, const float *x, int64_t rows, const float *logits, float *out,
                     int num_threads) {
     if (!moe_is_valid(m)) return 3;
     float *scratch = malloc(sizeof(float) * (size_t)moe_scratch_floats(m, rows));
     if (scratch == NULL) return 1;
+    const int64_t failures = kernel_failures();
 #pragma omp parallel num_threads(num_threads)
     phase_moe(m, x, rows, logits, NULL, NULL, out, scratch);
     free(scratch);
-    return 0;
+    return kernel_failures() != failures ? 1 : 0;
 }

@@ -1179,7 +1179,11 @@ static void dot_kx8_plain(int q6, const uint8_t *grp, const QuantRows *q, int64_
     const int64_t supers = q->k / 256;
     for (int r = 0; r < IL; r++) {
         uint8_t *row = malloc((size_t)supers * 210);
-        if (row == NULL) abort();
+        if (row == NULL) { /* skipped; the caller reports the failure */
+            note_kernel_failure();
+            for (int b = 0; b < NB; b++) out[b][r] = 0.0f;
+            continue;
+        }
         for (int64_t i = 0; i < supers; i++)
             kx8_block(q6, 0, row + i * (q6 ? 210 : 144), (uint8_t *)grp + i * (q6 ? Q6K_X8 : Q4K_X8), r);
         float dot[QROWS];
@@ -1523,14 +1527,14 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
         const int one = m->input_planes == 1;                                                                    \
-        if (quantize_rows(x, ldx, rows, m->k, GROUP, X16, input_mode(m), &q)) {                                  \
-            fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
-            abort();                                                                                             \
-        }                                                                                                        \
+        /* no scratch for the quantized rows: this thread's share is skipped, the caller reports it */     \
+        const int no_rows = quantize_rows(x, ldx, rows, m->k, GROUP, X16, input_mode(m), &q);                   \
+        if (no_rows) note_kernel_failure();                                                                      \
         const int pairs = W == 16 && rows >= X16_MIN_ROWS;                                                       \
         const int64_t groups = m->n / IL, units = pairs ? (groups + 1) / 2 : groups;                             \
         const int64_t gb = IL * m->row_bytes;                                                                    \
         _Pragma("omp for schedule(static) nowait") for (int64_t u = 0; u < units; u++) {                         \
+            if (no_rows) continue;                                                                               \
             const int64_t g = pairs ? 2 * u : u;                                                                 \
             const uint8_t *grp = group_of(m, g);                                                                 \
             const int wide = pairs && g + 1 < groups, width = wide ? 2 * IL : IL;                                \
@@ -1602,11 +1606,11 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
     }                                                                                                            \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
-        if (quantize_rows(x, ldx, rows, m->k, GROUP, 0, input_mode(m), &q)) {                                    \
-            fprintf(stderr, "nanovllm: cannot allocate %lld quantized input rows\n", (long long)rows);           \
-            abort();                                                                                             \
-        }                                                                                                        \
+        /* no scratch for the quantized rows: this thread's share is skipped, the caller reports it */     \
+        const int no_rows = quantize_rows(x, ldx, rows, m->k, GROUP, 0, input_mode(m), &q);                     \
+        if (no_rows) note_kernel_failure();                                                                      \
         _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < m->n; r++) {                          \
+            if (no_rows) continue;                                                                               \
             const uint8_t *w = (const uint8_t *)m->data + r * m->row_bytes;                                      \
             for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
                 float dot[QROWS];                                                                                \
