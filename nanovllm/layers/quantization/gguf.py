@@ -20,8 +20,10 @@ from torch import nn
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import CWeightView, EmbeddingMethodBase, LinearKernels, LinearMethodBase
 from nanovllm.layers.quantization.block_formats import block_shape, row_bytes
+from nanovllm.layers.quantization.gguf_dense import dequantized
 from nanovllm.layers.quantization.parameter import tagged_parameter
 from nanovllm.layers.quantization.quantizers import quantize_rows
+from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +58,6 @@ def check_split(name: str, type_name: str, k: int, tp_size: int) -> None:
                          f"that divides {k // size} blocks")
 
 
-def need_kernels(kernels: LinearKernels, what: str):
-    if kernels.c_kernels is None:
-        raise RuntimeError(f"{what}: block-quantized weights are multiplied by the CPU C kernels, which are "
-                           "unavailable here (no C compiler, or NANOVLLM_CPU_KERNEL=0)")
-    return kernels.c_kernels
-
-
 class GGUFLinearMethod(LinearMethodBase):
     """x W^T over raw block rows, one matrix per run of parts in the same format.
 
@@ -81,6 +76,7 @@ class GGUFLinearMethod(LinearMethodBase):
         self.views: CWeightView | None = None
         self.parts: dict[int, torch.Tensor] = {}
         self.triton_parts: list | None = None  # on a GPU: each part as gguf_triton.hold keeps it
+        self.dense: UnquantizedLinearMethod | None = None  # without C kernels: a dequantized copy
 
     @classmethod
     def holding(cls, layer: nn.Module, type_name: str, rows: torch.Tensor, k: int,
@@ -94,7 +90,8 @@ class GGUFLinearMethod(LinearMethodBase):
 
     @property
     def name(self) -> str:
-        return f"{'/'.join(dict.fromkeys(self.types))} (C kernel{', quantized at load' if self.online else ''})"
+        how = "dequantized, torch" if self.dense is not None else "C kernel"
+        return f"{'/'.join(dict.fromkeys(self.types))} ({how}{', quantized at load' if self.online else ''})"
 
     @property
     def mixed(self) -> bool:
@@ -134,9 +131,9 @@ class GGUFLinearMethod(LinearMethodBase):
         what = getattr(layer, "prefix", "") or type(layer).__name__
         weight = layer.weight
         triton = kernels.triton_weight_only
-        if not triton:
-            self.c_kernels = need_kernels(kernels, what)
-        if self.online and weight.dtype != torch.uint8:  # a tied table may have been quantized by its embedding
+        self.c_kernels = None if triton else kernels.c_kernels
+        # (a tied table may have been quantized, or quantized and dequantized, by its embedding)
+        if self.online and weight.dtype != torch.uint8 and not getattr(weight, "dequantized", False):
             weight.data = quantize_rows(weight.data, self.types[0]).to(weight.device)
         if self.mixed:
             if len(self.parts) != len(self.types):
@@ -152,6 +149,9 @@ class GGUFLinearMethod(LinearMethodBase):
             del self.parts
             self.layer_ref = None
             return
+        if self.c_kernels is None:  # the rule without C kernels (gguf_dense.py)
+            self.hold_dense(layer, params, types, kernels, is_shared)
+            return
         tied = getattr(layer, "is_tied", False)  # the embedding reads the same rows
         held = [part for param, t in zip(params, types) for part in held_parts(self.c_kernels, param, t, self.k, tied)]
         views = None
@@ -163,10 +163,25 @@ class GGUFLinearMethod(LinearMethodBase):
         del self.parts
         self.layer_ref = None
 
+    def hold_dense(self, layer: nn.Module, params: list, types: list[str], kernels: LinearKernels,
+                   is_shared: bool) -> None:
+        """The layer's weight dequantized into the model dtype, multiplied by the dense method."""
+        parts = [p.data if p.dtype != torch.uint8 else dequantized(p.data, t, self.k, self.params_dtype)
+                 for p, t in zip(params, types)]  # (a tied table its embedding dequantized already)
+        layer.weight.data = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.held = None
+        self.dense = UnquantizedLinearMethod()
+        self.dense.process_weights_after_loading(layer, kernels, is_shared)
+        self.c_only = False
+        del self.parts
+        self.layer_ref = None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.triton_parts is not None:
             from nanovllm.layers.quantization.gguf_triton import linear
             return linear(self.triton_parts, x, bias)
+        if self.dense is not None:
+            return self.dense.apply(layer, x, bias)
         dtype = x.dtype
         y = cpu_kernels.linear(self.c_kernels, self.c_linear, x.to(torch.float32),
                                None if bias is None else bias.to(torch.float32))
@@ -176,6 +191,8 @@ class GGUFLinearMethod(LinearMethodBase):
         return self.views
 
     def streamed_weights(self, layer: nn.Module) -> list[torch.Tensor]:
+        if self.dense is not None:
+            return self.dense.streamed_weights(layer)
         if self.triton_parts is not None:
             return [t for p in self.triton_parts for t in ([p] if isinstance(p, torch.Tensor) else
                                                           (p.q, p.scales, p.zeros, p.mins)) if t is not None]
@@ -215,10 +232,15 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         triton = kernels.triton_weight_only
-        if not triton:
-            self.c_kernels = need_kernels(kernels, layer.prefix)
-        if self.online and layer.weight.dtype != torch.uint8:
+        self.c_kernels = None if triton else kernels.c_kernels
+        if self.online and layer.weight.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+                and not getattr(layer.weight, "dequantized", False):
             layer.weight.data = quantize_rows(layer.weight.data, self.type_name).to(layer.weight.device)
+        if not triton and self.c_kernels is None:  # the rule without C kernels (gguf_dense.py)
+            if layer.weight.dtype == torch.uint8:
+                layer.weight.data = dequantized(layer.weight.data, self.type_name, self.k, self.params_dtype)
+                layer.weight.dequantized = True  # (a tied head must not quantize it again)
+            return
         if triton:
             from nanovllm.layers.quantization.gguf_triton import held_once
             self.triton_table = held_once(layer.weight, self.type_name, self.k, self.params_dtype)
@@ -228,6 +250,8 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         self.c_table = cpu_kernels.linear_struct(self.c_kernels, self.view)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if layer.weight.dtype != torch.uint8:  # dequantized: no C kernels here
+            return torch.nn.functional.embedding(ids, layer.weight).to(layer.dtype)
         if self.triton_table is not None:
             from nanovllm.layers.quantization.gguf_triton import rows
             return rows(self.triton_table, ids.reshape(-1)).reshape(*ids.shape, self.k).to(layer.dtype)

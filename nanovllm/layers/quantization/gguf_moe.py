@@ -14,7 +14,8 @@ from torch import nn
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import CWeightView, FusedMoEMethodBase, LinearKernels
 from nanovllm.layers.quantization.block_formats import row_bytes
-from nanovllm.layers.quantization.gguf import need_kernels
+from nanovllm.layers.quantization.gguf_dense import dequantized
+from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
 from nanovllm.layers.quantization.quantizers import quantize_rows
 
 
@@ -32,6 +33,8 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
 
     @property
     def name(self) -> str:
+        if self.c_kernels is None and self.c_moe is None and not self.c_only:
+            return f"experts {'/'.join(dict.fromkeys(self.types))} (dequantized, torch)"
         return f"experts {'/'.join(dict.fromkeys(self.types))} (C kernel{', quantized at load' if self.online else ''})"
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -39,6 +42,7 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         what = getattr(layer, "prefix", "experts")
         shapes = {"w13_weight": (2 * intermediate_size, hidden_size, self.types[0]),
                   "w2_weight": (hidden_size, intermediate_size, self.types[1])}
+        self.params_dtype = params_dtype
         for name, (rows, k, type_name) in shapes.items():
             width = row_bytes(type_name, k, f"{what} ({name[:-7]})")  # whole blocks per rank, else ValueError
             data = torch.empty(num_experts, rows, k, dtype=params_dtype) if self.online else \
@@ -46,12 +50,16 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
             layer.register_weight(name, data, output_dim=1, input_dim=2)
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
-        self.c_kernels = need_kernels(kernels, layer.prefix)
+        self.c_kernels = kernels.c_kernels
         views = []
         for param, type_name, k in ((layer.w13_weight, self.types[0], layer.hidden_size),
                                     (layer.w2_weight, self.types[1], layer.intermediate_size)):
             if self.online:  # expert by expert, so the dense copy and one expert's blocks are all that coexist
                 param.data = torch.stack([quantize_rows(param.data[e], type_name) for e in range(param.shape[0])])
+            if self.c_kernels is None:  # the rule without C kernels (gguf_dense.py): the grouped torch loop
+                param.data = torch.stack([dequantized(param.data[e], type_name, k, self.params_dtype)
+                                          for e in range(param.shape[0])])
+                continue
             held_type = type_name
             for e in range(param.shape[0]):
                 packed = cpu_kernels.interleaved(self.c_kernels, type_name, param.data[e], k)
@@ -61,9 +69,15 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
             views.append([CWeightView(held_type, param.data[e], param.shape[1], k, param.shape[2],
                                       input_planes=self.input_planes)
                           for e in range(param.shape[0])])
+        if self.c_kernels is None:
+            self.c_only = False
+            return
         self.c_moe = cpu_kernels.moe_experts_struct(self.c_kernels, views[0], views[1], layer.top_k, layer.renormalize)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.c_moe is None:  # dequantized: no C kernels here
+            weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+            return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids)
         dtype = x.dtype
         y = cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x.to(torch.float32), router_logits)
         return y if dtype == torch.float32 else y.to(dtype)
