@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nanovllm.executor.step_runner import StepRunner
 from nanovllm.kernels import cpu_kernels
 from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
 from nanovllm.layers.linear import ReplicatedLinear
@@ -96,7 +97,7 @@ def segments(in_c: list[bool]) -> list[tuple[int, int, bool]]:
     return runs
 
 
-class FusedDecode:
+class FusedDecode(StepRunner):
     """The decode forward (the embedding lookup, every layer, the final norm and, in the one-call
     path, the LM head) and the prefill layers, in C where it can."""
 
@@ -110,6 +111,7 @@ class FusedDecode:
         self.final_norm = inner.norm
         self.embed = inner.embed_tokens
         self.lm_head = model.lm_head
+        self.compute_logits = model.compute_logits
         if not all(isinstance(layer.self_attn, DecoderAttention) for layer in layers):
             raise ValueError("a layer's attention is not the shared decoder attention")
         attn0 = layers[0].self_attn
@@ -162,10 +164,19 @@ class FusedDecode:
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = cpu_kernels.ALL_ROWS
 
-    def can_run(self, num_seqs: int, context: Context) -> bool:
+    def can_run(self, num_tokens: int, context: Context) -> bool:
+        if context.is_prefill:  # steps that store into the cache (the engine's; not the warm-up's)
+            return context.slot_mapping is not None
         return context.attn_metadata.seqlens_k is not None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
+            logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+        if not context.is_prefill:
+            return self.run_decode(input_ids, positions, context)
+        hidden_states = self.run_prefill(input_ids, positions, context)
+        return self.compute_logits(hidden_states if logits_indices is None else hidden_states[logits_indices])
+
+    def run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """A decode step: the logits [num_seqs, vocab]."""
         meta = context.attn_metadata
         tables = meta.block_tables.to(torch.int32).contiguous()
@@ -218,10 +229,6 @@ class FusedDecode:
                 return logits
             started = True
         return self.lm_head(self.final_normed(hidden, resid))
-
-    def can_run_prefill(self, context: Context) -> bool:
-        """Prefill steps that store into the cache (the engine's; not the warm-up's)."""
-        return context.slot_mapping is not None
 
     def run_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """A prefill step: run_layers with the rotary + KV store in C and the attention of the

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.executor.step_runner import StepRunner
 from nanovllm.layers.backends import AttentionBackend
 from nanovllm.utils.context import Context, forward_context
 
@@ -85,7 +86,7 @@ class DecodeBuffers:
                        attn_metadata=self.backend.graph_metadata(graph_bs))
 
 
-class DecodeGraphs:
+class DecodeGraphs(StepRunner):
     """Captures the model's decode forward for each bucket and replays the right one."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, max_num_seqs: int, max_model_len: int,
@@ -122,6 +123,13 @@ class DecodeGraphs:
         """Whether a decode batch has a bucket and its metadata fits the backend's static tensors."""
         fits = self.buffers.backend.fits_graph_buffers(context.attn_metadata)
         return fits and pick_graph_batch_size(self.sizes, batch_size) is not None
+
+    def can_run(self, num_tokens: int, context: Context) -> bool:
+        return not context.is_prefill and self.can_replay(num_tokens, context)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
+            logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+        return self.model.compute_logits(self.replay(input_ids, positions, context))
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """Hidden states [bs, hidden_size] of one decode batch; a view valid until the next replay."""

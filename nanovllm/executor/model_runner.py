@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.executor.cuda_graph import DecodeGraphs
+from nanovllm.executor.step_runner import StepRunner
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
@@ -68,27 +68,14 @@ class ModelRunner:
         self.backend.check_dtype(self.dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
-        use_graphs = platform.has_decode_graphs and not config.enforce_eager
         if rank == 0:
-            logger.info("attention backend: %s, device: %s, dtype: %s, CUDA graphs: %s, compiled ops: %s, "
-                        "linear layers: %s", self.backend.name, self.device, self.dtype, use_graphs,
-                        config.compile_ops, self.linear_methods)
+            logger.info("attention backend: %s, device: %s, dtype: %s, compiled ops: %s, linear layers: %s",
+                        self.backend.name, self.device, self.dtype, config.compile_ops, self.linear_methods)
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        self.graphs: DecodeGraphs | None = None
-        if use_graphs:
-            self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
-                                       self.block_size, hf_config.hidden_size, self.dtype, self.device)
-            self.graphs.capture()
-        # The CPU's whole-step decode in C (executor/cpu_decode.py) where it applies; prefill steps
-        # use its C norms, rotary + KV store and SiLU between the matmuls too.
-        self.fused_decode = None if use_graphs else platform.fused_decode(
-            self.model, backend_name, self.dtype, config.tensor_parallel_size)
-        if rank == 0 and self.fused_decode is not None:
-            fused, layers = self.fused_decode, len(self.fused_decode.modules)
-            others = "" if fused.one_call_layers == layers else "; the others through their own modules"
-            upto = "at every batch size" if fused.max_rows > config.max_num_seqs else f"up to {fused.max_rows} sequences"
-            logger.debug("decode steps in C: one call %s (%d of %d layers%s), four per layer between "
-                        "the matmuls above (and in prefill steps)", upto, fused.one_call_layers, layers, others)
+        # What runs some steps in place of the eager forward (CUDA graphs; the CPU's C step), asked
+        # in turn at every step (executor/step_runner.py).
+        self.step_runners: list[StepRunner] = platform.step_runners(self.model, self.backend, backend_name, config,
+                                                                    self.device, rank)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -192,18 +179,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
                   logits_indices: torch.Tensor | None) -> torch.Tensor | None:
-        use_graph = (self.graphs is not None and not context.is_prefill
-                     and self.graphs.can_replay(input_ids.shape[0], context))
-        if use_graph:
-            hidden_states = self.graphs.replay(input_ids, positions, context)
-        elif (self.fused_decode is not None and not context.is_prefill
-              and self.fused_decode.can_run(input_ids.shape[0], context)):
-            return self.fused_decode.run(input_ids, positions, context)  # the logits, LM head included
-        elif self.fused_decode is not None and context.is_prefill and self.fused_decode.can_run_prefill(context):
-            hidden_states = self.fused_decode.run_prefill(input_ids, positions, context)
-        else:
-            with forward_context(context):
-                hidden_states = self.model(input_ids, positions)
+        for runner in self.step_runners:
+            if runner.can_run(input_ids.shape[0], context):
+                return runner.run(input_ids, positions, context, logits_indices)
+        with forward_context(context):
+            hidden_states = self.model(input_ids, positions)
         if logits_indices is not None:
             hidden_states = hidden_states[logits_indices]
         return self.model.compute_logits(hidden_states)
@@ -233,10 +213,14 @@ class ModelRunner:
         """One process: a failed step leaves nothing behind that stops the next one."""
         return None
 
+    def step_runner(self, kind: type[StepRunner]) -> StepRunner | None:
+        """The step runner of that class in use (DecodeGraphs, FusedDecode), or None."""
+        return next((r for r in self.step_runners if isinstance(r, kind)), None)
+
     def exit(self) -> None:
-        if self.graphs is not None:
-            self.graphs.free()
-            self.graphs = None
-        self.kv_cache = self.fused_decode = None
+        for runner in self.step_runners:
+            runner.free()
+        self.step_runners = []
+        self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])  # the cache is freed once its last view is gone

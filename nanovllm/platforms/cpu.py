@@ -127,9 +127,21 @@ class CpuPlatform(Platform):
             cache[:: mmap.PAGESIZE // dtype.itemsize].zero_()
         return cache.view(shape)
 
-    def fused_decode(self, model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tensor_parallel_size: int):
+    def step_runners(self, model: nn.Module, backend, backend_name: str, config: "Config", device: torch.device,
+                     rank: int) -> list:
+        """The whole decode step in C where it applies (executor/cpu_decode.py); prefill steps use its
+        C norms, rotary + KV store and SiLU between the matmuls too."""
         from nanovllm.executor.cpu_decode import build_fused_decode
-        return build_fused_decode(model, backend_name, kv_dtype, tensor_parallel_size)
+        fused = build_fused_decode(model, backend_name, config.torch_dtype, config.tensor_parallel_size)
+        if fused is None:
+            return []
+        if rank == 0:
+            layers = len(fused.modules)
+            others = "" if fused.one_call_layers == layers else "; the others through their own modules"
+            upto = "at every batch size" if fused.max_rows > config.max_num_seqs else f"up to {fused.max_rows} sequences"
+            logger.debug("decode steps in C: one call %s (%d of %d layers%s), four per layer between the matmuls "
+                         "(and in prefill steps)", upto, fused.one_call_layers, layers, others)
+        return [fused]
 
     @property
     def random_sample(self) -> RandomSample:

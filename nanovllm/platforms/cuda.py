@@ -69,6 +69,17 @@ class CudaPlatform(Platform):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
+    def step_runners(self, model: nn.Module, backend, backend_name: str, config: "Config", device: torch.device,
+                     rank: int) -> list:
+        """Decode steps captured as CUDA graphs, one per batch-size bucket (unless enforce_eager)."""
+        if config.enforce_eager:
+            return []
+        from nanovllm.executor.cuda_graph import DecodeGraphs
+        graphs = DecodeGraphs(model, backend, config.max_num_seqs, config.max_model_len, config.kvcache_block_size,
+                              config.hf_config.hidden_size, config.torch_dtype, device)
+        graphs.capture()
+        return [graphs]
+
     def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
                        weight_dtype: torch.dtype | None = None) -> LinearKernels:
         """Block-format and pre-quantized weights through the Triton weight-only kernels, dense

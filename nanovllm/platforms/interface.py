@@ -33,7 +33,7 @@ class Platform:
     device_name: str          # the resolved Config.device
     dist_backend: str         # torch.distributed backend of tensor parallelism
     default_block_size: int   # kvcache_block_size when not given
-    has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs
+    has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs (step_runners)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -116,11 +116,11 @@ class Platform:
         poison the masked-out product."""
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def fused_decode(self, model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tensor_parallel_size: int):
-        """An object whose run(input_ids, positions, context) does a whole decode step without the
-        eager forward, where can_run(num_seqs, context) says so (executor/cpu_decode.py), built
-        after the KV cache exists; None: decode steps run the eager forward (or CUDA graphs)."""
-        return None
+    def step_runners(self, model: nn.Module, backend, backend_name: str, config: "Config", device: torch.device,
+                     rank: int) -> list:
+        """What runs some steps in place of the eager forward on this device (executor/step_runner.py:
+        CUDA graphs, the CPU's C step), built once the KV cache exists; [] where none applies."""
+        return []
 
     # ---- sampling ----------------------------------------------------------------------------
     @property

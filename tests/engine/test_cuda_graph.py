@@ -11,6 +11,7 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context, get_context
+from nanovllm.executor.cuda_graph import DecodeGraphs
 from tests.helpers import make_qwen3
 
 
@@ -95,7 +96,7 @@ def test_padded_static_forward_matches_eager_decode(tmp_path):
     engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", max_model_len=128,
                        kvcache_block_size=16, cpu_kvcache_bytes=1 << 22)
     runner = engine.model_runner
-    assert runner.graphs is None and not engine.config.compile_ops  # CPU: eager, not compiled
+    assert runner.step_runner(DecodeGraphs) is None and not engine.config.compile_ops  # CPU: eager, not compiled
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for prompt in ([5, 6, 7], list(range(10, 40)), list(range(50, 67))):  # 1, 2 and 2 blocks
         engine.add_request(prompt, params)

@@ -10,6 +10,7 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.backends import AttentionBatch, available_backends, get_backend
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.executor.cuda_graph import DecodeGraphs
 from tests.helpers import hf_greedy, make_qwen3
 
 pytestmark = pytest.mark.gpu
@@ -81,21 +82,21 @@ def test_graph_replay_matches_eager_and_hf(model_path, monkeypatch):
     prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + i)] for i in range(17)]
     params = [SamplingParams(temperature=0, max_tokens=2 + i % 9, ignore_eos=True) for i in range(17)]
     graphed = LLMEngine(model_path, dtype="float32", max_num_seqs=20)
-    assert graphed.model_runner.graphs.sizes == [1, 2, 4, 8, 16, 20]
-    replayed, replay = [], graphed.model_runner.graphs.replay
+    assert graphed.model_runner.step_runner(DecodeGraphs).sizes == [1, 2, 4, 8, 16, 20]
+    replayed, replay = [], graphed.model_runner.step_runner(DecodeGraphs).replay
 
     def counting_replay(input_ids, positions, context):
         replayed.append(input_ids.shape[0])
         return replay(input_ids, positions, context)
 
-    monkeypatch.setattr(graphed.model_runner.graphs, "replay", counting_replay)
+    monkeypatch.setattr(graphed.model_runner.step_runner(DecodeGraphs), "replay", counting_replay)
     out_graph = [o["token_ids"] for o in graphed.generate(prompts, params, use_tqdm=False)]
     graphed.exit()
     assert graphed.model_runner is None
     assert 17 in replayed and 1 in replayed and len(set(replayed)) >= 5
 
     eager = LLMEngine(model_path, dtype="float32", max_num_seqs=20, enforce_eager=True)
-    assert eager.model_runner.graphs is None
+    assert eager.model_runner.step_runner(DecodeGraphs) is None
     out_eager = [o["token_ids"] for o in eager.generate(prompts, params, use_tqdm=False)]
     eager.exit()
     assert out_graph == out_eager
@@ -114,7 +115,7 @@ def test_moe_graph_replay_matches_eager_and_hf(tmp_path):
     outs = []
     for eager in (False, True):
         engine = LLMEngine(path, dtype="float32", max_num_seqs=8, enforce_eager=eager)
-        assert (engine.model_runner.graphs is None) == eager
+        assert (engine.model_runner.step_runner(DecodeGraphs) is None) == eager
         outs.append([o["token_ids"] for o in engine.generate(prompts, params, use_tqdm=False)])
         engine.exit()
     assert outs[0] == outs[1]

@@ -12,6 +12,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.executor import cpu_decode
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.unquantized import dense_c_view
+from nanovllm.executor.cpu_decode import FusedDecode
 from test_models import make_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -100,7 +101,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
               cpu_kvcache_bytes=1 << 24)
     try:
         runner = llm.model_runner
-        fused = runner.fused_decode
+        fused = runner.step_runner(FusedDecode)
         assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == cpu_kernels.ALL_ROWS
         limit = fused.max_rows = 2
         calls = {"decode_layers": 0, "decode_attention_layer": 0, "rope_store_layer": 0}
@@ -131,7 +132,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
         assert calls["decode_attention_layer"] > 0
         assert calls["rope_store_layer"] >= len(batches) * num_layers and calls["rope_store_layer"] % num_layers == 0
         assert any(prefix_hits) and not all(prefix_hits)
-        runner.fused_decode = None
+        runner.step_runners = []
         eager = [generate(llm, b) for b in batches]
         for fused_outs, eager_outs in zip(with_fused, eager):
             for a, b in zip(fused_outs, eager_outs):
@@ -165,7 +166,7 @@ def test_engine_runs_without_a_c_compiler(checkpoints, monkeypatch, tmp_path):
     """No compiler and no cached library: the torch paths run, the tokens are those of the C path."""
     llm = LLM(checkpoints["qwen3_gqa"], max_model_len=64, cpu_kvcache_bytes=1 << 22)
     try:
-        assert llm.model_runner.fused_decode is not None
+        assert llm.model_runner.step_runner(FusedDecode) is not None
         expected = [o["token_ids"] for o in generate(llm, [[5, 6, 7]])]
     finally:
         llm.exit()
@@ -175,7 +176,7 @@ def test_engine_runs_without_a_c_compiler(checkpoints, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     llm = LLM(checkpoints["qwen3_gqa"], max_model_len=64, cpu_kvcache_bytes=1 << 22)
     try:
-        assert cpu_kernels.load() is None and llm.model_runner.fused_decode is None
+        assert cpu_kernels.load() is None and llm.model_runner.step_runner(FusedDecode) is None
         assert llm.model_runner.backend.cpu_kernel is None
         assert [o["token_ids"] for o in generate(llm, [[5, 6, 7]])] == expected
     finally:

@@ -15,6 +15,7 @@ from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.moe_ops import select_experts
+from nanovllm.executor.cpu_decode import FusedDecode
 from test_gguf import llama_cpp_row_order
 from test_moe import make_moe
 
@@ -134,7 +135,7 @@ def test_q8_0_file_equals_quantization_at_load(arch, tmp_path):
     with LLM(path, dtype="float32", cpu_kvcache_bytes=1 << 20) as llm:
         methods = {type(m.quant_method).__name__ for m in llm.model_runner.model.modules() if hasattr(m, "w13_weight")}
         assert methods == {"GGUFFusedMoEMethod"}
-        assert llm.model_runner.fused_decode.one_call_layers == llm.config.hf_config.num_hidden_layers
+        assert llm.model_runner.step_runner(FusedDecode).one_call_layers == llm.config.hf_config.num_hidden_layers
     assert run(path) == run(hf_dir, quantization="q8_0")
 
 

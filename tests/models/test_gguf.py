@@ -25,6 +25,7 @@ from nanovllm.config import CPU_INPUT_BITS  # noqa: E402
 from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.quantization import linear_layers  # noqa: E402
 from nanovllm.utils import default_model as dm  # noqa: E402
+from nanovllm.executor.cpu_decode import FusedDecode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = (REPO / "tests" / "data" / "english.txt").read_text()
@@ -325,7 +326,7 @@ def test_decode_step_with_chained_parts(tmp_path):
     prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 320, 12)] for s in range(5)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(str(path), max_num_seqs=8, max_model_len=128) as llm:
-        fused = llm.model_runner.fused_decode
+        fused = llm.model_runner.step_runner(FusedDecode)
         assert fused.max_rows == cpu_kernels.ALL_ROWS
         gc.collect()
         kept = {ctypes.addressof(part) for lin in fused.linears for part in getattr(lin, "chain", [])}

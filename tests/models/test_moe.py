@@ -17,6 +17,7 @@ from helpers import check_tokens_close, hf_greedy, save_decisive
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
+from nanovllm.executor.cpu_decode import FusedDecode
 
 VOCAB = 256
 MAX_NEW = 24
@@ -101,7 +102,7 @@ def test_decode_step_runs_the_moe_layers_in_one_c_call(tiny_moe, monkeypatch):
         pytest.skip("no C kernels on this machine")
     _, path = tiny_moe
     with LLM(path, kvcache_block_size=16, dtype="float32", cpu_kvcache_bytes=32 << 20) as llm:
-        fused = llm.model_runner.fused_decode
+        fused = llm.model_runner.step_runner(FusedDecode)
         layers = llm.model_runner.model.model.layers
         sparse = sum(type(layer.mlp).__name__ == "SparseMoeBlock" for layer in layers)
         assert sparse > 0 and len(fused.moes) == sparse and fused.one_call_layers == len(layers)
