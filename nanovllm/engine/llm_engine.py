@@ -13,7 +13,7 @@ from nanovllm.outputs.output_processor import OutputProcessor
 from nanovllm.outputs.parallel_sampling import PendingSiblings, child_params
 from nanovllm.outputs.progress import GenerateProgress
 from nanovllm.outputs.streaming import StreamDelta
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sample import structured_outputs
 from nanovllm.sampling_params import SamplingParams
@@ -154,12 +154,19 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> StepOutput:
-        """Run one step: schedule, run the model, apply its tokens, match stop strings."""
-        self._step_request_ids = None  # unknown until the step has chosen its sequences
+        """Run one step: schedule, run the model, apply its tokens, match stop strings.
+        NOTE: an exception after the sequences were chosen carries their request ids as
+        `step_request_ids` (the requests a server fails); one raised by schedule() carries none."""
         out = self.scheduler.schedule()
-        self._step_request_ids = self.output_processor.request_ids(out.seqs)
         if not out.seqs:
             return StepOutput([], 0, 0, [])
+        try:
+            return self._run_step(out)
+        except Exception as e:
+            e.step_request_ids = self.output_processor.request_ids(out.seqs)
+            raise
+
+    def _run_step(self, out: SchedulerOutput) -> StepOutput:
         sampled = self.model_runner.run(out)
         finished = self.scheduler.postprocess(out, sampled.token_ids)
         for seq in structured_outputs.advance(out.seqs, sampled.is_sampled):
@@ -174,11 +181,6 @@ class LLMEngine:
             self.scheduler.add(seq)
         num_tokens = out.num_tokens if out.is_prefill else -len(out.seqs)
         return StepOutput(finished, num_tokens, sum(sampled.is_sampled), deltas)
-
-    def last_step_request_ids(self) -> set | None:
-        """The request ids of the latest step()'s sequences: when it raised, the requests to fail.
-        None when it raised before choosing its sequences (then any request may be affected)."""
-        return self._step_request_ids
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.pending_siblings

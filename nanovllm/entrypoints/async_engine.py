@@ -235,7 +235,7 @@ class AsyncEngine:
         self.num_aborted += bool(unfinished)
 
     def _fail_step(self, error: Exception) -> None:
-        failed = self.llm.last_step_request_ids()
+        failed = getattr(error, "step_request_ids", None)  # (LLMEngine.step)
         if failed is None:  # the step failed before it picked its sequences: the engine state is unknown
             failed = set(self._requests)
         for request_id in failed & set(self._requests):

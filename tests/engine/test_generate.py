@@ -47,18 +47,18 @@ def test_a_failing_step_aborts_the_call_and_frees_its_blocks(llm, monkeypatch, s
     assert llm.generate(PROMPTS, params, use_tqdm=False) == ref  # nothing left behind
 
 
-def test_last_step_request_ids_name_the_failed_step(llm, monkeypatch):
+def test_a_failed_step_names_its_requests(llm, monkeypatch):
     first = llm.add_request_group([5, 6, 7], SamplingParams(max_tokens=3), request_id="a")
     llm.step()  # prefill "a" alone
     second = llm.add_request_group([8, 9], SamplingParams(max_tokens=3), request_id="b")
     fail_on_call(monkeypatch, llm, 1)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as failed:
         llm.step()  # the prefill of "b" (prefill goes first)
-    assert llm.last_step_request_ids() == {"b"}
+    assert failed.value.step_request_ids == {"b"}
     monkeypatch.setattr(llm.scheduler, "schedule", lambda: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(ZeroDivisionError) as failed:
         llm.step()
-    assert llm.last_step_request_ids() is None  # failed before choosing: unknown
+    assert not hasattr(failed.value, "step_request_ids")  # failed before choosing: unknown
     monkeypatch.undo()
     for seq in first + second:
         llm.abort_request(seq)
