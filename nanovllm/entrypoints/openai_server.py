@@ -27,6 +27,7 @@ from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
 from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
                                            error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
+from nanovllm.entrypoints.responses import ChatCompletionResponse, CompletionResponse, ModelList, VersionResponse
 from nanovllm.entrypoints.sglang_compat import add_sglang_routes
 from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts, prepared,
                                                prompt_token_ids)
@@ -36,14 +37,18 @@ from nanovllm.entrypoints.validation_errors import request_fields, validation_bo
 
 logger = logging.getLogger(__name__)
 
-# Every status a generation route may answer besides 200, documented in /openapi.json.
-GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 # `stream: true` answers server-sent events: documented beside the JSON body. Before OpenAPI 3.2
 # (itemSchema), an event stream's `schema` describes one event: its `data` is a JSON chunk, `[DONE]` last.
 SSE_EVENT = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
-GENERATION_ERRORS[200] = {"description": "the completion (JSON), or its chunks as server-sent events with stream",
-                          "content": {"text/event-stream": {"schema": SSE_EVENT}}}
+
+
+def generation_responses(body: type) -> dict:
+    """What a generation route answers, in /openapi.json: its JSON body (a model of responses.py) or
+    its chunks as server-sent events, and every error status."""
+    return {**error_responses(400, 401, 404, 413, 500, 503),
+            200: {"model": body, "description": "the completion (JSON), or its chunks as server-sent events with "
+                  "stream", "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 class ApiKeyMiddleware:
@@ -92,7 +97,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             return JSONResponse(error_body("engine loop stopped", "server_error"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models", responses=error_responses(401))
+    @app.get("/v1/models", responses={**error_responses(401), 200: {"model": ModelList}}, response_model=None)
     async def models() -> dict:
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "nanovllm",
                 "max_model_len": engine.llm.config.max_model_len}
@@ -116,7 +121,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
         return MeteredGeneration(engine, engine.new_request_id(prefix), served_model_name, n, logprobs,
                                  metrics=metrics, arrival=arrival, **settings)
 
-    @app.post("/v1/completions", responses=GENERATION_ERRORS)
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         check_model(body.model)
@@ -132,7 +137,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
                          echo_texts=echoed, tokens_as_ids=bool(body.return_tokens_as_token_ids))
         return await _respond(gen, request, body, prompt_ids, params, "completion")
 
-    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         check_model(body.model)
@@ -160,7 +165,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
     """GET /version and GET /metrics (Prometheus text format)."""
 
-    @app.get("/version", responses=error_responses(401))
+    @app.get("/version", responses={**error_responses(401), 200: {"model": VersionResponse}}, response_model=None)
     async def version() -> dict:
         return {"version": _version()}
 

@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from nanovllm.entrypoints.protocol import (ApiError, ChatTemplateOptions, DetokenizeRequest, TokenizeRequest,
                                            error_responses)
+from nanovllm.entrypoints.responses import DetokenizeResponse, TokenizeResponse
 from nanovllm.utils.chat_template import render_chat
 
 
@@ -108,7 +109,8 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model,
     async def tokenizer_info() -> dict:
         return await prepared(engine, _tokenizer_info)
 
-    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 503))
+    @app.post("/tokenize", responses={**error_responses(400, 401, 404, 413, 503), 200: {"model": TokenizeResponse}},
+              response_model=None)
     async def tokenize(body: TokenizeRequest) -> dict:
         if body.model is not None:
             check_model(body.model)
@@ -121,7 +123,9 @@ def add_tokenize_routes(app: FastAPI, engine: AsyncEngine, check_model,
                            param="chat_template")
         return await prepared(engine, lambda llm: _tokenize(llm, body))
 
-    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413, 503))
+    @app.post("/detokenize",
+              responses={**error_responses(400, 401, 404, 413, 503), 200: {"model": DetokenizeResponse}},
+              response_model=None)
     async def detokenize(body: DetokenizeRequest) -> dict:
         if body.model is not None:
             check_model(body.model)

@@ -75,6 +75,21 @@ def test_findings_stay_fixed(server_url):
     spec = httpx.get(server_url + "/openapi.json").json()
     ok = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert set(ok) == {"application/json", "text/event-stream"}
+    # the JSON bodies are described, and real answers fit their description
+    import jsonschema
+    for path, body, model in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                       "logprobs": True, "top_logprobs": 2}, "ChatCompletionResponse"),
+                              ("/v1/completions", {"prompt": "the fox", "max_tokens": 3, "logprobs": 2, "echo": True,
+                                                   "prompt_logprobs": 1}, "CompletionResponse"),
+                              ("/tokenize", {"prompt": "the fox", "return_token_strs": True}, "TokenizeResponse")]:
+        documented = spec["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert documented == {"$ref": f"#/components/schemas/{model}"}
+        answer = httpx.post(server_url + path, json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        jsonschema.validate(answer.json(), {**documented, "components": spec["components"]})
+    with pytest.raises(jsonschema.ValidationError):  # the description is not a schema that takes anything
+        jsonschema.validate({"object": "chat.completion"}, {"$ref": "#/components/schemas/ChatCompletionResponse",
+                                                             "components": spec["components"]})
     assert ok["text/event-stream"]["schema"]["properties"]["data"] == {"type": "string"}  # one event
     fields = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"minimum": 0, "type": "number"} in fields["temperature"]["anyOf"]
