@@ -487,7 +487,7 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
  * row): the type is dispatched once per matrix, not per row (an indirect call per 576-weight row
  * cost ~5% of a batch-1 step). */
 #define DEFINE_LINEAR_ROWS(NAME, RUN_TILE, WT, BF16)                                                             \
-    static void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {        \
+    void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {        \
         if (rows >= GEMM_MIN_ROWS) {                                                                             \
             gemm_rows(m, BF16, x, ldx, rows, y, ldy);                                                            \
             return;                                                                                              \
@@ -516,37 +516,19 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
 DEFINE_LINEAR_ROWS(linear_rows_f32, run_tile_f32, float, 0)
 DEFINE_LINEAR_ROWS(linear_rows_bf16, run_tile_bf16, uint16_t, 1)
 
-static void to_f32_f32(const Linear *m, int64_t r, float *out) {
+void to_f32_f32(const Linear *m, int64_t r, float *out) {
     memcpy(out, row_of(m, r), sizeof(float) * (size_t)m->k);
 }
 
-static void to_f32_bf16(const Linear *m, int64_t r, float *out) {
+void to_f32_bf16(const Linear *m, int64_t r, float *out) {
     widen_bf16((const uint16_t *)row_of(m, r), m->k, out);
 }
 
-/* Names are GGUF's type names in lower case; block sizes and bytes are ggml's (cpu_quant.c). */
-const WeightType weight_types[] = {
-    {"f32", 1, 4, 1, linear_rows_f32, to_f32_f32},
-    {"bf16", 1, 2, 1, linear_rows_bf16, to_f32_bf16},
-    {"f16", 1, 2, 1, linear_rows_f16, to_f32_f16},
-    {"q8_0", 32, 34, 1, linear_rows_q8_0, to_f32_q8_0},
-    {"q4_0", 32, 18, 1, linear_rows_q4_0, to_f32_q4_0},
-    {"q4_1", 32, 20, 1, linear_rows_q4_1, to_f32_q4_1},
-    {"q5_0", 32, 22, 1, linear_rows_q5_0, to_f32_q5_0},
-    {"q5_1", 32, 24, 1, linear_rows_q5_1, to_f32_q5_1},
-    {"q4_k", 256, 144, 1, linear_rows_q4_k, to_f32_q4_k},
-    {"q6_k", 256, 210, 1, linear_rows_q6_k, to_f32_q6_k},
-    /* fp8 checkpoints' weights: an fp32 scale, then 32 float8_e4m3fn (layers/quantization/weight_only.py) */
-    {"e4m3", 32, 36, 1, linear_rows_e4m3, to_f32_e4m3},
-    /* the block formats interleaved by 8 rows at load (repack_x8) */
-    {"q8_0x8", 32, 34, 8, linear_rows_q8_0x8, to_f32_q8_0x8},
-    {"q4_0x8", 32, 18, 8, linear_rows_q4_0x8, to_f32_q4_0x8},
-    {"q4_1x8", 32, 20, 8, linear_rows_q4_1x8, to_f32_q4_1x8},
-    {"q5_0x8", 32, 22, 8, linear_rows_q5_0x8, to_f32_q5_0x8},
-    {"q5_1x8", 32, 24, 8, linear_rows_q5_1x8, to_f32_q5_1x8},
-    {"q4_kx8", 256, 144, 8, linear_rows_q4_kx8, to_f32_q4_kx8},
-    {"q6_kx8", 256, 210, 8, linear_rows_q6_kx8, to_f32_q6_kx8},
-};
+/* Generated from WEIGHT_FORMATS (cpu_kernels.h): block sizes and bytes are ggml's. */
+#define WEIGHT_TYPE_ROW(NAME, BLOCK_SIZE, BLOCK_BYTES, GROUP_ROWS) \
+    {#NAME, BLOCK_SIZE, BLOCK_BYTES, GROUP_ROWS, linear_rows_##NAME, to_f32_##NAME},
+const WeightType weight_types[] = {WEIGHT_FORMATS(WEIGHT_TYPE_ROW)};
+#undef WEIGHT_TYPE_ROW
 const int64_t num_weight_types = sizeof weight_types / sizeof weight_types[0];
 
 /* The table's index of a format's name, or -1. */

@@ -36,7 +36,7 @@ typedef void (*LinearRows)(const Linear *m, const float *x, int64_t ldx, int64_t
 /* out[0, k) = W[r, :] as fp32 (embedding lookups). */
 typedef void (*RowToF32)(const Linear *m, int64_t r, float *out);
 
-/* One row per weight format (ggml's type_traits): a new format is one entry in cpu_kernels.c. */
+/* One row per weight format (ggml's type_traits), generated from WEIGHT_FORMATS below. */
 typedef struct {
     const char *name;
     int64_t block_size;  /* weights per block */
@@ -48,14 +48,25 @@ typedef struct {
 
 extern const WeightType weight_types[];
 extern const int64_t num_weight_types;
+int64_t weight_type_index(const char *name); /* the row of a format's name, or -1 */
 
-/* The formats of cpu_quant.c (row loops and row-to-fp32 of the table's entries). */
-#define QUANT_FORMATS(X) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q6_k) X(f16) X(e4m3) \
-    X(q8_0x8) X(q4_0x8) X(q4_1x8) X(q5_0x8) X(q5_1x8) X(q4_kx8) X(q6_kx8)
-#define DECLARE_FORMAT(F)                                                                                      \
-    void linear_rows_##F(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);    \
-    void to_f32_##F(const Linear *m, int64_t r, float *out);
-QUANT_FORMATS(DECLARE_FORMAT)
+/* THE table of weight formats, one row each: name (GGUF's type name in lower case; "x8": the plain
+ * format interleaved by 8 rows at load, repack_x8), weights per block, bytes per block, rows stored
+ * together. weight_types[] (cpu_kernels.c) and the declarations below are generated from it. A new
+ * block format is a row here, its row loop and row-to-fp32 (linear_rows_NAME, to_f32_NAME in
+ * cpu_quant.c) and its row in layers/quantization/block_formats.py (a test compares the two tables). */
+#define WEIGHT_FORMATS(X)                                                                                          \
+    X(f32, 1, 4, 1) X(bf16, 1, 2, 1) X(f16, 1, 2, 1)                                                           \
+    X(q8_0, 32, 34, 1) X(q4_0, 32, 18, 1) X(q4_1, 32, 20, 1) X(q5_0, 32, 22, 1) X(q5_1, 32, 24, 1)            \
+    X(q4_k, 256, 144, 1) X(q6_k, 256, 210, 1)                                                                  \
+    /* fp8 checkpoints' weights: an fp32 scale, then 32 float8_e4m3fn (layers/quantization/weight_only.py) */  \
+    X(e4m3, 32, 36, 1)                                                                                         \
+    X(q8_0x8, 32, 34, 8) X(q4_0x8, 32, 18, 8) X(q4_1x8, 32, 20, 8) X(q5_0x8, 32, 22, 8) X(q5_1x8, 32, 24, 8)  \
+    X(q4_kx8, 256, 144, 8) X(q6_kx8, 256, 210, 8)
+#define DECLARE_FORMAT(NAME, BLOCK_SIZE, BLOCK_BYTES, GROUP_ROWS)                                                  \
+    void linear_rows_##NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy); \
+    void to_f32_##NAME(const Linear *m, int64_t r, float *out);
+WEIGHT_FORMATS(DECLARE_FORMAT)
 #undef DECLARE_FORMAT
 
 /* Whether m's type is a row of weight_types and its rows are laid out as that type says (and so

@@ -386,9 +386,20 @@ static inline __m256i fifth_bits_32(const uint8_t *p) {
  *   d dx (sum q x) - offset d dx S   or   d dx (sum q x) + m dx S. */
 typedef enum { FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1 } Fmt32;
 
-static inline int fmt_bytes(Fmt32 f) { return f == FMT_Q8_0 ? 34 : f == FMT_Q4_0 ? 18 : f == FMT_Q4_1 ? 20 : f == FMT_Q5_0 ? 22 : 24; }
-static inline int fmt_has_min(Fmt32 f) { return f == FMT_Q4_1 || f == FMT_Q5_1; }
-static inline int fmt_offset(Fmt32 f) { return f == FMT_Q4_0 ? 8 : f == FMT_Q5_0 ? 16 : 0; }
+/* Per Fmt32 (constant-folded where f is a constant): bytes per block, whether it has a min, the
+ * offset its stored values carry, its name in the table. */
+static const int FMT32_BYTES[] = {34, 18, 20, 22, 24}, FMT32_MIN[] = {0, 0, 1, 0, 1}, FMT32_OFFSET[] = {0, 8, 0, 16, 0};
+static const char *const FMT32_NAMES[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"};
+static inline int fmt_bytes(Fmt32 f) { return FMT32_BYTES[f]; }
+static inline int fmt_has_min(Fmt32 f) { return FMT32_MIN[f]; }
+static inline int fmt_offset(Fmt32 f) { return FMT32_OFFSET[f]; }
+
+/* The Fmt32 of a format's name, or -1. */
+static int fmt32_of(const char *name) {
+    for (int f = 0; f < (int)(sizeof FMT32_NAMES / sizeof FMT32_NAMES[0]); f++)
+        if (strcmp(name, FMT32_NAMES[f]) == 0) return f;
+    return -1;
+}
 
 /* The 32 stored (unsigned, for Q8_0 signed) values of a block, in order. */
 static inline void block32_values(Fmt32 f, const uint8_t *blk, int32_t q[32]) {
@@ -1577,19 +1588,21 @@ DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, 
 /* dst = the n x k matrix src of a plain block format (named) interleaved by 8 rows (n a multiple
  * of 8). Returns 0, or 1 for a format without an interleaved layout or a bad shape. */
 int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
-    static const char *names[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"};
-    int f = -1;
-    for (int i = 0; i < 7; i++)
-        if (strcmp(name, names[i]) == 0) f = i;
-    const int kq = f >= 5, group = kq ? 256 : 32;
-    if (f < 0 || n <= 0 || n % IL != 0 || k <= 0 || k % group != 0) return 1;
-    const int64_t bytes = kq ? (f == 6 ? 210 : 144) : fmt_bytes((Fmt32)f), blocks = k / group, row_bytes = blocks * bytes;
+    /* the plain format's and its interleaved layout's rows of the table, and which block copy moves it */
+    char x8_name[16];
+    snprintf(x8_name, sizeof x8_name, "%sx8", name);
+    const int64_t t = weight_type_index(name);
+    if (t < 0 || weight_type_index(x8_name) < 0 || n <= 0 || n % IL != 0) return 1;
+    const int64_t group = weight_types[t].block_size, bytes = weight_types[t].block_bytes;
+    if (k <= 0 || k % group != 0) return 1;
+    const int kq = group == 256, f = kq ? strcmp(name, "q6_k") == 0 : fmt32_of(name);
+    const int64_t blocks = k / group, row_bytes = blocks * bytes;
     for (int64_t g = 0; g < n / IL; g++)
         for (int64_t i = 0; i < blocks; i++)
             for (int r = 0; r < IL; r++) {
                 uint8_t *plain = (uint8_t *)src + (g * IL + r) * row_bytes + i * bytes, *x8 = dst + g * IL * row_bytes + i * IL * bytes;
                 if (kq)
-                    kx8_block(f == 6, 1, plain, x8, r);
+                    kx8_block(f, 1, plain, x8, r);
                 else
                     x8_block((Fmt32)f, 1, plain, x8, r);
             }

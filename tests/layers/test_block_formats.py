@@ -28,3 +28,30 @@ def test_row_bytes_names_a_partial_block():
         block_formats.row_bytes("q8_0", 100, "layer.w")
     with pytest.raises(ValueError, match="unknown tensor format 'q3_k'"):
         block_formats.block_shape("q3_k")
+
+
+def test_the_c_table_agrees():
+    """The C weight-format table (kernels/cpu_kernels.h, WEIGHT_FORMATS), read from the library
+    itself, has every native format with ggml's sizes, and the interleaved rows beside them."""
+    import ctypes
+
+    from nanovllm.kernels import cpu_kernels
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C kernels on this machine")
+
+    class Row(ctypes.Structure):
+        _fields_ = [("name", ctypes.c_char_p), ("block_size", ctypes.c_int64), ("block_bytes", ctypes.c_int64),
+                    ("group_rows", ctypes.c_int64), ("linear_rows", ctypes.c_void_p), ("row_to_f32", ctypes.c_void_p)]
+    count = ctypes.c_int64.in_dll(kernels.lib, "num_weight_types").value
+    rows = {r.name.decode(): r for r in (Row * count).in_dll(kernels.lib, "weight_types")}
+    for name in block_formats.NATIVE_FORMATS:
+        row = rows[name]
+        assert (row.block_size, row.block_bytes, row.group_rows) == (*block_formats.block_shape(name), 1), name
+        assert row.linear_rows and row.row_to_f32
+    interleaved = {n for n in rows if n.endswith("x8")}
+    assert interleaved == {"q8_0x8", "q4_0x8", "q4_1x8", "q5_0x8", "q5_1x8", "q4_kx8", "q6_kx8"}
+    for name in interleaved:
+        plain = rows[name[:-2]]
+        assert (rows[name].block_size, rows[name].block_bytes, rows[name].group_rows) == \
+            (plain.block_size, plain.block_bytes, 8)
