@@ -95,8 +95,8 @@ static void phase_rope_store(const DecoderModel *m, const DecoderLayer *L, float
 }
 
 /* KV heads per attention work item: whole sequences when there are enough of them to keep every
- * thread busy; else each sequence's KV heads split so that about 4 items per thread exist (one KV
- * head per item at 32 sequences ran 3x slower: a cached token's K row is read in pieces). */
+ * thread busy; else each sequence's KV heads split so that about 4 items per thread exist (not one
+ * KV head per item: a cached token's K row would be read in pieces; docs/performance.md). */
 static int64_t kv_heads_per_item(int64_t B, int64_t num_kv_heads, int num_threads) {
     int64_t splits = (4 * (int64_t)num_threads + B - 1) / B;
     splits = splits < num_kv_heads ? splits : num_kv_heads;
@@ -302,7 +302,6 @@ int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, con
     const int64_t per_item = kv_heads_per_item(s->num_seqs, m->num_kv_heads, num_threads);
     const int64_t heads = per_item * (m->num_heads / m->num_kv_heads);
     int failed = 0;
-    const int64_t failures = kernel_failures();
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = alloc_or_flag((size_t)(heads * s->max_context), &failed);

@@ -1,24 +1,5 @@
-/* CPU kernels in C: paged decode attention, linear layers over a few rows, the weight-type table
- * and the ABI checks.
- *
- * paged_decode_attention_f32: decode attention over the paged KV cache, one query token per sequence.
- *
- * The torch path gathers every sequence's blocks into a padded copy and then runs SDPA over the
- * copy; this kernel reads each cached K and V row once, in place, through the block table.
- * Work items are sequences (or, for small batches, a sequence's KV heads split in kv_heads_per_item
- * chunks), spread over OpenMP threads. Within an item, tokens go outermost, 8 at a time within a
- * block: a cached token's row for all of the item's KV heads is contiguous, while one head's rows
- * sit a page apart (reading head by head was 2-3x slower); the 8 rows are read from memory once
- * (prefetched ahead) and from L1 by every query head sharing them (GQA), and each head's 8 scores
- * come out as one vector (reduce8), the output rows are loaded and stored once per 8 tokens.
- *
- * Layouts (row-major, contiguous):
- *   q            [num_seqs, num_heads, head_dim]
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
- *   block_tables [num_seqs, max_blocks] (int32; entries past a sequence's length are not read)
- *   context_lens [num_seqs] (int32, each <= max_context)
- *   out          [num_seqs, num_heads, head_dim]
- * Returns 0, or 1 when a thread could not allocate its score buffer (out is then incomplete).
+/* CPU kernels in C: linear layers over a few rows, the weight-type table and the ABI checks
+ * (decode attention is cpu_attention.c, the block formats cpu_quant.c).
  *
  * linear_f32: y = x W^T (+ bias) for a few rows x (decode batches), W in any format of the
  * weight-type table (weight_types, below linear_rows_for's helpers), each a row of block size,
@@ -39,7 +20,7 @@ typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 static inline vf load_bf16(const uint16_t *p) {
     /* bf16 is the top half of an fp32: widen each lane and shift it into place. One vpmovzxwd
      * does the widening; GCC's generic form of it took four instructions with AVX2, which made the
-     * bf16 kernel compute-bound at ~28 GB/s. */
+     * bf16 kernel compute-bound. */
 #if defined(__AVX2__)
     return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 #else
@@ -59,189 +40,6 @@ static void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
     for (; i < n; i++) dst[i] = scalar_bf16(src[i]);
 }
 
-/* The 8 sums of a[0..8), one per lane (lane i: the sum of a[i]'s lanes). */
-static inline vf reduce8(const vf a[8]) {
-#if defined(__AVX2__) && VL == 8
-    const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-    const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    /* u0: the sums of a[0..4)'s low halves in its low 128 bits, of their high halves in its high
-     * 128 bits; u1 the same of a[4..8). */
-    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-#else
-    vf s;
-    for (int i = 0; i < VL; i++) s[i] = hsum(a[i]);
-    return s;
-#endif
-}
-
-/* Cached rows of an item are prefetched this many tokens ahead of their use: an item's rows are a
- * short stream (~100 tokens at the benchmark's contexts) that the hardware prefetcher alone picks
- * up late (26 against 22 GB/s from DRAM at 64 sequences). */
-#define PREFETCH_TOKENS 16
-
-/* Prefetch the item's part (`floats` from `first`) of rows [t, t + 8) of a block of n_t tokens. */
-static inline void prefetch_rows(const float *first, int64_t stride, int64_t t, int64_t n_t, int64_t floats) {
-    const int64_t end = t + 8 < n_t ? t + 8 : n_t;
-    for (; t < end; t++)
-        for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(first + t * stride + f, 0, 3);
-}
-
-/* Rows [0, PREFETCH_TOKENS) of a block, before its first chunk. */
-static inline void prefetch_block_start(const float *first, int64_t stride, int64_t n_t, int64_t floats) {
-    for (int64_t t = 0; t < PREFETCH_TOKENS; t += 8) prefetch_rows(first, stride, t, n_t, floats);
-}
-
-/* q . k for one row of n. */
-static inline float dot_row(const float *q, const float *k, int64_t n) {
-    vf a0 = {0}, a1 = {0};
-    int64_t d = 0;
-    for (; d + 2 * VL <= n; d += 2 * VL) {
-        a0 += load_f32(q + d) * load_f32(k + d);
-        a1 += load_f32(q + d + VL) * load_f32(k + d + VL);
-    }
-    for (; d + VL <= n; d += VL) a0 += load_f32(q + d) * load_f32(k + d);
-    float s = hsum(a0 + a1);
-    for (; d < n; d++) s += q[d] * k[d];
-    return s;
-}
-
-/* out[i] = q . k_i for the 8 rows k_i = k + i * stride, each of n. */
-_Static_assert(VL == 8, "dot_8rows stores its 8 dot products as one vector");
-static inline void dot_8rows(const float *q, const float *k, int64_t stride, int64_t n, float *out) {
-    vf a[8];
-    for (int i = 0; i < 8; i++) a[i] = (vf){0};
-    int64_t d = 0;
-    for (; d + VL <= n; d += VL) {
-        const vf qv = load_f32(q + d);
-        for (int i = 0; i < 8; i++) a[i] += qv * load_f32(k + i * stride + d);
-    }
-    vf s = reduce8(a);
-    for (; d < n; d++)
-        for (int i = 0; i < 8; i++) s[i] += q[d] * k[i * stride + d];
-    store_f32(out, s);
-}
-
-void attend_item(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
-                 float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
-                 float *inv_sum) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim; /* floats between consecutive cached tokens */
-    const int64_t num_item_heads = (kv_end - kv_first) * group;
-    const int64_t item_floats = (kv_end - kv_first) * head_dim; /* the item's part of a cached row */
-    /* This item's query heads are consecutive: kv_first * group .. kv_end * group. */
-    const float *q_item = q + kv_first * group * head_dim;
-    float *out_item = out + kv_first * group * head_dim;
-
-    /* Pass 1: raw scores q . k of every cached token and head of the item, a block at a time
-     * (its tokens' rows are consecutive), 8 tokens at a time: their K rows are read once from
-     * memory and then from L1 for every head, and their 8 dot products come out as one vector. */
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
-        const float *k_block = k_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
-        const float *k_first = k_block + kv_first * head_dim;
-        prefetch_block_start(k_first, token_stride, n_t, item_floats);
-        int64_t t = 0;
-        for (; t + 8 <= n_t; t += 8) {
-            prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_floats);
-            for (int64_t h = 0; h < num_item_heads; h++)
-                dot_8rows(q_item + h * head_dim, k_block + t * token_stride + (kv_first + h / group) * head_dim,
-                          token_stride, head_dim, scores + h * scores_stride + t0 + t);
-        }
-        for (; t < n_t; t++)
-            for (int64_t h = 0; h < num_item_heads; h++)
-                scores[h * scores_stride + t0 + t] = dot_row(q_item + h * head_dim,
-                                                             k_block + t * token_stride + (kv_first + h / group) * head_dim,
-                                                             head_dim);
-    }
-    /* Softmax numerators per head, exp(scale * (s - max)) (scale > 0, so the max of the raw scores
-     * is the max of the scaled ones); the division comes at the end. */
-    for (int64_t h = 0; h < num_item_heads; h++) {
-        float *row = scores + h * scores_stride;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = row[t] > m ? row[t] : m;
-        vf sum = {0};
-        int64_t t = 0;
-        for (; t + VL <= len; t += VL) {
-            const vf e = vexp((load_f32(row + t) - m) * scale);
-            store_f32(row + t, e);
-            sum += e;
-        }
-        float s = hsum(sum);
-        for (; t < len; t++) {
-            row[t] = sexp((row[t] - m) * scale);
-            s += row[t];
-        }
-        inv_sum[h] = 1.0f / s;
-        memset(out_item + h * head_dim, 0, sizeof(float) * (size_t)head_dim);
-    }
-    /* Pass 2: out = sum_t p_t v_t, a block and 8 tokens at a time: each head's output vector is
-     * loaded once per 8 tokens, their V rows come from memory once for all of the item's heads. */
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
-        const float *v_block = v_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
-        const float *v_first = v_block + kv_first * head_dim;
-        prefetch_block_start(v_first, token_stride, n_t, item_floats);
-        for (int64_t t = 0; t < n_t; t += 8) {
-            const int64_t nt = n_t - t < 8 ? n_t - t : 8;
-            prefetch_rows(v_first, token_stride, t + PREFETCH_TOKENS, n_t, item_floats);
-            for (int64_t h = 0; h < num_item_heads; h++) {
-                const float *v = v_block + t * token_stride + (kv_first + h / group) * head_dim;
-                const float *p = scores + h * scores_stride + t0 + t;
-                float *o = out_item + h * head_dim;
-                int64_t d = 0;
-                for (; d + VL <= head_dim; d += VL) {
-                    vf acc = load_f32(o + d);
-                    for (int64_t i = 0; i < nt; i++) acc += p[i] * load_f32(v + i * token_stride + d);
-                    store_f32(o + d, acc);
-                }
-                for (; d < head_dim; d++)
-                    for (int64_t i = 0; i < nt; i++) o[d] += p[i] * v[i * token_stride + d];
-            }
-        }
-    }
-    for (int64_t h = 0; h < num_item_heads; h++) {
-        float *o = out_item + h * head_dim;
-        for (int64_t d = 0; d < head_dim; d++) o[d] *= inv_sum[h];
-    }
-}
-
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, const int32_t *context_lens, float *out,
-                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                               int64_t max_context, float scale, int64_t kv_heads_per_item,
-                               int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t items_per_seq = (num_kv_heads + kv_heads_per_item - 1) / kv_heads_per_item;
-    const int64_t heads_per_item = kv_heads_per_item * group;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(heads_per_item * max_context));
-        float *inv_sum = malloc(sizeof(float) * (size_t)heads_per_item);
-        if (scores == NULL || inv_sum == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * items_per_seq; item++) {
-            if (scores == NULL || inv_sum == NULL) continue;
-            const int64_t s = item / items_per_seq;
-            const int64_t kv_first = (item % items_per_seq) * kv_heads_per_item;
-            const int64_t kv_end = kv_first + kv_heads_per_item < num_kv_heads ? kv_first + kv_heads_per_item
-                                                                               : num_kv_heads;
-            attend_item(q + s * num_heads * head_dim, k_cache, v_cache, block_tables + s * max_blocks,
-                        context_lens[s], out + s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
-                        block_size, kv_first, kv_end, scale, scores, max_context, inv_sum);
-        }
-        free(scores);
-        free(inv_sum);
-    }
-    return failed;
-}
-
 /* ---- linear layers over a few rows ------------------------------------------------------------
  * Decode batches of 1-2 rows beside a packed copy for oneDNN (bf16 weights: oneDNN reads its packed
  * fp32 copy at bandwidth from 4 rows up), 1-16 rows of fp32 weights held once (MKL above), a MoE
@@ -250,25 +48,20 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
  * TILE_W * NB FMAs (more input rows: the wider passes below, which reread the tile from L1). AVX2's 16
  * registers hold a 2 x 4 tile's 8 sums, 2 weight vectors and an input vector; AVX-512's 32 (8-lane
  * vectors) a 4 x 4 tile's. The next tile's rows (wn) are prefetched a cache line per line read:
- * otherwise a tile's memory reads and its FMAs take turns rather than overlapping (212 MB of fp32
- * matrices streamed, AVX2: 8 input rows 12.9 -> 17.8 GB/s, 4 rows 15 -> 21.7, and 1-2 rows 18-19
- * GB/s by the one-row stream this replaced -> 20-21 by the tile). GCC vector types of VL lanes, so
- * one source serves AVX2 and AVX-512 (-march=native). */
+ * otherwise a tile's memory reads and its FMAs take turns rather than overlapping
+ * (docs/performance.md). GCC vector types of VL lanes, so one source serves AVX2 and AVX-512
+ * (-march=native). */
 
 #define IDENTITY(v) (v)
 
 /* Tile shapes by input rows. At one row the tile is one weight row wide: each thread then reads its
- * rows as one forward stream, prefetched into L1 (30 SmolLM2 layers of fp32, 424 MB, one input row,
- * 2 threads, AMD EPYC: 18-26 -> 15-29 ms native, 22-23 -> 15-17 ms AVX2; docs/performance.md item
- * 36). From 2 rows it is TILE_W wide and the next tile is prefetched into L2 only: prefetched into
- * L1, TILE_W streams took the L1 fill buffers and evicted the input rows, and 2-8 rows ran at 20-35
- * GB/s where one row streams at 35-43 (item 38). Up to STREAM_ROWS the tile takes all the rows in
+ * rows as one forward stream, prefetched into L1 (docs/performance.md item 36). From 2 rows it is
+ * TILE_W wide and the next tile is prefetched into L2 only: prefetched into L1, TILE_W streams took
+ * the L1 fill buffers and evicted the input rows (item 38). Up to STREAM_ROWS the tile takes all the rows in
  * one pass; from WIDE_ROWS on it takes them PASS_ROWS at a time in WIDE_W weight rows: fewer passes
  * over each tile, so fewer of a tile's FMAs wait for DRAM in its first pass while the later ones run
  * from L1. AVX-512's 32 registers hold 3 x 8 sums (AVX2's 16: 3 x 4, with 3 weight vectors and an
- * input vector). Both changes, 30 SmolLM2 layers at 2 / 4 / 8 / 12 rows, 2 threads: AVX-512 35.9 /
- * 26.6 / 23.4 / 16.3 GB/s -> 45.1 / 42.8 / 27.4 / 17.2; AVX2 34.6 / 23.0 / 21.5 / 18.0 -> 37.7 / 37.3
- * / 30.2 / 22.3 (item 38). */
+ * input vector). Item 38 measures both changes. */
 #ifdef __AVX512F__
 #define TILE_W 4
 #define WIDE_W 3
@@ -361,12 +154,11 @@ static inline const void *row_of(const Linear *m, int64_t r) { return (const cha
  * GEMM_NV vectors: GEMM_MR x GEMM_NV accumulators, no horizontal sums, partial sums kept per panel
  * across chunks. Each output is one lane's running sum over k (the tiles' sums run in VL lanes,
  * then add up): results agree to fp32 rounding. 256-row blocks halve the bf16 widening of 128-row
- * ones (Qwen3-0.6B's matrices at 512 rows: 1.17x -> 1.08x oneDNN's time on a packed fp32 copy).
+ * ones.
  * AVX-512: 8 x 2 zmm accumulators of 16 lanes; AVX2: 6 x 2 ymm (of 16 registers). More weight rows
- * spill their row pointers from the 16 general registers (12 rows: four stack loads per k, and
- * 10-20% slower). Below GEMM_MIN_ROWS (one panel) the padded panel wastes more than the tiles lose.
- * One 3072 x 1024 matrix at 64-128 rows, GMAC/s: bf16 59-70 -> 80-99 (AVX-512), near oneDNN on a
- * packed fp32 copy; fp32 MKL 48-77 -> 86-107 (docs/performance.md, item 35). */
+ * spill their row pointers from the 16 general registers (12 rows: four stack loads per k). Below
+ * GEMM_MIN_ROWS (one panel) the padded panel wastes more than the tiles lose. Measured against
+ * oneDNN and MKL in docs/performance.md, item 35. */
 #if defined(__AVX512F__)
 #define GL 16
 #define GEMM_MR 8
@@ -484,8 +276,8 @@ static void gemm_rows(const Linear *m, int bf16, const float *x, int64_t ldx, in
 }
 
 /* A format's LinearRows from its tile dot RUN_TILE (the last tile's missing rows repeat its last
- * row): the type is dispatched once per matrix, not per row (an indirect call per 576-weight row
- * cost ~5% of a batch-1 step). */
+ * row): the type is dispatched once per matrix, not per row (an indirect call per short row costs
+ * a batch-1 step measurably). */
 #define DEFINE_LINEAR_ROWS(NAME, RUN_TILE, WT, BF16)                                                             \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {        \
         if (rows >= GEMM_MIN_ROWS) {                                                                             \

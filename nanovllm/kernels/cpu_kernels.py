@@ -23,7 +23,8 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c", "cpu_quant.c", "cpu_moe.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_decode.c", "cpu_quant.c",
+                                                      "cpu_moe.c")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
 # -march=native by default: the library is built on, and cached for, the machine that runs it (the

@@ -40,8 +40,8 @@
 /* The interleaved Q8_0 kernel multiplies X itself (int16) rather than its two int8 planes */
 #define Q8_0_X16 (QUANT_SIMD && !QUANT_VNNI)
 /* 512-bit vpdpbusd: the interleaved 32-weight formats multiply two 8-row groups at once (one row per
- * 32-bit lane of a zmm register), half the instructions per product of the 256-bit kernel; a zmm
- * vpdpbusd costs ~1.2-1.5x a ymm one here (2-core Xeon VM), so ~1.4-1.7x the products per cycle */
+ * 32-bit lane of a zmm register), half the instructions per product of the 256-bit kernel, for
+ * less than twice a ymm vpdpbusd's cost (docs/performance.md) */
 #if QUANT_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QUANT_VNNI512 1
 #else
@@ -744,7 +744,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         __m256i s03[QROWS], s47[QROWS];
         for (int b = 0; b < NB; b++) s03[b] = s47[b] = _mm256_setzero_si256();
         /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
-         * on the stack (the AVX2 build has 16 vector registers): 1.8x slower at 64 rows */
+         * on the stack (the AVX2 build has 16 vector registers), much slower (docs/performance.md) */
 #pragma GCC unroll 4
         for (int c = 0; c < 8; c++) {
             const __m256i w03 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c)));
@@ -1098,9 +1098,8 @@ void to_f32_q6_k(const Linear *m, int64_t r, float *out) {
  *          then the high-bits unit, byte e of row r holding the top 2 bits of values 16 j + 4 c + e
  *          at bits 2c. A sub-block's bytes are adjacent, so the kernels read the super-block in
  *          one forward stream: with the high bits in a region of their own after the low bits
- *          (two streams, restarting every super-block), one Q6_K row of Qwen3's LM head (151,936 x
- *          1024) streamed from memory at ~15 GB/s against ~30-40 for Q4_0 and Q8_0 (at ~60 all
- *          three when in cache). */
+ *          (two streams, restarting every super-block), Q6_K rows streamed from memory at half
+ *          Q4_0's and Q8_0's rate (docs/performance.md). */
 #define Q4K_X8 (IL * 144)
 #define Q6K_X8 (IL * 210)
 
@@ -1506,10 +1505,8 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
  * input rows: of the pairs of groups, a last odd group on its own), QROWS input rows per pass.
  * X16_MIN_ROWS: a pair is read as two forward streams, which a Zen 4 core (zmm as two 256-bit
  * halves) fetches from memory slower than one group's single stream; at a few rows, bound by
- * those bytes, single groups win (one row of a 151,936 x 1024 matrix, 2 threads: Q4_K 2.2 against
- * 5.1 ms, Q6_K 3.8-4.3 against 7.2-8.4; 30 SmolLM2 layers of Q4_0: 2.0 against 3.7 ms), and from
- * 8 rows on the pairs' arithmetic does (Q6_K at 16 rows 20 against 25 ms, Q4_0 at 64 rows 38
- * against 43). docs/performance.md item 36. */
+ * those bytes, single groups win, and from 8 rows on the pairs' arithmetic does
+ * (docs/performance.md item 36). */
 #define X16_MIN_ROWS 8
 #define X8_PASS(NAME, W, grp, gb, b0, dot)                                                                   \
     switch ((rows - b0 < QROWS ? rows - b0 : QROWS) + (one ? QROWS : 0)) {                                   \
