@@ -73,7 +73,8 @@ def build_parser() -> ArgumentParser:
                    help="auto (default): CUDA if available, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float32 on CPUs, the checkpoint's on GPUs")
-    p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k"],
+    from nanovllm.layers.quantization.block_formats import ONLINE_FORMATS
+    p.add_argument("--quantization", default=None, choices=list(ONLINE_FORMATS),
                    help="quantize the weights at load into this GGUF block format (CPU; default: none)")
     # Workload defaults depend on the device: the original's on CUDA, a few minutes' worth on CPU.
     for flag, cuda, cpu, help_ in [

@@ -9,6 +9,7 @@ import logging
 import socket
 import sys
 
+from nanovllm.layers.quantization.block_formats import ONLINE_FORMATS
 from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 
 
@@ -22,7 +23,7 @@ _ENGINE_OPTIONS = [
     ("--device", "device", str, "auto, cpu or cuda"),
     ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16"),
     ("--quantization", "quantization", str,
-     "quantize a dense checkpoint's weights at load: q8_0, q4_0, q4_1, q5_0, q5_1 or q4_k (GGUF block formats; "
+     f"quantize a dense checkpoint's weights at load: {', '.join(ONLINE_FORMATS)} (GGUF block formats; "
      "a .gguf MODEL keeps its own)"),
     ("--cpu-input-bits", "cpu_input_bits", input_bits,
      "CPU block-format kernels' input rounding per group: auto (int8 where that is within 40 dB of the group, "
