@@ -44,3 +44,10 @@ def qwen3_gqa(tmp_path_factory) -> str:
 def qwen3_bias_tied(tmp_path_factory) -> str:
     return make_qwen3(str(tmp_path_factory.mktemp("qwen3_bias_tied")), shape="bias_tied", seed=2)
 
+
+
+@pytest.fixture(scope="session")
+def other_build_cache(tmp_path_factory):
+    """One NANOVLLM_CACHE for the builds of other -march settings (x86-64-v3, x86-64) the tests
+    run in subprocesses: each library is compiled once per session, whichever test asks first."""
+    return tmp_path_factory.mktemp("other_builds")

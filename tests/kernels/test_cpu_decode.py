@@ -183,7 +183,7 @@ def test_engine_runs_without_a_c_compiler(checkpoints, monkeypatch, tmp_path):
         llm.exit()
 
 
-def test_the_avx2_build_is_forced_by_the_march_setting(tmp_path):
+def test_the_avx2_build_is_forced_by_the_march_setting(other_build_cache):
     """NANOVLLM_CPU_MARCH=x86-64-v3 builds the AVX2 + FMA library (no AVX-512 register in its code:
     zmm, ymm16-31, mask registers; its own cache file) and its kernels give the same results: the
     path AVX2-only machines run."""
@@ -196,11 +196,11 @@ def test_the_avx2_build_is_forced_by_the_march_setting(tmp_path):
             "w = torch.randn(37, 45).bfloat16(); x = torch.randn(3, 45); "
             "y = ck.linear(k, ck.linear_struct(k, dense_c_view(w)), x, None); "
             "assert torch.allclose(y.double(), x.double() @ w.double().T, atol=1e-5); print(ck.library_path())")
-    env = {**os.environ, "NANOVLLM_CPU_MARCH": "x86-64-v3", "NANOVLLM_CACHE": str(tmp_path)}
+    env = {**os.environ, "NANOVLLM_CPU_MARCH": "x86-64-v3", "NANOVLLM_CACHE": str(other_build_cache)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     library = out.stdout.strip().splitlines()[-1]
-    assert library.startswith(str(tmp_path)) and os.path.isfile(library)
+    assert library.startswith(str(other_build_cache)) and os.path.isfile(library)
     if shutil.which("objdump") is not None:
         disassembly = subprocess.run(["objdump", "-d", library], capture_output=True, text=True).stdout
         assert "ymm" in disassembly and not re.search(r"zmm|ymm(1[6-9]|2[0-9]|3[01])|%k[1-7]", disassembly)

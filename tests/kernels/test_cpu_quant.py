@@ -220,13 +220,13 @@ def test_bad_layouts_refused(kernels):
 
 
 @pytest.mark.parametrize("march,simd", [("x86-64-v3", 1), ("x86-64", 0)])
-def test_other_builds(tmp_path, march, simd):
+def test_other_builds(other_build_cache, march, simd):
     """The AVX2 + FMA build (what AVX2-only machines run) and the plain C one, same checks."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 builds")
     code = ("import sys; sys.path[:0] = ['tests', 'tests/kernels']; from nanovllm.kernels import cpu_kernels; import test_cpu_quant as t; "
             "k = cpu_kernels.load(); assert k is not None; print('simd', k.quant_simd()); t.check_all(k)")
-    env = {**os.environ, "NANOVLLM_CPU_MARCH": march, "NANOVLLM_CACHE": str(tmp_path)}
+    env = {**os.environ, "NANOVLLM_CPU_MARCH": march, "NANOVLLM_CACHE": str(other_build_cache)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
