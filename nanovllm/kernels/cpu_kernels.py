@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_decode.c", "cpu_quant.c",
                                                       "cpu_moe.c")]
-HEADER = Path(__file__).with_name("cpu_kernels.h")
+# The headers the sources include (cpu_kernels.h; the per-instruction-set bodies of cpu_quant.c).
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
 # -march=native by default: the library is built on, and cached for, the machine that runs it (the
 # CPU's flags are part of its file name). NANOVLLM_CPU_MARCH=x86-64-v3 builds the AVX2 + FMA path
@@ -46,7 +47,7 @@ _tried = False
 
 def library_path() -> Path:
     cpu = cpu_flags_line() or os.uname().machine
-    text = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(text + " ".join(cflags()).encode() + cpu.encode())
     return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
@@ -163,6 +164,7 @@ class CpuKernels:
         self.weight_type_index = typed("weight_type_index", i64, ctypes.c_char_p)
         self.rows_to_f32 = typed("linear_rows_to_f32", cint, ptr, ptr, i64, ptr, cint)
         self.quant_simd = typed("quant_simd", i64)
+        self.quantize_row_matches_reference = typed("quantize_row_matches_reference", i64, ptr, i64, i64, cint)
         self.repack_x8 = typed("repack_x8", i64, ctypes.c_char_p, ptr, i64, i64, ptr)
         self.linear_is_valid = typed("linear_is_valid", cint, ptr)
         self.decode_check_model = typed("decode_check_model", i64, ptr)

@@ -109,31 +109,6 @@ typedef struct {
     int64_t k, group;
 } QuantRows;
 
-#if QUANT_SIMD
-static inline float hmax_ps(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* 8 int8 at p as 8 int32 lanes, and back (each lane within int8). */
-static inline __m256i widen8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline void store_i8x8(int8_t *p, __m256i v) {
-    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
-}
-
-/* 127 h + l, lane by lane: a dot product with X from those with its two planes. */
-static inline __m256i planes(__m256i h, __m256i l) { return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 7), h), l); }
-#endif
 
 /* Whether mode gives a group of max |x| amax and sum of squares ss both planes (PLANES_AUTO: unless
  * int8 alone keeps its noise at the 40 dB floor). */
@@ -141,14 +116,6 @@ static inline uint8_t two_planes(int mode, float amax, float ss, int64_t group) 
     return mode == 2 || (mode == PLANES_AUTO && !(amax * amax * (float)group <= QUIET_RATIO2 * ss));
 }
 
-#if QUANT_SIMD
-/* The sum of v's lanes, as (0 + 4) + (2 + 6) + ((1 + 5) + (3 + 7)): the plain build adds in this order too. */
-static inline float sum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* s4 */
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                 /* s4[0] + s4[2], s4[1] + s4[3] */
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-#endif
 
 /* One thread's buffer for the quantized rows, grown as needed and kept for its next calls. */
 static _Thread_local void *quant_buffer;
@@ -172,6 +139,46 @@ static void group_scales(int64_t r, int64_t groups, int64_t group, const float *
         dh[r * groups + g] = 127.0f * d[r * groups + g];
         ds[r * groups + g] = d[r * groups + g] * (float)s;
     }
+}
+
+/* The bodies by instruction set: the plain C reference is always compiled (the build of CPUs without
+ * AVX2, and the oracle quantize_row_matches_reference checks the vector body against); the AVX2 +
+ * FMA + F16C one where the CPU has them. */
+#include "cpu_quant_ref.h"
+#if QUANT_SIMD
+#include "cpu_quant_avx2.h"
+#define quantize_row quantize_row_avx2
+#else
+#define quantize_row quantize_row_ref
+#endif
+
+/* 1 when this build's quantize_row gives the reference's integers, scales and flags for the row x
+ * of k values (groups of `group`, rounding mode `mode`); 0 otherwise, -1 without memory. */
+int64_t quantize_row_matches_reference(const float *x, int64_t k, int64_t group, int mode) {
+    const int64_t groups = k / group, sixteens = k / 16;
+    const size_t bytes = 2 * (2 * (size_t)k + sizeof(float) * (size_t)groups + (size_t)groups +
+                              sizeof(int32_t) * (size_t)sixteens);
+    int8_t *mine = calloc(1, bytes), *ref = calloc(1, bytes);
+    if (mine == NULL || ref == NULL) {
+        free(mine);
+        free(ref);
+        return -1;
+    }
+    int8_t *out[2] = {mine, ref};
+    for (int which = 0; which < 2; which++) {
+        int8_t *hi = out[which], *lo = hi + k;
+        float *d = (float *)(lo + k);
+        uint8_t *two = (uint8_t *)(d + groups);
+        int32_t *sums = (int32_t *)(two + groups); /* (unaligned is fine on x86; memcpy'd compare) */
+        if (which == 0)
+            quantize_row(x, k, group, mode, hi, lo, NULL, d, two, sums);
+        else
+            quantize_row_ref(x, k, group, mode, hi, lo, NULL, d, two, sums);
+    }
+    const int64_t same = memcmp(mine, ref, bytes) == 0;
+    free(mine);
+    free(ref);
+    return same;
 }
 
 /* x [rows, k] (row stride ldx) quantized in groups of `group` values (k a multiple of group and
@@ -222,63 +229,9 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     int8_t *hi = (int8_t *)(sums + rows * sixteens) + (with_x16 ? 2 * rows * k : 0), *lo = hi + rows * k;
     uint8_t *two = (uint8_t *)(lo + rows * k);
     float *dh = (float *)(((uintptr_t)(two + rows * groups) + 3) & ~(uintptr_t)3), *ds = dh + rows * groups;
-#if QUANT_SIMD
-    /* The same integers as the plain loop below, 8 values at a time (prefill quantizes ~10^4 values
-     * per row and layer, which the plain loop made a sixth of the matmuls' time): x inv rounded to
-     * nearest even (the default rounding mode, as nearbyintf), and h = X / 127 rounded to nearest in
-     * float (X is an integer and 127 odd, so X / 127 is never within 0.5 / 127 of a tie: exact). */
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i xmax = _mm256_set1_epi32(XMAX), xmin = _mm256_set1_epi32(-XMAX);
-    const __m256 inv127 = _mm256_set1_ps(1.0f / 127.0f);
     for (int64_t r = r0; r < r1; r++) {
-        const float *xr = x + r * ldx;
-        int8_t *hr = hi + r * k, *lr = lo + r * k;
-        int16_t *xr16 = with_x16 ? x16 + r * k : NULL;
-        for (int64_t g = 0; g < groups; g++) {
-            const float *xg = xr + g * group;
-            __m256 m = _mm256_setzero_ps(), ss = _mm256_setzero_ps();
-            for (int64_t i = 0; i < group; i += 8) {
-                const __m256 v = _mm256_loadu_ps(xg + i);
-                m = _mm256_max_ps(m, _mm256_and_ps(v, absmask));
-                if (mode == PLANES_AUTO) ss = _mm256_fmadd_ps(v, v, ss);
-            }
-            const float amax = hmax_ps(m);
-            const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
-            d[r * groups + g] = amax / (float)XMAX;
-            const __m256 vinv = _mm256_set1_ps(inv);
-            two[r * groups + g] = two_planes(mode, amax, sum8(ss), group);
-            if (!two[r * groups + g]) {
-                const __m256 vinv1 = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-                const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
-                for (int64_t i = 0; i < group; i += 8) {
-                    __m256i h = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), vinv1));
-                    h = _mm256_min_epi32(_mm256_max_epi32(h, bottom), top);
-                    if (with_x16) {
-                        const __m256i X = _mm256_sub_epi32(_mm256_slli_epi32(h, 7), h);
-                        _mm_storeu_si128((__m128i *)(xr16 + g * group + i),
-                                         _mm_packs_epi32(_mm256_castsi256_si128(X), _mm256_extracti128_si256(X, 1)));
-                    }
-                    store_i8x8(hr + g * group + i, h);
-                    _mm_storel_epi64((__m128i *)(lr + g * group + i), _mm_setzero_si128());
-                }
-                continue;
-            }
-            for (int64_t i = 0; i < group; i += 8) {
-                __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), vinv));
-                X = _mm256_min_epi32(_mm256_max_epi32(X, xmin), xmax);
-                if (with_x16)
-                    _mm_storeu_si128((__m128i *)(xr16 + g * group + i),
-                                     _mm_packs_epi32(_mm256_castsi256_si128(X), _mm256_extracti128_si256(X, 1)));
-                const __m256i h = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(X), inv127));
-                store_i8x8(hr + g * group + i, h);
-                store_i8x8(lr + g * group + i, _mm256_sub_epi32(X, _mm256_sub_epi32(_mm256_slli_epi32(h, 7), h)));
-            }
-        }
-        for (int64_t s = 0; s < sixteens; s++) {
-            const int8_t *h = hr + 16 * s, *l = lr + 16 * s;
-            const __m256i a = planes(widen8(h), widen8(l)), b = planes(widen8(h + 8), widen8(l + 8));
-            sums[r * sixteens + s] = hsum_epi32(_mm256_add_epi32(a, b));
-        }
+        quantize_row(x + r * ldx, k, group, mode, hi + r * k, lo + r * k, with_x16 ? x16 + r * k : NULL,
+                     d + r * groups, two + r * groups, sums + r * sixteens);
         group_scales(r, groups, group, d, sums, dh, ds);
     }
     if (shared) {
@@ -286,47 +239,6 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     }
     *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group};
     return 0;
-#else
-    for (int64_t r = r0; r < r1; r++) {
-        const float *xr = x + r * ldx;
-        for (int64_t g = 0; g < groups; g++) {
-            const float *xg = xr + g * group;
-            float amax = 0.0f, ss[8] = {0};
-            for (int64_t i = 0; i < group; i++) {
-                amax = fmaxf(amax, fabsf(xg[i]));
-                ss[i % 8] = fmaf(xg[i], xg[i], ss[i % 8]); /* the vector code's lanes and order */
-            }
-            const float inv = amax > 0.0f ? (float)XMAX / amax : 0.0f;
-            d[r * groups + g] = amax / (float)XMAX;
-            const float s4[4] = {ss[0] + ss[4], ss[1] + ss[5], ss[2] + ss[6], ss[3] + ss[7]};
-            two[r * groups + g] = two_planes(mode, amax, (s4[0] + s4[2]) + (s4[1] + s4[3]), group);
-            for (int64_t i = 0; i < group; i++) {
-                if (!two[r * groups + g]) {
-                    const float v = nearbyintf(xg[i] * (amax > 0.0f ? 127.0f / amax : 0.0f));
-                    hi[r * k + g * group + i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
-                    lo[r * k + g * group + i] = 0;
-                    continue;
-                }
-                const float v = nearbyintf(xg[i] * inv);
-                const int32_t X = (int32_t)(v > XMAX ? XMAX : v < -XMAX ? -XMAX : v);
-                const int32_t h = (X >= 0 ? X + 63 : X - 63) / 127; /* nearest, so |X - 127 h| <= 63 */
-                hi[r * k + g * group + i] = (int8_t)h;
-                lo[r * k + g * group + i] = (int8_t)(X - 127 * h);
-            }
-        }
-        for (int64_t s = 0; s < sixteens; s++) {
-            int32_t sum = 0;
-            for (int i = 0; i < 16; i++) sum += 127 * hi[r * k + s * 16 + i] + lo[r * k + s * 16 + i];
-            sums[r * sixteens + s] = sum;
-        }
-        group_scales(r, groups, group, d, sums, dh, ds);
-    }
-    if (shared) {
-#pragma omp barrier
-    }
-    *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group};
-    return 0;
-#endif
 }
 
 /* X of input value j of a row (plain C paths). */

@@ -77,7 +77,24 @@ def c_linear(kernels, name, raw, k, x, chain=None, bias=None, input_planes=2):
                               bias).numpy().astype(np.float64)
 
 
+def check_input_rounding_matches_the_reference(kernels):
+    """The build's input quantization (the AVX2 body where the CPU has it) gives the plain C
+    reference's integers, scales and flags exactly, for every group size and rounding mode, on rows
+    with outlier channels, zeros and ties."""
+    rng = np.random.default_rng(3)
+    for k, group in ((512, 32), (512, 256), (96, 32)):
+        rows = [rng.standard_normal(k).astype(np.float32), np.zeros(k, np.float32),
+                (rng.integers(-3, 4, k) * 0.5).astype(np.float32)]  # exact halves: ties after scaling
+        spiky = rng.standard_normal(k).astype(np.float32)
+        spiky[::37] *= 60.0  # outlier channels: loud groups take two planes under "auto"
+        rows.append(spiky)
+        for x in rows:
+            for mode in (0, 1, 2):
+                assert kernels.quantize_row_matches_reference(x.ctypes.data, k, group, mode) == 1, (k, group, mode)
+
+
 def check_all(kernels):
+    check_input_rounding_matches_the_reference(kernels)
     rng = np.random.default_rng(0)
     for name in TYPES:
         k = 512 if name != "f16" else 200
