@@ -29,20 +29,22 @@
 #include "cpu_kernels.h"
 
 /* The 8 sums of a[0..8), one per lane (lane i: the sum of a[i]'s lanes). */
-static inline vf reduce8(const vf a[8]) {
 #if defined(__AVX2__) && VL == 8
+static inline vf reduce8(const vf a[8]) {
     const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
     const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     /* u0: the sums of a[0..4)'s low halves in its low 128 bits, of their high halves in its high
      * 128 bits; u1 the same of a[4..8). */
     return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #else
+static inline vf reduce8(const vf a[8]) {
     vf s;
     for (int i = 0; i < VL; i++) s[i] = hsum(a[i]);
     return s;
-#endif
 }
+#endif
 
 /* Cached rows of an item are prefetched this many tokens ahead of their use: an item's rows are a
  * short stream (~100 tokens at the benchmark's contexts) that the hardware prefetcher alone picks

@@ -17,28 +17,33 @@
 typedef uint16_t vh_u __attribute__((vector_size(2 * VL), aligned(2), may_alias));
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 
-static inline vf load_bf16(const uint16_t *p) {
-    /* bf16 is the top half of an fp32: widen each lane and shift it into place. One vpmovzxwd
-     * does the widening; GCC's generic form of it took four instructions with AVX2, which made the
-     * bf16 kernel compute-bound. */
+/* bf16 is the top half of an fp32: widen each lane and shift it into place. One vpmovzxwd does the
+ * widening; GCC's generic form of it took four instructions with AVX2, which made the bf16 kernel
+ * compute-bound. */
 #if defined(__AVX2__)
+static inline vf load_bf16(const uint16_t *p) {
     return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-#else
-    return (vf)(__builtin_convertvector(*(const vh_u *)p, vu) << 16);
-#endif
 }
+#else
+static inline vf load_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh_u *)p, vu) << 16); }
+#endif
 
 /* dst[0..n) = the bf16 values src[0..n) as fp32 (exact: bf16 is the top half of an fp32). */
-static void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_si512(dst + i,
-                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
-#endif
+static void widen_bf16_from(const uint16_t *src, int64_t i, int64_t n, float *dst) {
     for (; i + VL <= n; i += VL) store_f32(dst + i, load_bf16(src + i));
     for (; i < n; i++) dst[i] = scalar_bf16(src[i]);
 }
+#ifdef __AVX512F__
+static void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_si512(dst + i,
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
+    widen_bf16_from(src, i, n, dst);
+}
+#else
+static void widen_bf16(const uint16_t *src, int64_t n, float *dst) { widen_bf16_from(src, 0, n, dst); }
+#endif
 
 /* ---- linear layers over a few rows ------------------------------------------------------------
  * Decode batches of 1-2 rows beside a packed copy for oneDNN (bf16 weights: oneDNN reads its packed

@@ -57,10 +57,12 @@ static inline uint16_t read_u16(const uint8_t *p) {
 }
 
 /* IEEE half -> float (subnormals, infinities and NaNs included). */
-static inline float f16_to_f32(uint16_t h) {
 #if QUANT_SIMD
+static inline float f16_to_f32(uint16_t h) {
     return _cvtsh_ss(h);
+}
 #else
+static inline float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
     uint32_t u;
     if (exp == 0x1F) {
@@ -75,8 +77,8 @@ static inline float f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
-#endif
 }
+#endif
 
 float nanovllm_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
 
@@ -248,15 +250,13 @@ static inline int32_t x_at(const int8_t *hi, const int8_t *lo, int64_t j) { retu
 #if QUANT_SIMD
 /* 8 int32 sums of u (unsigned bytes) x s (signed bytes), 4 products each. NOTE: vpmaddubsw
  * saturates a pair's sum at int16: every caller keeps |u| * |s| * 2 <= 128 * 127 * 2. */
-static inline __m256i dot_us(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+static inline __m256i dot_us(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+static inline __m256i dot_us(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+static inline __m256i dot_us(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
 #endif
-}
 
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -357,12 +357,12 @@ static inline __attribute__((always_inline)) InputRows input_rows(const QuantRow
 }
 
 /* out[b] = row w . input row b0 + b, for b < NB. */
+#if QUANT_SIMD
 static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8_t *w, const QuantRows *q, int64_t b0,
                                                            const int NB, float *out) {
     const int64_t blocks = q->k / 32, bytes = fmt_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
     float corr[QROWS] = {0};
-#if QUANT_SIMD
     /* Two sums per row (even and odd blocks), so consecutive blocks' FMAs do not wait on each other. */
     __m256 acc[2][QROWS];
     for (int b = 0; b < NB; b++) acc[0][b] = acc[1][b] = _mm256_setzero_ps();
@@ -393,7 +393,13 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
         }
     }
     for (int b = 0; b < NB; b++) out[b] = hsum_ps(_mm256_add_ps(acc[0][b], acc[1][b])) + corr[b];
+}
 #else
+static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8_t *w, const QuantRows *q, int64_t b0,
+                                                           const int NB, float *out) {
+    const int64_t blocks = q->k / 32, bytes = fmt_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
+    float corr[QROWS] = {0};
     float acc[QROWS] = {0};
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = w + i * bytes;
@@ -411,8 +417,8 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
         }
     }
     for (int b = 0; b < NB; b++) out[b] = acc[b] + corr[b];
-#endif
 }
+#endif
 
 static void to_f32_fmt32(Fmt32 f, const Linear *m, int64_t r, float *out) {
     const uint8_t *row = (const uint8_t *)m->data + r * m->row_bytes;
@@ -496,15 +502,16 @@ static void to_f32_fmt32x8(Fmt32 f, const Linear *m, int64_t r, float *out) {
 }
 
 #if QUANT_SIMD
-static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+/* acc + dot_us(u, s) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
 }
+#endif
 
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -556,6 +563,7 @@ static inline __attribute__((always_inline)) uint32_t loud_blocks(const InputRow
 /* sum[b] (b < NB; lane r: row r of the group) = the integer products of one block's units (values at
  * `values`) with 32 values of an input plane at x[b] (without VNNI: vpmaddubsw pair sums added in
  * int16, <= 8 x 2 x 15 x 127 = 30,480 for 4-bit weights, 4 of 2 x 31 x 127 for 5-bit). */
+#if QUANT_VNNI
 static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const uint8_t *values, const int8_t *x[QROWS],
                                                                 const int NB, __m256i sum[QROWS]) {
     const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
@@ -563,10 +571,6 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
     /* unit pairs 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
     const int run = QUANT_VNNI || !five ? 4 : 2;
     for (int c0 = 0; c0 < 4; c0 += run) {
-#if !QUANT_VNNI
-        __m256i t[QROWS];
-        for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
-#endif
         /* NOTE: unrolled, GCC unpacked all units first and spilled them (16 ymm registers) */
 #pragma GCC unroll 1
         for (int c = c0; c < c0 + run; c++) {
@@ -574,19 +578,36 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
             int xa, xb;
             units_x8(f, values, c, &ua, &ub, &xa, &xb);
             for (int b = 0; b < NB; b++) {
-#if QUANT_VNNI
                 sum[b] = dot_acc(dot_acc(sum[b], ua, bcast4(x[b] + xa)), ub, bcast4(x[b] + xb));
-#else
-                t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(x[b] + xa)),
-                                                               _mm256_maddubs_epi16(ub, bcast4(x[b] + xb))));
-#endif
             }
         }
-#if !QUANT_VNNI
-        for (int b = 0; b < NB; b++) sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t[b], _mm256_set1_epi16(1)));
-#endif
     }
 }
+#else
+static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const uint8_t *values, const int8_t *x[QROWS],
+                                                                const int NB, __m256i sum[QROWS]) {
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+    for (int b = 0; b < NB; b++) sum[b] = _mm256_setzero_si256();
+    /* unit pairs 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
+    const int run = QUANT_VNNI || !five ? 4 : 2;
+    for (int c0 = 0; c0 < 4; c0 += run) {
+        __m256i t[QROWS];
+        for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
+        /* NOTE: unrolled, GCC unpacked all units first and spilled them (16 ymm registers) */
+#pragma GCC unroll 1
+        for (int c = c0; c < c0 + run; c++) {
+            __m256i ua, ub;
+            int xa, xb;
+            units_x8(f, values, c, &ua, &ub, &xa, &xb);
+            for (int b = 0; b < NB; b++) {
+                t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(x[b] + xa)),
+                                                               _mm256_maddubs_epi16(ub, bcast4(x[b] + xb))));
+            }
+        }
+        for (int b = 0; b < NB; b++) sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t[b], _mm256_set1_epi16(1)));
+    }
+}
+#endif
 
 /* The interleaved 32-weight tile (4/5-bit formats; Q8_0 with VNNI): out[b][r] = row 8 g + r . input
  * row b0 + b, b < NB. Per block the high plane's products of every row, scaled by the input's
@@ -635,12 +656,12 @@ static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const u
 
 /* acc[b] (lane r: weight row 8 g + r) += group g . input row b0 + b, b < NB. */
 /* P: the input's planes (1: its low plane is zero, and its products are skipped). */
+#if QUANT_SIMD
 static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
                                                              int64_t b0, const int NB, const int P,
                                                              float out[QROWS][IL]) {
     const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
     const InputRows in = input_rows(q, b0, NB);
-#if QUANT_SIMD
     if (QUANT_VNNI || f != FMT_Q8_0) {
         dot_units32x8(f, grp, q, b0, NB, P, out);
         return;
@@ -677,7 +698,13 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         }
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
 #else
+static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
+                                                             int64_t b0, const int NB, const int P,
+                                                             float out[QROWS][IL]) {
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
     /* Plain C: each row's block unpacked to the plain layout, then dot_fmt32's arithmetic. */
     (void)P;
     for (int b = 0; b < NB; b++)
@@ -698,8 +725,8 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
             }
         }
     }
-#endif
 }
+#endif
 
 #if QUANT_VNNI512
 static inline __m512i bcast4x16(const int8_t *p) {
@@ -856,21 +883,19 @@ static inline int64_t scaled_sub_blocks(const int32_t *v, const int32_t *scale, 
 }
 #endif
 
+#if QUANT_SIMD
 static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, const QuantRows *q, int64_t b0,
                                                           const int NB, float *out) {
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
     float acc_s[QROWS] = {0}, corr[QROWS] = {0};
-#if QUANT_SIMD
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
-#endif
     for (int64_t i = 0; i < supers; i++) {
         const uint8_t *blk = w + i * 144;
         const float d = f16_to_f32(read_u16(blk)), dmin = f16_to_f32(read_u16(blk + 2));
         uint8_t sc[8], mn[8];
         q4k_scales(blk + 4, sc, mn);
-#if QUANT_SIMD
         __m256i sumi[QROWS], sumi_lo[QROWS];
         for (int b = 0; b < NB; b++) sumi[b] = sumi_lo[b] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -886,45 +911,58 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
                 sumi_lo[b] = _mm256_add_epi32(sumi_lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_i8(xl + 32)), s_hi));
             }
         }
-#else
-        int32_t v[256];
-        q4k_values(blk, v);
-#endif
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
             const int32_t *s16 = in.sums[b] + i * 16;
             int32_t msum = 0;
             for (int j = 0; j < 8; j++) msum += (int32_t)mn[j] * (s16[2 * j] + s16[2 * j + 1]);
             corr[b] -= dmin * dx * (float)msum;
-#if QUANT_SIMD
             acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
+}
 #else
+static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, const QuantRows *q, int64_t b0,
+                                                          const int NB, float *out) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    float acc_s[QROWS] = {0}, corr[QROWS] = {0};
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = w + i * 144;
+        const float d = f16_to_f32(read_u16(blk)), dmin = f16_to_f32(read_u16(blk + 2));
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        int32_t v[256];
+        q4k_values(blk, v);
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            int32_t msum = 0;
+            for (int j = 0; j < 8; j++) msum += (int32_t)mn[j] * (s16[2 * j] + s16[2 * j + 1]);
+            corr[b] -= dmin * dx * (float)msum;
             int32_t scale[8];
             for (int j = 0; j < 8; j++) scale[j] = sc[j];
             acc_s[b] += d * dx * (float)scaled_sub_blocks(v, scale, 8, 32, in.hi[b] + i * 256, in.lo[b] + i * 256);
-#endif
         }
     }
-#if QUANT_SIMD
-    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
-#endif
     for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
 }
+#endif
 
+#if QUANT_SIMD
 static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, const QuantRows *q, int64_t b0,
                                                           const int NB, float *out) {
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
     float acc_s[QROWS] = {0}, corr[QROWS] = {0};
-#if QUANT_SIMD
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
-#endif
     for (int64_t i = 0; i < supers; i++) {
         const uint8_t *blk = w + i * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = f16_to_f32(read_u16(blk + 208));
-#if QUANT_SIMD
         __m256i sumi[QROWS], sumi_lo[QROWS];
         for (int b = 0; b < NB; b++) sumi[b] = sumi_lo[b] = _mm256_setzero_si256();
         const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -946,30 +984,44 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
                 }
             }
         }
-#else
-        int32_t v[256];
-        q6k_values(blk, v);
-#endif
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
             const int32_t *s16 = in.sums[b] + i * 16;
             int32_t off = 0;
             for (int j = 0; j < 16; j++) off += (int32_t)sc[j] * s16[j];
             corr[b] -= 32.0f * d * dx * (float)off;
-#if QUANT_SIMD
             acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
+}
 #else
+static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, const QuantRows *q, int64_t b0,
+                                                          const int NB, float *out) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    float acc_s[QROWS] = {0}, corr[QROWS] = {0};
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = w + i * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = f16_to_f32(read_u16(blk + 208));
+        int32_t v[256];
+        q6k_values(blk, v);
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            int32_t off = 0;
+            for (int j = 0; j < 16; j++) off += (int32_t)sc[j] * s16[j];
+            corr[b] -= 32.0f * d * dx * (float)off;
             int32_t scale[16];
             for (int j = 0; j < 16; j++) scale[j] = sc[j];
             acc_s[b] += d * dx * (float)scaled_sub_blocks(v, scale, 16, 16, in.hi[b] + i * 256, in.lo[b] + i * 256);
-#endif
         }
     }
-#if QUANT_SIMD
-    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
-#endif
     for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
 }
+#endif
 
 void to_f32_q4_k(const Linear *m, int64_t r, float *out) {
     const uint8_t *row = (const uint8_t *)m->data + r * m->row_bytes;
@@ -1150,9 +1202,9 @@ static inline void q4k_scales_x8(const uint8_t *blk, uint8_t sc[64], uint8_t mn[
 /* out[b][r] = row 8 g + r of the group . input row b0 + b, b < NB (Q4_K). Per super-block and row
  * the sub-block sums of the two planes are scaled in integers (vpmaddwd by the lane's scale) or, with
  * VNNI, in fp32; the mins come off as dmin (sum over sub-blocks of mn X-sums), from the input's sums. */
+#if QUANT_SIMD && QUANT_VNNI
 static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
-#if QUANT_SIMD
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -1164,13 +1216,8 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         uint8_t sc[64], mn[64];
         q4k_scales_x8(blk, sc, mn);
-#if QUANT_VNNI
         __m256 sub[QROWS]; /* sum over sub-blocks of scale x (127 (w . hi) + (w . lo)), in fp32 */
         for (int b = 0; b < NB; b++) sub[b] = _mm256_setzero_ps();
-#else
-        __m256i sh[QROWS], sl[QROWS]; /* the two planes' scaled sums: |sh| <= 8 x 63 x 32 x 15 x 127 < 2^25 */
-        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
-#endif
         int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
         for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
         for (int j = 0; j < 8; j++) {
@@ -1182,28 +1229,13 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
             for (int b = 0; b < NB; b++) {
                 const int8_t *xh = in.hi[b] + i * 256 + 32 * j, *xl = in.lo[b] + i * 256 + 32 * j;
                 th[b] = tl[b] = _mm256_setzero_si256();
-#if QUANT_VNNI
                 for (int t = 0; t < 8; t++) th[b] = dot_acc(th[b], w[t], bcast4(xh + 4 * t));
                 if (two[b])
                     for (int t = 0; t < 8; t++) tl[b] = dot_acc(tl[b], w[t], bcast4(xl + 4 * t));
-#else
-                /* int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most */
-                for (int t = 0; t < 8; t++) th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w[t], bcast4(xh + 4 * t)));
-                if (two[b])
-                    for (int t = 0; t < 8; t++) tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w[t], bcast4(xl + 4 * t)));
-#endif
             }
             const __m256i s32 = lanes_u8(sc + 8 * j);
-#if QUANT_VNNI
             const __m256 sf = _mm256_cvtepi32_ps(s32);
             for (int b = 0; b < NB; b++) sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th[b], tl[b])), sub[b]);
-#else
-            const __m256i s16 = pairs16(s32);
-            for (int b = 0; b < NB; b++) {
-                sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[b], s16));
-                if (two[b]) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
-            }
-#endif
         }
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
@@ -1211,26 +1243,77 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
             __m256 msum = _mm256_setzero_ps();
             for (int j = 0; j < 8; j++)
                 msum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_u8(mn + 8 * j)), _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
-#if QUANT_VNNI
             const __m256 s = sub[b];
-#else
-            const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
-#endif
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
             acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
         }
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
+#elif QUANT_SIMD
+static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, const int P, float out[QROWS][IL]) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = grp + i * Q4K_X8, *units = blk + 128;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        uint8_t sc[64], mn[64];
+        q4k_scales_x8(blk, sc, mn);
+        __m256i sh[QROWS], sl[QROWS]; /* the two planes' scaled sums: |sh| <= 8 x 63 x 32 x 15 x 127 < 2^25 */
+        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
+        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
+        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *u8 = units + 32 * 8 * (j >> 1);
+            const int shift = 4 * (j & 1);
+            __m256i th[QROWS], tl[QROWS], w[8];
+            for (int t = 0; t < 8; t++) w[t] = _mm256_and_si256(_mm256_srli_epi16(load_i8(u8 + 32 * t), shift), m4);
+            /* every row's high plane, then the low plane of the rows whose group has one */
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 32 * j, *xl = in.lo[b] + i * 256 + 32 * j;
+                th[b] = tl[b] = _mm256_setzero_si256();
+                /* int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most */
+                for (int t = 0; t < 8; t++) th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w[t], bcast4(xh + 4 * t)));
+                if (two[b])
+                    for (int t = 0; t < 8; t++) tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w[t], bcast4(xl + 4 * t)));
+            }
+            const __m256i s32 = lanes_u8(sc + 8 * j);
+            const __m256i s16 = pairs16(s32);
+            for (int b = 0; b < NB; b++) {
+                sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[b], s16));
+                if (two[b]) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m256 msum = _mm256_setzero_ps();
+            for (int j = 0; j < 8; j++)
+                msum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_u8(mn + 8 * j)), _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+            const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
+            acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
 #else
+static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, const int P, float out[QROWS][IL]) {
     (void)P;
     dot_kx8_plain(0, grp, q, b0, NB, out);
-#endif
 }
+#endif
 
 /* The same for Q6_K: values 0..63 (the -32 comes off as 32 (sum over sub-blocks of scale x X-sum)). */
+#if QUANT_SIMD && QUANT_VNNI
 static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
-#if QUANT_SIMD
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -1239,13 +1322,8 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
     for (int64_t i = 0; i < supers; i++) {
         const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *units = blk + 144;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-#if QUANT_VNNI
         __m256 sub[QROWS];
         for (int b = 0; b < NB; b++) sub[b] = _mm256_setzero_ps();
-#else
-        __m256i sh[QROWS], sl[QROWS]; /* |sh| <= 16 x 128 x 16 x 63 x 127 < 2^29 */
-        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
-#endif
         int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
         for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
         for (int j = 0; j < 16; j++) {
@@ -1259,21 +1337,59 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
             w[2] = _mm256_or_si256(_mm256_and_si256(u1, m4), _mm256_and_si256(h, m30));
             w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
             const __m256i s32 = lanes_i8(scales + 8 * j);
-#if QUANT_VNNI
             const __m256 sf = _mm256_cvtepi32_ps(s32);
-#else
-            const __m256i s16 = pairs16(s32);
-#endif
             for (int b = 0; b < NB; b++) {
                 const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
-#if QUANT_VNNI
                 __m256i th = _mm256_setzero_si256(), tl = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) th = dot_acc(th, w[c], bcast4(xh + 4 * c));
                 if (two[b])
                     for (int c = 0; c < 4; c++) tl = dot_acc(tl, w[c], bcast4(xl + 4 * c));
                 /* |127 th + tl| <= 16 x 63 x 16,129 < 2^24: exact in fp32 */
                 sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th, tl)), sub[b]);
-#else
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m256 off = _mm256_setzero_ps();
+            for (int j = 0; j < 16; j++)
+                off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_i8(scales + 8 * j)), _mm256_set1_ps((float)s16[j]), off);
+            __m256 s = sub[b];
+            s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
+#elif QUANT_SIMD
+static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, const int P, float out[QROWS][IL]) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *units = blk + 144;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i sh[QROWS], sl[QROWS]; /* |sh| <= 16 x 128 x 16 x 63 x 127 < 2^29 */
+        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
+        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
+        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *sub_block = units + 96 * j;
+            const __m256i u0 = load_i8(sub_block), u1 = load_i8(sub_block + 32), h = load_i8(sub_block + 64);
+            /* the 4 chunks of sub-block j: values 16 j + 4 c + 0..3 of each row (the high bits masked
+             * after the 16-bit shifts, so no bit crosses into the next byte) */
+            __m256i w[4];
+            w[0] = _mm256_or_si256(_mm256_and_si256(u0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            w[2] = _mm256_or_si256(_mm256_and_si256(u1, m4), _mm256_and_si256(h, m30));
+            w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            const __m256i s32 = lanes_i8(scales + 8 * j);
+            const __m256i s16 = pairs16(s32);
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
                 /* int16 pair sums of two chunks: 2 x 2 x 63 x 127 = 32,004 at most */
                 for (int c = 0; c < 4; c += 2) {
                     const __m256i th = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xh + 4 * c)),
@@ -1285,7 +1401,6 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
                         sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl, s16));
                     }
                 }
-#endif
             }
         }
         for (int b = 0; b < NB; b++) {
@@ -1294,21 +1409,20 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
             __m256 off = _mm256_setzero_ps();
             for (int j = 0; j < 16; j++)
                 off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_i8(scales + 8 * j)), _mm256_set1_ps((float)s16[j]), off);
-#if QUANT_VNNI
-            __m256 s = sub[b];
-#else
             __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
-#endif
             s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
         }
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
 #else
+static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, const int P, float out[QROWS][IL]) {
     (void)P;
     dot_kx8_plain(1, grp, q, b0, NB, out);
-#endif
 }
+#endif
 
 #if QUANT_VNNI512
 /* 8 bytes at a and 8 at b as 16 int32 lanes (a's first). */

@@ -123,3 +123,39 @@ def test_no_test_hides_a_check_in_an_assertion_message():
 def test_the_hidden_check_finder_finds_one():
     node = ast.parse("assert r.status == 200, r.text and r.json()['model'] == 'm'").body[0]
     assert isinstance(node.msg, ast.BoolOp)
+
+
+def functions_with_a_conditional_inside(text: str) -> list[str]:
+    """Names of the C functions in text whose body holds an #if / #elif / #else (a function per
+    instruction set instead: each definition under a file-level guard)."""
+    found, depth, current, signature = [], 0, None, None
+    for line in text.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            if depth > 0 and re.match(r"#\s*(if|elif|else)\b", stripped) and current not in found:
+                found.append(current)
+            continue
+        if line.rstrip().endswith("\\"):  # a macro's body (no conditional can be inside one)
+            continue
+        code = re.sub(r"//.*", "", re.sub(r"/\*.*?\*/", "", line))
+        if depth == 0 and not line.startswith((" ", "\t", "}")):
+            m = re.match(r"^[\w\s\*()]*?\b(\w+)\s*\(", line)
+            if m:
+                signature = m.group(1)
+        before = depth
+        depth += code.count("{") - code.count("}")
+        if before == 0 and depth > 0:
+            current = signature
+    return found
+
+
+def test_each_c_function_holds_one_instruction_set():
+    kernels = PACKAGE / "kernels"
+    mixed = {path.name: functions_with_a_conditional_inside(path.read_text())
+             for path in sorted([*kernels.glob("*.c"), *kernels.glob("*.h")])}
+    assert {name: found for name, found in mixed.items() if found} == {}
+
+
+def test_the_conditional_finder_finds_one():
+    text = "static int f(int x) {\n#if A\n    return 1;\n#else\n    return 2;\n#endif\n}\n#if A\nint g(void) { return 0; }\n#endif\n"
+    assert functions_with_a_conditional_inside(text) == ["f"]
