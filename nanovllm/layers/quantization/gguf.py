@@ -169,6 +169,7 @@ class GGUFLinearMethod(LinearMethodBase):
         parts = [p.data if p.dtype != torch.uint8 else dequantized(p.data, t, self.k, self.params_dtype)
                  for p, t in zip(params, types)]  # (a tied table its embedding dequantized already)
         layer.weight.data = torch.cat(parts) if len(parts) > 1 else parts[0]
+        layer.weight.dequantized = True  # (a tied embedding that comes later must not quantize it again)
         self.held = None
         self.dense = UnquantizedLinearMethod()
         self.dense.process_weights_after_loading(layer, kernels, is_shared)
@@ -233,8 +234,8 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         triton = kernels.triton_weight_only
         self.c_kernels = None if triton else kernels.c_kernels
-        if self.online and layer.weight.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-                and not getattr(layer.weight, "dequantized", False):
+        # (the same rule as the linear method's, for a table its tied head reached first)
+        if self.online and layer.weight.dtype != torch.uint8 and not getattr(layer.weight, "dequantized", False):
             layer.weight.data = quantize_rows(layer.weight.data, self.type_name).to(layer.weight.device)
         if not triton and self.c_kernels is None:  # the rule without C kernels (gguf_dense.py)
             if layer.weight.dtype == torch.uint8:
