@@ -89,3 +89,535 @@ static void quantize_row_avx2(const float *xr, int64_t k, int64_t group, int mod
         sums[s] = hsum_epi32(_mm256_add_epi32(a, b));
     }
 }
+
+/* ---- the kernels -------------------------------------------------------------------------- */
+
+/* IEEE half -> float (subnormals, infinities and NaNs included). */
+static inline float f16_to_f32(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+/* ---- vector helpers --------------------------------------------------------------------------- */
+/* 8 int32 sums of u (unsigned bytes) x s (signed bytes), 4 products each, and acc + that sum:
+ * vpmaddubsw + vpmaddwd here, vpdpbusd where the CPU has VNNI (cpu_quant_vnni.h). */
+static inline __m256i dot_us(__m256i u, __m256i s);
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s);
+/* One block's unit products (below), by instruction set likewise. */
+static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const uint8_t *values, const int8_t *x[QROWS],
+                                                                const int NB, __m256i sum[QROWS]);
+
+/* 8 int32 sums of u (unsigned bytes) x s (signed bytes), 4 products each. NOTE: vpmaddubsw
+ * saturates a pair's sum at int16: every caller keeps |u| * |s| * 2 <= 128 * 127 * 2. */
+#if !QUANT_VNNI
+static inline __m256i dot_us(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256i load_i8(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 16 bytes of packed nibbles as 32 bytes: the low nibbles first, then the high ones (the order
+ * of values in Q4_0 / Q4_1 / Q5_* blocks). */
+static inline __m256i nibbles_32(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+/* Byte j = 0x10 where bit j of the 32 bits at p is set, else 0 (Q5's fifth bits). */
+static inline __m256i fifth_bits_32(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    /* byte j of sel is byte j / 8 of bits; the mask picks bit j % 8 of it */
+    const __m256i sel = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                            _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                               0x0303030303030303LL));
+    const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(sel, mask), mask), _mm256_set1_epi8(0x10));
+}
+
+/* out[b] = row w . input row b0 + b, for b < NB. */
+static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8_t *w, const QuantRows *q, int64_t b0,
+                                                           const int NB, float *out) {
+    const int64_t blocks = q->k / 32, bytes = fmt_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
+    float corr[QROWS] = {0};
+    /* Two sums per row (even and odd blocks), so consecutive blocks' FMAs do not wait on each other. */
+    __m256 acc[2][QROWS];
+    for (int b = 0; b < NB; b++) acc[0][b] = acc[1][b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *blk = w + i * bytes;
+        const float d = f16_to_f32(read_u16(blk));
+        const float m = fmt_has_min(f) ? f16_to_f32(read_u16(blk + 2)) : 0.0f;
+        __m256i wv = _mm256_setzero_si256(), aw;
+        if (f == FMT_Q8_0) {
+            wv = load_i8(blk + 2);
+            aw = _mm256_sign_epi8(wv, wv); /* |w| as unsigned; the sign moves onto x */
+        } else if (f == FMT_Q4_0 || f == FMT_Q4_1) {
+            aw = nibbles_32(blk + (f == FMT_Q4_0 ? 2 : 4));
+        } else {
+            const uint8_t *qh = blk + (f == FMT_Q5_0 ? 2 : 4);
+            aw = _mm256_or_si256(nibbles_32(qh + 4), fifth_bits_32(qh));
+        }
+        for (int b = 0; b < NB; b++) {
+            const __m256i xh = load_i8(in.hi[b] + i * 32), xl = load_i8(in.lo[b] + i * 32);
+            const float dx = in.d[b][i];
+            __m256i p = f == FMT_Q8_0 ? planes(dot_us(aw, _mm256_sign_epi8(xh, wv)), dot_us(aw, _mm256_sign_epi8(xl, wv)))
+                                      : planes(dot_us(aw, xh), dot_us(aw, xl));
+            const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
+            if (fmt_offset(f)) /* sum (q - off) x = sum q x - off S: off / 8 * S off each of the 8 lanes */
+                p = _mm256_sub_epi32(p, _mm256_set1_epi32(fmt_offset(f) / 8 * s32));
+            acc[i & 1][b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(p), acc[i & 1][b]);
+            if (fmt_has_min(f)) corr[b] += m * dx * (float)s32;
+        }
+    }
+    for (int b = 0; b < NB; b++) out[b] = hsum_ps(_mm256_add_ps(acc[0][b], acc[1][b])) + corr[b];
+}
+
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Units 2c and 2c + 1 (c = 0..3) of an interleaved 32-weight block whose values start at `values`:
+ * each the 8 rows' 4 values that one broadcast 4-value input chunk multiplies, as unsigned bytes.
+ * 4/5-bit: the low and the high nibbles (values 4c.. and 16 + 4c..), with their fifth bits; Q8_0
+ * (VNNI only: vpdpbusd does not saturate): chunks 2c and 2c + 1 plus 128 (values 8c.., 8c + 4..).
+ * *xa, *xb: where their input chunks start in the block. */
+static inline __attribute__((always_inline)) void units_x8(Fmt32 f, const uint8_t *values, int c, __m256i *a,
+                                                          __m256i *b, int *xa, int *xb) {
+    if (f == FMT_Q8_0) {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        *a = _mm256_xor_si256(load_i8(values + 64 * c), flip), *b = _mm256_xor_si256(load_i8(values + 64 * c + 32), flip);
+        *xa = 8 * c, *xb = 8 * c + 4;
+        return;
+    }
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), v = load_i8(values + (five ? 4 * IL : 0) + 32 * c);
+    *a = _mm256_and_si256(v, m4), *b = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (five) {
+        const __m256i hbits = load_i8(values), one = _mm256_set1_epi32(0x01010101);
+        *a = _mm256_or_si256(*a, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
+        *b = _mm256_or_si256(*b, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c + 4), one), 4));
+    }
+    *xa = 4 * c, *xb = 16 + 4 * c;
+}
+
+/* What the unsigned units hold above the weights' values (Q4_0's 8, Q5_0's 16, Q8_0's 128). */
+static inline int units_offset(Fmt32 f) { return f == FMT_Q8_0 ? 128 : fmt_offset(f); }
+
+/* Bit j: flag j of two[0 .. n) (n <= 32) is set. Reads 32 bytes whatever n: quantize_rows' buffer
+ * holds the scales' arrays (and 64 spare bytes) after the flags. */
+static inline uint32_t flag_bits(const uint8_t *two, int64_t n) {
+    const uint32_t bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8(two), _mm256_setzero_si256()));
+    return n < 32 ? bits & ((1u << n) - 1) : bits;
+}
+
+/* Bit j: block i0 + j (of i0 .. i0 + n, n <= 32) takes the low plane's products in some row b < NB. */
+static inline __attribute__((always_inline)) uint32_t loud_blocks(const InputRows *in, int64_t i0, int64_t n, const int NB) {
+    uint32_t bits = 0;
+    for (int b = 0; b < NB; b++) bits |= flag_bits(in->two[b] + i0, n);
+    return bits;
+}
+
+/* sum[b] (b < NB; lane r: row r of the group) = the integer products of one block's units (values at
+ * `values`) with 32 values of an input plane at x[b] (without VNNI: vpmaddubsw pair sums added in
+ * int16, <= 8 x 2 x 15 x 127 = 30,480 for 4-bit weights, 4 of 2 x 31 x 127 for 5-bit). */
+#if !QUANT_VNNI
+static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const uint8_t *values, const int8_t *x[QROWS],
+                                                                const int NB, __m256i sum[QROWS]) {
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+    for (int b = 0; b < NB; b++) sum[b] = _mm256_setzero_si256();
+    /* unit pairs 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
+    const int run = QUANT_VNNI || !five ? 4 : 2;
+    for (int c0 = 0; c0 < 4; c0 += run) {
+        __m256i t[QROWS];
+        for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
+        /* NOTE: unrolled, GCC unpacked all units first and spilled them (16 ymm registers) */
+#pragma GCC unroll 1
+        for (int c = c0; c < c0 + run; c++) {
+            __m256i ua, ub;
+            int xa, xb;
+            units_x8(f, values, c, &ua, &ub, &xa, &xb);
+            for (int b = 0; b < NB; b++) {
+                t[b] = _mm256_add_epi16(t[b], _mm256_add_epi16(_mm256_maddubs_epi16(ua, bcast4(x[b] + xa)),
+                                                               _mm256_maddubs_epi16(ub, bcast4(x[b] + xb))));
+            }
+        }
+        for (int b = 0; b < NB; b++) sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t[b], _mm256_set1_epi16(1)));
+    }
+}
+#endif
+
+
+/* The interleaved 32-weight tile (4/5-bit formats; Q8_0 with VNNI): out[b][r] = row 8 g + r . input
+ * row b0 + b, b < NB. Per block the high plane's products of every row, scaled by the input's
+ * precomputed 127 d, and the weights' offset or min against the input's d S. The low plane's
+ * products come after the blocks, for the blocks loud in any of the NB rows (a quiet row's low
+ * plane there is zeros): no branch in the block loop, and the unpacked units of a block serve all
+ * NB rows in both passes (an outlier channel makes the same groups loud in most rows).
+ * performance.md item 37. */
+static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
+                                                               int64_t b0, const int NB, const int P,
+                                                               float out[QROWS][IL]) {
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f), vo = fmt_scales_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *blk = grp + i * bytes;
+        const int8_t *x[QROWS];
+        for (int b = 0; b < NB; b++) x[b] = in.hi[b] + 32 * i;
+        __m256i sum[QROWS];
+        block_units_x8(f, blk + vo, x, NB, sum);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 e8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
+                                         : _mm256_mul_ps(d8, _mm256_set1_ps(-(float)units_offset(f)));
+        for (int b = 0; b < NB; b++) {
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.dh[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
+            acc[b] = _mm256_fmadd_ps(e8, _mm256_set1_ps(in.ds[b][i]), acc[b]);
+        }
+    }
+    if (P == 2)
+        for (int64_t i0 = 0; i0 < blocks; i0 += 32)
+            for (uint32_t bits = loud_blocks(&in, i0, blocks - i0 < 32 ? blocks - i0 : 32, NB); bits; bits &= bits - 1) {
+                const int64_t i = i0 + __builtin_ctz(bits);
+                const uint8_t *blk = grp + i * bytes;
+                const int8_t *x[QROWS];
+                for (int b = 0; b < NB; b++) x[b] = in.lo[b] + 32 * i;
+                __m256i sum[QROWS]; /* (int16 runs: the low plane's 2 x 31 x 63 pair sums are smaller) */
+                block_units_x8(f, blk + vo, x, NB, sum);
+                const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+                for (int b = 0; b < NB; b++)
+                    acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
+            }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
+
+/* acc[b] (lane r: weight row 8 g + r) += group g . input row b0 + b, b < NB. */
+/* P: the input's planes (1: its low plane is zero, and its products are skipped). */
+static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
+                                                             int64_t b0, const int NB, const int P,
+                                                             float out[QROWS][IL]) {
+    const int64_t blocks = q->k / 32, bytes = IL * fmt_bytes(f);
+    const InputRows in = input_rows(q, b0, NB);
+    if (QUANT_VNNI || f != FMT_Q8_0) {
+        dot_units32x8(f, grp, q, b0, NB, P, out);
+        return;
+    }
+    /* Q8_0 without VNNI: the weights widened to int16 (once for all NB rows) and multiplied with X
+     * itself by vpmaddwd, 16 products per instruction (vpmaddubsw would saturate on Q8_0's range).
+     * Lane pairs of w03 hold rows 0-3 (values 4c..4c+1 and 4c+2..4c+3), of w47 rows 4-7;
+     * |sum| <= 32 x 128 x 16129 < 2^31. */
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *blk = grp + i * bytes, *values = blk + fmt_scales_bytes(f);
+        __m256i s03[QROWS], s47[QROWS];
+        for (int b = 0; b < NB; b++) s03[b] = s47[b] = _mm256_setzero_si256();
+        /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
+         * on the stack (the AVX2 build has 16 vector registers), much slower (docs/performance.md) */
+#pragma GCC unroll 4
+        for (int c = 0; c < 8; c++) {
+            const __m256i w03 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c)));
+            const __m256i w47 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c + 16)));
+            for (int b = 0; b < NB; b++) {
+                long long x4;
+                memcpy(&x4, in.x16[b] + i * 32 + 4 * c, sizeof x4);
+                const __m256i xv = _mm256_set1_epi64x(x4);
+                s03[b] = _mm256_add_epi32(s03[b], _mm256_madd_epi16(w03, xv));
+                s47[b] = _mm256_add_epi32(s47[b], _mm256_madd_epi16(w47, xv));
+            }
+        }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int b = 0; b < NB; b++) {
+            /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
+            const __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s03[b], s47[b]), 0xD8);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum), acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
+
+/* The K-quants' per-row finish of one super-block: acc (SIMD: the two input planes' integer
+ * sums, combined in fp32, since 127 (w . hi) can pass 2^31 under Q6_K's 8-bit scales) or the
+ * plain C sum over sub-blocks of `len` values, each scale[j] (v . X). */
+static inline __m256 add_planes(__m256 acc, float scale, __m256i hi, __m256i lo) {
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(127.0f * scale), _mm256_cvtepi32_ps(hi), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(lo), acc);
+}
+
+static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, const QuantRows *q, int64_t b0,
+                                                          const int NB, float *out) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    float acc_s[QROWS] = {0}, corr[QROWS] = {0};
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = w + i * 144;
+        const float d = f16_to_f32(read_u16(blk)), dmin = f16_to_f32(read_u16(blk + 2));
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        __m256i sumi[QROWS], sumi_lo[QROWS];
+        for (int b = 0; b < NB; b++) sumi[b] = sumi_lo[b] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i q4 = load_i8(blk + 16 + 32 * c);
+            const __m256i lo = _mm256_and_si256(q4, _mm256_set1_epi8(0x0F));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), _mm256_set1_epi8(0x0F));
+            const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 64 * c, *xl = in.lo[b] + i * 256 + 64 * c;
+                sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_i8(xh)), s_lo));
+                sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_i8(xh + 32)), s_hi));
+                sumi_lo[b] = _mm256_add_epi32(sumi_lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_i8(xl)), s_lo));
+                sumi_lo[b] = _mm256_add_epi32(sumi_lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_i8(xl + 32)), s_hi));
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            int32_t msum = 0;
+            for (int j = 0; j < 8; j++) msum += (int32_t)mn[j] * (s16[2 * j] + s16[2 * j + 1]);
+            corr[b] -= dmin * dx * (float)msum;
+            acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
+}
+
+static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, const QuantRows *q, int64_t b0,
+                                                          const int NB, float *out) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    float acc_s[QROWS] = {0}, corr[QROWS] = {0};
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = w + i * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = f16_to_f32(read_u16(blk + 208));
+        __m256i sumi[QROWS], sumi_lo[QROWS];
+        for (int b = 0; b < NB; b++) sumi[b] = sumi_lo[b] = _mm256_setzero_si256();
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = load_i8(blk + 64 * h), ql1 = load_i8(blk + 64 * h + 32), qh = load_i8(blk + 128 + 32 * h);
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4));
+            v[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), _mm256_set1_epi8(0x30)));
+            for (int t = 0; t < 4; t++) {
+                /* 32 values, two scales: the first 16 values' in the low half, the next 16's in the high */
+                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * t + 1]), _mm_set1_epi16(sc[8 * h + 2 * t]));
+                for (int b = 0; b < NB; b++) {
+                    const int64_t at = i * 256 + 128 * h + 32 * t;
+                    sumi[b] = _mm256_add_epi32(sumi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(v[t], load_i8(in.hi[b] + at)), s));
+                    sumi_lo[b] = _mm256_add_epi32(sumi_lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(v[t], load_i8(in.lo[b] + at)), s));
+                }
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            int32_t off = 0;
+            for (int j = 0; j < 16; j++) off += (int32_t)sc[j] * s16[j];
+            corr[b] -= 32.0f * d * dx * (float)off;
+            acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
+}
+
+/* lane r of the result = the int8 at p[r] (r < 8), sign- or zero-extended */
+static inline __m256i lanes_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline __m256i lanes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+/* each 32-bit lane's low int16 in both halves (vpmaddwd then scales a lane's two pair sums alike) */
+static inline __m256i pairs16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
+
+/* The 6-bit scales and mins of a q4_kx8 super-block's 8 rows, sub-block j's at sc[8 j .. 8 j + 8)
+ * (q4k_scales, 8 rows at once). */
+static inline void q4k_scales_x8(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64]) {
+    const __m128i m6 = _mm_set1_epi8(63), m4b = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
+    for (int j = 0; j < 4; j++) {
+        const __m128i p = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * j));
+        const __m128i pm = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 4)));
+        const __m128i ph = _mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * (j + 8)));
+        _mm_storel_epi64((__m128i *)(sc + 8 * j), _mm_and_si128(p, m6));
+        _mm_storel_epi64((__m128i *)(mn + 8 * j), _mm_and_si128(pm, m6));
+        _mm_storel_epi64((__m128i *)(sc + 8 * (j + 4)),
+                         _mm_or_si128(_mm_and_si128(ph, m4b), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(p, 6), m2), 4)));
+        _mm_storel_epi64((__m128i *)(mn + 8 * (j + 4)),
+                         _mm_or_si128(_mm_and_si128(_mm_srli_epi16(ph, 4), m4b),
+                                      _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(pm, 6), m2), 4)));
+    }
+}
+
+#if !QUANT_VNNI
+/* out[b][r] = row 8 g + r of the group . input row b0 + b, b < NB (Q4_K). Per super-block and row
+ * the sub-block sums of the two planes are scaled in integers (vpmaddwd by the lane's scale) or, with
+ * VNNI, in fp32; the mins come off as dmin (sum over sub-blocks of mn X-sums), from the input's sums. */
+static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, const int P, float out[QROWS][IL]) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = grp + i * Q4K_X8, *units = blk + 128;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        uint8_t sc[64], mn[64];
+        q4k_scales_x8(blk, sc, mn);
+        __m256i sh[QROWS], sl[QROWS]; /* the two planes' scaled sums: |sh| <= 8 x 63 x 32 x 15 x 127 < 2^25 */
+        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
+        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
+        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *u8 = units + 32 * 8 * (j >> 1);
+            const int shift = 4 * (j & 1);
+            __m256i th[QROWS], tl[QROWS], w[8];
+            for (int t = 0; t < 8; t++) w[t] = _mm256_and_si256(_mm256_srli_epi16(load_i8(u8 + 32 * t), shift), m4);
+            /* every row's high plane, then the low plane of the rows whose group has one */
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 32 * j, *xl = in.lo[b] + i * 256 + 32 * j;
+                th[b] = tl[b] = _mm256_setzero_si256();
+                /* int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most */
+                for (int t = 0; t < 8; t++) th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w[t], bcast4(xh + 4 * t)));
+                if (two[b])
+                    for (int t = 0; t < 8; t++) tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w[t], bcast4(xl + 4 * t)));
+            }
+            const __m256i s32 = lanes_u8(sc + 8 * j);
+            const __m256i s16 = pairs16(s32);
+            for (int b = 0; b < NB; b++) {
+                sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[b], s16));
+                if (two[b]) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m256 msum = _mm256_setzero_ps();
+            for (int j = 0; j < 8; j++)
+                msum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_u8(mn + 8 * j)), _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+            const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
+            acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
+
+/* The same for Q6_K: values 0..63 (the -32 comes off as 32 (sum over sub-blocks of scale x X-sum)). */
+static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, const int P, float out[QROWS][IL]) {
+    const int64_t supers = q->k / 256;
+    const InputRows in = input_rows(q, b0, NB);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *units = blk + 144;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i sh[QROWS], sl[QROWS]; /* |sh| <= 16 x 128 x 16 x 63 x 127 < 2^29 */
+        for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
+        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
+        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *sub_block = units + 96 * j;
+            const __m256i u0 = load_i8(sub_block), u1 = load_i8(sub_block + 32), h = load_i8(sub_block + 64);
+            /* the 4 chunks of sub-block j: values 16 j + 4 c + 0..3 of each row (the high bits masked
+             * after the 16-bit shifts, so no bit crosses into the next byte) */
+            __m256i w[4];
+            w[0] = _mm256_or_si256(_mm256_and_si256(u0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            w[2] = _mm256_or_si256(_mm256_and_si256(u1, m4), _mm256_and_si256(h, m30));
+            w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            const __m256i s32 = lanes_i8(scales + 8 * j);
+            const __m256i s16 = pairs16(s32);
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
+                /* int16 pair sums of two chunks: 2 x 2 x 63 x 127 = 32,004 at most */
+                for (int c = 0; c < 4; c += 2) {
+                    const __m256i th = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xh + 4 * c)),
+                                                        _mm256_maddubs_epi16(w[c + 1], bcast4(xh + 4 * c + 4)));
+                    sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th, s16));
+                    if (two[b]) {
+                        const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xl + 4 * c)),
+                                                            _mm256_maddubs_epi16(w[c + 1], bcast4(xl + 4 * c + 4)));
+                        sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl, s16));
+                    }
+                }
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const float dx = in.d[b][i];
+            const int32_t *s16 = in.sums[b] + i * 16;
+            __m256 off = _mm256_setzero_ps();
+            for (int j = 0; j < 16; j++)
+                off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_i8(scales + 8 * j)), _mm256_set1_ps((float)s16[j]), off);
+            __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
+            s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
+#endif
+
+/* out[b] = f16 row w . x[b] (fp32), b < NB. */
+static inline __attribute__((always_inline)) void dot_f16(const uint16_t *w, const float *x, int64_t ldx, int64_t k,
+                                                         const int NB, float *out) {
+    int64_t i = 0;
+    float s[QROWS] = {0};
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) {
+        const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
+        for (int b = 0; b < NB; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i), acc[b]);
+    }
+    for (int b = 0; b < NB; b++) s[b] = hsum_ps(acc[b]);
+    for (; i < k; i++)
+        for (int b = 0; b < NB; b++) s[b] += f16_to_f32(w[i]) * x[b * ldx + i];
+    for (int b = 0; b < NB; b++) out[b] = s[b];
+}
+
+/* out[b] = e4m3 row w . x[b] (fp32), b < NB: per block, the 32 products summed, then scaled. */
+static inline __attribute__((always_inline)) void dot_e4m3(const uint8_t *w, const float *x, int64_t ldx, int64_t k,
+                                                          const int NB, float *out) {
+    float s[QROWS] = {0};
+    __m256 acc[QROWS];
+    for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
+    const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
+    for (int64_t i = 0; i < k; i += 32, w += 36) {
+        float d;
+        memcpy(&d, w, sizeof d);
+        __m256 part[QROWS];
+        for (int b = 0; b < NB; b++) part[b] = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(w + 4 + 8 * c)));
+            const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, sign), 8),
+                                           _mm_slli_epi16(_mm_and_si128(v, mag), 7));
+            const __m256 wv = _mm256_cvtph_ps(h);
+            for (int b = 0; b < NB; b++) part[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i + 8 * c), part[b]);
+        }
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int b = 0; b < NB; b++) acc[b] = _mm256_fmadd_ps(part[b], dv, acc[b]);
+    }
+    for (int b = 0; b < NB; b++) s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) out[b] = s[b];
+}
