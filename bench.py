@@ -73,6 +73,9 @@ def build_parser() -> ArgumentParser:
                    help="auto (default): CUDA if available, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float32 on CPUs, the checkpoint's on GPUs")
+    from nanovllm.layers.backends.kv_formats import NAMES as KV_NAMES
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_NAMES),
+                   help="how the KV cache stores K and V (default: auto: 16-bit on CPUs, the model's dtype on GPUs)")
     from nanovllm.layers.quantization.block_formats import ONLINE_FORMATS
     p.add_argument("--quantization", default=None, choices=list(ONLINE_FORMATS),
                    help="quantize the weights at load into this GGUF block format (CPU; default: none)")
@@ -177,7 +180,7 @@ def main() -> int:
     print(f"bench.py: loading {path}", flush=True)
     try:
         llm = LLM(path, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                  enforce_eager=args.enforce_eager,
+                  kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag

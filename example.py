@@ -7,6 +7,7 @@ import sys
 import time
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.backends.kv_formats import NAMES as KV_NAMES
 from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 from nanovllm.utils.default_model import DefaultModelError, default_model, default_model_path
 
@@ -32,6 +33,9 @@ def parse_args() -> argparse.Namespace:
                         "bfloat16: on GPUs bf16 throughout; on CPUs bf16 weights under float32 activations "
                         "(half the weight bytes per decode step at 1-2 sequences, like llama.cpp's F16 files). "
                         "float16: for GPUs; CPU float16 matmuls are not fast")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_NAMES),
+                        help="how the KV cache stores K and V: auto (default: 16-bit on CPUs, the model's dtype on "
+                        "GPUs), float32, bfloat16, float16, int8 (llama.cpp's q8_0), fp8 / fp8_e4m3 / fp8_e5m2")
     return parser.parse_args()
 
 
@@ -46,8 +50,8 @@ def main() -> int:
         model = args.model or (default_model_path() if args.quantization else default_model())
         start = time.perf_counter()
         # A small KV cache is plenty for three short chats and is allocated in a blink.
-        llm = LLM(model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=len(PROMPTS),
-                  max_model_len=2048)
+        llm = LLM(model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  max_num_seqs=len(PROMPTS), max_model_len=2048)
     except DefaultModelError as e:  # no network, or a failed conversion: not a bad command line
         return print_error("example.py", e, status=1)
     except (ValueError, TypeError) as e:  # our validation of the model folder or a flag's value

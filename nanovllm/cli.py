@@ -38,6 +38,10 @@ _ENGINE_OPTIONS = [
     ("--tensor-parallel-size", "tensor_parallel_size", int,
      "tensor-parallel ranks: one per GPU on CUDA, processes sharing the cores on CPU"),
     ("--attention-backend", "attention_backend", str, "auto, torch, flash or triton"),
+    ("--kv-cache-dtype", "kv_cache_dtype", str,
+     "how the KV cache stores K and V: auto (16-bit on CPU, the model's dtype on CUDA), float32, bfloat16, "
+     "float16, int8 (llama.cpp's q8_0 blocks), fp8 / fp8_e4m3 / fp8_e5m2 (CPU: every one; CUDA: auto or the "
+     "model's dtype)"),
     ("--seed", "seed", int, "engine seed"),
     ("--nnodes", "nnodes", int, "machines the tensor-parallel ranks are spread over"),
     ("--node-rank", "node_rank", int, "this machine's index; >= 1 runs `nanovllm worker`"),

@@ -11,6 +11,7 @@ import torch
 from nanovllm.platforms import Platform, get_platform
 
 if TYPE_CHECKING:
+    from nanovllm.layers.backends.kv_formats import KVFormat
     from nanovllm.layers.quantization import QuantizationConfig
     from nanovllm.loader.checkpoint import Checkpoint
 
@@ -86,6 +87,10 @@ class Config:
     kvcache_block_size: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # How the KV cache stores K and V (vLLM's name and values; layers/backends/kv_formats.py):
+    # "auto" (CPU: 16 bits; CUDA: the activations' dtype), "float32", "bfloat16", "float16", "int8"
+    # (llama.cpp's q8_0 blocks), "fp8" / "fp8_e4m3" / "fp8_e5m2". The platform says which it runs.
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # seeds the sampler's generator for requests without a seed of their own
     dist_port: int | None = None  # TP rendezvous port on 127.0.0.1; None picks a free one per engine
     dist_shm_name: str | None = None  # TP call channel's shared-memory name; None makes a unique one
@@ -108,7 +113,8 @@ class Config:
     checkpoint: "Checkpoint" = field(init=False, repr=False, compare=False)  # loader/checkpoint.py
     hf_config: object = field(init=False, repr=False)
     quant_config: "QuantizationConfig" = field(init=False, repr=False, compare=False)  # the weight format
-    torch_dtype: torch.dtype = field(init=False)  # activations and KV cache
+    torch_dtype: torch.dtype = field(init=False)  # activations
+    kv_format: "KVFormat" = field(init=False, repr=False, compare=False)  # the KV cache's, from kv_cache_dtype
     weight_dtype: torch.dtype = field(init=False)  # how the linear weights are held (platform.weight_dtype)
     eos_token_ids: frozenset = field(init=False)
     platform: Platform = field(init=False, repr=False, compare=False)
@@ -153,15 +159,20 @@ class Config:
         elif not isinstance(self.compile_ops, bool):
             raise TypeError(f"compile_ops must be a bool or None (auto), got {self.compile_ops!r}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        if max_pos is not None:
+            from nanovllm.layers.rotary_embedding import rope_positions, rope_settings
+            max_pos = rope_positions(max_pos, rope_settings(self.hf_config)[1])  # YaRN reaches past it
         if max_pos is not None and self.max_model_len > max_pos:
-            logger.info("max_model_len %d capped to the model's max_position_embeddings %d",
-                        self.max_model_len, max_pos)
+            logger.info("max_model_len %d capped to the model's positions (%d)", self.max_model_len, max_pos)
             self.max_model_len = max_pos
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs})")
         dtype = self._resolve_dtype()
         self.torch_dtype, self.weight_dtype = self.platform.compute_dtype(dtype), self.platform.weight_dtype(dtype)
+        self.kv_format = self.platform.kv_cache_format(self.kv_cache_dtype, self.torch_dtype)
+        from nanovllm.layers.backends import check_backend_kv_format
+        check_backend_kv_format(self.attention_backend, self.kv_format, self.torch_dtype)
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._check_tensor_parallel()
         if self.cpu_kvcache_bytes is None:

@@ -42,8 +42,9 @@ def startup_summary(config: Config, runner: ModelRunner, num_blocks: int) -> str
     kv_mib = num_blocks * runner.kv_block_bytes() / 2**20
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return (f"model {os.path.basename(config.model.rstrip('/'))} ({arch}) on {config.device}{tp}, {dtypes}; "
-            f"KV cache {tokens} tokens ({num_blocks} blocks of {config.kvcache_block_size}, {kv_mib:.0f} MiB per "
-            f"rank); peak RSS {peak_rss_mib:.0f} MiB")
+            f"KV cache {tokens} tokens in {config.kv_format.name}, {runner.kv_token_bytes()} bytes per token "
+            f"({num_blocks} blocks of {config.kvcache_block_size}, {kv_mib:.0f} MiB per rank); "
+            f"peak RSS {peak_rss_mib:.0f} MiB")
 
 
 class LLMEngine:

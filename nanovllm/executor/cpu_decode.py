@@ -34,12 +34,12 @@ DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
 logger = logging.getLogger(__name__)
 
 
-def pointer(t: torch.Tensor | None) -> int | None:
-    """The address of a dense fp32 tensor (None stays None)."""
+def pointer(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
+    """The address of a dense tensor of dtype (None stays None)."""
     if t is None:
         return None
-    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() == 0:
-        raise ValueError(f"not a dense fp32 tensor: {t.dtype} {tuple(t.shape)}")
+    if t.dtype != dtype or not t.is_contiguous() or t.numel() == 0:
+        raise ValueError(f"not a dense {dtype} tensor: {t.dtype} {tuple(t.shape)}")
     return t.data_ptr()
 
 
@@ -131,7 +131,8 @@ class FusedDecode(StepRunner):
                 pointer(layer.input_layernorm.weight), pointer(layer.post_attention_layernorm.weight),
                 pointer(a.q_norm.weight) if a.use_qk_norm else None,
                 pointer(a.k_norm.weight) if a.use_qk_norm else None,
-                *linears, pointer(a.attn.k_cache), pointer(a.attn.v_cache), int(parts is not None),
+                *linears, pointer(a.attn.k_cache, a.attn.kv_format.storage),
+                pointer(a.attn.v_cache, a.attn.kv_format.storage), int(parts is not None),
                 ctypes.pointer(moe) if moe is not None else None))
         eps = {layer.input_layernorm.eps for layer in layers} | {inner.norm.eps}
         if attn0.use_qk_norm:
@@ -147,7 +148,8 @@ class FusedDecode(StepRunner):
         self.embed_in_c, self.head_in_c = embed is not None, head is not None
         intermediate = max([d.down.k for d in descs if d.in_c] + [moe.shared_down.k for moe in self.moes], default=0)
         self.desc = DecoderModel(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads,
-                                 attn0.head_dim, intermediate, attn0.attn.k_cache.shape[1], eps.pop(),
+                                 attn0.head_dim, intermediate, attn0.attn.k_cache.shape[1],
+                                 attn0.attn.kv_format.c_type, eps.pop(),
                                  attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers,
                                  embed or Linear(), head or Linear())
         bad = kernels.decode_check_model(ctypes.byref(self.desc))
@@ -295,14 +297,15 @@ class FusedDecode(StepRunner):
         return out
 
 
-def build_fused_decode(model: nn.Module, backend_name: str, kv_dtype: torch.dtype, tp_size: int) -> FusedDecode | None:
+def build_fused_decode(model: nn.Module, backend_name: str, dtype: torch.dtype, tp_size: int) -> FusedDecode | None:
     """A FusedDecode of model, or None where it does not apply (not a Llama-family decoder, tensor
-    parallel, another attention backend or KV dtype, no C compiler, NANOVLLM_CPU_FUSED_DECODE=0);
-    the eager forward then runs every step."""
+    parallel, another attention backend, activations not fp32, no C compiler,
+    NANOVLLM_CPU_FUSED_DECODE=0); the eager forward then runs every step. The KV cache may be in
+    any format (the C attention reads each)."""
     if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
         return None
     if not isinstance(model, DecoderForCausalLM) or tp_size != 1 or backend_name != "torch" \
-            or kv_dtype != torch.float32:
+            or dtype != torch.float32:
         return None
     kernels = cpu_kernels.load()
     if kernels is None:

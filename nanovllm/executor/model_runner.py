@@ -63,7 +63,8 @@ class ModelRunner:
         self.sampler = Sampler(platform.random_sample, generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype)
-        self.backend = get_backend(backend_name, config.device)
+        self.kv_format = config.kv_format
+        self.backend = get_backend(backend_name, config.device, self.kv_format, self.dtype)
         self.backend.check_block_size(self.block_size)
         self.backend.check_dtype(self.dtype)
         for layer in self.attention_layers:
@@ -78,15 +79,22 @@ class ModelRunner:
                                                                     self.device, rank)
 
     # ---- KV cache ---------------------------------------------------------------------------
-    def kv_block_bytes(self) -> int:
+    def kv_token_bytes(self) -> int:
+        """One cached token over every layer, K and V, in the cache's format (scales included)."""
         layer = self.attention_layers[0]
-        per_layer = self.block_size * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
-        return 2 * len(self.attention_layers) * per_layer
+        return self.kv_format.token_bytes(len(self.attention_layers), layer.num_kv_heads, layer.head_dim)
+
+    def kv_block_bytes(self) -> int:
+        return self.block_size * self.kv_token_bytes()
 
     def kv_cache_budget_bytes(self) -> int:
         return self.platform.kv_cache_budget_bytes(self.config, self.device, self.warmup_model)
 
     def allocate_kv_cache(self) -> int:
+        layer = self.attention_layers[0]
+        reason = self.kv_format.head_dim_error(layer.head_dim)
+        if reason is not None:
+            raise ValueError(reason)
         block_bytes = self.kv_block_bytes()
         budget = self.kv_cache_budget_bytes()
         num_blocks = max(budget, 0) // block_bytes
@@ -101,12 +109,14 @@ class ModelRunner:
             raise ValueError(f"not even one KV cache block ({block_bytes} bytes) fits the memory budget "
                              f"({budget} bytes); raise gpu_memory_utilization / "
                              "cpu_kvcache_bytes or lower max_num_batched_tokens / max_num_seqs")
-        layer = self.attention_layers[0]
-        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-        self.kv_cache = self.platform.allocate_kv_cache(shape, self.dtype, self.device, self.config.kvcache_prefault)
+        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, a head's row in the format]
+        fmt = self.kv_format
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
+                 fmt.row_units(layer.head_dim))
+        self.kv_cache = self.platform.allocate_kv_cache(shape, fmt.storage, self.device, self.config.kvcache_prefault)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.kv_format = fmt
         return num_blocks
 
     @torch.inference_mode()

@@ -1,33 +1,260 @@
-/* Paged decode attention on the CPU.
+/* Attention over the paged KV cache on the CPU, in every KV storage format (cpu_kernels.h, KV_*).
  *
- * paged_decode_attention_f32: decode attention over the paged KV cache, one query token per sequence.
+ * kv_store_row: one head's K or V row into its format, rounded as layers/backends/kv_formats.py
+ *   rounds it (the tests compare the bytes).
+ * paged_decode_attention: one query token per sequence (attend_item, which the C decode step calls
+ *   too).
+ * paged_prefill_attention: the new tokens of each sequence against its whole cached range (cached
+ *   prefix + the tokens just stored), causal, flash-attention style.
  *
- * The torch path gathers every sequence's blocks into a padded copy and then runs SDPA over the
- * copy; this kernel reads each cached K and V row once, in place, through the block table.
- * Work items are sequences (or, for small batches, a sequence's KV heads split in kv_heads_per_item
- * chunks), spread over OpenMP threads. Within an item, tokens go outermost, 8 at a time within a
- * block: a cached token's row for all of the item's KV heads is contiguous, while one head's rows
- * sit a page apart (reading head by head was 2-3x slower); the 8 rows are read from memory once
- * (prefetched ahead) and from L1 by every query head sharing them (GQA), and each head's 8 scores
- * come out as one vector (reduce8), the output rows are loaded and stored once per 8 tokens.
+ * Cached rows are converted to fp32 as they are read (8 values at a time, from registers: no fp32
+ * copy of the cache is made); scores, softmax and outputs are fp32. Each kernel is one function
+ * body per format, generated from a body that takes the format as a compile-time constant.
+ *
+ * Decode: work items are sequences (or, for small batches, a sequence's KV heads split in
+ * kv_heads_per_item chunks), spread over OpenMP threads. Within an item, tokens go outermost, 8 at
+ * a time within a block: a cached token's row for all of the item's KV heads is contiguous, while
+ * one head's rows sit a page apart (reading head by head was 2-3x slower); the 8 rows are read
+ * from memory once (prefetched ahead) and from L1 by every query head sharing them (GQA), and each
+ * head's 8 scores come out as one vector (reduce8), the output rows are loaded and stored once per
+ * 8 tokens. Two passes (scores, then values) over the item's rows: each row is read from memory
+ * once per pass.
  *
  * Layouts (row-major, contiguous):
- *   q            [num_seqs, num_heads, head_dim]
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   q, out       [num_tokens, num_heads, head_dim] fp32
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, kv_row_bytes(type, head_dim)] bytes
  *   block_tables [num_seqs, max_blocks] (int32; entries past a sequence's length are not read)
  *   context_lens [num_seqs] (int32, each <= max_context)
- *   out          [num_seqs, num_heads, head_dim]
- * Returns 0, or 1 when a thread could not allocate its score buffer (out is then incomplete).
+ * Entry points return 0, or 1 when a thread could not allocate its buffers (out is then incomplete).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
+#define KV_F16C 1
+#else
+#define KV_F16C 0
 #endif
 
 #include "cpu_kernels.h"
 
+float nanovllm_f16_to_f32(uint16_t h); /* cpu_quant.c */
+
+/* ---- the formats: reading 8 values (or one) of a row as fp32 ---------------------------------- */
+typedef uint16_t vh __attribute__((vector_size(2 * VL)));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+typedef int8_t vb __attribute__((vector_size(VL)));
+typedef uint8_t vub __attribute__((vector_size(VL)));
+
+static inline vf bf16x8(const uint8_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline vf i8x8(const uint8_t *p) {
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vf);
+}
+
+/* An e4m3 byte's sign to bit 15 and its exponent and mantissa up by 7 is the fp16 of its value
+ * times 2^-8 (fp16's exponent bias is 8 more; subnormals map onto subnormals). */
+static inline uint16_t e4m3_bits_as_f16(uint8_t b) { return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7)); }
+
+#if KV_F16C
+static inline vf f16x8(const uint8_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline float f16x1(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+static inline vf e5m2x8(const uint8_t *p) {
+    return (vf)_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+}
+static inline vf e4m3x8(const uint8_t *p) {
+    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x7F)), 7));
+    return (vf)_mm256_cvtph_ps(h) * 256.0f;
+}
+#else
+static inline float f16x1(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return nanovllm_f16_to_f32(h);
+}
+static inline vf f16x8(const uint8_t *p) {
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = f16x1(p + 2 * i);
+    return v;
+}
+static inline vf e5m2x8(const uint8_t *p) {
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = nanovllm_f16_to_f32((uint16_t)(p[i] << 8));
+    return v;
+}
+static inline vf e4m3x8(const uint8_t *p) {
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = nanovllm_f16_to_f32(e4m3_bits_as_f16(p[i])) * 256.0f;
+    return v;
+}
+#endif
+
+/* Values [d, d + 8) of a row (d a multiple of 8). `type` is a constant in every caller's
+ * instantiation (KV_BODIES), so the switch folds away. */
+static inline __attribute__((always_inline)) vf kv_load8(const int type, const uint8_t *row, int64_t d) {
+    switch (type) {
+    case KV_F32: return load_f32((const float *)row + d);
+    case KV_BF16: return bf16x8(row + 2 * d);
+    case KV_F16: return f16x8(row + 2 * d);
+    case KV_Q8_0: {
+        const uint8_t *blk = row + d / 32 * 34;
+        return f16x1(blk) * i8x8(blk + 2 + d % 32);
+    }
+    case KV_E4M3: return e4m3x8(row + d);
+    default: return e5m2x8(row + d);
+    }
+}
+
+/* Value d of a row (the tails of a head_dim that is not a multiple of 8; not q8_0, whose rows are
+ * whole blocks of 32). */
+static inline __attribute__((always_inline)) float kv_load1(const int type, const uint8_t *row, int64_t d) {
+    switch (type) {
+    case KV_F32: return ((const float *)row)[d];
+    case KV_BF16: {
+        uint16_t h;
+        memcpy(&h, row + 2 * d, sizeof h);
+        return scalar_bf16(h);
+    }
+    case KV_F16: return f16x1(row + 2 * d);
+    case KV_Q8_0: return f16x1(row + d / 32 * 34) * (float)(int8_t)row[d / 32 * 34 + 2 + d % 32];
+    case KV_E4M3: return nanovllm_f16_to_f32(e4m3_bits_as_f16(row[d])) * 256.0f;
+    default: return nanovllm_f16_to_f32((uint16_t)(row[d] << 8));
+    }
+}
+
+int64_t kv_row_bytes(int64_t kv_type, int64_t head_dim) {
+    if (head_dim <= 0) return 0;
+    switch (kv_type) {
+    case KV_F32: return 4 * head_dim;
+    case KV_BF16:
+    case KV_F16: return 2 * head_dim;
+    case KV_Q8_0: return head_dim % 32 == 0 ? head_dim / 32 * 34 : 0;
+    case KV_E4M3:
+    case KV_E5M2: return head_dim;
+    default: return 0;
+    }
+}
+
+/* ---- the formats: storing a row ------------------------------------------------------------------
+ * Round to nearest even from the fp32 bits, as torch's conversions do (c10's Half, BFloat16,
+ * Float8_e4m3fn and Float8_e5m2). */
+static inline uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static inline uint16_t f32_to_bf16(float x) {
+    const uint32_t u = f32_bits(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A finite |x| of bits a, smaller than the format's smallest normal 2^emin: the subnormal count
+ * of steps 2^(emin - mant_bits) (the power-of-two product is exact; nearbyintf rounds to even). */
+static inline uint32_t subnormal_steps(float ax, float inv_step) { return (uint32_t)nearbyintf(ax * inv_step); }
+
+/* The normal encoding of bits a (sign cleared) with the exponent rebiased by `rebias` and `drop`
+ * mantissa bits rounded off to nearest even; a carry runs into the exponent. */
+static inline uint32_t round_normal(uint32_t a, uint32_t rebias, int drop) {
+    return (a - (rebias << 23) + ((1u << (drop - 1)) - 1u) + ((a >> drop) & 1u)) >> drop;
+}
+
+static inline uint16_t f32_to_f16(float x) {
+    const uint32_t u = f32_bits(x), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);  /* NaN */
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds to 65520 or more: inf */
+    if (a < 0x38800000u) return (uint16_t)(sign | subnormal_steps(fabsf(x), 16777216.0f)); /* < 2^-14 */
+    return (uint16_t)(sign | round_normal(a, 112, 13));
+}
+
+/* fp8: values clamped to the largest finite one first (kv_formats.py's `limit`). */
+static inline uint8_t f32_to_e4m3(float x) {
+    if (isnan(x)) return 0x7F;
+    x = x > 448.0f ? 448.0f : x < -448.0f ? -448.0f : x;
+    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
+    if (a < 0x3C800000u) return (uint8_t)(sign | subnormal_steps(fabsf(x), 512.0f)); /* < 2^-6 */
+    return (uint8_t)(sign | round_normal(a, 120, 20));
+}
+
+static inline uint8_t f32_to_e5m2(float x) {
+    if (isnan(x)) return 0x7F;
+    x = x > 57344.0f ? 57344.0f : x < -57344.0f ? -57344.0f : x;
+    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
+    if (a < 0x38800000u) return (uint8_t)(sign | subnormal_steps(fabsf(x), 65536.0f)); /* < 2^-14 */
+    return (uint8_t)(sign | round_normal(a, 112, 21));
+}
+
+/* ggml's quantize_row_q8_0_ref: d = max|x| / 127 stored as fp16, q = roundf(x / d) with 1 / d in fp32. */
+static void store_q8_0(uint8_t *dst, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32, dst += 34) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[i + j]));
+        const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t h = f32_to_f16(d);
+        memcpy(dst, &h, sizeof h);
+        for (int j = 0; j < 32; j++) dst[2 + j] = (uint8_t)(int8_t)roundf(x[i + j] * inv);
+    }
+}
+
+void kv_store_row(int64_t kv_type, void *dst, const float *x, int64_t head_dim) {
+    uint8_t *o = dst;
+    switch (kv_type) {
+    case KV_F32: memcpy(dst, x, sizeof(float) * (size_t)head_dim); break;
+    case KV_BF16:
+        for (int64_t d = 0; d < head_dim; d++) {
+            const uint16_t h = f32_to_bf16(x[d]);
+            memcpy(o + 2 * d, &h, sizeof h);
+        }
+        break;
+    case KV_F16:
+        for (int64_t d = 0; d < head_dim; d++) {
+            const uint16_t h = f32_to_f16(x[d]);
+            memcpy(o + 2 * d, &h, sizeof h);
+        }
+        break;
+    case KV_Q8_0: store_q8_0(o, x, head_dim); break;
+    case KV_E4M3:
+        for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_e4m3(x[d]);
+        break;
+    case KV_E5M2:
+        for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_e5m2(x[d]);
+        break;
+    default: break;
+    }
+}
+
+/* Stores rows [0, n) of k and v ([n, num_kv_heads, head_dim] fp32, token stride ldk / ldv floats)
+ * into their cache slots (slot < 0: not stored). */
+int kv_store_rows(int64_t kv_type, const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
+                  int64_t n, void *k_cache, void *v_cache, int64_t num_kv_heads, int64_t head_dim, int num_threads) {
+    const int64_t row = kv_row_bytes(kv_type, head_dim);
+    if (row == 0) return 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < n * num_kv_heads; i++) {
+        const int64_t t = i / num_kv_heads, h = i % num_kv_heads;
+        if (slots[t] < 0) continue;
+        const int64_t at = (slots[t] * num_kv_heads + h) * row;
+        kv_store_row(kv_type, (uint8_t *)k_cache + at, k + t * ldk + h * head_dim, head_dim);
+        kv_store_row(kv_type, (uint8_t *)v_cache + at, v + t * ldv + h * head_dim, head_dim);
+    }
+    return 0;
+}
+
+/* ---- decode ------------------------------------------------------------------------------------ */
 /* The 8 sums of a[0..8), one per lane (lane i: the sum of a[i]'s lanes). */
 #if defined(__AVX2__) && VL == 8
 static inline vf reduce8(const vf a[8]) {
@@ -51,56 +278,59 @@ static inline vf reduce8(const vf a[8]) {
  * up late (docs/performance.md, "Figures from the C kernels' comments"). */
 #define PREFETCH_TOKENS 16
 
-/* Prefetch the item's part (`floats` from `first`) of rows [t, t + 8) of a block of n_t tokens. */
-static inline void prefetch_rows(const float *first, int64_t stride, int64_t t, int64_t n_t, int64_t floats) {
+/* Prefetch the item's part (`bytes` from `first`) of rows [t, t + 8) of a block of n_t tokens. */
+static inline void prefetch_rows(const uint8_t *first, int64_t stride, int64_t t, int64_t n_t, int64_t bytes) {
     const int64_t end = t + 8 < n_t ? t + 8 : n_t;
     for (; t < end; t++)
-        for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(first + t * stride + f, 0, 3);
+        for (int64_t f = 0; f < bytes; f += 64) __builtin_prefetch(first + t * stride + f, 0, 3);
 }
 
 /* Rows [0, PREFETCH_TOKENS) of a block, before its first chunk. */
-static inline void prefetch_block_start(const float *first, int64_t stride, int64_t n_t, int64_t floats) {
-    for (int64_t t = 0; t < PREFETCH_TOKENS; t += 8) prefetch_rows(first, stride, t, n_t, floats);
+static inline void prefetch_block_start(const uint8_t *first, int64_t stride, int64_t n_t, int64_t bytes) {
+    for (int64_t t = 0; t < PREFETCH_TOKENS; t += 8) prefetch_rows(first, stride, t, n_t, bytes);
 }
 
-/* q . k for one row of n. */
-static inline float dot_row(const float *q, const float *k, int64_t n) {
+/* q . k for one row k of n values. */
+static inline __attribute__((always_inline)) float dot_row(const int type, const float *q, const uint8_t *k,
+                                                           int64_t n) {
     vf a0 = {0}, a1 = {0};
     int64_t d = 0;
     for (; d + 2 * VL <= n; d += 2 * VL) {
-        a0 += load_f32(q + d) * load_f32(k + d);
-        a1 += load_f32(q + d + VL) * load_f32(k + d + VL);
+        a0 += load_f32(q + d) * kv_load8(type, k, d);
+        a1 += load_f32(q + d + VL) * kv_load8(type, k, d + VL);
     }
-    for (; d + VL <= n; d += VL) a0 += load_f32(q + d) * load_f32(k + d);
+    for (; d + VL <= n; d += VL) a0 += load_f32(q + d) * kv_load8(type, k, d);
     float s = hsum(a0 + a1);
-    for (; d < n; d++) s += q[d] * k[d];
+    for (; d < n; d++) s += q[d] * kv_load1(type, k, d);
     return s;
 }
 
-/* out[i] = q . k_i for the 8 rows k_i = k + i * stride, each of n. */
+/* out[i] = q . k_i for the 8 rows k_i = k + i * stride (bytes), each of n values. */
 _Static_assert(VL == 8, "dot_8rows stores its 8 dot products as one vector");
-static inline void dot_8rows(const float *q, const float *k, int64_t stride, int64_t n, float *out) {
+static inline __attribute__((always_inline)) void dot_8rows(const int type, const float *q, const uint8_t *k,
+                                                            int64_t stride, int64_t n, float *out) {
     vf a[8];
     for (int i = 0; i < 8; i++) a[i] = (vf){0};
     int64_t d = 0;
     for (; d + VL <= n; d += VL) {
         const vf qv = load_f32(q + d);
-        for (int i = 0; i < 8; i++) a[i] += qv * load_f32(k + i * stride + d);
+        for (int i = 0; i < 8; i++) a[i] += qv * kv_load8(type, k + i * stride, d);
     }
     vf s = reduce8(a);
     for (; d < n; d++)
-        for (int i = 0; i < 8; i++) s[i] += q[d] * k[i * stride + d];
+        for (int i = 0; i < 8; i++) s[i] += q[d] * kv_load1(type, k + i * stride, d);
     store_f32(out, s);
 }
 
-void attend_item(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
-                 float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
-                 float *inv_sum) {
+static inline __attribute__((always_inline)) void attend_item_t(
+    const int type, const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
+    int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride, float *inv_sum) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim; /* floats between consecutive cached tokens */
+    const int64_t row = kv_row_bytes(type, head_dim);
+    const int64_t token_stride = num_kv_heads * row; /* bytes between consecutive cached tokens */
     const int64_t num_item_heads = (kv_end - kv_first) * group;
-    const int64_t item_floats = (kv_end - kv_first) * head_dim; /* the item's part of a cached row */
+    const int64_t item_bytes = (kv_end - kv_first) * row; /* the item's part of a cached token */
     /* This item's query heads are consecutive: kv_first * group .. kv_end * group. */
     const float *q_item = q + kv_first * group * head_dim;
     float *out_item = out + kv_first * group * head_dim;
@@ -110,39 +340,39 @@ void attend_item(const float *q, const float *k_cache, const float *v_cache, con
      * memory and then from L1 for every head, and their 8 dot products come out as one vector. */
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
-        const float *k_block = k_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
-        const float *k_first = k_block + kv_first * head_dim;
-        prefetch_block_start(k_first, token_stride, n_t, item_floats);
+        const uint8_t *k_block = k_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
+        const uint8_t *k_first = k_block + kv_first * row;
+        prefetch_block_start(k_first, token_stride, n_t, item_bytes);
         int64_t t = 0;
         for (; t + 8 <= n_t; t += 8) {
-            prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_floats);
+            prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
             for (int64_t h = 0; h < num_item_heads; h++)
-                dot_8rows(q_item + h * head_dim, k_block + t * token_stride + (kv_first + h / group) * head_dim,
+                dot_8rows(type, q_item + h * head_dim, k_block + t * token_stride + (kv_first + h / group) * row,
                           token_stride, head_dim, scores + h * scores_stride + t0 + t);
         }
         for (; t < n_t; t++)
             for (int64_t h = 0; h < num_item_heads; h++)
-                scores[h * scores_stride + t0 + t] = dot_row(q_item + h * head_dim,
-                                                             k_block + t * token_stride + (kv_first + h / group) * head_dim,
-                                                             head_dim);
+                scores[h * scores_stride + t0 + t] =
+                    dot_row(type, q_item + h * head_dim, k_block + t * token_stride + (kv_first + h / group) * row,
+                            head_dim);
     }
     /* Softmax numerators per head, exp(scale * (s - max)) (scale > 0, so the max of the raw scores
      * is the max of the scaled ones); the division comes at the end. */
     for (int64_t h = 0; h < num_item_heads; h++) {
-        float *row = scores + h * scores_stride;
+        float *srow = scores + h * scores_stride;
         float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = row[t] > m ? row[t] : m;
+        for (int64_t t = 0; t < len; t++) m = srow[t] > m ? srow[t] : m;
         vf sum = {0};
         int64_t t = 0;
         for (; t + VL <= len; t += VL) {
-            const vf e = vexp((load_f32(row + t) - m) * scale);
-            store_f32(row + t, e);
+            const vf e = vexp((load_f32(srow + t) - m) * scale);
+            store_f32(srow + t, e);
             sum += e;
         }
         float s = hsum(sum);
         for (; t < len; t++) {
-            row[t] = sexp((row[t] - m) * scale);
-            s += row[t];
+            srow[t] = sexp((srow[t] - m) * scale);
+            s += srow[t];
         }
         inv_sum[h] = 1.0f / s;
         memset(out_item + h * head_dim, 0, sizeof(float) * (size_t)head_dim);
@@ -151,24 +381,24 @@ void attend_item(const float *q, const float *k_cache, const float *v_cache, con
      * loaded once per 8 tokens, their V rows come from memory once for all of the item's heads. */
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
-        const float *v_block = v_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
-        const float *v_first = v_block + kv_first * head_dim;
-        prefetch_block_start(v_first, token_stride, n_t, item_floats);
+        const uint8_t *v_block = v_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
+        const uint8_t *v_first = v_block + kv_first * row;
+        prefetch_block_start(v_first, token_stride, n_t, item_bytes);
         for (int64_t t = 0; t < n_t; t += 8) {
             const int64_t nt = n_t - t < 8 ? n_t - t : 8;
-            prefetch_rows(v_first, token_stride, t + PREFETCH_TOKENS, n_t, item_floats);
+            prefetch_rows(v_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
             for (int64_t h = 0; h < num_item_heads; h++) {
-                const float *v = v_block + t * token_stride + (kv_first + h / group) * head_dim;
+                const uint8_t *v = v_block + t * token_stride + (kv_first + h / group) * row;
                 const float *p = scores + h * scores_stride + t0 + t;
                 float *o = out_item + h * head_dim;
                 int64_t d = 0;
                 for (; d + VL <= head_dim; d += VL) {
                     vf acc = load_f32(o + d);
-                    for (int64_t i = 0; i < nt; i++) acc += p[i] * load_f32(v + i * token_stride + d);
+                    for (int64_t i = 0; i < nt; i++) acc += p[i] * kv_load8(type, v + i * token_stride, d);
                     store_f32(o + d, acc);
                 }
                 for (; d < head_dim; d++)
-                    for (int64_t i = 0; i < nt; i++) o[d] += p[i] * v[i * token_stride + d];
+                    for (int64_t i = 0; i < nt; i++) o[d] += p[i] * kv_load1(type, v + i * token_stride, d);
             }
         }
     }
@@ -178,12 +408,31 @@ void attend_item(const float *q, const float *k_cache, const float *v_cache, con
     }
 }
 
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, const int32_t *context_lens, float *out,
-                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                               int64_t max_context, float scale, int64_t kv_heads_per_item,
-                               int num_threads) {
+/* One copy of a body per format: NAME_t(KV_X, args...) with the format a constant. */
+#define KV_DISPATCH(CALL_T, type, ...)                                  \
+    switch (type) {                                                     \
+    case KV_F32: CALL_T(KV_F32, __VA_ARGS__); break;                    \
+    case KV_BF16: CALL_T(KV_BF16, __VA_ARGS__); break;                  \
+    case KV_F16: CALL_T(KV_F16, __VA_ARGS__); break;                    \
+    case KV_Q8_0: CALL_T(KV_Q8_0, __VA_ARGS__); break;                  \
+    case KV_E4M3: CALL_T(KV_E4M3, __VA_ARGS__); break;                  \
+    default: CALL_T(KV_E5M2, __VA_ARGS__); break;                       \
+    }
+
+void attend_item(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type, const int32_t *table,
+                 int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores,
+                 int64_t scores_stride, float *inv_sum) {
+    KV_DISPATCH(attend_item_t, kv_type, q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim,
+                block_size, kv_first, kv_end, scale, scores, scores_stride, inv_sum)
+}
+
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type,
+                           const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t max_blocks, int64_t max_context, float scale, int64_t kv_heads_per_item,
+                           int num_threads) {
+    if (kv_row_bytes(kv_type, head_dim) == 0) return 2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items_per_seq = (num_kv_heads + kv_heads_per_item - 1) / kv_heads_per_item;
     const int64_t heads_per_item = kv_heads_per_item * group;
@@ -203,12 +452,207 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
             const int64_t kv_first = (item % items_per_seq) * kv_heads_per_item;
             const int64_t kv_end = kv_first + kv_heads_per_item < num_kv_heads ? kv_first + kv_heads_per_item
                                                                                : num_kv_heads;
-            attend_item(q + s * num_heads * head_dim, k_cache, v_cache, block_tables + s * max_blocks,
+            attend_item(q + s * num_heads * head_dim, k_cache, v_cache, kv_type, block_tables + s * max_blocks,
                         context_lens[s], out + s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
                         block_size, kv_first, kv_end, scale, scores, max_context, inv_sum);
         }
         free(scores);
         free(inv_sum);
     }
+    return failed;
+}
+
+/* ---- prefill ------------------------------------------------------------------------------------
+ * A work item is one sequence's KV head and a tile of up to QT of its new tokens: the tile's query
+ * rows (QT tokens x the group's heads) go over the cached keys 0 .. the tile's last position in
+ * tiles of KT tokens. Each key tile is converted to fp32 once for all of the item's rows (K
+ * transposed, so that a query row's KT scores are vector FMAs over the keys, V as rows), then every
+ * row takes the tile with an online softmax (running max and sum, the output rescaled when the max
+ * grows). Causal: a row sees the keys up to its own position; tiles past it are skipped. */
+#define QT 32
+#define KT 32
+
+typedef struct {
+    float kt[/* head_dim */ 256 * KT]; /* K tile transposed: kt[d * KT + j] */
+    float vt[KT * 256];                /* V tile: vt[j * head_dim + d] */
+} KeyTile;
+
+/* Converts keys [j0, j0 + n) of KV head h into the tile (rows past n are zeros). */
+static inline __attribute__((always_inline)) void load_key_tile(const int type, const uint8_t *k_cache,
+                                                                const uint8_t *v_cache, const int32_t *table,
+                                                                int64_t j0, int64_t n, int64_t h, int64_t num_kv_heads,
+                                                                int64_t head_dim, int64_t block_size, KeyTile *tile) {
+    const int64_t row = kv_row_bytes(type, head_dim);
+    for (int64_t j = 0; j < KT; j++) {
+        float *vrow = tile->vt + j * head_dim;
+        if (j >= n) {
+            for (int64_t d = 0; d < head_dim; d++) tile->kt[d * KT + j] = 0.0f, vrow[d] = 0.0f;
+            continue;
+        }
+        const int64_t t = j0 + j;
+        const int64_t at = (((int64_t)table[t / block_size] * block_size + t % block_size) * num_kv_heads + h) * row;
+        const uint8_t *krow = k_cache + at, *vsrc = v_cache + at;
+        int64_t d = 0;
+        for (; d + VL <= head_dim; d += VL) {
+            const vf kv = kv_load8(type, krow, d);
+            for (int i = 0; i < VL; i++) tile->kt[(d + i) * KT + j] = kv[i];
+            store_f32(vrow + d, kv_load8(type, vsrc, d));
+        }
+        for (; d < head_dim; d++) {
+            tile->kt[d * KT + j] = kv_load1(type, krow, d);
+            vrow[d] = kv_load1(type, vsrc, d);
+        }
+    }
+}
+
+/* Scores s[r][0, KT) = q_r . k_j for R rows q (stride head_dim), 4 rows at a time. */
+static inline void tile_scores(const float *q, int64_t R, int64_t head_dim, const float *kt, float s[][KT]) {
+    _Static_assert(KT == 4 * VL, "a score row is four vectors");
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) {
+        vf a[2][4];
+        for (int i = 0; i < 2; i++)
+            for (int c = 0; c < 4; c++) a[i][c] = (vf){0};
+        const float *q0 = q + r * head_dim, *q1 = q0 + head_dim;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const float *k = kt + d * KT;
+            const vf k0 = load_f32(k), k1 = load_f32(k + VL), k2 = load_f32(k + 2 * VL), k3 = load_f32(k + 3 * VL);
+            a[0][0] += q0[d] * k0, a[0][1] += q0[d] * k1, a[0][2] += q0[d] * k2, a[0][3] += q0[d] * k3;
+            a[1][0] += q1[d] * k0, a[1][1] += q1[d] * k1, a[1][2] += q1[d] * k2, a[1][3] += q1[d] * k3;
+        }
+        for (int i = 0; i < 2; i++)
+            for (int c = 0; c < 4; c++) store_f32(s[r + i] + c * VL, a[i][c]);
+    }
+    for (; r < R; r++) {
+        vf a[4] = {{0}, {0}, {0}, {0}};
+        const float *q0 = q + r * head_dim;
+        for (int64_t d = 0; d < head_dim; d++)
+            for (int c = 0; c < 4; c++) a[c] += q0[d] * load_f32(kt + d * KT + c * VL);
+        for (int c = 0; c < 4; c++) store_f32(s[r] + c * VL, a[c]);
+    }
+}
+
+static inline __attribute__((always_inline)) void prefill_item_t(
+    const int type, const float *q, int64_t q_stride, const uint8_t *k_cache, const uint8_t *v_cache,
+    const int32_t *table, int64_t first_pos, int64_t i0, int64_t i1, int64_t h, float *out,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, KeyTile *tile,
+    float *qbuf, float *obuf) {
+    const int64_t group = num_heads / num_kv_heads, R = (i1 - i0) * group;
+    float s[QT * 16][KT], m[QT * 16], l[QT * 16];
+    /* Rows r = (token i0 + r / group, head h * group + r % group), gathered contiguous. */
+    for (int64_t r = 0; r < R; r++) {
+        const float *src = q + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) qbuf[r * head_dim + d] = src[d] * scale;
+        memset(obuf + r * head_dim, 0, sizeof(float) * (size_t)head_dim);
+        m[r] = -INFINITY, l[r] = 0.0f;
+    }
+    const int64_t last = first_pos + i1 - 1; /* the tile's last position: keys [0, last] */
+    for (int64_t j0 = 0; j0 <= last; j0 += KT) {
+        const int64_t n = last + 1 - j0 < KT ? last + 1 - j0 : KT;
+        load_key_tile(type, k_cache, v_cache, table, j0, n, h, num_kv_heads, head_dim, block_size, tile);
+        /* rows whose position is below j0 see none of the tile: the rows are in position order */
+        const int64_t r0 = (j0 > first_pos + i0 ? (j0 - first_pos - i0) : 0) * group;
+        tile_scores(qbuf + r0 * head_dim, R - r0, head_dim, tile->kt, s + r0);
+        for (int64_t r = r0; r < R; r++) {
+            const int64_t pos = first_pos + i0 + r / group;
+            const int64_t seen = pos - j0 + 1 < n ? pos - j0 + 1 : n; /* keys j0 .. j0 + seen - 1 */
+            /* scores are scaled already (qbuf holds q * scale) */
+            float mt = m[r], sum = 0.0f;
+            if (seen == KT) {
+                vf mv = load_f32(s[r]);
+                for (int c = 1; c < KT / VL; c++) mv = vselect(load_f32(s[r] + c * VL) > mv, load_f32(s[r] + c * VL), mv);
+                for (int i = 0; i < VL; i++) mt = mv[i] > mt ? mv[i] : mt;
+                vf sv = {0};
+                for (int c = 0; c < KT / VL; c++) {
+                    const vf e = vexp(load_f32(s[r] + c * VL) - mt);
+                    store_f32(s[r] + c * VL, e);
+                    sv += e;
+                }
+                sum = hsum(sv);
+            } else {
+                for (int64_t j = 0; j < seen; j++) mt = s[r][j] > mt ? s[r][j] : mt;
+                for (int64_t j = 0; j < seen; j++) sum += (s[r][j] = sexp(s[r][j] - mt));
+            }
+            const float corr = sexp(m[r] - mt);
+            l[r] = l[r] * corr + sum, m[r] = mt;
+            float *o = obuf + r * head_dim;
+            int64_t d = 0;
+            for (; d + VL <= head_dim; d += VL) {
+                vf acc = load_f32(o + d) * corr;
+                for (int64_t j = 0; j < seen; j++) acc += s[r][j] * load_f32(tile->vt + j * head_dim + d);
+                store_f32(o + d, acc);
+            }
+            for (; d < head_dim; d++) {
+                float acc = o[d] * corr;
+                for (int64_t j = 0; j < seen; j++) acc += s[r][j] * tile->vt[j * head_dim + d];
+                o[d] = acc;
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *dst = out + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = obuf[r * head_dim + d] * inv;
+    }
+}
+
+static void prefill_item(int64_t type, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const int32_t *table, int64_t first_pos, int64_t i0, int64_t i1, int64_t h, float *out,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                         KeyTile *tile, float *qbuf, float *obuf) {
+    KV_DISPATCH(prefill_item_t, type, q, q_stride, k_cache, v_cache, table, first_pos, i0, i1, h, out, num_heads,
+                num_kv_heads, head_dim, block_size, scale, tile, qbuf, obuf)
+}
+
+/* q, out [total_tokens, num_heads, head_dim]; sequence s's new tokens are rows [q_starts[s],
+ * q_starts[s + 1]) at positions k_lens[s] - (their count) ..; its keys 0 .. k_lens[s] - 1 are in the
+ * caches through block_tables row s (the new ones already stored). head_dim <= 256, group <= 16.
+ * Returns 0, 1 without memory, 2 for shapes the kernel does not take. */
+int paged_prefill_attention(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type,
+                            const int32_t *block_tables, int64_t max_blocks, const int32_t *q_starts,
+                            const int32_t *k_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                            int num_threads) {
+    if (kv_row_bytes(kv_type, head_dim) == 0 || head_dim > 256 || num_heads % num_kv_heads != 0 ||
+        num_heads / num_kv_heads > 16)
+        return 2;
+    /* items: (sequence, KV head, tile of QT new tokens), in sequence order */
+    int64_t items = 0;
+    for (int64_t s = 0; s < num_seqs; s++) items += (q_starts[s + 1] - q_starts[s] + QT - 1) / QT * num_kv_heads;
+    int64_t *item_seq = malloc(sizeof(int64_t) * (size_t)(items > 0 ? items : 1));
+    if (item_seq == NULL) return 1;
+    for (int64_t s = 0, i = 0; s < num_seqs; s++)
+        for (int64_t n = (q_starts[s + 1] - q_starts[s] + QT - 1) / QT * num_kv_heads; n > 0; n--) item_seq[i++] = s;
+    const int64_t q_stride = num_heads * head_dim;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        KeyTile *tile = malloc(sizeof(KeyTile));
+        float *qbuf = malloc(sizeof(float) * (size_t)(QT * 16 * head_dim));
+        float *obuf = malloc(sizeof(float) * (size_t)(QT * 16 * head_dim));
+        if (tile == NULL || qbuf == NULL || obuf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* longest rows first would balance better; dynamic chunks of one item do well enough */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (tile == NULL || qbuf == NULL || obuf == NULL) continue;
+            const int64_t s = item_seq[it];
+            int64_t first_item = 0;
+            for (int64_t p = 0; p < s; p++) first_item += (q_starts[p + 1] - q_starts[p] + QT - 1) / QT * num_kv_heads;
+            const int64_t local = it - first_item, tile_i = local / num_kv_heads, h = local % num_kv_heads;
+            const int64_t n_q = q_starts[s + 1] - q_starts[s];
+            const int64_t i0 = tile_i * QT, i1 = i0 + QT < n_q ? i0 + QT : n_q;
+            const float *qs = q + (int64_t)q_starts[s] * q_stride;
+            prefill_item(kv_type, qs, q_stride, k_cache, v_cache, block_tables + s * max_blocks, k_lens[s] - n_q, i0,
+                         i1, h, out + (int64_t)q_starts[s] * q_stride, num_heads, num_kv_heads, head_dim,
+                         block_size, scale, tile, qbuf, obuf);
+        }
+        free(tile);
+        free(qbuf);
+        free(obuf);
+    }
+    free(item_seq);
     return failed;
 }

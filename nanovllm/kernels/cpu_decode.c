@@ -79,8 +79,9 @@ static void rope_store_heads(const DecoderModel *m, const DecoderLayer *L, float
         float *k = row + Q + kh * D;
         norm_rope_head(k, L->k_norm, m->eps, cs, D);
         if (slots[b] >= 0) {
-            memcpy(L->k_cache + (slots[b] * NKV + kh) * D, k, sizeof(float) * (size_t)D);
-            memcpy(L->v_cache + (slots[b] * NKV + kh) * D, row + Q + KV + kh * D, sizeof(float) * (size_t)D);
+            const int64_t at = (slots[b] * NKV + kh) * kv_row_bytes(m->kv_type, D);
+            kv_store_row(m->kv_type, (uint8_t *)L->k_cache + at, k, D);
+            kv_store_row(m->kv_type, (uint8_t *)L->v_cache + at, row + Q + KV + kh * D, D);
         }
     }
 }
@@ -117,9 +118,9 @@ static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, f
         const int64_t b = item / items_per_seq, kv_first = (item % items_per_seq) * per_item;
         const int64_t kv_end = kv_first + per_item < NKV ? kv_first + per_item : NKV;
         rope_store_heads(m, L, qkv, s->positions, s->slots, b, kv_first, kv_end);
-        attend_item(qkv + b * QKV, L->k_cache, L->v_cache, s->block_tables + b * s->max_blocks, s->context_lens[b],
-                    attn + b * Q, NH, NKV, D, m->block_size, kv_first, kv_end, m->scale, scores, s->max_context,
-                    inv_sum);
+        attend_item(qkv + b * QKV, L->k_cache, L->v_cache, m->kv_type, s->block_tables + b * s->max_blocks,
+                    s->context_lens[b], attn + b * Q, NH, NKV, D, m->block_size, kv_first, kv_end, m->scale, scores,
+                    s->max_context, inv_sum);
     }
 }
 
@@ -155,9 +156,11 @@ static float *alloc_or_flag(size_t floats, int *failed) {
 }
 
 /* Whether m can be run: every matrix of the layers marked in_c, the embedding and the head where
- * given, valid (linear_is_valid). Returns -1, or the index of the first layer with a bad matrix
- * (num_layers: the embedding or the head). Called once, when the description is built. */
+ * given, valid (linear_is_valid), and a KV format that takes head_dim. Returns -1, or the index of
+ * the first layer with a bad matrix (num_layers: the embedding, the head or the KV format). Called
+ * once, when the description is built. */
 int64_t decode_check_model(const DecoderModel *m) {
+    if (kv_row_bytes(m->kv_type, m->head_dim) == 0) return m->num_layers;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecoderLayer *L = &m->layers[l];
         const int64_t H = m->hidden, QKV = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;

@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 6
+#define NANOVLLM_ABI_VERSION 7
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -91,14 +91,24 @@ void linear_rows_for(const Linear *m, const float *x, int64_t ldx, int64_t rows,
  * to back, each thread going on to its share of the next; the caller puts a barrier before reading y. */
 void linear_rows_nowait(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy);
 
+/* ---- the KV cache (cpu_attention.c) ------------------------------------------------------------
+ * The formats a cached K or V row of one head is stored in, in the order of KV_FORMATS in
+ * layers/backends/kv_formats.py (which states each one): fp32, bf16, f16, int8 (llama.cpp's q8_0
+ * blocks: an fp16 scale and 32 int8 per 32 values), float8 e4m3fn and e5m2. A paged cache is
+ * [num_blocks, block_size, num_kv_heads, kv_row_bytes(type, head_dim)] bytes. */
+enum { KV_F32, KV_BF16, KV_F16, KV_Q8_0, KV_E4M3, KV_E5M2, KV_NUM_TYPES };
+int64_t kv_row_bytes(int64_t kv_type, int64_t head_dim); /* 0 for an unknown type or a bad head_dim */
+/* dst = the row x[0, head_dim) in the format (rounded as the Python reference rounds it). */
+void kv_store_row(int64_t kv_type, void *dst, const float *x, int64_t head_dim);
+
 /* Decode attention of one work item: the query heads of KV heads [kv_first, kv_end) of one
  * sequence, whose q and out are [num_heads, head_dim] and whose first `len` tokens sit in the
- * paged caches [num_blocks, block_size, num_kv_heads, head_dim] through `table`. scores needs
- * (kv_end - kv_first) * group * len floats, inv_sum (kv_end - kv_first) * group. */
-void attend_item(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
-                 float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
-                 float *inv_sum);
+ * paged caches (format kv_type) through `table`. scores needs (kv_end - kv_first) * group * len
+ * floats, inv_sum (kv_end - kv_first) * group. */
+void attend_item(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type, const int32_t *table,
+                 int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores,
+                 int64_t scores_stride, float *inv_sum);
 
 /* act[i] = silu(g[i]) * u[i] for i in [first, end) (cpu_decode.c). */
 void silu_mul_span(const float *g, const float *u, int64_t first, int64_t end, float *act);
@@ -126,7 +136,7 @@ typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     const float *q_norm, *k_norm;        /* [head_dim] each, or NULL (no q/k norm) */
     Linear qkv, o, gate_up, down;        /* qkv: q, k, v rows stacked; gate_up: gate then up rows */
-    float *k_cache, *v_cache;            /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    void *k_cache, *v_cache;             /* paged caches in DecoderModel.kv_type */
     int64_t in_c;                        /* 1: the four matmuls and the gated MLP run here; 0: the layer's
                                           * own module runs them (only its phases are called) */
     const MoeExperts *moe;               /* non-NULL: the MLP is this sparse MoE block (gate_up and down unused) */
@@ -134,6 +144,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int64_t kv_type;         /* the KV caches' format (KV_F32 ...) */
     float eps, scale;
     const float *cos_sin;    /* [max_position, head_dim]: cos of the head_dim / 2 frequencies, then sin */
     const float *final_norm; /* [hidden] */

@@ -9,6 +9,7 @@ and the callers keep their torch paths (same results; slower, see docs/performan
 """
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -117,7 +118,8 @@ class DecoderLayer(ctypes.Structure):
 
 class DecoderModel(ctypes.Structure):
     _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
-                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("eps", c_float),
+                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("kv_type", c_int64),
+                ("eps", c_float),
                 ("scale", c_float), ("cos_sin", c_void_p), ("final_norm", c_void_p),
                 ("layers", ctypes.POINTER(DecoderLayer)), ("embed", Linear), ("head", Linear)]
 
@@ -127,7 +129,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64)]
 
 
-ABI_VERSION = 6  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 7  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 
@@ -158,8 +160,12 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, list(argtypes)
             return fn
-        self.decode_attention = typed("paged_decode_attention_f32", cint, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+        self.decode_attention = typed("paged_decode_attention", cint, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                       i64, i64, i64, i64, c_float, i64, cint)
+        self.prefill_attention = typed("paged_prefill_attention", cint, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
+                                       i64, i64, i64, i64, i64, c_float, cint)
+        self.kv_row_bytes = typed("kv_row_bytes", i64, i64, i64)
+        self.kv_store_rows = typed("kv_store_rows", cint, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
         self.weight_type_index = typed("weight_type_index", i64, ctypes.c_char_p)
         self.rows_to_f32 = typed("linear_rows_to_f32", cint, ptr, ptr, i64, ptr, cint)
@@ -282,13 +288,14 @@ def rows_to_f32(kernels: CpuKernels, weight: Linear, ids: torch.Tensor) -> torch
 
 
 def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
+                           kv_type: int, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
                            scale: float) -> torch.Tensor:
-    """q [num_seqs, num_heads, head_dim] (fp32) -> attention output of the same shape."""
+    """q [num_seqs, num_heads, head_dim] (fp32) over caches in the C KV format kv_type -> the
+    attention output, shaped like q."""
     q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == k_cache.dtype == torch.float32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
@@ -298,12 +305,53 @@ def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.
     splits = min(num_kv_heads, -(-4 * threads // num_seqs))
     kv_heads_per_item = -(-num_kv_heads // splits)
     failed = kernels.decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        max_context, scale, kv_heads_per_item, threads)
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type, block_tables.data_ptr(),
+        context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+        block_tables.shape[1], max_context, scale, kv_heads_per_item, threads)
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
     return out
+
+
+def paged_prefill_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            kv_type: int, block_tables: torch.Tensor, seqlens_q: list[int], seqlens_k: list[int],
+                            scale: float) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] (fp32): each sequence's new tokens in turn, attending
+    causally to its seqlens_k cached keys (caches in the C KV format kv_type, the new tokens'
+    rows already stored) -> the attention output, shaped like q."""
+    q = q.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    q_starts = torch.tensor([0, *itertools.accumulate(seqlens_q)], dtype=torch.int32)
+    k_lens = torch.tensor(seqlens_k, dtype=torch.int32)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    failed = kernels.prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type, block_tables.data_ptr(), block_tables.shape[1],
+        q_starts.data_ptr(), k_lens.data_ptr(), out.data_ptr(), len(seqlens_q), num_heads, num_kv_heads, head_dim,
+        block_size, scale, torch.get_num_threads())
+    if failed == 2:
+        raise ValueError(f"the CPU prefill attention kernel takes head_dim <= 256 and at most 16 query heads per KV "
+                         f"head, got head_dim {head_dim}, {num_heads} / {num_kv_heads} heads")
+    if failed:
+        raise MemoryError("CPU prefill attention kernel could not allocate its buffers")
+    return out
+
+
+def store_kv(kernels: CpuKernels, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             kv_type: int, slot_mapping: torch.Tensor) -> None:
+    """k, v [num_tokens, num_kv_heads, head_dim] fp32 (rows contiguous, tokens strided) into their
+    slots of the caches, stored in the C KV format kv_type; slot -1 is skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
+    v = v if v.stride(2) == 1 and v.stride(1) == head_dim else v.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    assert k.dtype == v.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if kernels.kv_store_rows(kv_type, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+                             num_tokens, k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim,
+                             torch.get_num_threads()):
+        raise ValueError(f"KV format {kv_type} cannot store rows of head_dim {head_dim}")
 
 
 def moe_experts_struct(kernels: CpuKernels, gate_up: list, down: list, top_k: int, renormalize: bool,

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.backends import AttentionBackend
+from nanovllm.layers.backends.kv_formats import KVFormat
 from nanovllm.utils.context import get_context
 
 
@@ -14,8 +15,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
-        # Set by ModelRunner: the paged caches of this layer and the backend.
+        # Set by ModelRunner: the paged caches of this layer, their storage format and the backend.
         self.k_cache = self.v_cache = torch.tensor([])
+        self.kv_format: KVFormat | None = None
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,50 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_position: int) -
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, rotary_dim: int, base: float,
+                   max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023) as transformers computes it: per frequency, a blend of the original
+    (extrapolated) and the `factor`-slowed (interpolated) one, by a linear ramp over the dimensions
+    between those that turn beta_fast and beta_slow times within the original context; and the
+    attention factor cos and sin are multiplied by (0.1 ln(factor) + 1 unless given, or DeepSeek's
+    mscale ratio). Missing original_max_position_embeddings falls back to max_position."""
+    factor = scaling.get("factor")
+    if not factor:
+        raise ValueError(f"yarn rope scaling needs a 'factor', got {scaling!r}")
+    original = scaling.get("original_max_position_embeddings") or max_position
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in `original`
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # the share of each frequency kept as it was
+    return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated, float(attention_factor)
+
+
+SCALED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_type_of(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default"
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float,
                  rope_scaling: dict | None = None):
@@ -42,16 +86,21 @@ class RotaryEmbedding(nn.Module):
                              f"head_dim={head_size})")
         self.head_size = head_size
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        rope_type, attention_factor = rope_type_of(rope_scaling), 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling, max_position)
-        elif rope_type not in ("default", None):
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported "
-                             "(supported: default, llama3)")
-        t = torch.arange(max_position, dtype=torch.float)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, rope_scaling, rotary_dim, base, max_position)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / rope_scaling["factor"]
+        elif rope_type != "default":
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(SCALED_ROPE_TYPES)})")
+        positions = rope_positions(max_position, rope_scaling)
+        t = torch.arange(positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq)
-        # [max_position, 1, rotary_dim]: cos then sin, each rotary_dim // 2 wide
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)
+        # [positions, 1, rotary_dim]: cos then sin, each rotary_dim // 2 wide, times YaRN's attention
+        # factor (1 otherwise), so every path that reads the cache (the C decode too) applies it
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1) * attention_factor
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
@@ -69,6 +118,19 @@ def rope_settings(hf_config) -> tuple[float, dict | None]:
     if params.get("rope_type", "default") != "default":
         scaling = params
     return float(theta), scaling
+
+
+def rope_positions(max_position_embeddings: int, scaling: dict | None) -> int:
+    """The positions a scaled rope reaches (what max_model_len may be): YaRN's original context
+    times its factor, linear scaling's positions times its factor (vLLM's rule); the model's
+    max_position_embeddings otherwise."""
+    rope_type, factor = rope_type_of(scaling), (scaling or {}).get("factor") or 1.0
+    if rope_type == "yarn":
+        original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        return max(max_position_embeddings, int(original * factor))
+    if rope_type == "linear":
+        return int(max_position_embeddings * factor)
+    return max_position_embeddings
 
 
 def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,

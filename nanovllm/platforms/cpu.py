@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.backends import kv_formats
 from nanovllm.layers.quantization import LinearKernels
 from nanovllm.platforms.interface import Platform, triton_weight_only_asked
 from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
@@ -41,6 +42,9 @@ def can_pack_weights(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+AUTO_KV_FORMAT = "float16"  # kv_cache_dtype="auto" on a CPU
+
+
 class CpuPlatform(Platform):
     device_name = "cpu"
     dist_backend = "gloo"
@@ -55,6 +59,13 @@ class CpuPlatform(Platform):
         # Compiling takes tens of seconds, more than short runs save; opt in for long bf16 runs
         # (eager bf16 RMSNorm is slow here).
         return False
+
+    def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...]]:
+        # Every format: the C attention converts each as it reads it, the torch path dequantizes.
+        # "auto" is 16 bits: half fp32's bytes per token, which decode behind a long prompt reads
+        # in full each step (docs/performance.md item 42: fp16 and bf16 decode alike; fp16 keeps
+        # 3 more mantissa bits).
+        return AUTO_KV_FORMAT, kv_formats.NAMES
 
     def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         # fp32 on every CPU: the fast CPU paths (oneDNN-packed weights, the C kernels) compute in

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from nanovllm.layers.backends import kv_formats
 from nanovllm.layers.quantization import LinearKernels, process_weights_after_loading
 from nanovllm.sample.sampler import RandomSample
 
@@ -47,6 +48,21 @@ class Platform:
     def default_compile_ops(self, enforce_eager: bool) -> bool:
         """Config.compile_ops when not given."""
         return False
+
+    def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...]]:
+        """(what kv_cache_dtype="auto" means, the kv_cache_dtype names this device runs) for the
+        compute dtype: by default the cache holds the activations' dtype and nothing else."""
+        name = kv_formats.DTYPE_NAMES[compute_dtype]
+        return name, ("auto", name)
+
+    def kv_cache_format(self, name: str, compute_dtype: torch.dtype) -> "kv_formats.KVFormat":
+        """The KV storage format of Config.kv_cache_dtype; ValueError naming the ones this device runs."""
+        kv_formats.check_name(name)
+        auto, names = self.kv_cache_formats(compute_dtype)
+        if name not in names:
+            raise ValueError(f"kv_cache_dtype={name!r} cannot run on {self.device_name} with {compute_dtype} "
+                             f"activations; it runs {list(names)}")
+        return kv_formats.kv_format(auto if name == "auto" else name)
 
     def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The compute dtype for dtype="auto", given the checkpoint's."""

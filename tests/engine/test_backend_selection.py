@@ -74,8 +74,8 @@ class CountingBackend(TorchBackend):
 
     name = "counting"
 
-    def __init__(self, device: str = "cpu"):
-        super().__init__(device)
+    def __init__(self, device: str = "cpu", kv_format=None):
+        super().__init__(device, kv_format)
         self.prepared = {"prefill": 0, "decode": 0}
 
     def prepare(self, batch):

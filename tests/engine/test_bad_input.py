@@ -12,7 +12,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(qwen3_gqa):
-    with LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=64, cpu_kvcache_bytes=6 * 16384) as engine:
+    with LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=64, cpu_kvcache_bytes=6 * 16384, kv_cache_dtype="float32") as engine:
         yield engine
 
 
@@ -107,7 +107,7 @@ def test_request_larger_than_whole_cache(llm):
     assert llm.num_kvcache_blocks == 6
     with pytest.raises(ValueError, match="needs 7 KV cache blocks .* whole cache holds 6"):
         with LLM(llm.config.model, kvcache_block_size=16, max_model_len=128,
-                 cpu_kvcache_bytes=6 * 16384) as small:
+                 cpu_kvcache_bytes=6 * 16384, kv_cache_dtype="float32") as small:
             small.generate([list(range(3, 63))], SamplingParams(max_tokens=40), use_tqdm=False)
 
 

@@ -21,9 +21,9 @@ def test_compiled_fused_ops_equal_eager(tmp_path):
     # 27 prefill tokens: no size coincides with a model dim (dynamo would specialize on it).
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 40))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    eager = LLMEngine(path, device="cpu", dtype="float32", cpu_kvcache_bytes=1 << 22)
+    eager = LLMEngine(path, device="cpu", dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=1 << 22)
     assert eager.config.compile_ops is False  # off by default on CPU
-    compiled = LLMEngine(path, device="cpu", dtype="float32", cpu_kvcache_bytes=1 << 22, compile_ops=True)
+    compiled = LLMEngine(path, device="cpu", dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=1 << 22, compile_ops=True)
 
     # Hand count: per layer input/post-attention norms, q/k norms, SiLU-and-mul; the final norm;
     # one RoPE shared by all layers.

@@ -93,7 +93,7 @@ def test_buffers_context_views_share_storage():
 def test_padded_static_forward_matches_eager_decode(tmp_path):
     """What a graph replay computes (the model over padded static buffers with a fixed-width block
     table), run eagerly on CPU, gives the eager decode's logits and stores the same K/V."""
-    engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", max_model_len=128,
+    engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", kv_cache_dtype="float32", max_model_len=128,
                        kvcache_block_size=16, cpu_kvcache_bytes=1 << 22)
     runner = engine.model_runner
     assert runner.step_runner(DecodeGraphs) is None and not engine.config.compile_ops  # CPU: eager, not compiled
@@ -146,7 +146,7 @@ class FakeGraph:
 
 
 def test_decode_graphs_capture_order_and_replay_dispatch(tmp_path, monkeypatch):
-    engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", max_model_len=128,
+    engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", kv_cache_dtype="float32", max_model_len=128,
                        max_num_seqs=20, kvcache_block_size=16, cpu_kvcache_bytes=1 << 22)
     runner = engine.model_runner
     captures = []

@@ -7,7 +7,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from tests.helpers import make_qwen3
 
-ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8, kvcache_block_size=16)
+ENGINE = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", max_model_len=256, max_num_seqs=8, kvcache_block_size=16)
 P1 = list(range(5, 45))                  # 40 tokens: two full blocks and a partial one
 P2 = [60, 61, 62, 63, 64, 65, 66]
 P3 = list(range(200, 150, -1))           # 50 tokens

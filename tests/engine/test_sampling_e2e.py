@@ -10,7 +10,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from tests.helpers import hf_greedy, make_qwen3
 
-ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8)
+ENGINE = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8)
 P1 = list(range(5, 45))           # 40 tokens: two full 16-token blocks and a partial one
 P2 = [60, 61, 62, 63, 64, 65, 66]
 P3 = [100, 90, 80, 70]

@@ -91,7 +91,7 @@ def test_worker_copy_builds_the_same_step_inputs(qwen3_gqa):
     reads from the channel) gives the runner exactly the original's input tensors."""
     seen = set()
     # 16 KiB per block (2 layers x K/V x 16 tokens x 2 heads x 32 dims x 4 bytes): 10 blocks.
-    with LLM(qwen3_gqa, dtype="float32", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+    with LLM(qwen3_gqa, dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
              cpu_kvcache_bytes=10 * 16384) as llm:
         runner = llm.model_runner
         run = runner.run

@@ -16,7 +16,7 @@ PROMPTS = ["the quick brown fox", "seven bright stars shine", [5, 6, 7, 8, 9, 10
 @pytest.fixture(scope="module")
 def llm(qwen3_gqa):
     # A 5-block cache for requests needing 10 blocks in all: long decodes preempt, streams must survive that.
-    with LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=128, cpu_kvcache_bytes=5 * 16384) as engine:
+    with LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=128, cpu_kvcache_bytes=5 * 16384, kv_cache_dtype="float32") as engine:
         yield engine
 
 
@@ -139,7 +139,7 @@ def test_weights_only_folder_streams_token_ids(qwen3_gqa, tmp_path):
         shutil.copy(f"{qwen3_gqa}/{name}", tmp_path)
     prompts = [[5, 6, 7], [9, 8]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with LLM(str(tmp_path), kvcache_block_size=16, max_model_len=64, cpu_kvcache_bytes=8 * 16384) as bare:
+    with LLM(str(tmp_path), kvcache_block_size=16, max_model_len=64, cpu_kvcache_bytes=8 * 16384, kv_cache_dtype="float32") as bare:
         assert bare.tokenizer is None
         ref = bare.generate(prompts, params, use_tqdm=False)
         deltas = list(bare.generate_stream(prompts, params))
@@ -160,7 +160,7 @@ def byte_llm(qwen3_gqa, tmp_path_factory):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(f"{qwen3_gqa}/{name}", path)
     _byte_level_tokenizer().save_pretrained(path)
-    with LLM(str(path), kvcache_block_size=16, max_model_len=128, cpu_kvcache_bytes=16 * 16384) as engine:
+    with LLM(str(path), kvcache_block_size=16, max_model_len=128, cpu_kvcache_bytes=16 * 16384, kv_cache_dtype="float32") as engine:
         yield engine
 
 

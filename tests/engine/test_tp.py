@@ -199,7 +199,8 @@ def test_ranks_agree_on_the_smallest_kv_block_count(gqa):
     results = ctx.Queue()
     procs = []
     for rank, num_blocks in ((0, 10), (1, 7)):
-        config = copy.copy(Config(gqa, dtype="float32", tensor_parallel_size=2, kvcache_block_size=BLOCK))
+        config = copy.copy(Config(gqa, dtype="float32", kv_cache_dtype="float32", tensor_parallel_size=2,
+                                  kvcache_block_size=BLOCK))
         config.cpu_kvcache_bytes = num_blocks * kv_block_bytes(gqa, tp=2)
         procs.append(ctx.Process(target=build_runner_rank, args=(config, rank, store.port, results)))
     try:
@@ -234,7 +235,7 @@ def run_mixed_workload(path: str, tp: int) -> tuple[list[list[int]], list, int, 
     """A prefix-warming request, then a batch with a prefix hit, a chunked prompt and preemption."""
     shared = list(range(3, 3 + 2 * BLOCK))  # two full blocks
     batch = [shared + [100, 101], list(range(40, 80)), list(range(150, 162)), list(range(200, 220))]
-    llm = LLM(path, tensor_parallel_size=tp, dtype="float32", kvcache_block_size=BLOCK, max_num_seqs=4,
+    llm = LLM(path, tensor_parallel_size=tp, dtype="float32", kv_cache_dtype="float32", kvcache_block_size=BLOCK, max_num_seqs=4,
               max_num_batched_tokens=32, cpu_kvcache_bytes=10 * kv_block_bytes(path, tp))
     try:
         assert llm.num_kvcache_blocks == 10  # the budget is per rank, and each rank holds 1/tp of a block

@@ -119,7 +119,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
         real_prefill = runner.backend.prefill
 
         def prefill(q, k, v, k_cache, v_cache, meta, scale):
-            prefix_hits.append(meta.block_tables is not None)  # set when some sequence has a cached prefix
+            prefix_hits.append(any(k > q for q, k in zip(meta.seqlens_q, meta.seqlens_k)))  # a cached prefix
             return real_prefill(q, k, v, k_cache, v_cache, meta, scale)
         monkeypatch.setattr(runner.backend, "prefill", prefill)
         prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * (i % 5)) for i in range(max(5, limit + 1))]  # 8 .. 56 tokens
@@ -149,7 +149,7 @@ def test_bf16_weights_are_held_in_bf16_under_fp32_activations(checkpoints):
     llm = LLM(checkpoints["qwen3_bias_tied"], dtype="bfloat16", max_model_len=64, cpu_kvcache_bytes=1 << 22)
     try:
         runner = llm.model_runner
-        assert runner.dtype == torch.float32 and runner.kv_cache.dtype == torch.float32
+        assert runner.dtype == torch.float32 and runner.kv_cache.dtype == torch.float16  # kv_cache_dtype auto
         model = runner.model
         layer = model.model.layers[0]
         assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16

@@ -173,7 +173,7 @@ def generate_twice(path: str, backend: str) -> tuple[list[list[int]], list[bool]
     first = [5 + (i * 7) % 200 for i in range(40)]
     rounds = [[first, [3, 4, 5]], [first[:36] + [9, 9], [11] * 21]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm = LLM(path, device=DEVICE, attention_backend=backend, dtype="float32", max_num_seqs=4,
+    llm = LLM(path, device=DEVICE, attention_backend=backend, dtype="float32", kv_cache_dtype="float32", max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=128, enforce_eager=True)  # 32: chunked prefill
     runner_backend = llm.model_runner.backend
     prefill, prefix_flags = runner_backend.prefill, []

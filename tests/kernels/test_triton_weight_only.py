@@ -102,7 +102,7 @@ def test_gguf_file_on_the_triton_kernel_matches_transformers(tmp_path, monkeypat
     path = write_tiny(tmp_path / "tiny.gguf", arch, types, layers=1, **shape)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 12)]
     ref = hf_logprobs_of_file(path, prompt)
-    with LLM(str(path), max_num_seqs=2, max_model_len=64, enforce_eager=True) as llm:
+    with LLM(str(path), max_num_seqs=2, max_model_len=64, enforce_eager=True, kv_cache_dtype="float32") as llm:
         names = {layer.quant_method.name for layer in linear_layers(model_of(llm))}
         assert all(m.triton_parts is not None for m in (layer.quant_method for layer in linear_layers(model_of(llm)))), names
         ours = our_logprobs(llm, prompt, 320)

@@ -57,7 +57,7 @@ def shipped():
 
 def test_shipped_q4_1_file(shipped):
     path, folder = shipped
-    with LLM(path, max_num_seqs=8, max_model_len=512) as llm:
+    with LLM(path, max_num_seqs=8, max_model_len=512, kv_cache_dtype="float32") as llm:
         held = {layer.quant_method.name for layer in linear_layers(model_of(llm))}
         assert held == {"q4_1 (C kernel)", "q8_0 (C kernel)"}  # the file's own formats: no fp32 copy
         chunks, ours, answer = perplexity_and_answer(llm)
@@ -273,7 +273,7 @@ def test_tiny_files_match_transformers(tmp_path, case, caplog):
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 40)]
     ref = hf_logprobs_of_file(path, prompt)
     same_inputs = hf_logprobs_of_file(path, prompt, kernel_input_groups(types, tied=arch != "qwen3"))
-    with LLM(str(path), max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
+    with LLM(str(path), kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
         assert llm.tokenizer is None  # no vocabulary in the file: token-id prompts
         assert llm.config.hf_config.architectures == [ARCH_CLASSES[arch]]
         ours = our_logprobs(llm, prompt, 320)
@@ -301,7 +301,7 @@ def test_input_rounding_is_the_named_one(tmp_path, case, bits):
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 40)]
     groups = kernel_input_groups(types, tied=arch != "qwen3")
     refs = {b: hf_logprobs_of_file(path, prompt, groups, b) for b in (8, 14, "auto")}
-    with LLM(str(path), max_num_seqs=4, max_model_len=256, **({"cpu_input_bits": bits} if bits != "auto" else {})) as llm:
+    with LLM(str(path), kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, **({"cpu_input_bits": bits} if bits != "auto" else {})) as llm:
         assert {layer.quant_method.input_planes for layer in linear_layers(model_of(llm))
                 if hasattr(layer.quant_method, "input_planes")} == {CPU_INPUT_BITS[bits]}
         ours = our_logprobs(llm, prompt, 320)
@@ -325,7 +325,7 @@ def test_decode_step_with_chained_parts(tmp_path):
     path = write_tiny(tmp_path / "chain.gguf", arch, types)
     prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 320, 12)] for s in range(5)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(str(path), max_num_seqs=8, max_model_len=128) as llm:
+    with LLM(str(path), max_num_seqs=8, max_model_len=128, kv_cache_dtype="float32") as llm:
         fused = llm.model_runner.step_runner(FusedDecode)
         assert fused.max_rows == cpu_kernels.ALL_ROWS
         gc.collect()
@@ -345,9 +345,9 @@ def test_tensor_parallel_gguf(tmp_path):
     path = write_tiny(tmp_path / "tp.gguf", arch, types, hidden=512, inter=1024, heads=8, kv_heads=2)
     prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 320, 20)] for s in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(str(path), max_num_seqs=4, max_model_len=128) as llm:
+    with LLM(str(path), kv_cache_dtype="float32", max_num_seqs=4, max_model_len=128) as llm:
         one = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
-    with LLM(str(path), max_num_seqs=4, max_model_len=128, tensor_parallel_size=2) as llm:
+    with LLM(str(path), kv_cache_dtype="float32", max_num_seqs=4, max_model_len=128, tensor_parallel_size=2) as llm:
         two = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert one == two
     small = write_tiny(tmp_path / "small.gguf", arch, types)  # o_proj: 256 inputs, one Q4_K block

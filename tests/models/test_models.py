@@ -120,9 +120,54 @@ def test_llama3_rope_matches_transformers(head_dim, theta, max_pos, scaling):
     torch.testing.assert_close(legacy_rope.cos_sin_cache[positions, 0], ours, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("head_dim,theta,max_pos,scaling", [
+    # Qwen3's published long-context setting (32k -> 128k), on a short original context.
+    (32, 1000000.0, 64, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    (128, 1000000.0, 40960, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    # DeepSeek-style mscale ratio and explicit betas; no original context (falls back to max_position)
+    (64, 10000.0, 256, {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2, "mscale": 0.707,
+                        "mscale_all_dim": 0.707, "original_max_position_embeddings": 256}),
+    (16, 10000.0, 128, {"rope_type": "linear", "factor": 2.0}),
+])
+def test_scaled_rope_matches_transformers(head_dim, theta, max_pos, scaling):
+    """YaRN and linear scaling: cos and sin (with YaRN's attention factor in them) equal
+    transformers', past the original context too; the positions reach original x factor."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, head_dim=head_dim,
+                         max_position_embeddings=max_pos, rope_scaling=dict(scaling, rope_theta=theta))
+    our_theta, our_scaling = rope_settings(config)
+    rope = get_rope(head_dim, head_dim, max_pos, our_theta, our_scaling)
+    reach = int((scaling.get("original_max_position_embeddings") or max_pos) * scaling["factor"])
+    assert rope.cos_sin_cache.shape[0] == max(max_pos, reach)
+    positions = torch.tensor([0, 1, 15, 63, 64, 200, max_pos - 1, reach - 1])
+    ours = rope.cos_sin_cache[positions, 0]
+    cos, sin = _hf_llama_cos_sin(config, positions)
+    torch.testing.assert_close(ours, torch.cat([cos, sin], dim=-1), rtol=1e-5, atol=1e-5)
+    inside = positions < max_pos  # the scaling must matter where plain RoPE reaches too
+    plain = get_rope(head_dim, head_dim, max_pos, theta).cos_sin_cache[positions[inside], 0]
+    assert not torch.allclose(plain, ours[inside], atol=1e-3)
+
+
+def test_yarn_greedy_matches_transformers_past_the_original_context(tmp_path):
+    """A tiny Qwen3 with YaRN over a 64-token original context: prompts of 90-200 tokens give
+    transformers' greedy tokens (fp32 KV), and max_model_len reaches original x factor (256)."""
+    from helpers import make_qwen3
+
+    path = make_qwen3(str(tmp_path / "yarn"), max_position_embeddings=64, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (90, 130, 200)]
+    ref = hf_greedy(path, prompts, 16)
+    with LLM(path, kv_cache_dtype="float32", max_model_len=1024) as llm:
+        assert llm.config.max_model_len == 256
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [tokens for tokens, _ in ref]
+
+
 def test_unsupported_rope_type_is_rejected():
-    with pytest.raises(ValueError, match="yarn"):
-        get_rope(16, 16, 64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="longrope"):
+        get_rope(16, 16, 64, 10000.0, {"rope_type": "longrope", "factor": 2.0})
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

@@ -68,7 +68,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 def greedy(path: str, batch, **kwargs) -> list[list[int]]:
-    with LLM(path, kvcache_block_size=16, dtype="float32", cpu_kvcache_bytes=32 << 20, **kwargs) as llm:
+    with LLM(path, kvcache_block_size=16, dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=32 << 20, **kwargs) as llm:
         outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     return [o["token_ids"] for o in outs]
 
@@ -101,7 +101,7 @@ def test_decode_step_runs_the_moe_layers_in_one_c_call(tiny_moe, monkeypatch):
     if cpu_kernels.load() is None:
         pytest.skip("no C kernels on this machine")
     _, path = tiny_moe
-    with LLM(path, kvcache_block_size=16, dtype="float32", cpu_kvcache_bytes=32 << 20) as llm:
+    with LLM(path, kvcache_block_size=16, dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=32 << 20) as llm:
         fused = llm.model_runner.step_runner(FusedDecode)
         layers = llm.model_runner.model.model.layers
         sparse = sum(type(layer.mlp).__name__ == "SparseMoeBlock" for layer in layers)

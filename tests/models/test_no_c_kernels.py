@@ -34,7 +34,7 @@ def test_gguf_files_run_dequantized(tmp_path, case, no_c_kernels, caplog):
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 24)]
     ref = hf_logprobs_of_file(path, prompt)
     with caplog.at_level(logging.WARNING, logger="nanovllm"), \
-            LLM(str(path), max_num_seqs=2, max_model_len=64, enforce_eager=True) as llm:
+            LLM(str(path), max_num_seqs=2, max_model_len=64, enforce_eager=True, kv_cache_dtype="float32") as llm:
         methods = [layer.quant_method for layer in linear_layers(model_of(llm))]
         ours = our_logprobs(llm, prompt, 320)
     assert all(m.dense is not None and "dequantized, torch" in m.name for m in methods if hasattr(m, "dense"))

@@ -169,7 +169,7 @@ def ct_dense(folder: str, module: str) -> torch.Tensor:
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_llmcompressor_folders(ct_folders, scheme):
     folder = ct_folders[scheme]
-    with LLM(folder, max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
+    with LLM(folder, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
         names = {layer.quant_method.name for layer in linear_layers(model_of(llm)) if layer.prefix != "lm_head"}
         held = SCHEMES[scheme]
         if held == "f32":  # dense: the layers multiply as a dense checkpoint's do
@@ -194,7 +194,7 @@ def test_input_rounding_of_a16_formats(ct_folders, bits):
     the folder (the tokens by vLLM's closeness rule, the prompt log-probabilities within the bound)."""
     from nanovllm.config import CPU_INPUT_BITS
     folder = ct_folders["W8A16"]
-    with LLM(folder, max_num_seqs=4, max_model_len=256, cpu_input_bits=bits) as llm:
+    with LLM(folder, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, cpu_input_bits=bits) as llm:
         planes = {layer.quant_method.input_planes for layer in linear_layers(model_of(llm)) if layer.prefix != "lm_head"}
         assert planes == {CPU_INPUT_BITS[bits]}, planes
         worst = check_against_reference(llm, folder)
@@ -236,7 +236,7 @@ def test_written_formats(written, case):
     folder, dense = written[case]
     held = WRITTEN[case][2]
     plain = load_file(os.path.join(dense, "model.safetensors"))
-    with LLM(folder, max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
+    with LLM(folder, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
         names = {layer.quant_method.name for layer in linear_layers(model_of(llm)) if layer.prefix != "lm_head"}
         assert all(f" as {held} (C kernel)" in n for n in names), names
         if "desc_act" in case:
@@ -258,7 +258,7 @@ def test_gptq_quantized_head_of_a_tied_model(tmp_path):
     write_quantized(src, folder, dense, {**qc, "lm_head": True}, make)
     lq.reference(dense, PROMPTS, NEW_TOKENS)
     plain = load_file(os.path.join(dense, "model.safetensors"))
-    with LLM(folder, max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
+    with LLM(folder, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
         check_head(llm, folder, held, lambda: plain["lm_head.weight"])
         assert check_against_reference(llm, dense) < 5e-3
 
@@ -276,9 +276,9 @@ def test_tensor_parallel_equals_one_rank(ct_folders, written):
     for folder in (ct_folders["W4A16_ASYM+head"], written["gptq-4bit-g64-desc_act"][0], written["fp8-tensor"][0]):
         # 14-bit inputs: per-group int8 rounding would turn the ranks' different order of sums
         # into different roundings
-        with LLM(folder, max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
+        with LLM(folder, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, cpu_input_bits=14) as llm:
             one = greedy(llm)
-        with LLM(folder, max_num_seqs=4, max_model_len=256, cpu_input_bits=14, tensor_parallel_size=2) as llm:
+        with LLM(folder, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, cpu_input_bits=14, tensor_parallel_size=2) as llm:
             assert greedy(llm) == one, folder
 
 
@@ -298,7 +298,7 @@ def test_a_split_that_cuts_a_group_is_refused(written, tmp_path):
 def test_without_c_kernels_the_weights_are_dequantized(written, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # as where the C kernels cannot be built
     folder, dense = written["gptq-4bit-g128-sym"]
-    with LLM(folder, max_num_seqs=4, max_model_len=256) as llm:
+    with LLM(folder, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256) as llm:
         names = llm_names(llm)
         assert "GPTQ 4-bit as oneDNN-packed" in names and "C kernel" not in names, names
         # the dense weights the definition gives, multiplied in fp32 as transformers multiplies them
@@ -351,7 +351,7 @@ def test_bad_checkpoints_are_refused_before_anything_is_allocated(ct_folders, wr
 
 def test_quantization_argument_names_the_checkpoints_own_format(written, tmp_path):
     folder, dense = written["awq-4bit-g64"]
-    with LLM(folder, quantization="awq", max_num_seqs=4, max_model_len=256) as llm:
+    with LLM(folder, quantization="awq", kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256) as llm:
         assert "AWQ 4-bit as q5_0" in llm_names(llm)
     with pytest.raises(ValueError, match=r"quantization='gptq' names a pre-quantized format, but config.json's "
                                          r"quantization_config names 'awq'"):
@@ -397,7 +397,7 @@ TRITON_RUN = """
 import json, sys
 sys.path[:0] = [{tests!r}, {models!r}]
 from test_prequantized import LLM, check_against_reference, llm_names
-with LLM({folder!r}, max_num_seqs=4, max_model_len=256, enforce_eager=True) as llm:
+with LLM({folder!r}, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, enforce_eager=True) as llm:
     names = llm_names(llm)
     worst = check_against_reference(llm, {reference!r})
 print(json.dumps({{"names": names, "worst": worst}}))

@@ -31,7 +31,8 @@ def test_probe_routes_answer_sglangs_fields(served, qwen3_gqa):
     assert server == httpx.get(url + "/get_server_info").json()
     assert {k: server[k] for k in info} == info
     assert (server["context_length"], server["page_size"], server["dp_size"], server["tp_size"]) == (256, 16, 1, 1)
-    assert server["max_total_num_tokens"] == ENGINE_OPTIONS["cpu_kvcache_bytes"] // 16384 * 16
+    # blocks of 16 tokens x 2 layers x (K, V) x 2 KV heads x 32 dims x 2 bytes (kv_cache_dtype auto: float16)
+    assert server["max_total_num_tokens"] == ENGINE_OPTIONS["cpu_kvcache_bytes"] // 8192 * 16
     assert server["version"] == httpx.get(url + "/version").json()["version"]
 
 

@@ -57,12 +57,15 @@ def test_start_up_says_what_a_user_wants_to_know(qwen3_gqa, caplog):
         with LLM(qwen3_gqa, dtype="bfloat16", kvcache_block_size=16, max_model_len=64,
                  cpu_kvcache_bytes=1 << 22) as llm:
             blocks = llm.num_kvcache_blocks
-            per_block = llm.model_runner.kv_block_bytes()
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     summary = [line for line in lines if line.startswith("model ")]
     assert len(summary) == 1, lines
     assert summary[0].startswith(f"model {qwen3_gqa.rstrip('/').rsplit('/', 1)[-1]} (Qwen3ForCausalLM) on cpu, "
                                  "float32 activations, bfloat16 weights; ")
-    assert f"KV cache {blocks * 16} tokens ({blocks} blocks of 16, {blocks * per_block / 2**20:.0f} MiB" in summary[0]
+    # kv_cache_dtype auto on a CPU: float16; 2 layers x (K, V) x 2 KV heads x 32 dims x 2 bytes per token
+    token_bytes = 2 * 2 * 2 * 32 * 2
+    assert blocks == (1 << 22) // (16 * token_bytes)
+    assert (f"KV cache {blocks * 16} tokens in float16, {token_bytes} bytes per token ({blocks} blocks of 16, "
+            f"{blocks * 16 * token_bytes / 2**20:.0f} MiB") in summary[0]
     assert re.search(r"peak RSS \d+ MiB$", summary[0])
     assert not any("decode steps in C" in line for line in lines)

@@ -11,8 +11,10 @@ import logging
 import torch
 
 from nanovllm.layers.backends.base import AttentionBackend, AttentionBatch
+from nanovllm.layers.backends.kv_formats import KV_FORMATS, KVFormat
 
-__all__ = ["AttentionBackend", "AttentionBatch", "available_backends", "backend_class", "check_backend_name",
+__all__ = ["AttentionBackend", "AttentionBatch", "available_backends", "backend_class", "check_backend_kv_format",
+           "check_backend_name",
            "get_backend", "pick_backend_name", "register_backend"]
 
 logger = logging.getLogger(__name__)
@@ -95,9 +97,19 @@ def pick_backend_name(requested: str, device: str, block_size: int | None = None
     raise ValueError(f"no attention backend can run on device {device!r}; available: {available_backends()}")
 
 
-def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+def check_backend_kv_format(name: str, kv_format: KVFormat, dtype: torch.dtype) -> None:
+    """Config's check: a named backend reads caches in kv_format under activations of dtype."""
+    if name != "auto":
+        reason = backend_class(name).kv_format_error(kv_format, dtype)
+        if reason is not None:
+            raise ValueError(f"attention_backend={name!r} with kv_cache_dtype={kv_format.name!r}: {reason}")
+
+
+def get_backend(name: str, device: str = "cpu", kv_format: KVFormat | None = None,
+                dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """A backend on device over caches in kv_format (None: fp32) under activations of dtype."""
     cls = backend_class(name)
-    reason = cls.unavailable_reason(device)
+    reason = cls.unavailable_reason(device) or cls.kv_format_error(kv_format or KV_FORMATS["float32"], dtype)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run on device {device!r}: {reason}")
-    return cls(device=device)
+    return cls(device=device, kv_format=kv_format)

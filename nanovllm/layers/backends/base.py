@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from nanovllm.layers.backends.kv_formats import KV_FORMATS, KVFormat
+
 
 def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> None:
@@ -114,8 +116,9 @@ class AttentionBackend:
     # The devices on which 'auto' may pick it ('auto' tries the backends in the registry's order).
     auto_devices: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", kv_format: KVFormat | None = None):
         self.device = device
+        self.kv_format = kv_format or KV_FORMATS["float32"]
         self._store = kv_store_for(device)
         self.graph_tables: GraphTables | None = None
 
@@ -131,6 +134,15 @@ class AttentionBackend:
 
     @classmethod
     def dtype_error(cls, dtype: torch.dtype) -> str | None:
+        return None
+
+    @classmethod
+    def kv_format_error(cls, kv_format: KVFormat, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot read caches stored in kv_format under activations of dtype. By
+        default: it reads caches holding the activations' own dtype."""
+        if kv_format.storage != dtype:
+            return (f"it reads KV caches in the activations' dtype ({dtype}), not {kv_format.name}; "
+                    f"give kv_cache_dtype={str(dtype).removeprefix('torch.')!r}")
         return None
 
     @classmethod

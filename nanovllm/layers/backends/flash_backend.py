@@ -16,8 +16,8 @@ class FlashBackend(PagedBackend):
     name = "flash"
     auto_devices = ("cuda",)
 
-    def __init__(self, device: str = "cuda"):
-        super().__init__(device)
+    def __init__(self, device: str = "cuda", kv_format=None):
+        super().__init__(device, kv_format)
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache

@@ -7,15 +7,31 @@ import torch.nn.functional as F
 
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.backends.base import AttentionBackend, AttentionBatch
+from nanovllm.layers.backends.kv_formats import KVFormat
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first num_tokens cached rows of one sequence: [num_tokens, num_kv_heads, head_dim]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, fmt: KVFormat,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The first num_tokens cached rows of one sequence as values: [num_tokens, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
     # index_select copies whole blocks; advanced indexing builds an index per element (docs/performance.md item 2).
-    rows = cache.index_select(0, block_table[:num_blocks])  # [num_blocks, block_size, num_kv_heads, head_dim]
-    return rows.flatten(0, 1)[:num_tokens]
+    rows = select_blocks(cache, block_table[:num_blocks])  # [num_blocks, block_size, num_kv_heads, row]
+    return stored_values(rows.flatten(0, 1)[:num_tokens], fmt, dtype)
+
+
+def copyable(t: torch.Tensor) -> torch.Tensor:
+    """t, or its bytes where torch has no copy kernels for its dtype (float8)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def select_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    return copyable(cache).index_select(0, blocks).view(cache.dtype)
+
+
+def stored_values(rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as values in dtype (the rows themselves where the cache holds dtype)."""
+    return rows if rows.dtype == dtype else fmt.dequantize(rows, dtype)
 
 
 def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
@@ -37,8 +53,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
 
 @dataclass
 class TorchMetadata:
-    """Prefill: seqlens_q / seqlens_k (new tokens, whole key range) per sequence; block_tables only
-    when some sequence has a cached prefix. Decode: block_tables [num_seqs, max_blocks] (-1 padded),
+    """Prefill: seqlens_q / seqlens_k (new tokens, whole key range) per sequence and block_tables.
+    Decode: block_tables [num_seqs, max_blocks] (-1 padded),
     context_lens [num_seqs] and its host copy seqlens_k (None under CUDA graphs: nothing host-side
     may change between replays), max_seqlen_k the longest context."""
 
@@ -52,17 +68,42 @@ class TorchMetadata:
 
 
 class TorchBackend(AttentionBackend):
+    """Caches in any KV format. Where the cache holds the activations' dtype, prefill attends to the
+    fresh K/V (and to the cache only for a cached prefix); in another format, prefill and decode
+    both read the cache, so every token sees the same stored keys whether it came in one prefill,
+    in chunks or from the prefix cache."""
+
     name = "torch"
     auto_devices = ("cpu", "cuda")
 
-    def __init__(self, device: str = "cpu"):
-        super().__init__(device)
-        # The C decode kernel on CPU (fp32), when it builds; None keeps the torch path.
+    def __init__(self, device: str = "cpu", kv_format: KVFormat | None = None):
+        super().__init__(device, kv_format)
+        # The C attention kernels and KV store on CPU, when they build; None keeps the torch path.
         self.cpu_kernel = cpu_kernels.load() if device == "cpu" else None
+
+    @classmethod
+    def kv_format_error(cls, kv_format: KVFormat, dtype: torch.dtype) -> str | None:
+        return None
+
+    def stores_values(self, dtype: torch.dtype) -> bool:
+        """Whether the cache holds activations of dtype as they are (no rounding on store)."""
+        return self.kv_format.storage == dtype
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if self.stores_values(k.dtype):
+            return super().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        if self.cpu_kernel is not None and k.dtype == torch.float32:
+            return cpu_kernels.store_kv(self.cpu_kernel, k, v, k_cache, v_cache, self.kv_format.c_type, slot_mapping)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        shape = (-1, *k_cache.shape[-2:])
+        copyable(k_cache).view(shape).index_copy_(0, slots, copyable(self.kv_format.quantize(k[keep])))
+        copyable(v_cache).view(shape).index_copy_(0, slots, copyable(self.kv_format.quantize(v[keep])))
 
     def prepare(self, batch: AttentionBatch) -> TorchMetadata:
         if batch.is_prefill:
-            tables = batch.block_table_tensor() if batch.has_cached_prefix else None
+            # NOTE: always the tables: a cache in another format is read by every prefill
+            tables = batch.block_table_tensor()
             return TorchMetadata(seqlens_q=batch.num_new_tokens, seqlens_k=batch.context_lens, block_tables=tables,
                                  max_seqlen_k=max(batch.context_lens))
         return TorchMetadata(seqlens_k=batch.context_lens, block_tables=batch.block_table_tensor(),
@@ -75,17 +116,23 @@ class TorchBackend(AttentionBackend):
         return metadata.block_tables, metadata.context_lens
 
     def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
         has_cache = k_cache.numel() > 0
+        from_cache = has_cache and not self.stores_values(q.dtype)  # every key as stored
+        if from_cache and self.cpu_kernel is not None and q.dtype == torch.float32:
+            return cpu_kernels.paged_prefill_attention(
+                self.cpu_kernel, q, k_cache, v_cache, self.kv_format.c_type, metadata.block_tables,
+                metadata.seqlens_q, metadata.seqlens_k, scale)
+        out = torch.empty_like(q)
         q_start = 0
         for i, (q_len, k_len) in enumerate(zip(metadata.seqlens_q, metadata.seqlens_k)):
             qi = q[q_start: q_start + q_len]
-            if k_len == q_len or not has_cache:  # no cached prefix: use the fresh K/V directly
+            if not has_cache or (k_len == q_len and not from_cache):  # no cached prefix: the fresh K/V
                 ki, vi = k[q_start: q_start + q_len], v[q_start: q_start + q_len]
                 oi = sdpa(qi, ki, vi, scale, None, is_causal=q_len > 1)
             else:
                 table = metadata.block_tables[i]
-                ki, vi = gather_kv(k_cache, table, k_len), gather_kv(v_cache, table, k_len)
+                ki = gather_kv(k_cache, table, k_len, self.kv_format, q.dtype)
+                vi = gather_kv(v_cache, table, k_len, self.kv_format, q.dtype)
                 oi = sdpa(qi, ki, vi, scale, causal_mask(q_len, k_len, q.device), is_causal=False)
             out[q_start: q_start + q_len] = oi
             q_start += q_len
@@ -96,10 +143,10 @@ class TorchBackend(AttentionBackend):
         if self.device == "cpu" and metadata.seqlens_k is not None:
             if self.cpu_kernel is not None and q.dtype == torch.float32:
                 return cpu_kernels.paged_decode_attention(
-                    self.cpu_kernel, q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-                    metadata.max_seqlen_k, scale)
+                    self.cpu_kernel, q, k_cache, v_cache, self.kv_format.c_type, metadata.block_tables,
+                    metadata.context_lens, metadata.max_seqlen_k, scale)
             return self.decode_grouped(q, k_cache, v_cache, metadata, scale)
-        return decode_padded(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
+        return decode_padded(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale, self.kv_format)
 
     def decode_grouped(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
         """CPU decode in groups of sequences of similar length, each padded only to its own
@@ -110,7 +157,7 @@ class TorchBackend(AttentionBackend):
                                                    metadata.context_lens, k_cache.shape[1])
         out = torch.empty_like(q)
         for rows, tables, lens in metadata.decode_groups:
-            out[rows] = decode_padded(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale)
+            out[rows] = decode_padded(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, self.kv_format)
         return out
 
 
@@ -132,14 +179,17 @@ def length_groups(context_lens: list[int], block_tables: torch.Tensor, lens: tor
 
 
 def decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Every sequence's K/V gathered and padded to the widest block table, masked past its length."""
+                  context_lens: torch.Tensor, scale: float, fmt: KVFormat) -> torch.Tensor:
+    """Every sequence's K/V gathered (as values) and padded to the widest block table, masked past
+    its length."""
     tables = block_tables.clamp(min=0)
     num_seqs, max_blocks = tables.shape
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
     flat = tables.flatten()
-    k = k_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    k = stored_values(select_blocks(k_cache, flat), fmt, q.dtype).view(num_seqs, max_blocks * block_size,
+                                                                       num_kv_heads, -1)
+    v = stored_values(select_blocks(v_cache, flat), fmt, q.dtype).view(num_seqs, max_blocks * block_size,
+                                                                       num_kv_heads, -1)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
     out = F.scaled_dot_product_attention(

@@ -16,8 +16,8 @@ class TritonBackend(PagedBackend):
     name = "triton"
     auto_devices = ("cuda",)
 
-    def __init__(self, device: str = "cpu"):
-        super().__init__(device)
+    def __init__(self, device: str = "cpu", kv_format=None):
+        super().__init__(device, kv_format)
         # Imported here: triton reads TRITON_INTERPRET when the kernels are defined.
         from nanovllm.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
         self._decode = paged_decode_attention

@@ -1,0 +1,112 @@
+"""kv_cache_dtype through the whole engine: the cache is allocated and written in the format asked
+for, the budget counts that format's bytes, outputs stay within vLLM's top-5 rule of transformers
+(fp32 exactly equal), and prefix-cache hits, chunked prefill and preemption read the stored format."""
+import pytest
+import torch
+
+from helpers import check_tokens_close, hf_greedy
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.backends.kv_formats import KV_FORMATS
+from nanovllm.platforms.cuda import CudaPlatform
+from test_equivalence import prompts_with_shared_prefix
+from test_parity_qwen3 import mixed_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# Hand count for the "gqa" test shape (2 layers, 2 KV heads, head_dim 32): bytes of one head's row.
+ROW_BYTES = {"float32": 128, "bfloat16": 64, "float16": 64, "int8": 34, "fp8": 32, "fp8_e4m3": 32, "fp8_e5m2": 32}
+STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.uint8,
+           "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8", "fp8_e5m2"])
+def test_budget_and_storage_follow_the_format(qwen3_gqa, name):
+    budget = 40 * 16 * 2 * 2 * 2 * 128  # 40 fp32 blocks of 16 tokens
+    with LLM(qwen3_gqa, kv_cache_dtype=name, cpu_kvcache_bytes=budget, kvcache_block_size=16) as llm:
+        token_bytes = 2 * 2 * 2 * ROW_BYTES[name]  # layers x (K, V) x KV heads x row
+        assert llm.model_runner.kv_token_bytes() == token_bytes
+        assert llm.num_kvcache_blocks == budget // (16 * token_bytes)
+        cache = llm.model_runner.kv_cache
+        assert cache.dtype == STORAGE[name]
+        assert cache.numel() * cache.element_size() == llm.num_kvcache_blocks * 16 * token_bytes
+
+
+def layer0_rows(llm, prompt):
+    """The cached K and V rows of layer 0 for prompt's tokens, as stored (bytes)."""
+    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+    llm.step()  # the prefill
+    attn = llm.model_runner.attention_layers[0]
+    block_size = attn.k_cache.shape[1]
+    slots = torch.tensor([seq.block_table[t // block_size] * block_size + t % block_size for t in range(len(prompt))])
+    rows = [(c if c.element_size() > 1 else c.view(torch.uint8)).view(-1, *c.shape[2:]).index_select(0, slots)
+            for c in (attn.k_cache, attn.v_cache)]
+    while not llm.is_finished():
+        llm.step()
+    return rows, seq
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_cache_holds_the_format_asked_for(qwen3_gqa, name):
+    """Layer 0's K and V depend on the prompt alone: stored in `name`, they are the format's
+    rounding of what an fp32 cache holds, byte for byte (a format stored as another fails here)."""
+    prompt = list(range(5, 45))
+    common = dict(enable_prefix_caching=False, kvcache_block_size=16)
+    with LLM(qwen3_gqa, kv_cache_dtype="float32", **common) as llm:
+        (k32, v32), _ = layer0_rows(llm, prompt)
+    fmt = KV_FORMATS[name]
+    with LLM(qwen3_gqa, kv_cache_dtype=name, **common) as llm:
+        (k, v), _ = layer0_rows(llm, prompt)
+    for ours, ref in ((k, k32), (v, v32)):
+        expected = fmt.quantize(ref)
+        expected = expected.view(torch.uint8) if expected.element_size() == 1 else expected
+        assert ours.dtype == expected.dtype and torch.equal(ours.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(qwen3_gqa):
+    return hf_greedy(qwen3_gqa, mixed_prompts(seed=5), 12)
+
+
+@pytest.mark.parametrize("name", ["float32", "auto", "int8"])
+def test_greedy_against_transformers(qwen3_gqa, hf_reference, name):
+    with LLM(qwen3_gqa, kv_cache_dtype=name) as llm:
+        outs = llm.generate(mixed_prompts(seed=5), GREEDY, use_tqdm=False)
+    tokens = [o["token_ids"] for o in outs]
+    if name == "float32":
+        assert tokens == [ref for ref, _ in hf_reference]
+    else:
+        check_tokens_close(tokens, hf_reference)
+
+
+def run(path, prompts, **kwargs):
+    with LLM(path, kvcache_block_size=16, **kwargs) as llm:
+        first = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        second = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]  # prefix-cache hits
+        return first, second, llm.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("name", ["int8", "bfloat16"])
+def test_prefix_hits_chunks_and_preemption_read_the_stored_format(qwen3_gqa, name):
+    """Outside fp32 every prefill reads the keys as stored, so a prefix-cache hit, a chunked prefill
+    or a recomputation after preemption gives the tokens of one whole prefill without the cache
+    (a block read in another format than written would not)."""
+    prompts = prompts_with_shared_prefix()
+    plain, _, _ = run(qwen3_gqa, prompts, kv_cache_dtype=name, enable_prefix_caching=False)
+    first, second, _ = run(qwen3_gqa, prompts, kv_cache_dtype=name)
+    assert first == plain and second == plain
+    chunked, _, _ = run(qwen3_gqa, prompts, kv_cache_dtype=name, max_num_batched_tokens=20, max_num_seqs=4)
+    assert chunked == plain
+    block = 16 * 2 * 2 * 2 * ROW_BYTES[name]
+    preempted, _, preemptions = run(qwen3_gqa, prompts, kv_cache_dtype=name, cpu_kvcache_bytes=12 * block)
+    assert preemptions > 0 and preempted == plain
+
+
+def test_bad_values_are_clear_errors(qwen3_gqa, qwen3_bias_tied):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(qwen3_gqa, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="head_dim 24 is not a multiple"):
+        LLM(qwen3_bias_tied, kv_cache_dtype="int8")
+    # CUDA runs the activations' dtype (what flash-attn and the Triton kernels read) and nothing else
+    cuda = CudaPlatform()
+    assert cuda.kv_cache_format("auto", torch.bfloat16).name == "bfloat16"
+    with pytest.raises(ValueError, match=r"cannot run on cuda .* it runs \['auto', 'bfloat16'\]"):
+        cuda.kv_cache_format("int8", torch.bfloat16)

@@ -1,0 +1,193 @@
+"""The KV cache's storage formats (layers/backends/kv_formats.py) and the C attention over them
+(kernels/cpu_attention.c), against independent references: gguf.quants' Q8_0 quantizer, torch's
+own dtype conversions, and attention written out as the softmax formula over the dequantized rows."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.backends import get_backend
+from nanovllm.layers.backends.kv_formats import KV_FORMATS, kv_format
+from nanovllm.layers.backends.torch_backend import TorchMetadata
+
+FORMATS = list(KV_FORMATS)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.skip("no C compiler")
+    return k
+
+
+def edge_rows(n: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """Rows with the values that stress rounding: gaussian, large (past fp8's range), tiny
+    (subnormal in fp16 / fp8), exact ties, zeros and an all-zero block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, head_dim, generator=g) * torch.logspace(-3, 3, n).unsqueeze(1)
+    x[0, :32] = 0.0
+    x[1, :8] = torch.tensor([1e-9, -3e-8, 6e-5, -2.0**-16, 2.0**-10, 500.0, -70000.0, 1.0 + 2.0**-8])
+    x[2, :4] = torch.tensor([0.5, 1.5, 2.5, -2.5])  # ties after scaling in some formats
+    return x
+
+
+def test_int8_is_llamacpp_q8_0():
+    """int8 rows are byte for byte what gguf.quants (llama.cpp's reference quantizer) writes for Q8_0."""
+    from gguf import GGMLQuantizationType, quants
+    x = edge_rows(16, 128)
+    ours = KV_FORMATS["int8"].quantize(x).numpy()
+    ref = quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0)
+    assert ours.shape == ref.shape and np.array_equal(ours, ref)
+    back = quants.dequantize(ref, GGMLQuantizationType.Q8_0)
+    assert torch.equal(KV_FORMATS["int8"].dequantize(torch.from_numpy(ours)), torch.from_numpy(back))
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+def test_float_formats_round_as_torch(name):
+    fmt = KV_FORMATS[name]
+    x = edge_rows(8, 64)
+    expected = x.clamp(-fmt.limit, fmt.limit).to(fmt.storage) if fmt.limit else x.to(fmt.storage)
+    assert fmt.quantize(x).dtype == fmt.storage
+    assert torch.equal(fmt.quantize(x).view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_c_store_writes_the_reference_bytes(kernels, name):
+    """kv_store_rows (the C KV store) writes the bytes the Python reference writes, into the slots
+    given (slot -1 skipped), for K and V alike."""
+    fmt = KV_FORMATS[name]
+    num_tokens, heads, head_dim, block_size, blocks = 12, 3, 64, 16, 4
+    k, v = edge_rows(num_tokens * heads, head_dim, 1), edge_rows(num_tokens * heads, head_dim, 2)
+    k, v = k.view(num_tokens, heads, head_dim), v.view(num_tokens, heads, head_dim)
+    slots = torch.tensor([5, 17, 3, -1, 40, 41, 0, 63, 20, 21, 22, 9])
+    shape = (blocks, block_size, heads, fmt.row_units(head_dim))
+    k_cache, v_cache = torch.zeros(shape, dtype=fmt.storage), torch.zeros(shape, dtype=fmt.storage)
+    cpu_kernels.store_kv(kernels, k, v, k_cache, v_cache, fmt.c_type, slots)
+    kept = slots >= 0
+    ref_k, ref_v = torch.zeros(shape, dtype=fmt.storage), torch.zeros(shape, dtype=fmt.storage)
+    ref_k.view(-1, heads, shape[-1])[slots[kept]] = fmt.quantize(k[kept])
+    ref_v.view(-1, heads, shape[-1])[slots[kept]] = fmt.quantize(v[kept])
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+    assert kernels.kv_row_bytes(fmt.c_type, head_dim) == fmt.row_bytes(head_dim)
+
+
+def reference_attention(q, keys, values, q_positions, scale):
+    """softmax(scale q k^T) v per query row, keys 0..position (causal), GQA: q [Lq, H, D], keys and
+    values [Lk, Hkv, D] -> [Lq, H, D], in float64."""
+    group = q.shape[1] // keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, pos in enumerate(q_positions):
+        for h in range(q.shape[1]):
+            kh, vh = keys[: pos + 1, h // group].double(), values[: pos + 1, h // group].double()
+            p = torch.softmax(scale * (kh @ q[i, h].double()), dim=0)
+            out[i, h] = p @ vh
+    return out
+
+
+def paged_cache(fmt, rows, table, block_size, num_blocks, cache=None):
+    """rows [L, Hkv, D] stored through the block table into cache (a fresh one in fmt if None)."""
+    heads, head_dim = rows.shape[1:]
+    if cache is None:
+        cache = torch.zeros(num_blocks, block_size, heads, fmt.row_units(head_dim), dtype=fmt.storage)
+    slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(rows.shape[0])])
+    cache.view(-1, heads, cache.shape[-1])[slots] = fmt.quantize(rows)
+    return cache
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_c_decode_and_prefill_match_the_formula(kernels, name, head_dim):
+    """Decode (one query per sequence) and prefill (the new tokens of each sequence, after a cached
+    prefix, causal) read every format and give the attention formula over the stored values."""
+    fmt = KV_FORMATS[name]
+    if fmt.head_dim_error(head_dim):
+        pytest.skip(fmt.head_dim_error(head_dim))
+    torch.manual_seed(0)
+    heads, kv_heads, block_size, num_blocks = 6, 2, 16, 24
+    scale = 1 / math.sqrt(head_dim)
+    lens, new = [37, 70, 5], [37, 9, 5]  # context lengths; new tokens of the prefill (the first: no prefix)
+    tables = [[3, 7, 1], [0, 10, 11, 2, 20], [23]]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    keys = [torch.randn(n, kv_heads, head_dim) * 2 for n in lens]
+    values = [torch.randn(n, kv_heads, head_dim) for n in lens]
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, fmt.row_units(head_dim), dtype=fmt.storage)
+    v_cache = torch.zeros_like(k_cache)
+    for s in range(3):
+        paged_cache(fmt, keys[s], tables[s], block_size, num_blocks, k_cache)
+        paged_cache(fmt, values[s], tables[s], block_size, num_blocks, v_cache)
+    stored_k = [fmt.dequantize(fmt.quantize(k)) for k in keys]
+    stored_v = [fmt.dequantize(fmt.quantize(v)) for v in values]
+    # decode: the last token of each sequence
+    q = torch.randn(3, heads, head_dim)
+    out = cpu_kernels.paged_decode_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables,
+                                             torch.tensor(lens, dtype=torch.int32), max(lens), scale)
+    for s in range(3):
+        ref = reference_attention(q[s: s + 1], stored_k[s], stored_v[s], [lens[s] - 1], scale)
+        torch.testing.assert_close(out[s: s + 1].double(), ref, atol=2e-5, rtol=1e-4)
+    # prefill: the last new[s] tokens of each sequence
+    q = torch.randn(sum(new), heads, head_dim)
+    out = cpu_kernels.paged_prefill_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables, new, lens,
+                                              scale)
+    start = 0
+    for s in range(3):
+        positions = list(range(lens[s] - new[s], lens[s]))
+        ref = reference_attention(q[start: start + new[s]], stored_k[s], stored_v[s], positions, scale)
+        torch.testing.assert_close(out[start: start + new[s]].double(), ref, atol=2e-5, rtol=1e-4)
+        start += new[s]
+
+
+def test_prefill_kernel_tiles_long_sequences(kernels):
+    """More new tokens than a query tile and keys spanning many key tiles, a prefix not aligned to
+    either, and a group of 8 query heads per KV head."""
+    fmt = KV_FORMATS["float16"]
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, block_size = 8, 1, 32, 16
+    length, new = 150, 101
+    table = list(range(10))[::-1]
+    keys, values = torch.randn(length, kv_heads, head_dim), torch.randn(length, kv_heads, head_dim)
+    k_cache = paged_cache(fmt, keys, table, block_size, 10)
+    v_cache = paged_cache(fmt, values, table, block_size, 10)
+    q = torch.randn(new, heads, head_dim)
+    out = cpu_kernels.paged_prefill_attention(kernels, q, k_cache, v_cache, fmt.c_type,
+                                              torch.tensor([table], dtype=torch.int32), [new], [length], 0.3)
+    ref = reference_attention(q, fmt.dequantize(fmt.quantize(keys)), fmt.dequantize(fmt.quantize(values)),
+                              list(range(length - new, length)), 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "int8", "fp8_e4m3"])
+def test_torch_path_matches_the_c_kernels(kernels, name):
+    """The torch backend without the C kernels (no compiler): store, prefill and decode over the
+    same format give the C path's results."""
+    fmt = kv_format(name)
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    results = []
+    for use_c in (True, False):
+        backend = get_backend("torch", "cpu", fmt)
+        if not use_c:
+            backend.cpu_kernel = None
+        g = torch.Generator().manual_seed(3)
+        k_cache = torch.zeros(6, block_size, kv_heads, fmt.row_units(head_dim), dtype=fmt.storage)
+        v_cache = torch.zeros_like(k_cache)
+        table = torch.tensor([[4, 1, 5]], dtype=torch.int32)
+        n = 40
+        q, k, v = (torch.randn(n, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
+        slots = torch.tensor([int(table[0, t // block_size]) * block_size + t % block_size for t in range(n)])
+        backend.store_kvcache(k, v, k_cache, v_cache, slots)
+        meta = TorchMetadata(seqlens_q=[n], seqlens_k=[n], block_tables=table, max_seqlen_k=n)
+        pre = backend.prefill(q, k, v, k_cache, v_cache, meta, 0.2)
+        meta = TorchMetadata(seqlens_k=[n], block_tables=table, context_lens=torch.tensor([n], dtype=torch.int32),
+                             max_seqlen_k=n)
+        dec = backend.decode(q[-1:], k_cache, v_cache, meta, 0.2)
+        results.append((k_cache.view(torch.uint8).clone(), pre, dec))
+    (kc, pre_c, dec_c), (kt, pre_t, dec_t) = results
+    assert torch.equal(kc, kt)
+    torch.testing.assert_close(pre_c, pre_t, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dec_c, dec_t, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pre_c[-1:], dec_c, atol=1e-5, rtol=1e-4)  # the last row is the decode query's
