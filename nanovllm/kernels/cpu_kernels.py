@@ -9,7 +9,6 @@ and the callers keep their torch paths (same results; slower, see docs/performan
 """
 import ctypes
 import hashlib
-import itertools
 import logging
 import os
 import shutil
@@ -162,8 +161,6 @@ class CpuKernels:
             return fn
         self.decode_attention = typed("paged_decode_attention", cint, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                       i64, i64, i64, i64, c_float, i64, cint)
-        self.prefill_attention = typed("paged_prefill_attention", cint, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
-                                       i64, i64, i64, i64, i64, c_float, cint)
         self.kv_row_bytes = typed("kv_row_bytes", i64, i64, i64)
         self.kv_store_rows = typed("kv_store_rows", cint, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
@@ -310,32 +307,6 @@ def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.
         block_tables.shape[1], max_context, scale, kv_heads_per_item, threads)
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
-    return out
-
-
-def paged_prefill_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            kv_type: int, block_tables: torch.Tensor, seqlens_q: list[int], seqlens_k: list[int],
-                            scale: float) -> torch.Tensor:
-    """q [num_tokens, num_heads, head_dim] (fp32): each sequence's new tokens in turn, attending
-    causally to its seqlens_k cached keys (caches in the C KV format kv_type, the new tokens'
-    rows already stored) -> the attention output, shaped like q."""
-    q = q.contiguous()
-    block_tables = block_tables.to(torch.int32).contiguous()
-    q_starts = torch.tensor([0, *itertools.accumulate(seqlens_q)], dtype=torch.int32)
-    k_lens = torch.tensor(seqlens_k, dtype=torch.int32)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
-    failed = kernels.prefill_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type, block_tables.data_ptr(), block_tables.shape[1],
-        q_starts.data_ptr(), k_lens.data_ptr(), out.data_ptr(), len(seqlens_q), num_heads, num_kv_heads, head_dim,
-        block_size, scale, torch.get_num_threads())
-    if failed == 2:
-        raise ValueError(f"the CPU prefill attention kernel takes head_dim <= 256 and at most 16 query heads per KV "
-                         f"head, got head_dim {head_dim}, {num_heads} / {num_kv_heads} heads")
-    if failed:
-        raise MemoryError("CPU prefill attention kernel could not allocate its buffers")
     return out
 
 

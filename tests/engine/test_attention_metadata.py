@@ -58,9 +58,7 @@ def test_torch_metadata_keeps_host_lists():
     assert prefill.seqlens_q == [4, 3, 1] and prefill.seqlens_k == [4, 8, 20]
     assert prefill.block_tables.tolist() == [[7, -1], [2, -1], [5, 9]]
     fresh = bare(TorchBackend).prepare(AttentionBatch(True, [4, 2], [4, 2], [[1], [2]], host))
-    # no cached prefix, the tables still: a cache in another format than the activations' is read
-    # by every prefill
-    assert fresh.block_tables.tolist() == [[1], [2]]
+    assert fresh.block_tables is None  # no cached prefix: the fresh K/V are all it reads
     decode = bare(TorchBackend).prepare(DECODE)
     assert decode.seqlens_k == [6, 22, 7] and decode.max_seqlen_k == 22 and decode.decode_groups is None
 

@@ -1,5 +1,5 @@
-"""The KV cache's storage formats (layers/backends/kv_formats.py) and the C attention over them
-(kernels/cpu_attention.c), against independent references: gguf.quants' Q8_0 quantizer, torch's
+"""The KV cache's storage formats (layers/backends/kv_formats.py) and the attention over them
+(kernels/cpu_attention.c's decode and store, the torch backend's prefill), against independent references: gguf.quants' Q8_0 quantizer, torch's
 own dtype conversions, and attention written out as the softmax formula over the dequantized rows."""
 import math
 
@@ -100,9 +100,10 @@ def paged_cache(fmt, rows, table, block_size, num_blocks, cache=None):
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_c_decode_and_prefill_match_the_formula(kernels, name, head_dim):
-    """Decode (one query per sequence) and prefill (the new tokens of each sequence, after a cached
-    prefix, causal) read every format and give the attention formula over the stored values."""
+def test_decode_and_prefill_match_the_formula(kernels, name, head_dim):
+    """Decode (the C kernel, one query per sequence) and prefill (the new tokens of each sequence,
+    with and without a cached prefix, causal) read every format and give the attention formula over
+    the values as stored."""
     fmt = KV_FORMATS[name]
     if fmt.head_dim_error(head_dim):
         pytest.skip(fmt.head_dim_error(head_dim))
@@ -129,35 +130,19 @@ def test_c_decode_and_prefill_match_the_formula(kernels, name, head_dim):
     for s in range(3):
         ref = reference_attention(q[s: s + 1], stored_k[s], stored_v[s], [lens[s] - 1], scale)
         torch.testing.assert_close(out[s: s + 1].double(), ref, atol=2e-5, rtol=1e-4)
-    # prefill: the last new[s] tokens of each sequence
+    # prefill: the last new[s] tokens of each sequence (their K/V fresh, as the layer passes them;
+    # the first sequence has no cached prefix, the others read theirs from the cache)
     q = torch.randn(sum(new), heads, head_dim)
-    out = cpu_kernels.paged_prefill_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables, new, lens,
-                                              scale)
+    k_new = torch.cat([keys[s][lens[s] - new[s]:] for s in range(3)])
+    v_new = torch.cat([values[s][lens[s] - new[s]:] for s in range(3)])
+    meta = TorchMetadata(seqlens_q=new, seqlens_k=lens, block_tables=block_tables, max_seqlen_k=max(lens))
+    out = get_backend("torch", "cpu", fmt).prefill(q, k_new, v_new, k_cache, v_cache, meta, scale)
     start = 0
     for s in range(3):
         positions = list(range(lens[s] - new[s], lens[s]))
         ref = reference_attention(q[start: start + new[s]], stored_k[s], stored_v[s], positions, scale)
         torch.testing.assert_close(out[start: start + new[s]].double(), ref, atol=2e-5, rtol=1e-4)
         start += new[s]
-
-
-def test_prefill_kernel_tiles_long_sequences(kernels):
-    """More new tokens than a query tile and keys spanning many key tiles, a prefix not aligned to
-    either, and a group of 8 query heads per KV head."""
-    fmt = KV_FORMATS["float16"]
-    torch.manual_seed(1)
-    heads, kv_heads, head_dim, block_size = 8, 1, 32, 16
-    length, new = 150, 101
-    table = list(range(10))[::-1]
-    keys, values = torch.randn(length, kv_heads, head_dim), torch.randn(length, kv_heads, head_dim)
-    k_cache = paged_cache(fmt, keys, table, block_size, 10)
-    v_cache = paged_cache(fmt, values, table, block_size, 10)
-    q = torch.randn(new, heads, head_dim)
-    out = cpu_kernels.paged_prefill_attention(kernels, q, k_cache, v_cache, fmt.c_type,
-                                              torch.tensor([table], dtype=torch.int32), [new], [length], 0.3)
-    ref = reference_attention(q, fmt.dequantize(fmt.quantize(keys)), fmt.dequantize(fmt.quantize(values)),
-                              list(range(length - new, length)), 0.3)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "int8", "fp8_e4m3"])

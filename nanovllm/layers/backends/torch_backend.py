@@ -53,8 +53,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
 
 @dataclass
 class TorchMetadata:
-    """Prefill: seqlens_q / seqlens_k (new tokens, whole key range) per sequence and block_tables.
-    Decode: block_tables [num_seqs, max_blocks] (-1 padded),
+    """Prefill: seqlens_q / seqlens_k (new tokens, whole key range) per sequence; block_tables only
+    when some sequence has a cached prefix. Decode: block_tables [num_seqs, max_blocks] (-1 padded),
     context_lens [num_seqs] and its host copy seqlens_k (None under CUDA graphs: nothing host-side
     may change between replays), max_seqlen_k the longest context."""
 
@@ -68,10 +68,9 @@ class TorchMetadata:
 
 
 class TorchBackend(AttentionBackend):
-    """Caches in any KV format. Where the cache holds the activations' dtype, prefill attends to the
-    fresh K/V (and to the cache only for a cached prefix); in another format, prefill and decode
-    both read the cache, so every token sees the same stored keys whether it came in one prefill,
-    in chunks or from the prefix cache."""
+    """Caches in any KV format. Prefill and decode both see the keys and values as stored, so a
+    token gets the same attention whether its prompt came in one prefill, in chunks or from the
+    prefix cache."""
 
     name = "torch"
     auto_devices = ("cpu", "cuda")
@@ -102,8 +101,7 @@ class TorchBackend(AttentionBackend):
 
     def prepare(self, batch: AttentionBatch) -> TorchMetadata:
         if batch.is_prefill:
-            # NOTE: always the tables: a cache in another format is read by every prefill
-            tables = batch.block_table_tensor()
+            tables = batch.block_table_tensor() if batch.has_cached_prefix else None
             return TorchMetadata(seqlens_q=batch.num_new_tokens, seqlens_k=batch.context_lens, block_tables=tables,
                                  max_seqlen_k=max(batch.context_lens))
         return TorchMetadata(seqlens_k=batch.context_lens, block_tables=batch.block_table_tensor(),
@@ -116,18 +114,20 @@ class TorchBackend(AttentionBackend):
         return metadata.block_tables, metadata.context_lens
 
     def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
+        """Each sequence's new tokens over its keys as the cache holds them: the fresh K/V where
+        nothing is cached before them (rounded to the cache's format first, which gives the values
+        stored), else its blocks gathered. torch's SDPA (flash attention on CPU) either way: it ran
+        2-3x faster than a C kernel reading the paged cache in place (docs/performance.md item 42)."""
         has_cache = k_cache.numel() > 0
-        from_cache = has_cache and not self.stores_values(q.dtype)  # every key as stored
-        if from_cache and self.cpu_kernel is not None and q.dtype == torch.float32:
-            return cpu_kernels.paged_prefill_attention(
-                self.cpu_kernel, q, k_cache, v_cache, self.kv_format.c_type, metadata.block_tables,
-                metadata.seqlens_q, metadata.seqlens_k, scale)
+        rounded = has_cache and not self.stores_values(q.dtype)
         out = torch.empty_like(q)
         q_start = 0
         for i, (q_len, k_len) in enumerate(zip(metadata.seqlens_q, metadata.seqlens_k)):
             qi = q[q_start: q_start + q_len]
-            if not has_cache or (k_len == q_len and not from_cache):  # no cached prefix: the fresh K/V
+            if k_len == q_len or not has_cache:  # no cached prefix: the fresh K/V
                 ki, vi = k[q_start: q_start + q_len], v[q_start: q_start + q_len]
+                if rounded:
+                    ki, vi = (self.kv_format.dequantize(self.kv_format.quantize(x), q.dtype) for x in (ki, vi))
                 oi = sdpa(qi, ki, vi, scale, None, is_causal=q_len > 1)
             else:
                 table = metadata.block_tables[i]
