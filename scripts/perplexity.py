@@ -43,3 +43,43 @@ def parse_llama_perplexity(log: str) -> float:
     if match is None:
         raise ValueError("no 'Final estimate: PPL = ...' line in llama-perplexity's output")
     return float(match.group(1))
+
+
+def main() -> None:
+    """python scripts/perplexity.py [--model M] [--n-ctx N] [--kv-cache-dtype auto,float32,...] [--text FILE]:
+    our perplexity of the text under each KV cache format (one engine each), as llama-perplexity
+    scores it."""
+    import argparse
+    from pathlib import Path
+
+    from nanovllm import LLM
+    from nanovllm.layers.backends.kv_formats import NAMES
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--model", help="HF folder or .gguf file (default: the default model)")
+    p.add_argument("--n-ctx", type=int, default=N_CTX, help="tokens per chunk (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="float32,auto", help="comma-separated kv_cache_dtype values")
+    p.add_argument("--text", default=str(Path(__file__).resolve().parent.parent / "tests" / "data" / "english.txt"))
+    args = p.parse_args()
+    names = args.kv_cache_dtype.split(",")
+    bad = [n for n in names if n not in NAMES]
+    if bad:
+        p.error(f"--kv-cache-dtype: {bad} not in {list(NAMES)}")
+    if args.model is None:
+        from nanovllm.utils.default_model import default_model
+        args.model = default_model()
+    model = args.model
+    text = Path(args.text).read_text()
+    reference = None
+    for name in names:
+        with LLM(model, kv_cache_dtype=name, max_model_len=args.n_ctx + 1, enable_prefix_caching=False) as llm:
+            chunks = chunks_of(llm.tokenizer, text, args.n_ctx)
+            if not chunks:
+                p.error(f"{args.text} holds fewer than {args.n_ctx} tokens")
+            value = our_perplexity(llm, chunks)
+        reference = value if reference is None else reference
+        print(f"kv_cache_dtype={name:9s} n_ctx={args.n_ctx} chunks={len(chunks)} PPL={value:.4f} "
+              f"({100 * (value / reference - 1):+.3f}% vs {names[0]})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

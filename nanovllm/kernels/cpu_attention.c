@@ -46,23 +46,17 @@ typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 typedef int8_t vb __attribute__((vector_size(VL)));
 typedef uint8_t vub __attribute__((vector_size(VL)));
 
-static inline vf bf16x8(const uint8_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
-}
-
-static inline vf i8x8(const uint8_t *p) {
-    vb b;
-    memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(b, vf);
-}
-
 /* An e4m3 byte's sign to bit 15 and its exponent and mantissa up by 7 is the fp16 of its value
  * times 2^-8 (fp16's exponent bias is 8 more; subnormals map onto subnormals). */
 static inline uint16_t e4m3_bits_as_f16(uint8_t b) { return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7)); }
 
 #if KV_F16C
+static inline vf bf16x8(const uint8_t *p) {
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf i8x8(const uint8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 static inline vf f16x8(const uint8_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline float f16x1(const uint8_t *p) {
     uint16_t h;
@@ -79,6 +73,16 @@ static inline vf e4m3x8(const uint8_t *p) {
     return (vf)_mm256_cvtph_ps(h) * 256.0f;
 }
 #else
+static inline vf bf16x8(const uint8_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+static inline vf i8x8(const uint8_t *p) {
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vf);
+}
 static inline float f16x1(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
@@ -109,8 +113,8 @@ static inline __attribute__((always_inline)) vf kv_load8(const int type, const u
     case KV_BF16: return bf16x8(row + 2 * d);
     case KV_F16: return f16x8(row + 2 * d);
     case KV_Q8_0: {
-        const uint8_t *blk = row + d / 32 * 34;
-        return f16x1(blk) * i8x8(blk + 2 + d % 32);
+        const uint8_t *blk = row + ((uint64_t)d >> 5) * 34; /* d >= 0 */
+        return f16x1(blk) * i8x8(blk + 2 + (d & 31));
     }
     case KV_E4M3: return e4m3x8(row + d);
     default: return e5m2x8(row + d);
@@ -311,6 +315,16 @@ static inline __attribute__((always_inline)) void dot_8rows(const int type, cons
     vf a[8];
     for (int i = 0; i < 8; i++) a[i] = (vf){0};
     int64_t d = 0;
+    if (type == KV_Q8_0) { /* per block of 32: the int8 products summed, then scaled once */
+        for (; d < n; d += 32) {
+            const vf q0 = load_f32(q + d), q1 = load_f32(q + d + 8), q2 = load_f32(q + d + 16), q3 = load_f32(q + d + 24);
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *blk = k + i * stride + d / 32 * 34;
+                const vf part = q0 * i8x8(blk + 2) + q1 * i8x8(blk + 10) + q2 * i8x8(blk + 18) + q3 * i8x8(blk + 26);
+                a[i] += f16x1(blk) * part;
+            }
+        }
+    }
     for (; d + VL <= n; d += VL) {
         const vf qv = load_f32(q + d);
         for (int i = 0; i < 8; i++) a[i] += qv * kv_load8(type, k + i * stride, d);
@@ -321,15 +335,22 @@ static inline __attribute__((always_inline)) void dot_8rows(const int type, cons
     store_f32(out, s);
 }
 
+/* The query heads of KV heads [kv_first, kv_end) of one sequence (q, out: [num_heads, head_dim]) over
+ * its cached tokens [t_first, t_end) (t_first a multiple of block_size). part_max == NULL: the item
+ * is the whole sequence, and out is the attention. Otherwise out is the item's share before the
+ * softmax division (sum_t exp(s_t - m) v_t) with part_max = m and part_sum = sum_t exp(s_t - m) per
+ * head, for merge_parts. */
 static inline __attribute__((always_inline)) void attend_item_t(
     const int type, const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
-    int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride, float *inv_sum) {
+    int64_t t_first, int64_t t_end, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
+    float *inv_sum, float *part_max, float *part_sum) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = kv_row_bytes(type, head_dim);
     const int64_t token_stride = num_kv_heads * row; /* bytes between consecutive cached tokens */
     const int64_t num_item_heads = (kv_end - kv_first) * group;
     const int64_t item_bytes = (kv_end - kv_first) * row; /* the item's part of a cached token */
+    const int64_t len = t_end - t_first;
     /* This item's query heads are consecutive: kv_first * group .. kv_end * group. */
     const float *q_item = q + kv_first * group * head_dim;
     float *out_item = out + kv_first * group * head_dim;
@@ -339,7 +360,7 @@ static inline __attribute__((always_inline)) void attend_item_t(
      * memory and then from L1 for every head, and their 8 dot products come out as one vector. */
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
-        const uint8_t *k_block = k_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
+        const uint8_t *k_block = k_cache + (int64_t)table[(t_first + t0) / block_size] * block_size * token_stride;
         const uint8_t *k_first = k_block + kv_first * row;
         prefetch_block_start(k_first, token_stride, n_t, item_bytes);
         int64_t t = 0;
@@ -374,13 +395,14 @@ static inline __attribute__((always_inline)) void attend_item_t(
             s += srow[t];
         }
         inv_sum[h] = 1.0f / s;
+        if (part_max != NULL) part_max[kv_first * group + h] = m * scale, part_sum[kv_first * group + h] = s;
         memset(out_item + h * head_dim, 0, sizeof(float) * (size_t)head_dim);
     }
     /* Pass 2: out = sum_t p_t v_t, a block and 8 tokens at a time: each head's output vector is
      * loaded once per 8 tokens, their V rows come from memory once for all of the item's heads. */
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
-        const uint8_t *v_block = v_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;
+        const uint8_t *v_block = v_cache + (int64_t)table[(t_first + t0) / block_size] * block_size * token_stride;
         const uint8_t *v_first = v_block + kv_first * row;
         prefetch_block_start(v_first, token_stride, n_t, item_bytes);
         for (int64_t t = 0; t < n_t; t += 8) {
@@ -391,6 +413,17 @@ static inline __attribute__((always_inline)) void attend_item_t(
                 const float *p = scores + h * scores_stride + t0 + t;
                 float *o = out_item + h * head_dim;
                 int64_t d = 0;
+                if (type == KV_Q8_0) /* per block of 32: each token's weight times its scale, once */
+                    for (; d < head_dim; d += 32) {
+                        float w[8];
+                        for (int64_t i = 0; i < nt; i++) w[i] = p[i] * f16x1(v + i * token_stride + d / 32 * 34);
+                        for (int c = 0; c < 32; c += VL) {
+                            vf acc = load_f32(o + d + c);
+                            for (int64_t i = 0; i < nt; i++)
+                                acc += w[i] * i8x8(v + i * token_stride + d / 32 * 34 + 2 + c);
+                            store_f32(o + d + c, acc);
+                        }
+                    }
                 for (; d + VL <= head_dim; d += VL) {
                     vf acc = load_f32(o + d);
                     for (int64_t i = 0; i < nt; i++) acc += p[i] * kv_load8(type, v + i * token_stride, d);
@@ -401,6 +434,7 @@ static inline __attribute__((always_inline)) void attend_item_t(
             }
         }
     }
+    if (part_max != NULL) return;
     for (int64_t h = 0; h < num_item_heads; h++) {
         float *o = out_item + h * head_dim;
         for (int64_t d = 0; d < head_dim; d++) o[d] *= inv_sum[h];
@@ -418,45 +452,134 @@ static inline __attribute__((always_inline)) void attend_item_t(
     default: CALL_T(KV_E5M2, __VA_ARGS__); break;                       \
     }
 
-void attend_item(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type, const int32_t *table,
-                 int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores,
-                 int64_t scores_stride, float *inv_sum) {
-    KV_DISPATCH(attend_item_t, kv_type, q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim,
-                block_size, kv_first, kv_end, scale, scores, scores_stride, inv_sum)
+static void attend_item(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type,
+                        const int32_t *table, int64_t t_first, int64_t t_end, float *out, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t kv_first, int64_t kv_end,
+                        float scale, float *scores, int64_t scores_stride, float *inv_sum, float *part_max,
+                        float *part_sum) {
+    KV_DISPATCH(attend_item_t, kv_type, q, k_cache, v_cache, table, t_first, t_end, out, num_heads, num_kv_heads,
+                head_dim, block_size, kv_first, kv_end, scale, scores, scores_stride, inv_sum, part_max, part_sum)
+}
+
+/* ---- the work items of a decode step -----------------------------------------------------------
+ * Many sequences: whole sequences per item (or a sequence's KV heads in chunks, so that about 4
+ * items per thread exist; not one KV head per item where it can be helped: a cached token's row
+ * would be read in pieces). Few sequences behind long contexts (fewer than 4 per thread, contexts
+ * from 2 x SPLIT_MIN_TOKENS): every KV head of a sequence per item and its tokens split in chunks of whole blocks
+ * (flash-decoding): each item then streams whole token rows, which the hardware prefetcher follows,
+ * instead of one head's row a page apart per token, and one sequence keeps every core busy. The
+ * chunks' partial softmaxes are merged after. */
+#define SPLIT_MIN_TOKENS 512 /* below this, a chunk's fixed costs outweigh its share of the reading */
+
+DecodePlan decode_plan(int64_t num_seqs, int64_t num_kv_heads, int64_t max_context, int64_t block_size,
+                       int num_threads) {
+    DecodePlan p = {num_kv_heads, max_context, 1};
+    const int64_t wanted = 4 * (int64_t)num_threads; /* items */
+    if (num_seqs < wanted && max_context >= 2 * SPLIT_MIN_TOKENS) {
+        int64_t splits = (wanted + num_seqs - 1) / num_seqs;
+        if (splits > max_context / SPLIT_MIN_TOKENS) splits = max_context / SPLIT_MIN_TOKENS;
+        const int64_t blocks = (max_context + block_size - 1) / block_size;
+        p.chunk = (blocks + splits - 1) / splits * block_size;
+        p.splits = (max_context + p.chunk - 1) / p.chunk;
+        return p;
+    }
+    int64_t head_splits = (wanted + num_seqs - 1) / num_seqs;
+    head_splits = head_splits < num_kv_heads ? head_splits : num_kv_heads;
+    p.kv_heads_per_item = (num_kv_heads + head_splits - 1) / head_splits;
+    return p;
+}
+
+int64_t decode_scratch_floats(const DecodePlan *p, int64_t group) {
+    const int64_t heads = p->kv_heads_per_item * group;
+    return heads * p->chunk + heads;
+}
+
+int64_t decode_partial_floats(const DecodePlan *p, int64_t num_seqs, int64_t num_heads, int64_t head_dim) {
+    return p->splits > 1 ? num_seqs * p->splits * num_heads * (head_dim + 2) : 0;
+}
+
+/* out[h] (b's) = the chunks' shares of each head merged: sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i. */
+static void merge_parts(const float *parts, int64_t splits, int64_t used, int64_t num_heads, int64_t head_dim,
+                        int64_t h, float *out) {
+    const float *pmax = parts + splits * num_heads * head_dim, *psum = pmax + splits * num_heads;
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t i = 0; i < used; i++) m = pmax[i * num_heads + h] > m ? pmax[i * num_heads + h] : m;
+    memset(out, 0, sizeof(float) * (size_t)head_dim);
+    for (int64_t i = 0; i < used; i++) {
+        const float w = sexp(pmax[i * num_heads + h] - m);
+        l += w * psum[i * num_heads + h];
+        const float *o = parts + (i * num_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) out[d] += w * o[d];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < head_dim; d++) out[d] *= inv;
+}
+
+void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            int64_t kv_type, const int32_t *block_tables, int64_t max_blocks,
+                            const int32_t *context_lens, float *out, int64_t out_stride, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, const DecodePlan *p, float *scratch, float *parts, ItemPrepare prepare,
+                            const void *ctx) {
+    const int64_t group = num_heads / num_kv_heads, per_item = p->kv_heads_per_item;
+    const int64_t head_items = (num_kv_heads + per_item - 1) / per_item, items = num_seqs * head_items * p->splits;
+    float *inv_sum = scratch + per_item * group * p->chunk;
+    /* one sequence's partials: [splits][num_heads][head_dim] shares, then [splits][num_heads] maxima, sums */
+    const int64_t seq_parts = p->splits * num_heads * (head_dim + 2);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+        if (scratch == NULL) continue;
+        const int64_t b = item / (head_items * p->splits), rest = item % (head_items * p->splits);
+        const int64_t kv_first = rest / p->splits * per_item, split = rest % p->splits;
+        const int64_t kv_end = kv_first + per_item < num_kv_heads ? kv_first + per_item : num_kv_heads;
+        const int64_t len = context_lens[b], t_first = split * p->chunk;
+        if (prepare != NULL) prepare(ctx, b, kv_first, kv_end);
+        if (t_first >= len) continue;
+        const int64_t t_end = t_first + p->chunk < len ? t_first + p->chunk : len;
+        const float *qb = q + b * q_stride;
+        const int32_t *table = block_tables + b * max_blocks;
+        if (p->splits == 1) {
+            attend_item(qb, k_cache, v_cache, kv_type, table, 0, len, out + b * out_stride, num_heads, num_kv_heads,
+                        head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum, NULL, NULL);
+        } else {
+            float *mine = parts + b * seq_parts, *share = mine + split * num_heads * head_dim;
+            float *pmax = mine + p->splits * num_heads * head_dim + split * num_heads;
+            attend_item(qb, k_cache, v_cache, kv_type, table, t_first, t_end, share, num_heads, num_kv_heads,
+                        head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum,
+                        pmax, pmax + p->splits * num_heads);
+        }
+    }
+    if (p->splits == 1) return;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_seqs * num_heads; i++) {
+        const int64_t b = i / num_heads, h = i % num_heads;
+        const int64_t used = (context_lens[b] + p->chunk - 1) / p->chunk;
+        merge_parts(parts + b * seq_parts, p->splits, used, num_heads, head_dim, h, out + b * out_stride + h * head_dim);
+    }
 }
 
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type,
                            const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t max_blocks, int64_t max_context, float scale, int64_t kv_heads_per_item,
-                           int num_threads) {
+                           int64_t max_blocks, int64_t max_context, float scale, int num_threads) {
     if (kv_row_bytes(kv_type, head_dim) == 0) return 2;
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t items_per_seq = (num_kv_heads + kv_heads_per_item - 1) / kv_heads_per_item;
-    const int64_t heads_per_item = kv_heads_per_item * group;
+    const DecodePlan plan = decode_plan(num_seqs, num_kv_heads, max_context, block_size, num_threads);
+    float *parts = NULL;
+    const int64_t partial = decode_partial_floats(&plan, num_seqs, num_heads, head_dim);
+    if (partial > 0 && (parts = malloc(sizeof(float) * (size_t)partial)) == NULL) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads_per_item * max_context));
-        float *inv_sum = malloc(sizeof(float) * (size_t)heads_per_item);
-        if (scores == NULL || inv_sum == NULL) {
+        float *scratch = malloc(sizeof(float) * (size_t)decode_scratch_floats(&plan, num_heads / num_kv_heads));
+        if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * items_per_seq; item++) {
-            if (scores == NULL || inv_sum == NULL) continue;
-            const int64_t s = item / items_per_seq;
-            const int64_t kv_first = (item % items_per_seq) * kv_heads_per_item;
-            const int64_t kv_end = kv_first + kv_heads_per_item < num_kv_heads ? kv_first + kv_heads_per_item
-                                                                               : num_kv_heads;
-            attend_item(q + s * num_heads * head_dim, k_cache, v_cache, kv_type, block_tables + s * max_blocks,
-                        context_lens[s], out + s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
-                        block_size, kv_first, kv_end, scale, scores, max_context, inv_sum);
-        }
-        free(scores);
-        free(inv_sum);
+        phase_decode_attention(q, num_heads * head_dim, k_cache, v_cache, kv_type, block_tables, max_blocks,
+                               context_lens, out, num_heads * head_dim, num_seqs, num_heads, num_kv_heads, head_dim,
+                               block_size, scale, &plan, scratch, parts, NULL, NULL);
+        free(scratch);
     }
+    free(parts);
     return failed;
 }

@@ -95,33 +95,32 @@ static void phase_rope_store(const DecoderModel *m, const DecoderLayer *L, float
         rope_store_heads(m, L, qkv, positions, slots, item / NKV, item % NKV, item % NKV + 1);
 }
 
-/* KV heads per attention work item: whole sequences when there are enough of them to keep every
- * thread busy; else each sequence's KV heads split so that about 4 items per thread exist (not one
- * KV head per item: a cached token's K row would be read in pieces; docs/performance.md). */
-static int64_t kv_heads_per_item(int64_t B, int64_t num_kv_heads, int num_threads) {
-    int64_t splits = (4 * (int64_t)num_threads + B - 1) / B;
-    splits = splits < num_kv_heads ? splits : num_kv_heads;
-    return (num_kv_heads + splits - 1) / splits;
+typedef struct {
+    const DecoderModel *m;
+    const DecoderLayer *L;
+    float *qkv;
+    const DecodeStep *s;
+} RopeStore;
+
+static void rope_store_item(const void *ctx, int64_t b, int64_t kv_first, int64_t kv_end) {
+    const RopeStore *c = ctx;
+    rope_store_heads(c->m, c->L, c->qkv, c->s->positions, c->s->slots, b, kv_first, kv_end);
 }
 
-/* attn [B, num_heads * head_dim] = paged attention of each row's q over its cached tokens, each
- * work item first rotating its own q/k heads and storing its new K/V rows (rope_store_heads: the
- * item's heads are the only ones it reads, so no barrier is needed between the two).
- * scores: per_item * num_heads / num_kv_heads * max_context floats per thread. */
+/* attn [B, num_heads * head_dim] = paged attention of each row's q over its cached tokens, in the
+ * plan's work items (decode_plan). Whole-sequence items first rotate their own q/k heads and store
+ * their new K/V rows (rope_store_heads: the item's heads are the only ones it reads, so no barrier
+ * is needed between the two); items that split a sequence's tokens wait for all of them to be
+ * stored. scratch: decode_scratch_floats per thread; parts: decode_partial_floats, shared. */
 static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, float *qkv, const DecodeStep *s,
-                                 int64_t per_item, float *attn, float *scores, float *inv_sum) {
+                                 const DecodePlan *plan, float *attn, float *scratch, float *parts) {
     const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads, B = s->num_seqs;
-    const int64_t Q = NH * D, QKV = Q + 2 * NKV * D, items_per_seq = (NKV + per_item - 1) / per_item;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < B * items_per_seq; item++) {
-        if (scores == NULL || inv_sum == NULL) continue;
-        const int64_t b = item / items_per_seq, kv_first = (item % items_per_seq) * per_item;
-        const int64_t kv_end = kv_first + per_item < NKV ? kv_first + per_item : NKV;
-        rope_store_heads(m, L, qkv, s->positions, s->slots, b, kv_first, kv_end);
-        attend_item(qkv + b * QKV, L->k_cache, L->v_cache, m->kv_type, s->block_tables + b * s->max_blocks,
-                    s->context_lens[b], attn + b * Q, NH, NKV, D, m->block_size, kv_first, kv_end, m->scale, scores,
-                    s->max_context, inv_sum);
-    }
+    const int64_t Q = NH * D, QKV = Q + 2 * NKV * D;
+    const RopeStore ctx = {m, L, qkv, s};
+    if (plan->splits > 1) phase_rope_store(m, L, qkv, s->positions, s->slots, B); /* ends in a barrier */
+    phase_decode_attention(qkv, QKV, L->k_cache, L->v_cache, m->kv_type, s->block_tables, s->max_blocks,
+                           s->context_lens, attn, Q, B, NH, NKV, D, m->block_size, m->scale, plan, scratch, parts,
+                           plan->splits > 1 ? NULL : rope_store_item, &ctx);
 }
 
 /* act[i] = silu(g[i]) * u[i] for i in [first, end), VL lanes at a time (vexp: glibc's scalar expf
@@ -211,18 +210,18 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
         moe_floats = moe_scratch_floats(X, B) > moe_floats ? moe_scratch_floats(X, B) : moe_floats;
     }
     const int64_t moe_total = experts > 0 ? B * (experts + H + 1) + moe_floats : 0;
-    float *buf = malloc(sizeof(float) * (size_t)(B * (QKV + Q + 2 * I) + moe_total));
+    const DecodePlan plan = decode_plan(B, NKV, s->max_context, m->block_size, num_threads);
+    const int64_t partial = decode_partial_floats(&plan, B, NH, D);
+    float *buf = malloc(sizeof(float) * (size_t)(B * (QKV + Q + 2 * I) + moe_total + partial));
     if (buf == NULL) return 1;
     float *qkv = buf, *attn = qkv + B * QKV, *gu = attn + B * Q;
     float *router_logits = gu + B * 2 * I, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
-    float *moe_scratch = shared_gate + B;
-    const int64_t per_item = kv_heads_per_item(B, NKV, num_threads), heads = per_item * (NH / NKV);
+    float *moe_scratch = shared_gate + B, *parts = buf + B * (QKV + Q + 2 * I) + moe_total;
     int failed = 0;
     const int64_t failures = kernel_failures();
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = alloc_or_flag((size_t)(heads * s->max_context), &failed);
-        float *inv_sum = alloc_or_flag((size_t)heads, &failed);
+        float *scratch = alloc_or_flag((size_t)decode_scratch_floats(&plan, NH / NKV), &failed);
         /* Each thread's own residual stream, normed input and SiLU output: the norms and SiLU
          * (a few thousand floats at 1-2 rows) are computed by every thread alike, so the matmul
          * after them needs no barrier of its own (5 per layer instead of 9). */
@@ -248,7 +247,7 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     add_rms_norm_row((l == first_layer ? first_in : hidden) + b * H, rs + b * H,
                                      l == first_layer && !started, L->input_norm, m->eps, H, xn + b * H);
                 linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
-                phase_rope_attention(m, L, qkv, s, per_item, attn, scores, inv_sum);
+                phase_rope_attention(m, L, qkv, s, &plan, attn, scratch, parts);
                 linear_rows_for(&L->o, attn, Q, B, hidden, H);
                 for (int64_t b = 0; b < B; b++)
                     add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
@@ -281,8 +280,7 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
             }
         }
         free(mine);
-        free(scores);
-        free(inv_sum);
+        free(scratch);
     }
     free(buf);
     return failed ? failed : kernel_failures() != failures ? 1 : 0;
@@ -302,17 +300,18 @@ void decode_add_rms_norm(const DecoderModel *m, const float *x, float *resid, in
 int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, const DecodeStep *s, float *attn,
                            int num_threads) {
     const DecoderLayer *L = &m->layers[layer];
-    const int64_t per_item = kv_heads_per_item(s->num_seqs, m->num_kv_heads, num_threads);
-    const int64_t heads = per_item * (m->num_heads / m->num_kv_heads);
+    const DecodePlan plan = decode_plan(s->num_seqs, m->num_kv_heads, s->max_context, m->block_size, num_threads);
+    const int64_t partial = decode_partial_floats(&plan, s->num_seqs, m->num_heads, m->head_dim);
+    float *parts = NULL;
+    if (partial > 0 && (parts = malloc(sizeof(float) * (size_t)partial)) == NULL) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = alloc_or_flag((size_t)(heads * s->max_context), &failed);
-        float *inv_sum = alloc_or_flag((size_t)heads, &failed);
-        phase_rope_attention(m, L, qkv, s, per_item, attn, scores, inv_sum);
-        free(scores);
-        free(inv_sum);
+        float *scratch = alloc_or_flag((size_t)decode_scratch_floats(&plan, m->num_heads / m->num_kv_heads), &failed);
+        phase_rope_attention(m, L, qkv, s, &plan, attn, scratch, parts);
+        free(scratch);
     }
+    free(parts);
     return failed;
 }
 

@@ -101,14 +101,30 @@ int64_t kv_row_bytes(int64_t kv_type, int64_t head_dim); /* 0 for an unknown typ
 /* dst = the row x[0, head_dim) in the format (rounded as the Python reference rounds it). */
 void kv_store_row(int64_t kv_type, void *dst, const float *x, int64_t head_dim);
 
-/* Decode attention of one work item: the query heads of KV heads [kv_first, kv_end) of one
- * sequence, whose q and out are [num_heads, head_dim] and whose first `len` tokens sit in the
- * paged caches (format kv_type) through `table`. scores needs (kv_end - kv_first) * group * len
- * floats, inv_sum (kv_end - kv_first) * group. */
-void attend_item(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type, const int32_t *table,
-                 int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores,
-                 int64_t scores_stride, float *inv_sum);
+/* How a decode step's attention is cut into work items (decode_plan, cpu_attention.c): items of
+ * kv_heads_per_item KV heads of one sequence over `chunk` of its tokens (a multiple of the block
+ * size); splits = chunks per sequence (1: whole sequences, each item's output final; more: each
+ * chunk's partial softmax goes to a shared buffer and is merged). */
+typedef struct {
+    int64_t kv_heads_per_item, chunk, splits;
+} DecodePlan;
+DecodePlan decode_plan(int64_t num_seqs, int64_t num_kv_heads, int64_t max_context, int64_t block_size,
+                       int num_threads);
+int64_t decode_scratch_floats(const DecodePlan *p, int64_t group); /* per thread */
+int64_t decode_partial_floats(const DecodePlan *p, int64_t num_seqs, int64_t num_heads, int64_t head_dim); /* shared */
+/* Called by an item before it reads sequence b's KV heads [kv_first, kv_end) (whole-sequence plans
+ * only): the C decode step rotates and stores the new token's heads there. */
+typedef void (*ItemPrepare)(const void *ctx, int64_t b, int64_t kv_first, int64_t kv_end);
+/* Orphaned worksharing loops: out (row b at b * out_stride) = the attention of each sequence's query
+ * (q row b at b * q_stride, [num_heads, head_dim]) over its context_lens[b] cached tokens, in the
+ * plan's items. scratch: this thread's decode_scratch_floats (NULL: its items are skipped, the
+ * caller reports it); parts: the shared decode_partial_floats. */
+void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            int64_t kv_type, const int32_t *block_tables, int64_t max_blocks,
+                            const int32_t *context_lens, float *out, int64_t out_stride, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, const DecodePlan *p, float *scratch, float *parts, ItemPrepare prepare,
+                            const void *ctx);
 
 /* act[i] = silu(g[i]) * u[i] for i in [first, end) (cpu_decode.c). */
 void silu_mul_span(const float *g, const float *u, int64_t first, int64_t end, float *act);

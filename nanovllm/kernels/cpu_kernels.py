@@ -160,7 +160,7 @@ class CpuKernels:
             fn.restype, fn.argtypes = restype, list(argtypes)
             return fn
         self.decode_attention = typed("paged_decode_attention", cint, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
-                                      i64, i64, i64, i64, c_float, i64, cint)
+                                      i64, i64, i64, i64, c_float, cint)
         self.kv_row_bytes = typed("kv_row_bytes", i64, i64, i64)
         self.kv_store_rows = typed("kv_store_rows", cint, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
@@ -296,15 +296,11 @@ def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
-    threads = torch.get_num_threads()
-    # Whole sequences per work item when there are enough of them to keep every thread busy; else
-    # each sequence's KV heads split so that about 4 items per thread exist.
-    splits = min(num_kv_heads, -(-4 * threads // num_seqs))
-    kv_heads_per_item = -(-num_kv_heads // splits)
+    # The work items (whole sequences, KV-head chunks or token chunks) are the C side's choice.
     failed = kernels.decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type, block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.shape[1], max_context, scale, kv_heads_per_item, threads)
+        block_tables.shape[1], max_context, scale, torch.get_num_threads())
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
     return out

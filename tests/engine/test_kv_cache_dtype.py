@@ -110,3 +110,27 @@ def test_bad_values_are_clear_errors(qwen3_gqa, qwen3_bias_tied):
     assert cuda.kv_cache_format("auto", torch.bfloat16).name == "bfloat16"
     with pytest.raises(ValueError, match=r"cannot run on cuda .* it runs \['auto', 'bfloat16'\]"):
         cuda.kv_cache_format("int8", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def long_qwen3(tmp_path_factory):
+    from helpers import make_qwen3
+    return make_qwen3(str(tmp_path_factory.mktemp("long_qwen3")), max_position_embeddings=2048, seed=6)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16"])
+def test_long_prompts_decode_as_transformers(long_qwen3, name):
+    """Prompts of 1100-1500 tokens, one and two at a time: the C decode step splits each sequence's
+    tokens over the threads (its rotary and KV store first, then the chunks, then the merge) and
+    keeps transformers' greedy tokens (fp32 KV exactly, 16-bit by vLLM's top-5 rule)."""
+    prompts = [[3 + (i * 37 + j * 11) % 250 for j in range(n)] for i, n in enumerate((1100, 1500))]
+    ref = hf_greedy(long_qwen3, prompts, 8)
+    with LLM(long_qwen3, kv_cache_dtype=name, max_model_len=1600) as llm:
+        assert llm.model_runner.step_runners, "the C decode step runs"
+        singles = [llm.generate([p], GREEDY, use_tqdm=False)[0]["token_ids"][:8] for p in prompts]
+        pair = [o["token_ids"][:8] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert singles == pair
+    if name == "float32":
+        assert pair == [tokens for tokens, _ in ref]
+    else:
+        check_tokens_close(pair, ref)

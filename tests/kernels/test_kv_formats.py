@@ -145,6 +145,49 @@ def test_decode_and_prefill_match_the_formula(kernels, name, head_dim):
         start += new[s]
 
 
+@pytest.mark.parametrize("name", ["float32", "float16", "int8"])
+def test_long_contexts_split_over_threads(kernels, name):
+    """Few sequences behind long contexts: the decode kernel splits each sequence's tokens in chunks
+    read by different threads and merges their partial softmaxes (decode_plan); contexts of
+    different lengths, the shorter one ending inside an earlier chunk than the longer, give the
+    formula's attention."""
+    fmt = KV_FORMATS[name]
+    torch.manual_seed(4)
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    lens = [3000, 1100]
+    tables = [list(range(0, 188)), list(range(300, 369))]
+    num_blocks = 400
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, fmt.row_units(head_dim), dtype=fmt.storage)
+    v_cache = torch.zeros_like(k_cache)
+    stored = []
+    for n, table in zip(lens, tables):
+        keys, values = torch.randn(n, kv_heads, head_dim) * 2, torch.randn(n, kv_heads, head_dim)
+        paged_cache(fmt, keys, table, block_size, num_blocks, k_cache)
+        paged_cache(fmt, values, table, block_size, num_blocks, v_cache)
+        stored.append((fmt.dequantize(fmt.quantize(keys)), fmt.dequantize(fmt.quantize(values))))
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(2, heads, head_dim)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            out = cpu_kernels.paged_decode_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables,
+                                                     torch.tensor(lens, dtype=torch.int32), max(lens), 0.125)
+        for s in range(2):
+            ref = reference_attention(q[s: s + 1], *stored[s], [lens[s] - 1], 0.125)
+            torch.testing.assert_close(out[s: s + 1].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+class torch_threads:
+    def __init__(self, n: int):
+        self.n, self.old = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.old)
+
+
 @pytest.mark.parametrize("name", ["bfloat16", "int8", "fp8_e4m3"])
 def test_torch_path_matches_the_c_kernels(kernels, name):
     """The torch backend without the C kernels (no compiler): store, prefill and decode over the
