@@ -1,0 +1,112 @@
+"""Decode behind long prompts, one sequence, per KV cache format: a random prompt of P tokens
+(prefill timed), then --decode steps (decode timed), for each depth P and kv_cache_dtype; and, with
+--attention, the decode attention kernel alone at the same depths (one layer's call, the model's
+head shape, blocks scattered over a cache four times the context).
+
+    python scripts/bench_depth.py [--model M] [--quantization q4_0] [--depths 64,2048,8192]
+                                  [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32] [--attention]
+
+Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
+cache mapped up front, kvcache_prefault); each depth runs once per format, so repeat the command to
+see the machine's noise. Peak RSS is printed per format. Run without OMP_WAIT_POLICY=PASSIVE.
+"""
+import argparse
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args() -> argparse.Namespace:
+    from nanovllm.layers.backends.kv_formats import NAMES
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF folder or .gguf file (default: bench.py's random Qwen3-0.6B shape)")
+    p.add_argument("--quantization", default="q4_0", help="weights quantized at load (default: %(default)s; "
+                   "'none' keeps the checkpoint's)")
+    p.add_argument("--depths", default="64,2048,8192", help="prompt lengths, comma-separated")
+    p.add_argument("--kv-cache-dtypes", default="float32,float16,bfloat16,int8")
+    p.add_argument("--decode", type=int, default=32, help="decode steps timed behind each prompt")
+    p.add_argument("--attention", action="store_true", help="also time the decode attention kernel alone")
+    args = p.parse_args()
+    args.depths = [int(d) for d in args.depths.split(",")]
+    args.kv_cache_dtypes = args.kv_cache_dtypes.split(",")
+    bad = [n for n in args.kv_cache_dtypes if n not in NAMES]
+    if bad:
+        p.error(f"--kv-cache-dtypes: {bad} not in {list(NAMES)}")
+    return args
+
+
+def engine_rows(args, path: str) -> None:
+    from nanovllm import LLM, SamplingParams
+    rng = random.Random(0)
+    longest = max(args.depths) + args.decode + 16
+    quantization = None if args.quantization == "none" else args.quantization
+    for name in args.kv_cache_dtypes:
+        with LLM(path, quantization=quantization, kv_cache_dtype=name, max_model_len=longest, max_num_seqs=1,
+                 max_num_batched_tokens=longest, enable_prefix_caching=False, kvcache_prefault=True) as llm:
+            vocab = llm.config.hf_config.vocab_size
+            for depth in args.depths:
+                prompt = [rng.randrange(100, vocab - 100) for _ in range(depth)]
+                llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.decode + 1, ignore_eos=True))
+                start = time.perf_counter()
+                llm.step()  # the prefill (and the first token)
+                prefilled = time.perf_counter()
+                while not llm.is_finished():
+                    llm.step()
+                done = time.perf_counter()
+                print(f"| {name} | {depth} | {depth / (prefilled - start):.1f} | {args.decode / (done - prefilled):.2f} |",
+                      flush=True)
+        print(f"peak RSS after {name}: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+              flush=True)
+
+
+def attention_rows(args, heads: int, kv_heads: int, head_dim: int) -> None:
+    import torch
+
+    from nanovllm.kernels import cpu_kernels
+    from nanovllm.layers.backends.kv_formats import kv_format
+    kernels = cpu_kernels.load()
+    block = 16
+    q = torch.randn(1, heads, head_dim)
+    for name in args.kv_cache_dtypes:
+        fmt = kv_format("float16" if name == "auto" else name)
+        for depth in args.depths:
+            blocks = -(-depth // block)
+            table = torch.randperm(4 * blocks)[:blocks].to(torch.int32)[None]
+            k = fmt.quantize(torch.randn(4 * blocks, block, kv_heads, head_dim))
+            v = fmt.quantize(torch.randn(4 * blocks, block, kv_heads, head_dim))
+            lens = torch.tensor([depth], dtype=torch.int32)
+            run = lambda: cpu_kernels.paged_decode_attention(kernels, q, k, v, fmt.c_type, table, lens, depth, 0.1)  # noqa: E731
+            for _ in range(3):
+                run()
+            reps = max(5, 20000 // depth)
+            start = time.perf_counter()
+            for _ in range(reps):
+                run()
+            ms = (time.perf_counter() - start) / reps * 1e3
+            gbs = 2 * depth * kv_heads * fmt.row_bytes(head_dim) / (ms / 1e3) / 1e9
+            print(f"| {name} | {depth} | {ms:.3f} ms | {gbs:.1f} GB/s |", flush=True)
+
+
+def main() -> None:
+    os.environ.pop("OMP_WAIT_POLICY", None)
+    args = parse_args()
+    import bench
+    path = args.model or bench.random_qwen3_checkpoint()
+    print("| kv_cache_dtype | prompt tokens | prefill tok/s | decode tok/s |\n|---|---|---|---|", flush=True)
+    engine_rows(args, path)
+    if args.attention:
+        from nanovllm.loader.checkpoint import Checkpoint
+        hf = Checkpoint(path).hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        print("\n| kv_cache_dtype | context | decode attention per layer | KV read |\n|---|---|---|---|", flush=True)
+        attention_rows(args, hf.num_attention_heads, hf.num_key_value_heads, head_dim)
+
+
+if __name__ == "__main__":
+    main()
