@@ -32,6 +32,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-dtypes", default="float32,float16,bfloat16,int8")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed behind each prompt")
     p.add_argument("--attention", action="store_true", help="also time the decode attention kernel alone")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also run llama.cpp (llama-batched-bench -npp P -ntg DECODE -npl 1, flash attention on) with "
+                        "its nearest cache (-ctk/-ctv: f16 for auto / float16, q8_0 for int8), both engines on "
+                        "llama-quantize's file of the checkpoint (--file); llama.cpp built once (scripts/llamacpp_build.py)")
+    p.add_argument("--file", default="q4_0", choices=["q8_0", "q4_0", "q4_k_m"], help="with --llamacpp (default: %(default)s)")
+    p.add_argument("--isa", default="native", choices=["native", "avx2"],
+                   help="instruction sets of both engines (avx2: what AVX2-only machines run; default: %(default)s)")
     args = p.parse_args()
     args.depths = [int(d) for d in args.depths.split(",")]
     args.kv_cache_dtypes = args.kv_cache_dtypes.split(",")
@@ -59,10 +66,37 @@ def engine_rows(args, path: str) -> None:
                 while not llm.is_finished():
                     llm.step()
                 done = time.perf_counter()
-                print(f"| {name} | {depth} | {depth / (prefilled - start):.1f} | {args.decode / (done - prefilled):.2f} |",
+                print(f"| ours {name} | {depth} | {depth / (prefilled - start):.1f} | {args.decode / (done - prefilled):.2f} |",
                       flush=True)
         print(f"peak RSS after {name}: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
               flush=True)
+
+
+LLAMA_KV = {"float32": "f32", "auto": "f16", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
+
+
+def llamacpp_rows(args, gguf: Path) -> None:
+    """llama-batched-bench at every depth, per KV cache type nearest to ours (one run each)."""
+    import json
+
+    import llamacpp_build
+    from nanovllm.utils.cache import cache_root
+    bins = llamacpp_build.build_llamacpp(cache_root(), isa=args.isa)
+    logs = llamacpp_build.work_dir(cache_root()) / "logs"
+    for name in args.kv_cache_dtypes:
+        kv = LLAMA_KV.get(name)
+        if kv is None:
+            continue
+        out = logs / f"depth-{gguf.stem}-{kv}.jsonl"
+        rss = llamacpp_build.run_step(
+            f"llama-batched-bench on {gguf.name}",
+            [str(bins["llama-batched-bench"]), "-m", str(gguf), "-c", str(max(args.depths) + args.decode + 16),
+             "-b", "2048", "-ub", "512", "-npp", ",".join(map(str, args.depths)), "-ntg", str(args.decode),
+             "-npl", "1", "-fa", "on", "-ctk", kv, "-ctv", kv, "-t", str(os.cpu_count()), "--output-format", "jsonl"],
+            logs / f"depth-{gguf.stem}-{kv}.log", stdout=out)
+        for row in (json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")):
+            print(f"| llama.cpp {kv} | {row['pp']} | {row['speed_pp']:.1f} | {row['speed_tg']:.2f} |", flush=True)
+        print(f"peak RSS of llama.cpp {kv}: {rss / 1024:.2f} GiB", flush=True)
 
 
 def attention_rows(args, heads: int, kv_heads: int, head_dim: int) -> None:
@@ -96,10 +130,22 @@ def attention_rows(args, heads: int, kv_heads: int, head_dim: int) -> None:
 def main() -> None:
     os.environ.pop("OMP_WAIT_POLICY", None)
     args = parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import llamacpp_build
+    llamacpp_build.use_isa(args.isa)  # our side's instruction sets (it starts this script again where needed)
     import bench
     path = args.model or bench.random_qwen3_checkpoint()
-    print("| kv_cache_dtype | prompt tokens | prefill tok/s | decode tok/s |\n|---|---|---|---|", flush=True)
+    if args.llamacpp:
+        from nanovllm.utils.cache import cache_root
+        bins = llamacpp_build.build_llamacpp(cache_root(), isa=args.isa)
+        source = llamacpp_build.convert_to_gguf(cache_root(), path, Path(path).name, "f32")
+        path = str(llamacpp_build.quantize_gguf(cache_root(), bins, source, args.file))
+        args.quantization = "none"  # the file's own blocks, as llama.cpp reads them
+    print(f"model {path}, {args.isa} build", flush=True)
+    print("| engine / kv_cache_dtype | prompt tokens | prefill tok/s | decode tok/s |\n|---|---|---|---|", flush=True)
     engine_rows(args, path)
+    if args.llamacpp:
+        llamacpp_rows(args, Path(path))
     if args.attention:
         from nanovllm.loader.checkpoint import Checkpoint
         hf = Checkpoint(path).hf_config

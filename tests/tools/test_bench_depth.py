@@ -1,0 +1,32 @@
+"""scripts/bench_depth.py end to end on a tiny checkpoint: a row per format and depth, prompts of
+the depths asked for (counted by the engine's own prefill), and the decode attention table."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rows_per_format_and_depth(qwen3_gqa):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--model", qwen3_gqa,
+                          "--quantization", "none", "--depths", "16,40", "--decode", "3",
+                          "--kv-cache-dtypes", "float32,int8", "--attention"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    engine = re.findall(r"^\| ours (\S+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", out.stdout, re.M)
+    assert [(name, int(depth)) for name, depth, _, _ in engine] == [
+        ("float32", 16), ("float32", 40), ("int8", 16), ("int8", 40)]
+    assert all(float(prefill) > 0 and float(decode) > 0 for _, _, prefill, decode in engine)
+    kernel = re.findall(r"^\| (\S+) \| (\d+) \| ([\d.]+) ms \| ([\d.]+) GB/s \|$", out.stdout, re.M)
+    assert [(name, int(depth)) for name, depth, _, _ in kernel] == [
+        ("float32", 16), ("float32", 40), ("int8", 16), ("int8", 40)]
+    assert "peak RSS after int8" in out.stdout
+
+
+def test_an_unknown_format_is_refused():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--kv-cache-dtypes", "int4"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "--kv-cache-dtypes: ['int4'] not in" in out.stderr
