@@ -335,6 +335,46 @@ static inline __attribute__((always_inline)) void dot_8rows(const int type, cons
     store_f32(out, s);
 }
 
+/* Rows of a KV head the grouped paths convert once to fp32 are at most this wide. */
+#define KV_TILE_DIM 256
+
+/* Whether a KV head's rows are converted to fp32 once for all the query heads of its group: for the
+ * 1-byte formats, whose conversion costs more than storing and rereading fp32 rows from L1 (int8
+ * decode at 8192 tokens: 3.3 -> 1.5 ms per layer); f16 and bf16 convert in one or two
+ * instructions, and the detour made them slower (docs/performance.md item 42). */
+static inline int converts_once(const int type, int64_t group, int64_t head_dim) {
+    return (type == KV_Q8_0 || type == KV_E4M3 || type == KV_E5M2) && group > 1 && head_dim <= KV_TILE_DIM;
+}
+
+/* tile[i][0, head_dim) = row i (at rows + i * stride bytes) as fp32, i < n. */
+static inline __attribute__((always_inline)) void rows_to_f32(const int type, const uint8_t *rows, int64_t stride,
+                                                              int64_t n, int64_t head_dim, float *tile) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *r = rows + i * stride;
+        float *o = tile + i * head_dim;
+        int64_t d = 0;
+        if (type == KV_Q8_0)
+            for (; d < head_dim; d += 32) {
+                const vf s = (vf){0} + f16x1(r + d / 32 * 34);
+                for (int c = 0; c < 32; c += VL) store_f32(o + d + c, s * i8x8(r + d / 32 * 34 + 2 + c));
+            }
+        for (; d + VL <= head_dim; d += VL) store_f32(o + d, kv_load8(type, r, d));
+        for (; d < head_dim; d++) o[d] = kv_load1(type, r, d);
+    }
+}
+
+/* o[0, head_dim) += sum_i p[i] tile[i], i < n (fp32 rows). */
+static inline void accumulate_rows(const float *tile, int64_t n, int64_t head_dim, const float *p, float *o) {
+    int64_t d = 0;
+    for (; d + VL <= head_dim; d += VL) {
+        vf acc = load_f32(o + d);
+        for (int64_t i = 0; i < n; i++) acc += p[i] * load_f32(tile + i * head_dim + d);
+        store_f32(o + d, acc);
+    }
+    for (; d < head_dim; d++)
+        for (int64_t i = 0; i < n; i++) o[d] += p[i] * tile[i * head_dim + d];
+}
+
 /* The query heads of KV heads [kv_first, kv_end) of one sequence (q, out: [num_heads, head_dim]) over
  * its cached tokens [t_first, t_end) (t_first a multiple of block_size). part_max == NULL: the item
  * is the whole sequence, and out is the attention. Otherwise out is the item's share before the
@@ -354,6 +394,7 @@ static inline __attribute__((always_inline)) void attend_item_t(
     /* This item's query heads are consecutive: kv_first * group .. kv_end * group. */
     const float *q_item = q + kv_first * group * head_dim;
     float *out_item = out + kv_first * group * head_dim;
+    float tile[8 * KV_TILE_DIM]; /* 8 converted rows of one KV head */
 
     /* Pass 1: raw scores q . k of every cached token and head of the item, a block at a time
      * (its tokens' rows are consecutive), 8 tokens at a time: their K rows are read once from
@@ -366,9 +407,20 @@ static inline __attribute__((always_inline)) void attend_item_t(
         int64_t t = 0;
         for (; t + 8 <= n_t; t += 8) {
             prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
-            for (int64_t h = 0; h < num_item_heads; h++)
-                dot_8rows(type, q_item + h * head_dim, k_block + t * token_stride + (kv_first + h / group) * row,
-                          token_stride, head_dim, scores + h * scores_stride + t0 + t);
+            if (!converts_once(type, group, head_dim)) {
+                for (int64_t h = 0; h < num_item_heads; h++)
+                    dot_8rows(type, q_item + h * head_dim, k_block + t * token_stride + (kv_first + h / group) * row,
+                              token_stride, head_dim, scores + h * scores_stride + t0 + t);
+                continue;
+            }
+            /* Grouped heads: the 8 rows of each KV head converted once, then read as fp32 from L1
+             * by each of its query heads (converting them per query head cost more than the reading). */
+            for (int64_t kh = kv_first; kh < kv_end; kh++) {
+                rows_to_f32(type, k_block + t * token_stride + kh * row, token_stride, 8, head_dim, tile);
+                for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++)
+                    dot_8rows(KV_F32, q_item + h * head_dim, (const uint8_t *)tile, 4 * head_dim, head_dim,
+                              scores + h * scores_stride + t0 + t);
+            }
         }
         for (; t < n_t; t++)
             for (int64_t h = 0; h < num_item_heads; h++)
@@ -408,10 +460,16 @@ static inline __attribute__((always_inline)) void attend_item_t(
         for (int64_t t = 0; t < n_t; t += 8) {
             const int64_t nt = n_t - t < 8 ? n_t - t : 8;
             prefetch_rows(v_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
+            const int converted = converts_once(type, group, head_dim);
             for (int64_t h = 0; h < num_item_heads; h++) {
                 const uint8_t *v = v_block + t * token_stride + (kv_first + h / group) * row;
                 const float *p = scores + h * scores_stride + t0 + t;
                 float *o = out_item + h * head_dim;
+                if (converted) { /* the group's first head converts its KV head's rows, all read them */
+                    if (h % group == 0) rows_to_f32(type, v, token_stride, nt, head_dim, tile);
+                    accumulate_rows(tile, nt, head_dim, p, o);
+                    continue;
+                }
                 int64_t d = 0;
                 if (type == KV_Q8_0) /* per block of 32: each token's weight times its scale, once */
                     for (; d < head_dim; d += 32) {
