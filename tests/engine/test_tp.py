@@ -171,9 +171,11 @@ def test_channel_refuses_unlisted_methods_and_oversized_calls():
 
 
 # ---- end to end ---------------------------------------------------------------------------------
-def kv_block_bytes(path: str, tp: int) -> int:
+def kv_block_bytes(path: str, tp: int, kv: str = "float32") -> int:
+    """One block's bytes on one rank, by hand: fp32 rows of head_dim, or int8's 34 bytes per 32."""
     cfg = Config(path).hf_config
-    return 2 * cfg.num_hidden_layers * BLOCK * (cfg.num_key_value_heads // tp) * cfg.head_dim * 4
+    row = cfg.head_dim * 4 if kv == "float32" else cfg.head_dim // 32 * 34
+    return 2 * cfg.num_hidden_layers * BLOCK * (cfg.num_key_value_heads // tp) * row
 
 
 def build_runner_rank(config: Config, rank: int, port: int, results) -> None:
@@ -231,12 +233,12 @@ def spy_on_schedule(llm: LLM) -> list:
     return steps
 
 
-def run_mixed_workload(path: str, tp: int) -> tuple[list[list[int]], list, int, list[int], str]:
+def run_mixed_workload(path: str, tp: int, kv: str = "float32") -> tuple[list[list[int]], list, int, list[int], str]:
     """A prefix-warming request, then a batch with a prefix hit, a chunked prompt and preemption."""
     shared = list(range(3, 3 + 2 * BLOCK))  # two full blocks
     batch = [shared + [100, 101], list(range(40, 80)), list(range(150, 162)), list(range(200, 220))]
-    llm = LLM(path, tensor_parallel_size=tp, dtype="float32", kv_cache_dtype="float32", kvcache_block_size=BLOCK, max_num_seqs=4,
-              max_num_batched_tokens=32, cpu_kvcache_bytes=10 * kv_block_bytes(path, tp))
+    llm = LLM(path, tensor_parallel_size=tp, dtype="float32", kv_cache_dtype=kv, kvcache_block_size=BLOCK,
+              max_num_seqs=4, max_num_batched_tokens=32, cpu_kvcache_bytes=10 * kv_block_bytes(path, tp, kv))
     try:
         assert llm.num_kvcache_blocks == 10  # the budget is per rank, and each rank holds 1/tp of a block
         warm = llm.generate([shared + [99]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
@@ -250,9 +252,11 @@ def run_mixed_workload(path: str, tp: int) -> tuple[list[list[int]], list, int, 
         llm.exit()
 
 
-def test_tp2_matches_tp1_with_prefix_hits_chunks_and_preemption(gqa):
-    tokens1, steps1, preempted1, _, _ = run_mixed_workload(gqa, tp=1)
-    tokens2, steps2, preempted2, pids, shm_name = run_mixed_workload(gqa, tp=2)
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_tp2_matches_tp1_with_prefix_hits_chunks_and_preemption(gqa, kv):
+    """Each rank holds its KV heads in the cache's format (int8: its own blocks of 32 per head)."""
+    tokens1, steps1, preempted1, _, _ = run_mixed_workload(gqa, tp=1, kv=kv)
+    tokens2, steps2, preempted2, pids, shm_name = run_mixed_workload(gqa, tp=2, kv=kv)
     assert_cleaned_up(pids, shm_name)
     assert len(pids) == 1
     for steps, preempted in ((steps1, preempted1), (steps2, preempted2)):
