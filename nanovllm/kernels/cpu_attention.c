@@ -184,22 +184,18 @@ static inline uint16_t f32_to_f16(float x) {
     return (uint16_t)(sign | round_normal(a, 112, 13));
 }
 
-/* fp8: values clamped to the largest finite one first (kv_formats.py's `limit`). */
-static inline uint8_t f32_to_e4m3(float x) {
+/* fp8: values clamped to the largest finite one first (kv_formats.py's `limit`); below the smallest
+ * normal (bits min_normal) in subnormal steps of 1 / inv_step; else rebiased, `drop` mantissa bits off. */
+static inline uint8_t f32_to_fp8(float x, float limit, uint32_t min_normal, float inv_step, uint32_t rebias, int drop) {
     if (isnan(x)) return 0x7F;
-    x = x > 448.0f ? 448.0f : x < -448.0f ? -448.0f : x;
+    x = x > limit ? limit : x < -limit ? -limit : x;
     const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
-    if (a < 0x3C800000u) return (uint8_t)(sign | subnormal_steps(fabsf(x), 512.0f)); /* < 2^-6 */
-    return (uint8_t)(sign | round_normal(a, 120, 20));
+    if (a < min_normal) return (uint8_t)(sign | subnormal_steps(fabsf(x), inv_step));
+    return (uint8_t)(sign | round_normal(a, rebias, drop));
 }
 
-static inline uint8_t f32_to_e5m2(float x) {
-    if (isnan(x)) return 0x7F;
-    x = x > 57344.0f ? 57344.0f : x < -57344.0f ? -57344.0f : x;
-    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
-    if (a < 0x38800000u) return (uint8_t)(sign | subnormal_steps(fabsf(x), 65536.0f)); /* < 2^-14 */
-    return (uint8_t)(sign | round_normal(a, 112, 21));
-}
+static inline uint8_t f32_to_e4m3(float x) { return f32_to_fp8(x, 448.0f, 0x3C800000u, 512.0f, 120, 20); }   /* 2^-6 */
+static inline uint8_t f32_to_e5m2(float x) { return f32_to_fp8(x, 57344.0f, 0x38800000u, 65536.0f, 112, 21); } /* 2^-14 */
 
 /* ggml's quantize_row_q8_0_ref: d = max|x| / 127 stored as fp16, q = roundf(x / d) with 1 / d in fp32. */
 static void store_q8_0(uint8_t *dst, const float *x, int64_t n) {
@@ -218,14 +214,9 @@ void kv_store_row(int64_t kv_type, void *dst, const float *x, int64_t head_dim) 
     switch (kv_type) {
     case KV_F32: memcpy(dst, x, sizeof(float) * (size_t)head_dim); break;
     case KV_BF16:
-        for (int64_t d = 0; d < head_dim; d++) {
-            const uint16_t h = f32_to_bf16(x[d]);
-            memcpy(o + 2 * d, &h, sizeof h);
-        }
-        break;
     case KV_F16:
         for (int64_t d = 0; d < head_dim; d++) {
-            const uint16_t h = f32_to_f16(x[d]);
+            const uint16_t h = kv_type == KV_BF16 ? f32_to_bf16(x[d]) : f32_to_f16(x[d]);
             memcpy(o + 2 * d, &h, sizeof h);
         }
         break;

@@ -12,15 +12,9 @@ from nanovllm.layers.backends import get_backend
 from nanovllm.layers.backends.kv_formats import KV_FORMATS, kv_format
 from nanovllm.layers.backends.torch_backend import TorchMetadata
 
+from test_cpu_quant import kernels  # noqa: F401,E402  (the fixture: the library, or a skip without a compiler)
+
 FORMATS = list(KV_FORMATS)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.skip("no C compiler")
-    return k
 
 
 def edge_rows(n: int, head_dim: int, seed: int = 0) -> torch.Tensor:
