@@ -194,7 +194,8 @@ def main() -> int:
     prompts, max_tokens = make_requests(args, llm.vocab_size)
     total = sum(max_tokens)
     results = {"device": cfg.device, "dtype": str(cfg.torch_dtype).split(".")[-1],
-               "weight_dtype": str(cfg.weight_dtype).split(".")[-1], "num_seqs": args.num_seqs,
+               "weight_dtype": str(cfg.weight_dtype).split(".")[-1], "kv_cache_dtype": cfg.kv_format.name,
+               "num_seqs": args.num_seqs,
                "input_len": [args.min_input_len, args.max_input_len],
                "output_len": [args.min_output_len, args.max_output_len], "output_tokens": total,
                "threads": torch.get_num_threads()}
@@ -206,7 +207,8 @@ def main() -> int:
     results["nanovllm"] = {"time_s": elapsed, "tok_s": total / elapsed}
     print(f"nano-vLLM     Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s "
           f"({args.num_seqs} requests, {cfg.device}, {results['dtype']}"
-          + ("" if results["weight_dtype"] == results["dtype"] else f", {results['weight_dtype']} weights") + ")")
+          + ("" if results["weight_dtype"] == results["dtype"] else f", {results['weight_dtype']} weights")
+          + f", {results['kv_cache_dtype']} KV cache)")
     if args.efficiency:
         from nanovllm.utils.efficiency import measure_efficiency
         results["efficiency"] = measure_efficiency(llm)
