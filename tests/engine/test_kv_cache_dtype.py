@@ -134,3 +134,22 @@ def test_long_prompts_decode_as_transformers(long_qwen3, name):
         assert pair == [tokens for tokens, _ in ref]
     else:
         check_tokens_close(pair, ref)
+
+
+def test_prompt_logprobs_read_the_stored_format(qwen3_gqa):
+    """Prompt logprobs under an int8 cache: a prompt chunked over four steps gives those of one
+    prefill (every chunk reads the keys as stored), and they stay near the fp32 cache's (the
+    rounding of q8_0 blocks moves a logprob by hundredths, not more)."""
+    prompt = [5 + (7 * j) % 240 for j in range(70)]
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(**kwargs):
+        with LLM(qwen3_gqa, kvcache_block_size=16, enable_prefix_caching=False, **kwargs) as llm:
+            entries = llm.generate([prompt], sp, use_tqdm=False)[0]["prompt_logprobs"]
+        return torch.tensor([entries[j][prompt[j]] for j in range(1, len(prompt))])
+
+    whole = logprobs(kv_cache_dtype="int8")
+    chunked = logprobs(kv_cache_dtype="int8", max_num_batched_tokens=20, max_num_seqs=1)
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)
+    fp32 = logprobs(kv_cache_dtype="float32")
+    assert (whole - fp32).abs().max() < 0.05 and not torch.equal(whole, fp32), (whole - fp32).abs().max()
