@@ -41,10 +41,6 @@
 float nanovllm_f16_to_f32(uint16_t h); /* cpu_quant.c */
 
 /* ---- the formats: reading 8 values (or one) of a row as fp32 ---------------------------------- */
-typedef uint16_t vh __attribute__((vector_size(2 * VL)));
-typedef uint32_t vu __attribute__((vector_size(4 * VL)));
-typedef int8_t vb __attribute__((vector_size(VL)));
-typedef uint8_t vub __attribute__((vector_size(VL)));
 
 /* An e4m3 byte's sign to bit 15 and its exponent and mantissa up by 7 is the fp16 of its value
  * times 2^-8 (fp16's exponent bias is 8 more; subnormals map onto subnormals). */
@@ -73,6 +69,9 @@ static inline vf e4m3x8(const uint8_t *p) {
     return (vf)_mm256_cvtph_ps(h) * 256.0f;
 }
 #else
+typedef uint16_t vh __attribute__((vector_size(2 * VL)));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+typedef int8_t vb __attribute__((vector_size(VL)));
 static inline vf bf16x8(const uint8_t *p) {
     vh h;
     memcpy(&h, p, sizeof h);
