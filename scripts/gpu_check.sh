@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with a CUDA GPU, torch, triton and transformers (flash-attn optional, no
-# network): runs the GPU tests (marker `gpu`, plus the Triton store, fused-experts and graph-logic tests, on CUDA),
+# network): runs the GPU tests (marker `gpu`, plus the Triton store, fp8 attention, fused-experts and graph-logic tests, on CUDA),
 # then a short throughput bench, and prints one table. Finishes within 10 minutes.
 #   usage: scripts/gpu_check.sh            (PYTHON=/path/to/python to pick the interpreter)
 set -uo pipefail
@@ -14,6 +14,7 @@ if $PY -c "import pytest" 2>/dev/null; then
     echo "running GPU tests (log: pytest tail below)"
     timeout 330 $PY -m pytest -q -p no:cacheprovider --junitxml="$work/junit.xml" \
         tests/engine/test_gpu.py tests/kernels/test_store_kvcache.py tests/engine/test_cuda_graph.py tests/kernels/test_fused_moe.py \
+        "tests/kernels/test_triton_attention.py::test_decode_reads_fp8_caches" "tests/kernels/test_triton_attention.py::test_prefill_over_fp8_caches" \
         tests/kernels/test_triton_weight_only.py "tests/models/test_prequantized.py::test_on_a_gpu_the_triton_kernels_run_the_checkpoints" \
         >"$work/pytest.log" 2>&1
     tests_rc=$?

@@ -1,6 +1,7 @@
 """llama.cpp for scripts/bench_llamacpp.py: fetches the llama.cpp vendored in the llama-cpp-python sdist,
 builds llama-bench, llama-batched-bench, llama-quantize and llama-perplexity, and converts HF folders to GGUF, all cached in the nanovllm
-cache folder (keyed by version) so a second run does none of it again."""
+cache folder (keyed by version) so a second run does none of it again. The same for ik_llama.cpp (the
+CPU-speed fork, vendored in the ik-llama-cpp-python sdist), a second reference: fork="ik_llama.cpp"."""
 import hashlib
 import json
 import os
@@ -11,9 +12,25 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 VERSION = "0.3.36"  # llama-cpp-python release; it vendors llama.cpp commit 0c1e570
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity")
+
+
+class Fork(NamedTuple):
+    package: str  # the PyPI sdist that vendors it
+    version: str
+    vendor: str  # its folder under the sdist's vendor/
+    targets: tuple[str, ...]
+
+
+FORKS = {
+    "llama.cpp": Fork("llama-cpp-python", VERSION, "llama.cpp", TARGETS),
+    # Only the benchmark tools: files are converted and quantized by mainline llama.cpp's, so both
+    # forks read the same bytes.
+    "ik_llama.cpp": Fork("ik-llama-cpp-python", "0.1.5", "ik_llama.cpp", ("llama-bench", "llama-batched-bench")),
+}
 OUTTYPES = ("f32", "f16", "q8_0")
 CONVERTER_DEPS = ("numpy", "sentencepiece", "safetensors", "torch", "transformers")
 QWEN2_VOCAB = "models/ggml-vocab-qwen2.gguf"  # 151936 tokens, the Qwen2/Qwen3 tokenizer
@@ -88,34 +105,53 @@ def _high_water_kib(pid: int) -> int:
     return 0
 
 
-def work_dir(cache: Path) -> Path:
-    return cache / f"llama.cpp-{VERSION}"
+def work_dir(cache: Path, fork: str = "llama.cpp") -> Path:
+    return cache / f"{fork}-{FORKS[fork].version}"
 
 
-def fetch_source(cache: Path) -> Path:
-    """The vendored llama.cpp folder, unpacked from the sdist on first use."""
-    src = work_dir(cache) / "src"
-    llama = src / "vendor" / "llama.cpp"
+def fetch_source(cache: Path, fork: str = "llama.cpp") -> Path:
+    """The vendored source folder of fork (a key of FORKS), unpacked from its sdist on first use."""
+    package, version, vendor, _ = FORKS[fork]
+    src = work_dir(cache, fork) / "src"
+    llama = src / "vendor" / vendor
     if (llama / "CMakeLists.txt").is_file():
         return llama
-    work_dir(cache).mkdir(parents=True, exist_ok=True)
-    logs = work_dir(cache) / "logs"
-    with tempfile.TemporaryDirectory(dir=work_dir(cache), prefix=".fetch-") as tmp:
-        run_step("pip download of the llama-cpp-python sdist",
+    work_dir(cache, fork).mkdir(parents=True, exist_ok=True)
+    logs = work_dir(cache, fork) / "logs"
+    stem = package.replace("-", "_")
+    with tempfile.TemporaryDirectory(dir=work_dir(cache, fork), prefix=".fetch-") as tmp:
+        run_step(f"pip download of the {package} sdist",
                  [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                  "--disable-pip-version-check", "--dest", tmp, f"llama-cpp-python=={VERSION}"],
+                  "--disable-pip-version-check", "--dest", tmp, f"{package}=={version}"],
                  logs / "download.log")
-        sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        sdists = list(Path(tmp).glob(f"{stem}-*.tar.gz"))
         if not sdists:
             raise BuildError(f"pip download left no sdist in {tmp}; see {logs / 'download.log'}")
         with tarfile.open(sdists[0]) as tar:  # the "data" filter refuses links and paths out of tmp
             tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-        unpacked = Path(tmp) / f"llama_cpp_python-{VERSION}"
-        if not (unpacked / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
-            raise BuildError(f"the sdist {sdists[0].name} has no vendor/llama.cpp")
+        unpacked = Path(tmp) / f"{stem}-{version}"
+        if not (unpacked / "vendor" / vendor / "CMakeLists.txt").is_file():
+            raise BuildError(f"the sdist {sdists[0].name} has no vendor/{vendor}")
+        complete_build_info(unpacked / "vendor" / vendor, f"{package}-{version}")
         shutil.rmtree(src, ignore_errors=True)
         os.replace(unpacked, src)  # atomic: the source folder is whole or absent
     return llama
+
+
+def complete_build_info(llama: Path, label: str) -> None:
+    """The ik-llama-cpp-python sdist leaves out common/cmake/build-info-gen-cpp.cmake, the script its
+    build runs to fill in common/build-info.cpp.in (commit and compiler strings the tools print):
+    write one that fills it in with the sdist's name."""
+    script = llama / "common" / "cmake" / "build-info-gen-cpp.cmake"
+    if script.is_file() or not (llama / "common" / "build-info.cpp.in").is_file():
+        return
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(f"""set(BUILD_NUMBER 0)
+set(BUILD_COMMIT "{label}")
+set(BUILD_COMPILER "${{CMAKE_C_COMPILER_ID}} ${{CMAKE_C_COMPILER_VERSION}}")
+set(BUILD_TARGET "${{CMAKE_SYSTEM_PROCESSOR}}")
+configure_file(common/build-info.cpp.in common/build-info.cpp @ONLY)
+""")
 
 
 def build_tool(name: str) -> str:
@@ -142,31 +178,35 @@ def ensure_converter_deps() -> None:
                  Path(tempfile.gettempdir()) / "nanovllm-pip-converter.log")
 
 
-def build_llamacpp(cache: Path, jobs: int | None = None, isa: str = "native") -> dict[str, Path]:
-    """Paths of the TARGETS built for isa (a key of ISA_FLAGS), configuring and building them only
+def build_llamacpp(cache: Path, jobs: int | None = None, isa: str = "native", fork: str = "llama.cpp") -> dict[str, Path]:
+    """Paths of fork's targets built for isa (a key of ISA_FLAGS), configuring and building them only
     when the stamp (which names the flags) is missing or differs."""
     if isa not in ISA_FLAGS:
         raise BuildError(f"no llama.cpp build for instruction set {isa!r}; choose from {sorted(ISA_FLAGS)}")
-    work = work_dir(cache)
+    if fork not in FORKS:
+        raise BuildError(f"no fork {fork!r}; choose from {sorted(FORKS)}")
+    targets = FORKS[fork].targets
+    work = work_dir(cache, fork)
     build = work / f"build-{isa}"
-    bins = {t: build / "bin" / t for t in TARGETS}
+    bins = {t: build / "bin" / t for t in targets}
     stamp = work / f"build-{isa}-ok.json"
-    recipe = {"llama_cpp_python": VERSION, "targets": list(TARGETS), "flags": ISA_FLAGS[isa]}
+    recipe = {FORKS[fork].package.replace("-", "_"): FORKS[fork].version, "targets": list(targets),
+              "flags": ISA_FLAGS[isa]}
     if stamp.is_file() and json.loads(stamp.read_text()) == recipe and all(p.is_file() for p in bins.values()):
         return bins
-    llama = fetch_source(cache)
+    llama = fetch_source(cache, fork)
     cmake, ninja = build_tool("cmake"), build_tool("ninja")
-    print(f"building llama.cpp ({', '.join(TARGETS)}, {isa}) in {build} (once; minutes) ...", flush=True)
-    run_step("cmake configure of llama.cpp",
+    print(f"building {fork} ({', '.join(targets)}, {isa}) in {build} (once; minutes) ...", flush=True)
+    run_step(f"cmake configure of {fork}",
              [cmake, "-S", str(llama), "-B", str(build), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
               *ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
              work / "logs" / f"configure-{isa}.log")
-    run_step("cmake build of llama.cpp",
-             [cmake, "--build", str(build), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 1)],
+    run_step(f"cmake build of {fork}",
+             [cmake, "--build", str(build), "--target", *targets, "-j", str(jobs or os.cpu_count() or 1)],
              work / "logs" / f"build-{isa}.log")
     missing = [str(p) for p in bins.values() if not p.is_file()]
     if missing:
-        raise BuildError(f"the llama.cpp build finished but left no {', '.join(missing)}")
+        raise BuildError(f"the {fork} build finished but left no {', '.join(missing)}")
     stamp.write_text(json.dumps(recipe))
     return bins
 

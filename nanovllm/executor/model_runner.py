@@ -62,8 +62,9 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(platform.random_sample, generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype)
         self.kv_format = config.kv_format
+        backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype,
+                                         self.kv_format)
         self.backend = get_backend(backend_name, config.device, self.kv_format, self.dtype)
         self.backend.check_block_size(self.block_size)
         self.backend.check_dtype(self.dtype)

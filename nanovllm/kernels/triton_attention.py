@@ -3,12 +3,16 @@ variable-length causal prefill whose keys may start in the cache. Called by the 
 
 Both kernels keep fp32 running max / sum / accumulator (online softmax in base 2) and read the
 cache through the block table row by row, so any block size works and no K/V is gathered in Python.
+The cache holds the activations' dtype or an fp8 format (store_kvcache.py); attention sees the values
+as stored, so prefill rounds its fresh keys and values to the fp8 grid as well, and a token's
+attention does not depend on whether its prompt came whole, in chunks or from the prefix cache.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_tuning import choose_num_splits, decode_tiles, is_hopper, prefill_tiles
+from nanovllm.kernels.store_kvcache import FP8_FORMATS, fp8_constants, fp8_round
 
 _LOG2E = 1.4426950408889634
 
@@ -22,6 +26,15 @@ def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _cached(x, KV_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Cache rows as loaded -> the dots' dtype. fp8 goes through fp32 (exact either way; the
+    interpreter's direct e5m2 -> fp16 cast flushes subnormals)."""
+    if KV_FP8:
+        x = x.to(tl.float32)
+    return x.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -39,7 +52,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   KV_FP8: tl.constexpr):
     # One program: all GROUP query heads sharing one KV head, over one split of one sequence's context.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -68,8 +82,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         offs = _paged_kv_offsets(table_ptr, pos, mask_n, offs_d, kv_head, stride_kb, stride_ks, stride_kh,
                                  BLOCK_SIZE)
         mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=mask_nd, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + offs, mask=mask_nd, other=0.0).to(DOT_DTYPE)
+        k = _cached(tl.load(k_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)  # [BLOCK_N, BLOCK_D]
+        v = _cached(tl.load(v_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
@@ -118,7 +132,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_PREFIX: tl.constexpr, DIAG_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr):
+                    DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+                    LIMIT: tl.constexpr):
     # One program: BLOCK_M new tokens of one sequence, one query head. Keys are the cached prefix
     # (paged, all visible) followed by this step's new tokens (packed k/v, causal).
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal tiles start first
@@ -151,8 +166,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             offs = _paged_kv_offsets(table_ptr, pos, mask_n, offs_d, kv_head, stride_cb, stride_cs, stride_ch,
                                      BLOCK_SIZE)
             mask_nd = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=mask_nd, other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_cache_ptr + offs, mask=mask_nd, other=0.0).to(DOT_DTYPE)
+            k = _cached(tl.load(k_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
+            v = _cached(tl.load(v_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
@@ -170,9 +185,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             tokens_n = (q_start + pos).to(tl.int64)
             mask_nd = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_ptr + tokens_n[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                        mask=mask_nd, other=0.0).to(DOT_DTYPE)
+                        mask=mask_nd, other=0.0)
             v = tl.load(v_ptr + tokens_n[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_nd, other=0.0).to(DOT_DTYPE)
+                        mask=mask_nd, other=0.0)
+            if KV_FP8:  # the values the cache holds for these tokens
+                k = fp8_round(k.to(tl.float32), MANT, EMIN, LIMIT)
+                v = fp8_round(v.to(tl.float32), MANT, EMIN, LIMIT)
+            k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if stage == 1:
                 s = tl.where((pos[None, :] <= offs_m[:, None]) & mask_n[None, :], s, float("-inf"))
@@ -245,7 +264,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, **_dot_options(q),
-        num_warps=num_warps, num_stages=num_stages)
+        KV_FP8=k_cache.dtype in FP8_FORMATS, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out, num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
@@ -262,8 +281,10 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     k, v [num_tokens, num_kv_heads, head_dim] are the new tokens' keys/values. Sequence i has
     cu_seqlens_k[i+1] - cu_seqlens_k[i] keys; the ones before its new tokens are read from the
     paged cache through block_tables, which must be given whenever any sequence has such a prefix.
+    With an fp8 cache, k and v are rounded as the cache holds them (k_cache's dtype says which).
     """
     has_prefix = block_tables is not None
+    kv_fp8, fp8 = k_cache.dtype in FP8_FORMATS, fp8_constants(k_cache.dtype)
     if has_prefix:
         _check_layout(q, k_cache, v_cache)
     if q.shape[1] % k.shape[1] != 0 or k.shape != v.shape or q.shape[2] != k.shape[2]:
@@ -292,6 +313,6 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         *cache_strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if has_prefix else 16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_PREFIX=has_prefix,
-        DIAG_SPLIT=q.dtype != torch.float32,
-        **_dot_options(q), num_warps=num_warps, num_stages=num_stages)
+        DIAG_SPLIT=q.dtype != torch.float32, **_dot_options(q), KV_FP8=kv_fp8, **fp8,
+        num_warps=num_warps, num_stages=num_stages)
     return out

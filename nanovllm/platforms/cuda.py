@@ -36,6 +36,12 @@ class CudaPlatform(Platform):
     def default_compile_ops(self, enforce_eager: bool) -> bool:
         return not enforce_eager  # fused kernels pay off at once
 
+    def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...]]:
+        # The activations' dtype (any backend), or vLLM's fp8 at scale 1, which the Triton store
+        # and attention kernels convert as they write and read (flash-attn is then passed over).
+        auto, names = super().kv_cache_formats(compute_dtype)
+        return auto, (*names, "fp8", "fp8_e4m3", "fp8_e5m2")
+
     def replica_env(self, index: int, num_replicas: int, tensor_parallel_size: int) -> dict[str, str]:
         # Replica i sees only its own GPUs (its ranks then count them from 0), taken in order from
         # the ones this process sees.

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nanovllm.layers import backends
-from nanovllm.layers.backends import get_backend, pick_backend_name
+from nanovllm.layers.backends import backend_class, check_backend_kv_format, get_backend, pick_backend_name
+from nanovllm.layers.backends.kv_formats import KV_FORMATS
 from nanovllm.layers.backends.base import kv_store_for, store_kvcache_torch
 from nanovllm.layers.backends.torch_backend import TorchBackend
 
@@ -42,6 +43,20 @@ def test_auto_on_cuda_skips_flash_it_cannot_use(fake_flash_attn, caplog, block_s
         picked = pick_backend_name("auto", "cuda", block_size, dtype)
     assert picked != "flash"
     assert reason in caplog.text and picked in caplog.text
+
+
+def test_fp8_cache_on_cuda_picks_triton_over_flash(fake_flash_attn, caplog):
+    # flash-attn reads caches in the activations' dtype only; the Triton kernels read fp8 too.
+    fp8, bf16 = KV_FORMATS["fp8_e4m3"], KV_FORMATS["bfloat16"]
+    assert pick_backend_name("auto", "cuda", 256, torch.bfloat16, bf16) == "flash"
+    with caplog.at_level(logging.WARNING, logger=backends.__name__):
+        assert pick_backend_name("auto", "cuda", 256, torch.bfloat16, fp8) == "triton"
+    assert "not fp8_e4m3" in caplog.text
+    assert backend_class("triton").kv_format_error(KV_FORMATS["fp8_e5m2"], torch.float16) is None
+    assert "the torch backend reads every format" in backend_class("triton").kv_format_error(
+        KV_FORMATS["int8"], torch.bfloat16)
+    with pytest.raises(ValueError, match="attention_backend='flash' with kv_cache_dtype='fp8_e4m3'"):
+        check_backend_kv_format("flash", fp8, torch.bfloat16)
 
 
 def test_auto_on_cuda_without_flash_attn_warns(monkeypatch, caplog):

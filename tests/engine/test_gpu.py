@@ -1,6 +1,6 @@
 """CUDA-only checks (marker `gpu`, skipped without a GPU): flash backend vs torch backend, decode
 graph replay vs eager (a dense and a mixture-of-experts model), bf16 parity with HF by vLLM's
-top-5 rule, KV cache sizing."""
+top-5 rule (with fp8 KV caches too), KV cache sizing."""
 import importlib.util
 
 import pytest
@@ -137,9 +137,13 @@ def cuda_backends() -> list[str]:
     return [b for b in available_backends() if importlib.util.find_spec(needs.get(b, "torch")) is not None]
 
 
-@pytest.mark.parametrize("backend", cuda_backends())
-def test_bf16_parity_with_hf_top5(model_path, backend):
-    engine = LLMEngine(model_path, dtype="bfloat16", attention_backend=backend)
+@pytest.mark.parametrize("backend, kv_cache_dtype", [(b, "auto") for b in cuda_backends()] + [
+    ("auto", "fp8_e4m3"), ("auto", "fp8_e5m2")])  # fp8: the Triton store and kernels, under CUDA graphs
+def test_bf16_parity_with_hf_top5(model_path, backend, kv_cache_dtype):
+    engine = LLMEngine(model_path, dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype != "auto":
+        assert engine.model_runner.backend.name == "triton"
+        assert engine.model_runner.kv_cache.dtype == engine.config.kv_format.storage
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ours = [o["token_ids"] for o in engine.generate(PROMPTS, params, use_tqdm=False)]
     hf = hf_greedy(model_path, PROMPTS, max_new_tokens=12)

@@ -105,10 +105,12 @@ def test_bad_values_are_clear_errors(qwen3_gqa, qwen3_bias_tied):
         LLM(qwen3_gqa, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="head_dim 24 is not a multiple"):
         LLM(qwen3_bias_tied, kv_cache_dtype="int8")
-    # CUDA runs the activations' dtype (what flash-attn and the Triton kernels read) and nothing else
+    # CUDA runs the activations' dtype (what flash-attn and the Triton kernels read) and fp8 (Triton)
     cuda = CudaPlatform()
     assert cuda.kv_cache_format("auto", torch.bfloat16).name == "bfloat16"
-    with pytest.raises(ValueError, match=r"cannot run on cuda .* it runs \['auto', 'bfloat16'\]"):
+    assert cuda.kv_cache_format("fp8", torch.bfloat16).name == "fp8_e4m3"
+    assert cuda.kv_cache_format("fp8_e5m2", torch.float16).name == "fp8_e5m2"
+    with pytest.raises(ValueError, match=r"cannot run on cuda .* it runs \['auto', 'bfloat16', 'fp8', "):
         cuda.kv_cache_format("int8", torch.bfloat16)
 
 

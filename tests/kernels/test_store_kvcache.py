@@ -83,3 +83,37 @@ def test_triton_store_all_skipped_and_empty():
     empty = torch.empty(0, 1, 8, device=DEVICE)
     store_kvcache_triton(empty, empty, k_out, v_out, torch.empty(0, dtype=torch.int64, device=DEVICE))
     assert torch.equal(k_out.cpu(), k_cache)
+
+
+def fp8_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite fp16 value (ties, subnormals, both zeros, past fp8's range), and fp32 values
+    from 1e-30 to 1e30 of both signs, as token rows of 8 heads x 128."""
+    every_f16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    every_f16 = every_f16[every_f16.isfinite()].float()
+    wide = torch.logspace(-30, 30, 4096) * torch.tensor([1.0, -1.0]).repeat(2048)
+    x = torch.cat([every_f16, wide] if dtype == torch.float32 else [every_f16]).to(dtype)
+    return x[: x.numel() // 1024 * 1024].view(-1, 8, 128)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_store_writes_fp8_bytes_of_the_reference(name, dtype):
+    # Bit for bit what KVFormat.quantize (torch: clamp, then round to nearest even) writes.
+    from nanovllm.kernels.store_kvcache import store_kvcache_triton
+    from nanovllm.layers.backends.kv_formats import KV_FORMATS
+
+    fmt = KV_FORMATS[name]
+    x = fp8_inputs(dtype)
+    rows = x.shape[0]
+    slots = torch.randperm(rows + 8, generator=torch.Generator().manual_seed(3))[:rows]
+    slots[5] = -1
+    k_cache = torch.full((rows + 8, 1, 8, 128), 0.5).to(fmt.storage)  # a value no input row leaves behind
+    v_cache = k_cache.clone()
+    store_kvcache_triton(x.to(DEVICE), (-x).to(DEVICE), k_out := k_cache.to(DEVICE), v_out := v_cache.to(DEVICE),
+                         slots.to(DEVICE))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    k_ref.view(-1, 8, 128)[slots[keep]] = fmt.quantize(x[keep])
+    v_ref.view(-1, 8, 128)[slots[keep]] = fmt.quantize(-x[keep])
+    assert torch.equal(k_out.cpu().view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_out.cpu().view(torch.uint8), v_ref.view(torch.uint8))

@@ -20,6 +20,7 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
 from nanovllm.kernels import attention_tuning, triton_attention as ta  # noqa: E402
 from nanovllm.layers.backends.base import store_kvcache_torch  # noqa: E402
+from nanovllm.layers.backends.kv_formats import KV_FORMATS  # noqa: E402
 from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -70,21 +71,31 @@ def prefill_metadata(lens, block_tables) -> TorchMetadata:
                          block_tables=block_tables if has_prefix else None)
 
 
-def check_decode(context_lens, group, block_size, dtype, num_splits, head_dim=32, num_kv_heads=2, seed=0):
+def in_format(kv: str | None, *caches: torch.Tensor):
+    """(the torch backend over caches in KV format kv, the caches stored in it); None: as they are."""
+    if kv is None:
+        return TorchBackend(), caches
+    fmt = KV_FORMATS[kv]
+    return TorchBackend(kv_format=fmt), tuple(fmt.quantize(c) for c in caches)
+
+
+def check_decode(context_lens, group, block_size, dtype, num_splits, head_dim=32, num_kv_heads=2, seed=0, kv=None):
     lens = [(1, c) for c in context_lens]
     q, _, _, k_cache, v_cache, tables, _, _ = build_case(lens, group * num_kv_heads, num_kv_heads, head_dim,
                                                          block_size, dtype, seed)
+    reference, (k_cache, v_cache) = in_format(kv, k_cache, v_cache)
     ctx_lens = torch.tensor(context_lens, dtype=torch.int32, device=q.device)
-    ref = TorchBackend().decode(q, k_cache, v_cache, TorchMetadata(block_tables=tables, context_lens=ctx_lens), SCALE)
+    ref = reference.decode(q, k_cache, v_cache, TorchMetadata(block_tables=tables, context_lens=ctx_lens), SCALE)
     out = ta.paged_decode_attention(q, k_cache, v_cache, tables, ctx_lens, SCALE, max(context_lens), num_splits)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-def check_prefill(lens, group, block_size, dtype, tiles=(None, None), head_dim=32, num_kv_heads=2, seed=0):
+def check_prefill(lens, group, block_size, dtype, tiles=(None, None), head_dim=32, num_kv_heads=2, seed=0, kv=None):
     q, k, v, k_cache, v_cache, tables, cu_q, cu_k = build_case(lens, group * num_kv_heads, num_kv_heads,
                                                                head_dim, block_size, dtype, seed)
+    reference, (k_cache, v_cache) = in_format(kv, k_cache, v_cache)
     metadata = prefill_metadata(lens, tables)
-    ref = TorchBackend().prefill(q, k, v, k_cache, v_cache, metadata, SCALE)
+    ref = reference.prefill(q, k, v, k_cache, v_cache, metadata, SCALE)
     out = ta.paged_prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max(q for q, _ in lens), SCALE,
                                      metadata.block_tables, block_m=tiles[0], block_n=tiles[1])
     torch.testing.assert_close(out, ref, **tolerance(dtype))
@@ -106,6 +117,17 @@ def test_decode_matches_torch(group, num_kv_heads, block_size, dtype, num_splits
     check_decode(DECODE_LENS, group, block_size, dtype, num_splits, head_dim, num_kv_heads)
 
 
+@pytest.mark.parametrize("kv, dtype, num_splits", [
+    ("fp8_e4m3", torch.float32, 1),
+    ("fp8_e5m2", torch.float32, 2),
+    ("fp8_e4m3", torch.bfloat16, 2),
+    ("fp8_e5m2", torch.float16, 1),
+])
+def test_decode_reads_fp8_caches(kv, dtype, num_splits):
+    # The reference dequantizes a gathered copy of the same stored bytes.
+    check_decode(DECODE_LENS, 2, 16, dtype, num_splits, kv=kv)
+
+
 def test_decode_split_count_larger_than_context():
     # 8 splits over 1-3 tiles: most splits are empty and must weigh nothing in the merge.
     check_decode([3, 40], group=2, block_size=16, dtype=torch.float32, num_splits=8, num_kv_heads=1)
@@ -125,6 +147,13 @@ PREFILL_LENS = [(1, 1), (6, 29), (5, 37), (3, 150), (70, 70)]
 ])
 def test_prefill_matches_torch(group, num_kv_heads, block_size, dtype, tiles, head_dim):
     check_prefill(PREFILL_LENS, group, block_size, dtype, tiles, head_dim, num_kv_heads)
+
+
+@pytest.mark.parametrize("kv, dtype", [("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.bfloat16)])
+def test_prefill_over_fp8_caches(kv, dtype):
+    # Cached prefixes read as stored, and the fresh keys and values rounded as the cache will hold
+    # them (fp32 would differ by up to fp8's 2^-4 relative step, far past the tolerance).
+    check_prefill(PREFILL_LENS, 2, 16, dtype, (16, 16), kv=kv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,13 +196,13 @@ def model_path(tmp_path_factory) -> str:
     return make_qwen3(str(tmp_path_factory.mktemp("qwen3_gqa")), "gqa")
 
 
-def generate_twice(path: str, backend: str) -> tuple[list[list[int]], list[bool]]:
+def generate_twice(path: str, backend: str, kv_cache_dtype: str = "float32") -> tuple[list[list[int]], list[bool]]:
     """Two rounds of greedy generation; the second reuses the first round's cached prefix blocks.
     Also returns, per prefill step, whether some sequence had a cached prefix."""
     first = [5 + (i * 7) % 200 for i in range(40)]
     rounds = [[first, [3, 4, 5]], [first[:36] + [9, 9], [11] * 21]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm = LLM(path, device=DEVICE, attention_backend=backend, dtype="float32", kv_cache_dtype="float32", max_num_seqs=4,
+    llm = LLM(path, device=DEVICE, attention_backend=backend, dtype="float32", kv_cache_dtype=kv_cache_dtype, max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=128, enforce_eager=True)  # 32: chunked prefill
     runner_backend = llm.model_runner.backend
     prefill, prefix_flags = runner_backend.prefill, []
@@ -190,9 +219,12 @@ def generate_twice(path: str, backend: str) -> tuple[list[list[int]], list[bool]
     return tokens, prefix_flags
 
 
-def test_engine_greedy_tokens_match_torch_backend(model_path):
-    triton_tokens, prefix_flags = generate_twice(model_path, "triton")
-    torch_tokens, _ = generate_twice(model_path, "torch")
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "fp8_e4m3"])
+def test_engine_greedy_tokens_match_torch_backend(model_path, kv_cache_dtype):
+    # fp8: the Triton store and kernels hold and read the same values as the torch backend's (C) ones,
+    # through chunked prefill and prefix-cache hits.
+    triton_tokens, prefix_flags = generate_twice(model_path, "triton", kv_cache_dtype)
+    torch_tokens, _ = generate_twice(model_path, "torch", kv_cache_dtype)
     assert any(prefix_flags) and not all(prefix_flags)  # both prefill kernel variants ran
     assert triton_tokens == torch_tokens
 
@@ -213,7 +245,7 @@ def test_kernels_build_for_hopper_without_spills():
     result = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_triton_build.py"), "--quick"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert result.stdout.count(" ok") == 3  # prefill, decode (split-K) and the merge kernel
+    assert result.stdout.count(" ok") == 6  # prefill, decode (split-K), merge; prefill, decode, store over fp8
 
 
 # ---- GPU: realistic sizes ---------------------------------------------------------------------

@@ -66,20 +66,23 @@ def check_backend_name(name: str, device: str) -> None:
 
 
 def _why_not(cls: type[AttentionBackend], device: str, block_size: int | None,
-             dtype: torch.dtype | None) -> str | None:
+             dtype: torch.dtype | None, kv_format: KVFormat | None) -> str | None:
     reason = cls.unavailable_reason(device)
     if reason is None and block_size is not None:
         reason = cls.block_size_error(block_size)
     if reason is None and dtype is not None:
         reason = cls.dtype_error(dtype)
+    if reason is None and dtype is not None and kv_format is not None:
+        reason = cls.kv_format_error(kv_format, dtype)
     return reason
 
 
 def pick_backend_name(requested: str, device: str, block_size: int | None = None,
-                      dtype: torch.dtype | None = None) -> str:
+                      dtype: torch.dtype | None = None, kv_format: KVFormat | None = None) -> str:
     """'auto' becomes the first registered backend that may be auto-picked on device and whose rules
-    accept it: flash (CUDA with flash-attn, fp16/bf16, block size a multiple of 256), then triton
-    (CUDA), else torch. Passing over the first candidate logs why."""
+    accept it: flash (CUDA with flash-attn, fp16/bf16, block size a multiple of 256, a cache in the
+    activations' dtype), then triton (CUDA; fp8 caches too), else torch. Passing over the first
+    candidate logs why."""
     if requested != "auto":
         return requested
     first_reason = None
@@ -87,7 +90,7 @@ def pick_backend_name(requested: str, device: str, block_size: int | None = None
         cls = backend_class(name)
         if device not in cls.auto_devices:
             continue
-        reason = _why_not(cls, device, block_size, dtype)
+        reason = _why_not(cls, device, block_size, dtype, kv_format)
         if reason is None:
             if first_reason is not None:
                 logger.warning("%s without the %s attention backend (%s): using the %s backend, which is slower",

@@ -6,6 +6,7 @@ import os
 import torch
 
 from nanovllm.layers.backends.base import PagedBackend, PagedMetadata
+from nanovllm.layers.backends.kv_formats import KVFormat
 
 
 def _triton_interpreter_on() -> bool:
@@ -19,9 +20,11 @@ class TritonBackend(PagedBackend):
     def __init__(self, device: str = "cpu", kv_format=None):
         super().__init__(device, kv_format)
         # Imported here: triton reads TRITON_INTERPRET when the kernels are defined.
+        from nanovllm.kernels.store_kvcache import store_kvcache_triton
         from nanovllm.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
+        self._store = store_kvcache_triton  # the kernels' own store, which also writes fp8 (on CPU: interpreted)
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:
@@ -31,6 +34,13 @@ class TritonBackend(PagedBackend):
             return ("Triton runs on CPU only in its interpreter: set TRITON_INTERPRET=1 before starting "
                     "(slow; meant for tests)")
         return None
+
+    @classmethod
+    def kv_format_error(cls, kv_format: KVFormat, dtype: torch.dtype) -> str | None:
+        if kv_format.storage == dtype or kv_format.limit is not None:  # the activations' dtype, or fp8
+            return None
+        return (f"it reads KV caches in the activations' dtype ({dtype}) or fp8, not {kv_format.name}; "
+                "the torch backend reads every format")
 
     def prefill(self, q, k, v, k_cache, v_cache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         # New tokens' keys come from k/v directly; only a cached prefix is read through the block table.
