@@ -5,6 +5,7 @@ head shape, blocks scattered over a cache four times the context).
 
     python scripts/bench_depth.py [--model M] [--quantization q4_0] [--depths 64,2048,8192]
                                   [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32] [--attention]
+                                  [--llamacpp [--ik] --file q4_0|q8_0 --isa native|avx2]
 
 Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
 cache mapped up front, kvcache_prefault); each depth runs once per format, so repeat the command to
@@ -36,6 +37,9 @@ def parse_args() -> argparse.Namespace:
                    help="also run llama.cpp (llama-batched-bench -npp P -ntg DECODE -npl 1, flash attention on) with "
                         "its nearest cache (-ctk/-ctv: f16 for auto / float16, q8_0 for int8), both engines on "
                         "llama-quantize's file of the checkpoint (--file); llama.cpp built once (scripts/llamacpp_build.py)")
+    p.add_argument("--ik", action="store_true",
+                   help="with --llamacpp: also ik_llama.cpp (its llama-batched-bench, same flags plus -rtr, its "
+                        "run-time repacking), built once from the ik-llama-cpp-python sdist")
     p.add_argument("--file", default="q4_0", choices=["q8_0", "q4_0", "q4_k_m"], help="with --llamacpp (default: %(default)s)")
     p.add_argument("--isa", default="native", choices=["native", "avx2"],
                    help="instruction sets of both engines (avx2: what AVX2-only machines run; default: %(default)s)")
@@ -75,28 +79,44 @@ def engine_rows(args, path: str) -> None:
 LLAMA_KV = {"float32": "f32", "auto": "f16", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
 
 
-def llamacpp_rows(args, gguf: Path) -> None:
-    """llama-batched-bench at every depth, per KV cache type nearest to ours (one run each)."""
+def table_rows(text: str) -> list[dict]:
+    """The result rows of llama-batched-bench's markdown table (ik_llama.cpp prints no JSON):
+    | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[0].isdigit():
+            rows.append({"pp": int(cells[0]), "speed_pp": float(cells[5]), "speed_tg": float(cells[7])})
+    return rows
+
+
+def llamacpp_rows(args, gguf: Path, fork: str = "llama.cpp") -> None:
+    """llama-batched-bench of fork at every depth, per KV cache type nearest to ours (one run each)."""
     import json
 
     import llamacpp_build
     from nanovllm.utils.cache import cache_root
-    bins = llamacpp_build.build_llamacpp(cache_root(), isa=args.isa)
-    logs = llamacpp_build.work_dir(cache_root()) / "logs"
+    bins = llamacpp_build.build_llamacpp(cache_root(), isa=args.isa, fork=fork)
+    logs = llamacpp_build.work_dir(cache_root(), fork) / "logs"
+    ik = fork == "ik_llama.cpp"
     for name in args.kv_cache_dtypes:
         kv = LLAMA_KV.get(name)
         if kv is None:
             continue
-        out = logs / f"depth-{gguf.stem}-{kv}.jsonl"
+        out, log = logs / f"depth-{gguf.stem}-{kv}.out", logs / f"depth-{gguf.stem}-{kv}.log"
         rss = llamacpp_build.run_step(
-            f"llama-batched-bench on {gguf.name}",
+            f"{fork} llama-batched-bench on {gguf.name}",
             [str(bins["llama-batched-bench"]), "-m", str(gguf), "-c", str(max(args.depths) + args.decode + 16),
              "-b", "2048", "-ub", "512", "-npp", ",".join(map(str, args.depths)), "-ntg", str(args.decode),
-             "-npl", "1", "-fa", "on", "-ctk", kv, "-ctv", kv, "-t", str(os.cpu_count()), "--output-format", "jsonl"],
-            logs / f"depth-{gguf.stem}-{kv}.log", stdout=out)
-        for row in (json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")):
-            print(f"| llama.cpp {kv} | {row['pp']} | {row['speed_pp']:.1f} | {row['speed_tg']:.2f} |", flush=True)
-        print(f"peak RSS of llama.cpp {kv}: {rss / 1024:.2f} GiB", flush=True)
+             "-npl", "1", "-fa", "on", "-ctk", kv, "-ctv", kv, "-t", str(os.cpu_count()),
+             *(["-rtr"] if ik else ["--output-format", "jsonl"])],
+            log, stdout=out)
+        text = out.read_text()
+        rows = table_rows(text + log.read_text()) if ik else [
+            json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        for row in rows:
+            print(f"| {fork} {kv} | {row['pp']} | {row['speed_pp']:.1f} | {row['speed_tg']:.2f} |", flush=True)
+        print(f"peak RSS of {fork} {kv}: {rss / 1024:.2f} GiB", flush=True)
 
 
 def attention_rows(args, heads: int, kv_heads: int, head_dim: int) -> None:
@@ -146,6 +166,8 @@ def main() -> None:
     engine_rows(args, path)
     if args.llamacpp:
         llamacpp_rows(args, Path(path))
+        if args.ik:
+            llamacpp_rows(args, Path(path), "ik_llama.cpp")
     if args.attention:
         from nanovllm.loader.checkpoint import Checkpoint
         hf = Checkpoint(path).hf_config

@@ -30,3 +30,22 @@ def test_an_unknown_format_is_refused():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--kv-cache-dtypes", "int4"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "--kv-cache-dtypes: ['int4'] not in" in out.stderr
+
+
+# ik_llama.cpp's llama-batched-bench prints only this table (a real run: the Q4_0 file, 2 threads, -rtr),
+# amid its log lines.
+IK_BATCHED_BENCH = """main: n_kv_max = 600, n_batch = 2048, n_ubatch = 512, flash_attn = 1, is_pp_shared = 0
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   512 |      8 |    1 |    520 |    3.271 |   156.51 |    0.215 |    37.28 |    3.486 |   149.17 |
+|  2048 |      8 |    1 |   2056 |   14.902 |   137.43 |    0.301 |    26.58 |   15.203 |   135.24 |
+llama_print_timings:        load time =     612.38 ms
+"""
+
+
+def test_ik_table_rows_are_read():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_depth
+    assert bench_depth.table_rows(IK_BATCHED_BENCH) == [
+        {"pp": 512, "speed_pp": 156.51, "speed_tg": 37.28}, {"pp": 2048, "speed_pp": 137.43, "speed_tg": 26.58}]
+    assert bench_depth.table_rows("| PP | TG |\nno table here") == []

@@ -276,3 +276,35 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
     import json
     saved = json.loads((tmp_path / "out.json").read_text())["models"]["default"]
     assert "exit code -11" in saved["failed"]["f16"]
+
+
+def test_build_info_script_the_ik_sdist_leaves_out(bench, tmp_path):
+    # The written script is run by cmake, as the fork's build runs it, and fills in the template.
+    import shutil
+    import subprocess
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("no cmake on PATH")
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "build-info.cpp.in").write_text('char const *LLAMA_COMMIT = "@BUILD_COMMIT@";\n')
+    bench.llamacpp_build.complete_build_info(tmp_path, "ik-llama-cpp-python-0.1.5")
+    script = tmp_path / "common" / "cmake" / "build-info-gen-cpp.cmake"
+    subprocess.run([cmake, "-DCMAKE_C_COMPILER_ID=GNU", "-P", str(script)], cwd=tmp_path, check=True)
+    assert (tmp_path / "common" / "build-info.cpp").read_text() == \
+        'char const *LLAMA_COMMIT = "ik-llama-cpp-python-0.1.5";\n'
+    before = script.read_text()
+    bench.llamacpp_build.complete_build_info(tmp_path, "other")  # a script already there is kept
+    assert script.read_text() == before
+
+
+def test_depths_hand_over_to_the_depth_script(bench, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench.os, "execv", lambda exe, argv: calls.append(argv[1:]) or sys.exit(0))
+    monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--depths", "2048,8192", "--formats", "f32,q8_0",
+                                      "--isa", "avx2"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    (argv,) = calls
+    assert Path(argv[0]).name == "bench_depth.py"
+    assert argv[1:] == ["--llamacpp", "--ik", "--depths", "2048,8192", "--kv-cache-dtypes", "auto,int8",
+                        "--file", "q8_0", "--isa", "avx2"]
