@@ -5,7 +5,7 @@ head shape, blocks scattered over a cache four times the context).
 
     python scripts/bench_depth.py [--model M] [--quantization q4_0] [--depths 64,2048,8192]
                                   [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32] [--attention]
-                                  [--llamacpp [--ik] --file q4_0|q8_0 --isa native|avx2]
+                                  [--llamacpp [--forks llama.cpp,ik_llama.cpp] --file q4_0|q8_0 --isa native|avx2]
 
 Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
 cache mapped up front, kvcache_prefault); each depth runs once per format, so repeat the command to
@@ -37,15 +37,19 @@ def parse_args() -> argparse.Namespace:
                    help="also run llama.cpp (llama-batched-bench -npp P -ntg DECODE -npl 1, flash attention on) with "
                         "its nearest cache (-ctk/-ctv: f16 for auto / float16, q8_0 for int8), both engines on "
                         "llama-quantize's file of the checkpoint (--file); llama.cpp built once (scripts/llamacpp_build.py)")
-    p.add_argument("--ik", action="store_true",
-                   help="with --llamacpp: also ik_llama.cpp (its llama-batched-bench, same flags plus -rtr, its "
-                        "run-time repacking), built once from the ik-llama-cpp-python sdist")
+    p.add_argument("--forks", default="llama.cpp",
+                   help="with --llamacpp: which to run, comma-separated: llama.cpp, ik_llama.cpp (its "
+                        "llama-batched-bench, same flags plus -rtr, its run-time repacking; built once from the "
+                        "ik-llama-cpp-python sdist) (default: %(default)s)")
     p.add_argument("--file", default="q4_0", choices=["q8_0", "q4_0", "q4_k_m"], help="with --llamacpp (default: %(default)s)")
     p.add_argument("--isa", default="native", choices=["native", "avx2"],
                    help="instruction sets of both engines (avx2: what AVX2-only machines run; default: %(default)s)")
     args = p.parse_args()
     args.depths = [int(d) for d in args.depths.split(",")]
     args.kv_cache_dtypes = args.kv_cache_dtypes.split(",")
+    args.forks = args.forks.split(",")
+    if any(f not in ("llama.cpp", "ik_llama.cpp") for f in args.forks):
+        p.error(f"--forks takes llama.cpp and ik_llama.cpp, got {args.forks}")
     bad = [n for n in args.kv_cache_dtypes if n not in NAMES]
     if bad:
         p.error(f"--kv-cache-dtypes: {bad} not in {list(NAMES)}")
@@ -165,9 +169,8 @@ def main() -> None:
     print("| engine / kv_cache_dtype | prompt tokens | prefill tok/s | decode tok/s |\n|---|---|---|---|", flush=True)
     engine_rows(args, path)
     if args.llamacpp:
-        llamacpp_rows(args, Path(path))
-        if args.ik:
-            llamacpp_rows(args, Path(path), "ik_llama.cpp")
+        for fork in args.forks:
+            llamacpp_rows(args, Path(path), fork)
     if args.attention:
         from nanovllm.loader.checkpoint import Checkpoint
         hf = Checkpoint(path).hf_config

@@ -315,7 +315,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--perplexity", action="store_true",
                    help="also score tests/data/english.txt with llama-perplexity and with ours, each row's weights")
     p.add_argument("--depths", help="instead: decode behind long prompts, one sequence (scripts/bench_depth.py "
-                   "--llamacpp --ik: these prompt lengths, our auto and int8 KV caches against f16 and q8_0, "
+                   "--llamacpp, llama.cpp and ik_llama.cpp: these prompt lengths, our auto and int8 KV caches against f16 and q8_0, "
                    "the first quantized --formats file, --isa)")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")
@@ -346,7 +346,7 @@ def main() -> None:
     args = parse_args()
     if args.depths:  # the depth table has its own script; this is its door from here
         file = next((f for f in args.formats if f in llamacpp_build.PRESETS), "q4_0")
-        os.execv(sys.executable, [sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--llamacpp", "--ik",
+        os.execv(sys.executable, [sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--llamacpp", "--forks", "llama.cpp,ik_llama.cpp",
                                   "--depths", args.depths, "--kv-cache-dtypes", "auto,int8", "--file", file,
                                   "--isa", args.isa])
     llamacpp_build.use_isa(args.isa)  # before torch starts and our kernels are built or loaded

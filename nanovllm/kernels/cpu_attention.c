@@ -329,11 +329,11 @@ static inline __attribute__((always_inline)) void dot_8rows(const int type, cons
 #define KV_TILE_DIM 256
 
 /* Whether a KV head's rows are converted to fp32 once for all the query heads of its group: for the
- * 1-byte formats, whose conversion costs more than storing and rereading fp32 rows from L1 (int8
+ * fp8 formats (q8_0 has its own path below), whose conversion costs more than storing and rereading fp32 rows from L1 (int8
  * decode at 8192 tokens: 3.3 -> 1.5 ms per layer); f16 and bf16 convert in one or two
  * instructions, and the detour made them slower (docs/performance.md item 42). */
 static inline int converts_once(const int type, int64_t group, int64_t head_dim) {
-    return (type == KV_Q8_0 || type == KV_E4M3 || type == KV_E5M2) && group > 1 && head_dim <= KV_TILE_DIM;
+    return (type == KV_E4M3 || type == KV_E5M2) && group > 1 && head_dim <= KV_TILE_DIM;
 }
 
 /* tile[i][0, head_dim) = row i (at rows + i * stride bytes) as fp32, i < n. */
@@ -365,6 +365,108 @@ static inline void accumulate_rows(const float *tile, int64_t n, int64_t head_di
         for (int64_t i = 0; i < n; i++) o[d] += p[i] * tile[i * head_dim + d];
 }
 
+/* ---- q8_0 caches: integer dot products ------------------------------------------------------------
+ * As llama.cpp's q8_0 cache does: the query is rounded to 8 bits per block of 32 (here with an fp32
+ * scale), and q . k is, per block, the int8 products summed exactly in int32 times the two scales:
+ * with AVX2 two instructions per 32 products (|k| unsigned times q with k's sign, then pairs summed)
+ * where converting k to fp32 took 12. The rounding is the format's (KVFormat.round_query in
+ * layers/backends/kv_formats.py: the torch path and the tests round the query the same way). The
+ * values are then summed per KV head for all its query heads at once, in registers. */
+/* Query values (heads x head_dim) of one item the integer path holds: 128 heads of 256, every model's
+ * whole sequence; past it an item would take the fp32 path with the query unrounded. */
+#define Q8_ITEM_VALUES 32768
+#define Q8_MAX_GROUP 8 /* query heads per KV head the value pass keeps in registers */
+
+/* x[0, n) (n a multiple of 32) rounded per block b of 32: q = round(x / d[b]) (to nearest even, via
+ * x * (1 / d)), d[b] = max|x| / 127 (0 for a block of zeros, whose q are 0). */
+static void round_query_q8(const float *x, int64_t n, int8_t *q, float *d) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fabsf(x[b * 32 + j]) > amax ? fabsf(x[b * 32 + j]) : amax;
+        const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int j = 0; j < 32; j++) q[b * 32 + j] = (int8_t)nearbyintf(x[b * 32 + j] * inv);
+    }
+}
+
+/* 8 partial sums (as fp32, each exact) of the 32 products of a q8_0 block's values k and query values q. */
+#if KV_F16C
+static inline vf q8_block_dot(const uint8_t *k, const int8_t *q) {
+    const __m256i kv = _mm256_loadu_si256((const __m256i *)k), qv = _mm256_loadu_si256((const __m256i *)q);
+    /* |k| <= 127 and |q| <= 127: each pair sum fits int16 (2 * 127 * 127) */
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(kv, kv), _mm256_sign_epi8(qv, kv));
+    return (vf)_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#else
+static inline vf q8_block_dot(const uint8_t *k, const int8_t *q) {
+    vf s;
+    for (int j = 0; j < VL; j++) {
+        int32_t a = 0;
+        for (int m = 0; m < 32 / VL; m++) a += (int8_t)k[j * (32 / VL) + m] * q[j * (32 / VL) + m];
+        s[j] = (float)a;
+    }
+    return s;
+}
+#endif
+
+/* kd[i * nb + b] = the scale of block b of row i = k + i * stride, i < n: converted once per KV head,
+ * read by each of its query heads. */
+static inline void q8_row_scales(const uint8_t *k, int64_t stride, int64_t nb, int64_t n, float *kd) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t b = 0; b < nb; b++) kd[i * nb + b] = f16x1(k + i * stride + b * 34);
+}
+
+/* out[i] = q . k_i for n <= 8 rows k_i = k + i * stride of nb q8_0 blocks (their scales kd), the
+ * query in 8 bits (qq, its scales qd). */
+static inline void dot_rows_q8(const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride, int64_t nb,
+                               int64_t n, const float *kd, float *out) {
+    vf a[8];
+    for (int i = 0; i < 8; i++) a[i] = (vf){0};
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t i = 0; i < n; i++)
+            a[i] += q8_block_dot(k + i * stride + b * 34 + 2, qq + b * 32) * (kd[i * nb + b] * qd[b]);
+    const vf s = reduce8(a);
+    for (int64_t i = 0; i < n; i++) out[i] = s[i];
+}
+
+/* o_g[0, head_dim) += sum_i p_g[i] v_i for the G query heads g of one KV head (o_g = o + g * head_dim,
+ * p_g = p + g * p_stride) over n <= 8 q8_0 rows v_i = v + i * stride: each row's values converted
+ * once, for all G heads. */
+static inline __attribute__((always_inline)) void accumulate_q8_t(const int G, const uint8_t *v, int64_t stride,
+                                                                  int64_t n, int64_t nb, const float *p,
+                                                                  int64_t p_stride, float *o, int64_t head_dim) {
+    for (int64_t b = 0; b < nb; b++) {
+        float w[Q8_MAX_GROUP][8];
+        for (int64_t i = 0; i < n; i++) {
+            const float dv = f16x1(v + i * stride + b * 34);
+            for (int g = 0; g < G; g++) w[g][i] = p[g * p_stride + i] * dv;
+        }
+        for (int c = 0; c < 32; c += VL) {
+            vf acc[Q8_MAX_GROUP];
+            for (int g = 0; g < G; g++) acc[g] = load_f32(o + g * head_dim + b * 32 + c);
+            for (int64_t i = 0; i < n; i++) {
+                const vf x = i8x8(v + i * stride + b * 34 + 2 + c);
+                for (int g = 0; g < G; g++) acc[g] += w[g][i] * x;
+            }
+            for (int g = 0; g < G; g++) store_f32(o + g * head_dim + b * 32 + c, acc[g]);
+        }
+    }
+}
+
+/* accumulate_q8_t with G a constant for the usual group sizes; other groups a head at a time. */
+static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t n, int64_t nb,
+                                 const float *p, int64_t p_stride, float *o, int64_t head_dim) {
+    switch (group) {
+    case 1: accumulate_q8_t(1, v, stride, n, nb, p, p_stride, o, head_dim); return;
+    case 2: accumulate_q8_t(2, v, stride, n, nb, p, p_stride, o, head_dim); return;
+    case 4: accumulate_q8_t(4, v, stride, n, nb, p, p_stride, o, head_dim); return;
+    case 8: accumulate_q8_t(8, v, stride, n, nb, p, p_stride, o, head_dim); return;
+    default:
+        for (int64_t g = 0; g < group; g++)
+            accumulate_q8_t(1, v, stride, n, nb, p + g * p_stride, p_stride, o + g * head_dim, head_dim);
+    }
+}
+
 /* The query heads of KV heads [kv_first, kv_end) of one sequence (q, out: [num_heads, head_dim]) over
  * its cached tokens [t_first, t_end) (t_first a multiple of block_size). part_max == NULL: the item
  * is the whole sequence, and out is the attention. Otherwise out is the item's share before the
@@ -385,6 +487,11 @@ static inline __attribute__((always_inline)) void attend_item_t(
     const float *q_item = q + kv_first * group * head_dim;
     float *out_item = out + kv_first * group * head_dim;
     float tile[8 * KV_TILE_DIM]; /* 8 converted rows of one KV head */
+    int8_t qq[Q8_ITEM_VALUES]; /* the item's query heads in 8 bits, and their scales per block of 32 */
+    float qd[Q8_ITEM_VALUES / 32];
+    const int64_t nb = head_dim / 32;
+    const int q8 = type == KV_Q8_0 && num_item_heads * head_dim <= Q8_ITEM_VALUES && head_dim <= KV_TILE_DIM;
+    if (q8) round_query_q8(q_item, num_item_heads * head_dim, qq, qd);
 
     /* Pass 1: raw scores q . k of every cached token and head of the item, a block at a time
      * (its tokens' rows are consecutive), 8 tokens at a time: their K rows are read once from
@@ -395,6 +502,19 @@ static inline __attribute__((always_inline)) void attend_item_t(
         const uint8_t *k_first = k_block + kv_first * row;
         prefetch_block_start(k_first, token_stride, n_t, item_bytes);
         int64_t t = 0;
+        if (q8) /* every row of the block, 8 at a time, the last chunk possibly shorter */
+            for (; t < n_t; t += 8) {
+                prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
+                const int64_t n = n_t - t < 8 ? n_t - t : 8;
+                for (int64_t kh = kv_first; kh < kv_end; kh++) {
+                    const uint8_t *rows = k_block + t * token_stride + kh * row;
+                    float kd[8 * (KV_TILE_DIM / 32)];
+                    q8_row_scales(rows, token_stride, nb, n, kd);
+                    for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++)
+                        dot_rows_q8(qq + h * head_dim, qd + h * nb, rows, token_stride, nb, n, kd,
+                                    scores + h * scores_stride + t0 + t);
+                }
+            }
         for (; t + 8 <= n_t; t += 8) {
             prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
             if (!converts_once(type, group, head_dim)) {
@@ -450,6 +570,15 @@ static inline __attribute__((always_inline)) void attend_item_t(
         for (int64_t t = 0; t < n_t; t += 8) {
             const int64_t nt = n_t - t < 8 ? n_t - t : 8;
             prefetch_rows(v_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
+            if (q8) {
+                for (int64_t kh = kv_first; kh < kv_end; kh++) {
+                    const int64_t h0 = (kh - kv_first) * group;
+                    accumulate_q8(group, v_block + t * token_stride + kh * row, token_stride, nt, nb,
+                                  scores + h0 * scores_stride + t0 + t, scores_stride, out_item + h0 * head_dim,
+                                  head_dim);
+                }
+                continue;
+            }
             const int converted = converts_once(type, group, head_dim);
             for (int64_t h = 0; h < num_item_heads; h++) {
                 const uint8_t *v = v_block + t * token_stride + (kv_first + h / group) * row;

@@ -122,7 +122,7 @@ def test_decode_and_prefill_match_the_formula(kernels, name, head_dim):
     out = cpu_kernels.paged_decode_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables,
                                              torch.tensor(lens, dtype=torch.int32), max(lens), scale)
     for s in range(3):
-        ref = reference_attention(q[s: s + 1], stored_k[s], stored_v[s], [lens[s] - 1], scale)
+        ref = reference_attention(fmt.round_query(q[s: s + 1]), stored_k[s], stored_v[s], [lens[s] - 1], scale)
         torch.testing.assert_close(out[s: s + 1].double(), ref, atol=2e-5, rtol=1e-4)
     # prefill: the last new[s] tokens of each sequence (their K/V fresh, as the layer passes them;
     # the first sequence has no cached prefix, the others read theirs from the cache)
@@ -134,7 +134,8 @@ def test_decode_and_prefill_match_the_formula(kernels, name, head_dim):
     start = 0
     for s in range(3):
         positions = list(range(lens[s] - new[s], lens[s]))
-        ref = reference_attention(q[start: start + new[s]], stored_k[s], stored_v[s], positions, scale)
+        ref = reference_attention(fmt.round_query(q[start: start + new[s]]), stored_k[s], stored_v[s], positions,
+                                  scale)
         torch.testing.assert_close(out[start: start + new[s]].double(), ref, atol=2e-5, rtol=1e-4)
         start += new[s]
 
@@ -167,7 +168,7 @@ def test_long_contexts_split_over_threads(kernels, name):
             out = cpu_kernels.paged_decode_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables,
                                                      torch.tensor(lens, dtype=torch.int32), max(lens), 0.125)
         for s in range(2):
-            ref = reference_attention(q[s: s + 1], *stored[s], [lens[s] - 1], 0.125)
+            ref = reference_attention(fmt.round_query(q[s: s + 1]), *stored[s], [lens[s] - 1], 0.125)
             torch.testing.assert_close(out[s: s + 1].double(), ref, atol=2e-5, rtol=1e-4)
 
 
@@ -213,3 +214,33 @@ def test_torch_path_matches_the_c_kernels(kernels, name):
     torch.testing.assert_close(pre_c, pre_t, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(dec_c, dec_t, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(pre_c[-1:], dec_c, atol=1e-5, rtol=1e-4)  # the last row is the decode query's
+
+
+def test_round_query_is_q8_0_with_an_fp32_scale():
+    # By hand: a block of 32 with max |q| 2.54 has d = 0.02; q / d rounded to nearest even.
+    q = torch.zeros(2, 32)
+    q[0, :4] = torch.tensor([2.54, -1.0, 0.01, 0.03])  # 0.01 / 0.02 = 0.5 -> 0 (even), 0.03 / 0.02 = 1.5 -> 2
+    rounded = KV_FORMATS["int8"].round_query(q)
+    d = torch.tensor(2.54) / 127
+    expected = torch.tensor([127.0, -50.0, 0.0, 2.0]) * d
+    torch.testing.assert_close(rounded[0, :4], expected, rtol=1e-6, atol=0)
+    assert torch.equal(rounded[1], torch.zeros(32))  # a block of zeros stays zero
+    for name in ("float32", "float16", "fp8_e4m3"):  # only int8 multiplies a rounded query
+        assert KV_FORMATS[name].round_query(q) is q
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_int8_decode_in_other_builds(other_build_cache, march):
+    """The int8 decode's integer dot products in the AVX2 build (what AVX2-only machines run) and the
+    plain C one give the formula's attention over the rounded query, as the native build does."""
+    import os
+    import subprocess
+    import sys
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86 builds")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "NANOVLLM_CPU_MARCH": march, "NANOVLLM_CACHE": str(other_build_cache)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                          "tests/kernels/test_kv_formats.py", "-k", "(formula and int8) or (split_over and int8)"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]

@@ -306,5 +306,5 @@ def test_depths_hand_over_to_the_depth_script(bench, monkeypatch):
         bench.main()
     (argv,) = calls
     assert Path(argv[0]).name == "bench_depth.py"
-    assert argv[1:] == ["--llamacpp", "--ik", "--depths", "2048,8192", "--kv-cache-dtypes", "auto,int8",
+    assert argv[1:] == ["--llamacpp", "--forks", "llama.cpp,ik_llama.cpp", "--depths", "2048,8192", "--kv-cache-dtypes", "auto,int8",
                         "--file", "q8_0", "--isa", "avx2"]

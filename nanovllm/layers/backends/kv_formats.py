@@ -12,7 +12,7 @@ as `row_units(head_dim)` elements of the format's storage dtype:
 
 Attention reads the rows in their stored format (the C kernels convert as they read; the torch code
 below dequantizes a gathered copy, the reference they are tested against, and the path without a C
-compiler). The quantize / dequantize pair here is that reference; the C store (cpu_attention.c,
+compiler); over int8 rows it multiplies a query rounded to 8 bits (KVFormat.round_query). The quantize / dequantize pair here is that reference; the C store (cpu_attention.c,
 kv_store_row) writes the same bytes (tests/kernels/test_kv_formats.py).
 """
 from dataclasses import dataclass
@@ -57,6 +57,18 @@ class KVFormat:
         if self.limit is not None:
             x = x.float().clamp(-self.limit, self.limit)
         return x.to(self.storage)
+
+    def round_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [..., head_dim] as attention over this format multiplies it. int8 (as llama.cpp's q8_0
+        cache): rounded to 8 bits per block of 32 (scale max|q| / 127 in fp32, to nearest even),
+        so that q . k is a sum of int8 products, which the C decode kernel computes in integers; the
+        other formats take q as it is."""
+        if not self.blocked:
+            return q
+        x = q.float().reshape(-1, Q8_BLOCK)
+        d = x.abs().amax(dim=1, keepdim=True) / 127.0
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        return ((x * inv).round() * d).reshape(q.shape).to(q.dtype)
 
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Stored rows [..., row_units] -> values [..., head_dim] in dtype."""

@@ -116,7 +116,7 @@ class TorchBackend(AttentionBackend):
     def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
         """Each sequence's new tokens over its keys as the cache holds them: the fresh K/V where
         nothing is cached before them (rounded to the cache's format first, which gives the values
-        stored), else its blocks gathered. torch's SDPA (flash attention on CPU) either way: it ran
+        stored), else its blocks gathered; the queries as the format's decode takes them (round_query). torch's SDPA (flash attention on CPU) either way: it ran
         2-3x faster than a C kernel reading the paged cache in place (docs/performance.md item 42)."""
         has_cache = k_cache.numel() > 0
         rounded = has_cache and not self.stores_values(q.dtype)
@@ -124,6 +124,7 @@ class TorchBackend(AttentionBackend):
         q_start = 0
         for i, (q_len, k_len) in enumerate(zip(metadata.seqlens_q, metadata.seqlens_k)):
             qi = q[q_start: q_start + q_len]
+            qi = self.kv_format.round_query(qi) if has_cache else qi  # int8: as decode multiplies it
             if k_len == q_len or not has_cache:  # no cached prefix: the fresh K/V
                 ki, vi = k[q_start: q_start + q_len], v[q_start: q_start + q_len]
                 if rounded:
@@ -145,8 +146,9 @@ class TorchBackend(AttentionBackend):
                 return cpu_kernels.paged_decode_attention(
                     self.cpu_kernel, q, k_cache, v_cache, self.kv_format.c_type, metadata.block_tables,
                     metadata.context_lens, metadata.max_seqlen_k, scale)
-            return self.decode_grouped(q, k_cache, v_cache, metadata, scale)
-        return decode_padded(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale, self.kv_format)
+            return self.decode_grouped(self.kv_format.round_query(q), k_cache, v_cache, metadata, scale)
+        return decode_padded(self.kv_format.round_query(q), k_cache, v_cache, metadata.block_tables,
+                             metadata.context_lens, scale, self.kv_format)
 
     def decode_grouped(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
         """CPU decode in groups of sequences of similar length, each padded only to its own
