@@ -114,7 +114,7 @@ def llamacpp_rows(args, gguf: Path, fork: str = "llama.cpp") -> None:
              "-b", "2048", "-ub", "512", "-npp", ",".join(map(str, args.depths)), "-ntg", str(args.decode),
              "-npl", "1", "-fa", "on", "-ctk", kv, "-ctv", kv, "-t", str(os.cpu_count()),
              *(["-rtr"] if ik else ["--output-format", "jsonl"])],
-            log, stdout=out)
+            log, stdout=out, cwd=logs)
         text = out.read_text()
         rows = table_rows(text + log.read_text()) if ik else [
             json.loads(line) for line in text.splitlines() if line.startswith("{")]

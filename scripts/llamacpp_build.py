@@ -67,9 +67,10 @@ class BuildError(RuntimeError):
     """A step of fetching, building or converting failed; the message names it and its log."""
 
 
-def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -> float:
-    """Run cmd with its output in log (stdout in its own file when given); raise BuildError with
-    the log's last lines when it fails. Returns the process's peak RSS in MiB."""
+def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None, cwd: Path | None = None) -> float:
+    """Run cmd (in cwd: ik_llama.cpp's tools write llama.log there) with its output in log (stdout
+    in its own file when given); raise BuildError with the log's last lines when it fails. Returns
+    the process's peak RSS in MiB."""
     from nanovllm.utils.threads import environ_for_other_programs  # here: after bench_llamacpp's env changes
     log.parent.mkdir(parents=True, exist_ok=True)
     peak_kib = 0
@@ -77,7 +78,8 @@ def run_step(step: str, cmd: list[str], log: Path, stdout: Path | None = None) -
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         try:
-            proc = subprocess.Popen(cmd, stdout=out if stdout else f, stderr=f, env=environ_for_other_programs())
+            proc = subprocess.Popen(cmd, stdout=out if stdout else f, stderr=f, env=environ_for_other_programs(),
+                                    cwd=cwd)
             # NOTE: the program's own high-water mark (VmHWM, reset at exec), polled: a child's
             # rusage would count the parent's pages it held between fork and exec.
             while proc.poll() is None:
