@@ -10,12 +10,13 @@ the format's largest finite value and rounded to nearest even, bit for bit what 
 by Triton's fp8 cast: that cast needs sm_89+ for e4m3, and its interpreter rounds values below the
 smallest subnormal away from zero, so the tests would not pin the GPU's behaviour.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-# The fp8 storage dtypes: (mantissa bits, smallest normal exponent, largest finite value).
-FP8_FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
+FP8_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)  # the fp8 storage dtypes
 
 
 @triton.jit
@@ -78,9 +79,11 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_constants(dtype: torch.dtype) -> dict:
-    """The fp8 kernels' constexprs for a cache of dtype (placeholders for other dtypes)."""
-    mant, emin, limit = FP8_FORMATS.get(dtype, (3, -6, 448.0))
-    return dict(MANT=mant, EMIN=emin, LIMIT=limit)
+    """The fp8 kernels' constexprs for a cache of dtype, from torch's description of the format:
+    mantissa bits, the smallest normal exponent, the largest finite value (e4m3's as placeholders
+    for other dtypes)."""
+    f = torch.finfo(dtype if dtype in FP8_FORMATS else torch.float8_e4m3fn)
+    return dict(MANT=round(-math.log2(f.eps)), EMIN=round(math.log2(f.smallest_normal)), LIMIT=f.max)
 
 
 def store_kvcache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,8 +12,9 @@ as `row_units(head_dim)` elements of the format's storage dtype:
 
 Attention reads the rows in their stored format (the C kernels convert as they read; the torch code
 below dequantizes a gathered copy, the reference they are tested against, and the path without a C
-compiler); over int8 rows it multiplies a query rounded to 8 bits (KVFormat.round_query). The quantize / dequantize pair here is that reference; the C store (cpu_attention.c,
-kv_store_row) writes the same bytes (tests/kernels/test_kv_formats.py).
+compiler); over int8 rows it multiplies a query rounded to 8 bits (KVFormat.round_query). The
+quantize / dequantize pair here is that reference; the C store (cpu_attention.c, kv_store_row)
+writes the same bytes (tests/kernels/test_kv_formats.py).
 """
 from dataclasses import dataclass
 
@@ -66,8 +67,7 @@ class KVFormat:
         if not self.blocked:
             return q
         x = q.float().reshape(-1, Q8_BLOCK)
-        d = x.abs().amax(dim=1, keepdim=True) / 127.0
-        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        d, inv = q8_scales(x)
         return ((x * inv).round() * d).reshape(q.shape).to(q.dtype)
 
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,13 +77,18 @@ class KVFormat:
         return rows.to(dtype)
 
 
+def q8_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, 1 / d) of each fp32 block [n, 32]: d = max|x| / 127, and 0 for 1 / d where d is 0."""
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127.0
+    return d, torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+
+
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """ggml's quantize_row_q8_0_ref: d = max|x| / 127 (stored as fp16), q = round(x / d) half away
     from zero (computed with 1 / d in fp32), per block of 32. [..., D] -> uint8 [..., D / 32 * 34]."""
     shape = x.shape
     blocks = x.float().reshape(-1, Q8_BLOCK)
-    d = blocks.abs().amax(dim=1, keepdim=True) / 127.0
-    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    d, inv = q8_scales(blocks)
     v = blocks * inv
     a = v.abs()  # C's roundf, half away from zero, without floor(a + 0.5)'s rounding of the sum
     q = (torch.sign(v) * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)

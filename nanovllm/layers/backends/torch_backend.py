@@ -116,15 +116,16 @@ class TorchBackend(AttentionBackend):
     def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
         """Each sequence's new tokens over its keys as the cache holds them: the fresh K/V where
         nothing is cached before them (rounded to the cache's format first, which gives the values
-        stored), else its blocks gathered; the queries as the format's decode takes them (round_query). torch's SDPA (flash attention on CPU) either way: it ran
-        2-3x faster than a C kernel reading the paged cache in place (docs/performance.md item 42)."""
+        stored), else its blocks gathered; the queries as the format's decode takes them (round_query).
+        torch's SDPA (flash attention on CPU) either way: it ran 2-3x faster than a C kernel reading the
+        paged cache in place (docs/performance.md item 42)."""
         has_cache = k_cache.numel() > 0
         rounded = has_cache and not self.stores_values(q.dtype)
+        q = self.kv_format.round_query(q) if has_cache else q  # int8: as decode multiplies it
         out = torch.empty_like(q)
         q_start = 0
         for i, (q_len, k_len) in enumerate(zip(metadata.seqlens_q, metadata.seqlens_k)):
             qi = q[q_start: q_start + q_len]
-            qi = self.kv_format.round_query(qi) if has_cache else qi  # int8: as decode multiplies it
             if k_len == q_len or not has_cache:  # no cached prefix: the fresh K/V
                 ki, vi = k[q_start: q_start + q_len], v[q_start: q_start + q_len]
                 if rounded:
