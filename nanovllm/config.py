@@ -11,6 +11,7 @@ import torch
 from nanovllm.platforms import Platform, get_platform
 
 if TYPE_CHECKING:
+    from nanovllm.spec_decode.config import SpeculativeConfig
     from nanovllm.layers.backends.kv_formats import KVFormat
     from nanovllm.layers.quantization import QuantizationConfig
     from nanovllm.loader.checkpoint import Checkpoint
@@ -109,6 +110,9 @@ class Config:
     # 16 bits; twice int8's integer work); 8: int8 everywhere (llama.cpp's Q8 inputs; a small model's
     # greedy answer can change).
     cpu_input_bits: int | str = "auto"
+    # Speculative decoding, vLLM's dict (spec_decode/config.py): {"method": "ngram", ...} or
+    # {"method": "draft_model", "model": PATH, ...}; parsed into a SpeculativeConfig here.
+    speculative_config: "dict | SpeculativeConfig | None" = None
     # Derived, filled in __post_init__.
     checkpoint: "Checkpoint" = field(init=False, repr=False, compare=False)  # loader/checkpoint.py
     hf_config: object = field(init=False, repr=False)
@@ -177,6 +181,25 @@ class Config:
         self._check_tensor_parallel()
         if self.cpu_kvcache_bytes is None:
             self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size // self.nnodes)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        from nanovllm.spec_decode.config import SpeculativeConfig
+        self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is None or spec.method != "draft_model":
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1 only; "
+                             "use method 'ngram' with tensor parallelism")
+        from nanovllm.loader.checkpoint import Checkpoint
+        try:
+            draft = Checkpoint(spec.model)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        if draft.hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"the draft model {spec.model} has a vocabulary of {draft.hf_config.vocab_size} "
+                             f"tokens, the target {self.hf_config.vocab_size}: a draft must share the target's "
+                             "tokenizer")
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size

@@ -162,12 +162,16 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.num_computed_tokens = 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the next decode step (computing token len(seq)-1) finds a slot."""
-        return self.num_blocks_of(seq) <= len(seq.block_table) or self.num_free_blocks >= 1
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether the next decode step (computing token len(seq)-1, and lookahead proposed tokens
+        after it) finds its slots."""
+        needed = -(-(len(seq) + lookahead) // self.block_size) - len(seq.block_table)
+        return needed <= 0 or self.num_free_blocks >= needed
 
-    def may_append(self, seq: Sequence) -> None:
-        while len(seq.block_table) < self.num_blocks_of(seq):
+    def may_append(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Blocks for seq's tokens and lookahead slots past them (proposals under verification:
+        slots whose K/V a rejected proposal leaves are overwritten later, never hashed before)."""
+        while len(seq.block_table) * self.block_size < len(seq) + lookahead:
             seq.block_table.append(self._take_free_block())
 
     def register_computed_blocks(self, seq: Sequence) -> None:

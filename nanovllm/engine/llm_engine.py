@@ -63,6 +63,10 @@ class LLMEngine:
         logger.info("%s", startup_summary(config, getattr(self.model_runner, "runner", self.model_runner),
                                           self.num_kvcache_blocks))
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
+        self.speculator = None
+        if config.speculative_config is not None:
+            from nanovllm.spec_decode.build import build_speculator
+            self.speculator = build_speculator(config, self.tokenizer, self.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = structured_outputs.GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_ids)
@@ -149,6 +153,8 @@ class LLMEngine:
         if was_held:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.scheduler.abort(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.output_processor.finalize(seq)
         for sibling in siblings:  # they no longer wait for this one's prompt
             self.scheduler.add(sibling)
@@ -168,20 +174,44 @@ class LLMEngine:
             raise
 
     def _run_step(self, out: SchedulerOutput) -> StepOutput:
+        if self.speculator is not None:
+            self.speculator.propose(out)  # decode: proposals into out; prefill: the proposer sees it
         sampled = self.model_runner.run(out)
-        finished = self.scheduler.postprocess(out, sampled.token_ids)
-        for seq in structured_outputs.advance(out.seqs, sampled.is_sampled):
-            self.scheduler.finish(seq, "stop")  # its grammar ended (on EOS, even under ignore_eos)
-            finished.append(seq)
-        self.output_processor.add_prompt_logprobs(out.seqs, sampled.prompt_logprobs)
-        for seq in self.output_processor.process(out.seqs, sampled.is_sampled, sampled.logprobs):
-            self.scheduler.finish(seq, "stop")  # a stop string matched
-            finished.append(seq)
+        more = sampled.more_token_ids
+        if more is None:
+            finished = self._apply(out, sampled.token_ids, sampled.is_sampled, sampled.logprobs, sampled.prompt_logprobs)
+        else:  # a verification: each row's emitted tokens applied one at a time, as decode steps would
+            self.speculator.record(out, sampled)
+            first = SchedulerOutput(out.seqs, [1] * len(out.seqs), is_prefill=False)
+            finished = self._apply(first, sampled.token_ids, sampled.is_sampled, sampled.logprobs, None)
+            for j in range(max(map(len, more), default=0)):
+                rows = [i for i, m in enumerate(more) if j < len(m) and not out.seqs[i].is_finished]
+                sub = SchedulerOutput([out.seqs[i] for i in rows], [1] * len(rows), is_prefill=False)
+                finished += self._apply(sub, [more[i][j] for i in rows], [True] * len(rows),
+                                        [sampled.more_logprobs[i][j] for i in rows], None)
         deltas = self.output_processor.finish_step(out.seqs)
         for seq in self.pending_siblings.release(out.seqs):
             self.scheduler.add(seq)
+        if self.speculator is not None:
+            for seq in finished:
+                self.speculator.forget(seq)
         num_tokens = out.num_tokens if out.is_prefill else -len(out.seqs)
-        return StepOutput(finished, num_tokens, sum(sampled.is_sampled), deltas)
+        num_output = sum(sampled.is_sampled) + (sum(map(len, more)) if more is not None else 0)
+        return StepOutput(finished, num_tokens, num_output, deltas)
+
+    def _apply(self, out: SchedulerOutput, token_ids: list[int], is_sampled: list[bool],
+               logprobs: list, prompt_logprobs) -> list[Sequence]:
+        """One token per row of out: append it, end sequences (EOS, stop tokens, lengths, a grammar's
+        end, stop strings), record text and logprobs. Returns those that finished."""
+        finished = self.scheduler.postprocess(out, token_ids)
+        for seq in structured_outputs.advance(out.seqs, is_sampled):
+            self.scheduler.finish(seq, "stop")  # its grammar ended (on EOS, even under ignore_eos)
+            finished.append(seq)
+        self.output_processor.add_prompt_logprobs(out.seqs, prompt_logprobs)
+        for seq in self.output_processor.process(out.seqs, is_sampled, logprobs):
+            self.scheduler.finish(seq, "stop")  # a stop string matched
+            finished.append(seq)
+        return finished
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.pending_siblings
@@ -277,6 +307,9 @@ class LLMEngine:
                     self.abort_request(seq)
 
     def exit(self) -> None:
+        if getattr(self, "speculator", None) is not None:
+            self.speculator.exit()
+            self.speculator = None
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.exit()

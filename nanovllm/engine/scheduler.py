@@ -19,6 +19,10 @@ class SchedulerOutput:
     is_prefill: bool
     # Prefill rows whose every new position needs logits (prompt logprobs); None: no row does.
     needs_prompt_logits: list[bool] | None = None
+    # Speculation (decode steps): how many proposals each row has KV slots and tokens left for
+    # (None: speculation off this step), and the proposals the step verifies (spec_decode/).
+    max_drafts: list[int] | None = None
+    draft_token_ids: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -36,6 +40,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        spec = config.speculative_config
+        # KV slots held past each decoding sequence's end for its proposals (0: no speculation).
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -75,8 +83,17 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput:
         seqs: list[Sequence] = []
+        lookahead = self.num_lookahead_tokens if len(self.running) < self.disable_by_batch_size else 0
+        max_drafts = []
         while self.running:
             seq = self.running.popleft()
+            # Room for proposals where the cache has it now; a sequence is never preempted for them.
+            room = min(lookahead, self._tokens_left(seq) - 1)
+            if room > 0 and self.block_manager.can_append(seq, room):
+                self.block_manager.may_append(seq, room)
+                seqs.append(seq)
+                max_drafts.append(room)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())  # the most recently added one
@@ -86,8 +103,15 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 seqs.append(seq)
+                max_drafts.append(0)
         self.running.extendleft(reversed(seqs))
-        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False)
+        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False,
+                               max_drafts=max_drafts if any(max_drafts) else None)
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """Tokens seq may still emit (max_tokens, max_model_len): a step's proposals stay below it,
+        so a verification never overshoots."""
+        return min(seq.max_tokens - seq.num_completion_tokens, self.max_model_len - len(seq))
 
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and put it at the queue's head: it is prefilled again, generated tokens

@@ -188,7 +188,7 @@ class FusedDecode(StepRunner):
         num_seqs = input_ids.shape[0]
         # NOTE: the step points into tables, lens, slots and positions: they live until it returns.
         step = DecodeStep(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), num_seqs,
-                          tables.shape[1], meta.max_seqlen_k)
+                          tables.shape[1], meta.max_seqlen_k, int(context.shared_rows))
         k, desc, step_ref = self.kernels, ctypes.byref(self.desc), ctypes.byref(step)
 
         def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:

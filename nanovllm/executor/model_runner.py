@@ -20,6 +20,7 @@ from nanovllm.models import get_model_class
 from nanovllm.executor.compile import compile_fused_ops
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.loader import load_model
+from nanovllm.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -169,17 +170,32 @@ class ModelRunner:
         positions = self.to_device(torch.from_numpy(np.concatenate(positions)))
         return input_ids, positions, context, self.to_device(torch.tensor(logits_indices))
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        """(input_ids, positions, context) of a decode step: one new token per sequence."""
-        input_ids = torch.tensor([seq.last_token for seq in seqs], dtype=torch.int64)
-        positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
-        tables = [seq.block_table for seq in seqs]
+    def prepare_decode(self, seqs: list[Sequence], drafts: list[list[int]] | None = None):
+        """(input_ids, positions, context) of a decode step: one new token per sequence, or with
+        drafts (speculative verification) a row for its last token and one per proposal after it,
+        all over the sequence's block table."""
+        input_ids, positions, tables = [], [], []
+        for i, seq in enumerate(seqs):
+            proposed = drafts[i] if drafts is not None else []
+            start = len(seq) - 1
+            input_ids += [seq.last_token, *proposed]
+            positions += range(start, start + 1 + len(proposed))
+            tables += [seq.block_table] * (1 + len(proposed))
+        return self.prepare_rows(input_ids, positions, tables)
+
+    def prepare_rows(self, input_ids: list[int], positions: list[int], tables: list[list[int]]):
+        """(input_ids, positions, context) of decode rows: each its token at its position, attending
+        to every cached position before it in its block table (rows may share one: then all rows'
+        K/V are stored before any row attends)."""
+        positions = np.array(positions, dtype=np.int64)
         slots = np.array([t[p // self.block_size] * self.block_size + p % self.block_size
                           for t, p in zip(tables, positions)], dtype=np.int64)
-        batch = AttentionBatch(is_prefill=False, num_new_tokens=[1] * len(seqs),
+        batch = AttentionBatch(is_prefill=False, num_new_tokens=[1] * len(tables),
                                context_lens=(positions + 1).tolist(), block_tables=tables, to_device=self.to_device)
+        shared = len({id(t) for t in tables}) < len(tables)
         context = Context(is_prefill=False, slot_mapping=self.to_device(torch.from_numpy(slots)),
-                          attn_metadata=self.backend.prepare(batch))
+                          attn_metadata=self.backend.prepare(batch), shared_rows=shared)
+        input_ids = torch.tensor(input_ids, dtype=torch.int64)
         return self.to_device(input_ids), self.to_device(torch.from_numpy(positions)), context
 
     def prepare_sample(self, out: SchedulerOutput) -> SamplingMetadata:
@@ -201,17 +217,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> SampledTokens | None:
-        """One step: the token sampled for each scheduled sequence (rank 0; None on other ranks)."""
-        metadata = self.prepare_sample(out) if self.rank == 0 else None
+        """One step: the token sampled for each scheduled sequence (rank 0; None on other ranks);
+        with proposals, the tokens each sequence emits (spec_decode/verify.py)."""
+        verifying = out.draft_token_ids is not None
+        metadata = self.prepare_sample(out) if self.rank == 0 and not verifying else None
         if out.is_prefill:
             input_ids, positions, context, logits_indices = self.prepare_prefill(
                 out.seqs, out.num_new_tokens, out.needs_prompt_logits)
         else:
-            input_ids, positions, context = self.prepare_decode(out.seqs)
+            input_ids, positions, context = self.prepare_decode(out.seqs, out.draft_token_ids)
             logits_indices = None
         logits = self.run_model(input_ids, positions, context, logits_indices)
         if self.rank != 0:
             return None
+        if verifying:
+            return verify(self.sampler, logits, out.seqs, out.draft_token_ids, self.config.hf_config.vocab_size,
+                          self.config.eos_token_ids, self.device, self.to_device)
         prompt_logprobs = None
         if out.is_prefill and out.needs_prompt_logits is not None:
             logits, prompt_logprobs = split_prompt_logits(logits, out.seqs, out.num_new_tokens,

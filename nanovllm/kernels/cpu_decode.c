@@ -117,10 +117,11 @@ static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, f
     const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads, B = s->num_seqs;
     const int64_t Q = NH * D, QKV = Q + 2 * NKV * D;
     const RopeStore ctx = {m, L, qkv, s};
-    if (plan->splits > 1) phase_rope_store(m, L, qkv, s->positions, s->slots, B); /* ends in a barrier */
+    const int stored = plan->splits > 1 || s->store_first;
+    if (stored) phase_rope_store(m, L, qkv, s->positions, s->slots, B); /* ends in a barrier */
     phase_decode_attention(qkv, QKV, L->k_cache, L->v_cache, m->kv_type, s->block_tables, s->max_blocks,
                            s->context_lens, attn, Q, B, NH, NKV, D, m->block_size, m->scale, plan, scratch, parts,
-                           plan->splits > 1 ? NULL : rope_store_item, &ctx);
+                           stored ? NULL : rope_store_item, &ctx);
 }
 
 /* act[i] = silu(g[i]) * u[i] for i in [first, end), VL lanes at a time (vexp: glibc's scalar expf

@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 7
+#define NANOVLLM_ABI_VERSION 8
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -175,6 +175,10 @@ typedef struct {
     const int32_t *block_tables;        /* [num_seqs, max_blocks] */
     const int32_t *context_lens;        /* the new token included, each <= max_context */
     int64_t num_seqs, max_blocks, max_context;
+    /* 1: rows of one sequence (speculative verification: a sequence's last token and its proposals,
+     * one row each): a row reads K/V that another row of the step stores, so every row is stored
+     * before any attends. */
+    int64_t store_first;
 } DecodeStep;
 
 /* ---- GCC vector types of VL lanes: one source serves AVX2 and AVX-512 (-march=native) ---------

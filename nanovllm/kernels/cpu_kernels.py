@@ -125,10 +125,10 @@ class DecoderModel(ctypes.Structure):
 
 class DecodeStep(ctypes.Structure):
     _fields_ = [("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p), ("context_lens", c_void_p),
-                ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64)]
+                ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64)]
 
 
-ABI_VERSION = 7  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 8  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 

@@ -31,6 +31,13 @@ class SampledTokens:
     is_sampled: list[bool]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: "list[PromptLogprobs | None] | None" = None
+    # Speculative verification (spec_decode/verify.py): per row, the tokens emitted after
+    # token_ids[i] (its accepted proposals past the first, and the target's own last one) and
+    # their logprobs entries; None on other steps.
+    more_token_ids: list[list[int]] | None = None
+    more_logprobs: list[list[dict[int, float] | None]] | None = None
+    num_drafted: list[int] | None = None    # per row: proposals verified
+    num_accepted: list[int] | None = None   # per row: proposals accepted
 
 
 @dataclass
@@ -198,6 +205,19 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [num_rows, vocab] -> SamplerOutput with token_ids [num_rows]."""
+        logits, raw_logprobs = self.constrain(logits, md)
+        if md.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        elif not md.any_greedy:
+            token_ids = self.sample(logits, md)
+        else:
+            token_ids = torch.where(md.is_greedy, logits.argmax(dim=-1), self.sample(logits, md))
+        return self.with_logprobs(SamplerOutput(token_ids), raw_logprobs, md)
+
+    @staticmethod
+    def constrain(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the logits a row's token is chosen from: grammar, min_tokens and penalties applied; the
+        raw logprobs, when some row asked for logprobs, else None)."""
         logits = logits.float()
         # Raw logprobs: of the model's distribution, before penalties and temperature (vLLM's default).
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
@@ -208,20 +228,20 @@ class Sampler(nn.Module):
                                       torch.tensor(float("-inf"), device=logits.device))
         if md.repetition_penalties is not None:
             logits = apply_penalties(logits, md)
-        if md.all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        elif not md.any_greedy:
-            token_ids = self.sample(logits, md)
-        else:
-            token_ids = torch.where(md.is_greedy, logits.argmax(dim=-1), self.sample(logits, md))
-        out = SamplerOutput(token_ids)
+        return logits, raw_logprobs
+
+    @staticmethod
+    def with_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor | None, md: SamplingMetadata) -> SamplerOutput:
+        """out with each row's chosen token's logprob and its top-N filled in (when asked)."""
         if raw_logprobs is not None:
-            out.chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            k = min(md.max_num_logprobs, logits.shape[1])
+            out.chosen_logprobs = raw_logprobs.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+            k = min(md.max_num_logprobs, raw_logprobs.shape[1])
             out.top_logprobs, out.top_token_ids = raw_logprobs.topk(k, dim=-1)
         return out
 
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row draws from: constrained logits after temperature, min_p,
+        top_k and top_p (rows marked greedy get temperature 1)."""
         logits = logits / md.temperatures.unsqueeze(1)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
@@ -229,4 +249,7 @@ class Sampler(nn.Module):
             logits = apply_top_k(logits, md.top_k, md.max_top_k)
         if md.top_p is not None:
             logits = apply_top_p(logits, md.top_p)
-        return self.random_sample(torch.softmax(logits, dim=-1), md.generators, self.generator)
+        return torch.softmax(logits, dim=-1)
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        return self.random_sample(self.probs(logits, md), md.generators, self.generator)

@@ -17,6 +17,9 @@ class Context:
     is_prefill: bool = False
     slot_mapping: torch.Tensor | None = None
     attn_metadata: Any = None  # the backend's own dataclass (TorchMetadata, PagedMetadata, ...)
+    # Decode rows of one sequence (speculative verification: its last token and each proposal, one
+    # row apiece, over one block table): a row attends to K/V other rows of the step store.
+    shared_rows: bool = False
 
 
 # NOTE: one context per thread: the server steps its engine in a background thread, and another

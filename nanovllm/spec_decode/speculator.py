@@ -1,0 +1,97 @@
+"""Speculator: what LLMEngine holds when speculation is on. Each decode step it asks the proposer
+for tokens (within what the scheduler left room for, and what each sequence has earned), checks
+them against a grammar, and writes them into the step; after the step it counts what was accepted
+and adapts.
+
+Paying its way (speculative_config's disable_by_batch_size, and per sequence):
+- no proposals while disable_by_batch_size or more sequences decode (Scheduler.num_lookahead);
+- a sequence's proposal length grows by one when all its proposals were accepted and falls to
+  one past what was accepted when not; after repeated misses at length one it is paused for
+  2, 4, ... 32 steps, so a request speculation does not help costs almost nothing.
+"""
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sample.sampler import SampledTokens
+from nanovllm.spec_decode.config import SpeculativeConfig
+from nanovllm.spec_decode.metrics import SpecDecodeMetrics
+from nanovllm.spec_decode.proposer import Proposer
+
+MAX_PAUSE_STEPS = 32
+
+
+def grammar_prefix(seq: Sequence, tokens: list[int]) -> list[int]:
+    """The leading proposals seq's grammar accepts (all of them without a grammar); the matcher is
+    left as it was."""
+    matcher = seq.grammar
+    if matcher is None or not tokens:
+        return tokens
+    accepted = 0
+    for t in tokens:
+        if matcher.is_terminated() or not matcher.accept_token(t):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return tokens[:accepted]
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+        self.config = config
+        self.proposer = proposer
+        self.metrics = SpecDecodeMetrics(config.num_speculative_tokens)
+        self.length: dict[int, int] = {}            # seq_id -> proposals it gets next
+        self.misses: dict[int, int] = {}            # seq_id -> verifications in a row with nothing accepted
+        self.paused_until: dict[int, int] = {}      # seq_id -> step at which it gets proposals again
+        self.steps = 0
+
+    def propose(self, out: SchedulerOutput) -> None:
+        """Prefill: let the proposer see it. Decode: fill out.draft_token_ids (and num_new_tokens)."""
+        if out.is_prefill:
+            self.proposer.observe(out)
+            return
+        self.steps += 1
+        if out.max_drafts is None or not any(out.max_drafts):
+            return
+        k = self.config.num_speculative_tokens
+        wants = []
+        for seq, room in zip(out.seqs, out.max_drafts):
+            if self.paused_until.get(seq.seq_id, 0) > self.steps:
+                wants.append(0)
+            else:
+                wants.append(min(room, self.length.get(seq.seq_id, k)))
+        if not any(wants):
+            return
+        drafts = self.proposer.propose(out.seqs, wants)
+        drafts = [grammar_prefix(seq, d[:w]) for seq, d, w in zip(out.seqs, drafts, wants)]
+        if any(drafts):
+            out.draft_token_ids = drafts
+            out.num_new_tokens = [1 + len(d) for d in drafts]
+
+    def record(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
+        """Count one verification step and adapt each sequence's proposal length."""
+        k = self.config.num_speculative_tokens
+        for seq, drafted, accepted in zip(out.seqs, sampled.num_drafted, sampled.num_accepted):
+            self.metrics.record(drafted, accepted)
+            if drafted == 0:
+                continue
+            sid = seq.seq_id
+            length = self.length.get(sid, k)
+            if accepted == drafted:
+                self.length[sid] = min(k, length + 1)
+                self.misses.pop(sid, None)
+            else:
+                self.length[sid] = max(1, accepted + 1)
+                if accepted == 0 and length == 1:
+                    misses = self.misses[sid] = self.misses.get(sid, 0) + 1
+                    self.paused_until[sid] = self.steps + 1 + min(2 ** misses, MAX_PAUSE_STEPS)
+                elif accepted:
+                    self.misses.pop(sid, None)
+
+    def forget(self, seq: Sequence) -> None:
+        for table in (self.length, self.misses, self.paused_until):
+            table.pop(seq.seq_id, None)
+        self.proposer.forget(seq)
+
+    def exit(self) -> None:
+        self.proposer.exit()
