@@ -18,6 +18,18 @@ def input_bits(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
+def json_object(text: str) -> dict:
+    """--speculative-config: a JSON object (Config checks its fields)."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 # Engine options: (flag, Config field, type, help). Defaults stay Config's own (shown by --help).
 _ENGINE_OPTIONS = [
     ("--device", "device", str, "auto, cpu or cuda"),
@@ -43,6 +55,11 @@ _ENGINE_OPTIONS = [
      "float16, int8 (llama.cpp's q8_0 blocks), fp8 / fp8_e4m3 / fp8_e5m2 (CPU: every one; CUDA: auto or the "
      "model's dtype)"),
     ("--seed", "seed", int, "engine seed"),
+    ("--speculative-config", "speculative_config", json_object,
+     'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '
+     '"prompt_lookup_max" / "prompt_lookup_min" n-gram sizes) or \'{"method": "draft_model", "model": PATH, '
+     '"num_speculative_tokens": 4}\' (a model sharing the tokenizer; "quantization" its weight format); '
+     '"disable_by_batch_size": no proposals at that many decoding sequences'),
     ("--nnodes", "nnodes", int, "machines the tensor-parallel ranks are spread over"),
     ("--node-rank", "node_rank", int, "this machine's index; >= 1 runs `nanovllm worker`"),
     ("--dist-init-addr", "dist_init_addr", str, "HOST:PORT of node 0's rendezvous (nnodes > 1)"),

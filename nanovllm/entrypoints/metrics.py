@@ -38,18 +38,51 @@ class ServerMetrics:
                        "Between a completion's successive tokens.", buckets=ITL_BUCKETS)
         self.e2e = one(Histogram, "vllm:e2e_request_latency_seconds",
                        "From request arrival to its last token.", buckets=E2E_BUCKETS)
+        # Speculative decoding (spec_decode/metrics.py), counted by the engine and carried over at
+        # each scrape; only with speculation on (spec_counters is None until the first scrape).
+        self.spec_counters: dict | None = None
+        self.spec_seen: dict[str, int] = {}
+
+    def _spec_counters(self, num_positions: int) -> dict:
+        from prometheus_client import Counter
+        common = dict(labelnames=["model_name"], registry=self.registry)
+        names = {"num_drafts": "Verifications of a sequence that had proposals.",
+                 "num_draft_tokens": "Proposed tokens verified.",
+                 "num_accepted_tokens": "Proposed tokens accepted.",
+                 "num_emitted_tokens": "Tokens emitted by verifications (accepted + the target's own)."}
+        counters = {key: Counter(f"vllm:spec_decode_{key}", doc, **common).labels(model_name=self.model_name)
+                    for key, doc in names.items()}
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted proposals at each position.",
+                          labelnames=["model_name", "position"], registry=self.registry)
+        for j in range(num_positions):
+            counters[f"pos{j}"] = per_pos.labels(model_name=self.model_name, position=str(j))
+        return counters
+
+    def _carry_spec(self, counts: dict | None) -> None:
+        if counts is None:
+            return
+        per_pos = counts.pop("accepted_per_position")
+        if self.spec_counters is None:
+            self.spec_counters = self._spec_counters(len(per_pos))
+        counts.update({f"pos{j}": n for j, n in enumerate(per_pos)})
+        for key, value in counts.items():
+            if key in self.spec_counters and value > self.spec_seen.get(key, 0):
+                self.spec_counters[key].inc(value - self.spec_seen.get(key, 0))
+                self.spec_seen[key] = value
 
     async def refresh_gauges(self, engine) -> None:
         """Read the scheduler's queues and the KV cache use between two engine steps."""
-        def read(llm) -> tuple[int, int, float]:
+        def read(llm) -> tuple[int, int, float, dict | None]:
             free, total = llm.scheduler.block_manager.num_free_blocks, llm.num_kvcache_blocks
             waiting = len(llm.scheduler.waiting) + len(llm.pending_siblings)
-            return len(llm.scheduler.running), waiting, 1.0 - free / total if total else 0.0
+            spec = llm.speculator.metrics.as_dict() if llm.speculator is not None else None
+            return len(llm.scheduler.running), waiting, 1.0 - free / total if total else 0.0, spec
 
-        running, waiting, usage = await engine.call(read)
+        running, waiting, usage, spec = await engine.call(read)
         self.num_running.set(running)
         self.num_waiting.set(waiting)
         self.kv_cache_usage.set(usage)
+        self._carry_spec(spec)
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

@@ -12,7 +12,8 @@ def make_scheduler(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32, max
                    prefix_caching=True) -> Scheduler:
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, eos_token_ids=frozenset({0}),
-                             kvcache_block_size=BS, enable_prefix_caching=prefix_caching)
+                             kvcache_block_size=BS, enable_prefix_caching=prefix_caching,
+                             speculative_config=None)
     return Scheduler(config, num_blocks)
 
 
