@@ -74,6 +74,7 @@ _PLATFORM_DEFAULTS = {
     "cpu_kvcache_bytes": "a quarter of the available RAM, at most 8 GiB",
     "dist_init_addr": "none",
     "quantization": "none: the checkpoint's own format",
+    "speculative_config": "none: no speculation",
 }
 
 
