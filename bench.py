@@ -93,6 +93,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-model-len", type=positive_int, default=4096,
                    help="engine: longest prompt + output (default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true", help="engine: no CUDA graphs")
+    from nanovllm.cli import json_object
+    p.add_argument("--speculative-config", type=json_object, default=None,
+                   help='engine: speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                   "(docs/speculative.md; default: none). Random prompts give the n-gram lookup little to find: "
+                   "scripts/bench_speculative.py measures it on real text")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="engine: devices (GPUs, or CPU processes) to shard the model over (default: %(default)s)")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers generate on the same requests")
@@ -182,7 +187,7 @@ def main() -> int:
         llm = LLM(path, device=args.device, dtype=args.dtype, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
     except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
         return print_error("bench.py", e)
     cfg = llm.config
@@ -209,6 +214,9 @@ def main() -> int:
           f"({args.num_seqs} requests, {cfg.device}, {results['dtype']}"
           + ("" if results["weight_dtype"] == results["dtype"] else f", {results['weight_dtype']} weights")
           + f", {results['kv_cache_dtype']} KV cache)")
+    if llm.speculator is not None:
+        results["speculation"] = llm.speculator.metrics.as_dict()
+        print(llm.speculator.metrics.summary())
     if args.efficiency:
         from nanovllm.utils.efficiency import measure_efficiency
         results["efficiency"] = measure_efficiency(llm)

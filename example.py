@@ -36,6 +36,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_NAMES),
                         help="how the KV cache stores K and V: auto (default: 16-bit on CPUs, the model's dtype on "
                         "GPUs), float32, bfloat16, float16, int8 (llama.cpp's q8_0), fp8 / fp8_e4m3 / fp8_e5m2")
+    from nanovllm.cli import json_object
+    parser.add_argument("--speculative-config", type=json_object, default=None,
+                        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (docs/speculative.md; '
+                        "default: none)")
     return parser.parse_args()
 
 
@@ -51,7 +56,7 @@ def main() -> int:
         start = time.perf_counter()
         # A small KV cache is plenty for three short chats and is allocated in a blink.
         llm = LLM(model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  max_num_seqs=len(PROMPTS), max_model_len=2048)
+                  max_num_seqs=len(PROMPTS), max_model_len=2048, speculative_config=args.speculative_config)
     except DefaultModelError as e:  # no network, or a failed conversion: not a bad command line
         return print_error("example.py", e, status=1)
     except (ValueError, TypeError) as e:  # our validation of the model folder or a flag's value
@@ -70,6 +75,8 @@ def main() -> int:
     dtype = str(cfg.torch_dtype) if cfg.weight_dtype == cfg.torch_dtype else \
         f"{cfg.torch_dtype} activations, {cfg.weight_dtype} weights"
     print(f"\n{dtype}, load {loaded - start:.1f} s, generate {num_tokens} tokens in {done - loaded:.1f} s")
+    if llm.speculator is not None:
+        print(llm.speculator.metrics.summary())
     llm.exit()
     return 0
 

@@ -130,6 +130,25 @@ def test_bench_runs_on_a_weights_only_folder_without_warnings(weights_only, tmp_
     assert results["num_seqs"] == 3 and 3 * 2 <= results["output_tokens"] <= 3 * 4
 
 
+def test_bench_and_example_take_a_speculative_config(weights_only, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bench.json"
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--model", weights_only, "--num-seqs", "2", "--min-input-len",
+                                      "4", "--max-input-len", "8", "--min-output-len", "24", "--max-output-len", "24",
+                                      "--max-num-seqs", "2", "--speculative-config", ngram, "--json", str(out)])
+    assert load_script("bench.py").main() == 0
+    assert "speculation: " in capsys.readouterr().out
+    spec = json.loads(out.read_text())["speculation"]
+    assert spec["num_emitted_tokens"] == spec["num_accepted_tokens"] + spec["num_drafts"]
+    bad = '{"method": "ngram", "num_speculative_tokens": 0}'
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--model", weights_only, "--speculative-config", bad])
+    assert load_script("bench.py").main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bench.py: error: speculative_config.num_speculative_tokens must be in [1, 16], got 0"]
+    line = one_error_line(run("example.py", "--model", weights_only, "--speculative-config", "[1]", cache=tmp_path))
+    assert line.startswith("example.py: error: argument --speculative-config: must be a JSON object")
+
+
 # The device-dependent workload defaults, as docs/benchmarks.md states them: (CUDA, CPU).
 DEVICE_DEFAULTS = {"--num-seqs": (256, 64), "--min-input-len": (100, 32), "--max-input-len": (1024, 256),
                    "--min-output-len": (100, 32), "--max-output-len": (1024, 256), "--max-num-seqs": (256, 64)}
