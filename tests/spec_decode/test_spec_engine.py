@@ -273,3 +273,37 @@ def test_sampling_keeps_the_target_distribution(qwen3_gqa, monkeypatch):
         counts = sampled_pairs(llm, prompt)
         stat, dof = chi_square(counts, exact, NUM_SAMPLES)
         assert stat > 3 * chi2_critical(dof)
+
+
+# ---- other attention backends: the Triton kernels (interpreted here), CUDA graphs on a GPU ---------
+def backend_outputs(path: str, speculative_config, **engine) -> tuple[list[list[int]], dict | None]:
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(10, 40)), [9] * 20]
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    with LLM(path, speculative_config=speculative_config, kvcache_block_size=16, max_model_len=128,
+             max_num_seqs=8, **engine) as llm:
+        out = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        return out, llm.speculator.metrics.as_dict() if llm.speculator else None
+
+
+def test_triton_backend_verifies_rows(qwen3_gqa):
+    """The Triton KV store and paged decode kernels take a sequence's verification rows as decode
+    rows over one block table (every row stored before any attends, per layer)."""
+    engine = dict(device="cpu", attention_backend="triton", dtype="float32", kv_cache_dtype="float32",
+                  cpu_kvcache_bytes=1 << 20)
+    want, _ = backend_outputs(qwen3_gqa, None, **engine)
+    for config in (dict(method="draft_model", model=qwen3_gqa, num_speculative_tokens=3),
+                   dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)):
+        got, metrics = backend_outputs(qwen3_gqa, config, **engine)
+        assert got == want
+        assert metrics["num_accepted_tokens"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_verification_with_and_without_graphs(qwen3_gqa, enforce_eager):
+    engine = dict(device="cuda", dtype="float32", enforce_eager=enforce_eager)
+    want, _ = backend_outputs(qwen3_gqa, None, **engine)
+    got, metrics = backend_outputs(qwen3_gqa, dict(method="draft_model", model=qwen3_gqa, num_speculative_tokens=3),
+                                   **engine)
+    assert got == want
+    assert metrics["num_accepted_tokens"] == metrics["num_draft_tokens"] > 0
