@@ -43,8 +43,7 @@ os.environ.pop("OMP_WAIT_POLICY", None)
 
 import llamacpp_build  # noqa: E402
 
-STDLIB_FUNCTIONS = ("textwrap.dedent", "shlex.split", "posixpath.relpath", "fnmatch.translate",
-                    "string.capwords", "heapq.nsmallest", "base64.b32encode", "calendar.monthrange")
+STDLIB_FUNCTIONS = ("textwrap.dedent", "colorsys.rgb_to_hls", "ftplib.parse227", "difflib.get_close_matches")
 QUESTIONS = ("Why is the sky blue?", "Explain how a bicycle stays upright when it moves.",
              "What are three good habits for learning a new language?", "Write a short poem about the sea.",
              "How does a refrigerator keep food cold?", "What should I pack for a weekend hiking trip?",
@@ -76,7 +75,7 @@ def requests() -> dict[str, list[str]]:
     copy = [f"Rewrite this paragraph with the typos fixed. Reply with the paragraph only.\n\n{with_typos(p, rng)}"
             for p in paragraphs]
     copy += [f"Add a docstring to this Python function. Reply with the whole function.\n\n```python\n"
-             f"{stdlib_source(name)}```" for name in STDLIB_FUNCTIONS[:4]]
+             f"{stdlib_source(name)}```" for name in STDLIB_FUNCTIONS]
     return {"copy-heavy (a)": copy, "open questions (b)": list(QUESTIONS)}
 
 
@@ -148,9 +147,9 @@ def run_llamacpp(bins: dict, target: Path, draft: Path, texts: dict[str, list[st
     logs = llamacpp_build.work_dir(cache_root()) / "logs"
     threads = str(os.cpu_count())
     common = ["-n", str(args.max_tokens), "--temp", "0", "-t", threads, "-c", "2048", "-fa", "on"]
-    tools = {"ngram (llama-lookup)": [str(bins["llama-lookup"]), "-m", str(target), "--draft-max", str(args.k)],
+    tools = {"ngram (llama-lookup)": [str(bins["llama-lookup"]), "-m", str(target), "--spec-draft-n-max", str(args.k)],
              "draft (llama-speculative)": [str(bins["llama-speculative"]), "-m", str(target), "-md", str(draft),
-                                           "--draft-max", str(args.k), "--draft-min", "0", "-td", threads]}
+                                           "--spec-draft-n-max", str(args.k), "--spec-draft-n-min", "0", "-td", threads]}
     results: dict = {}
     for tool, cmd in tools.items():
         for name, prompts in texts.items():

@@ -66,7 +66,7 @@ class LLMEngine:
         self.speculator = None
         if config.speculative_config is not None:
             from nanovllm.spec_decode.build import build_speculator
-            self.speculator = build_speculator(config, self.tokenizer, self.num_kvcache_blocks)
+            self.speculator = build_speculator(config, self.tokenizer, self.model_runner, self.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = structured_outputs.GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_ids)

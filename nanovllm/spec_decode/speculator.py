@@ -3,16 +3,20 @@ for tokens (within what the scheduler left room for, and what each sequence has 
 them against a grammar, and writes them into the step; after the step it counts what was accepted
 and adapts.
 
-Paying its way (speculative_config's disable_by_batch_size, and per sequence):
-- no proposals while disable_by_batch_size or more sequences decode (Scheduler.num_lookahead);
+Paying its way:
+- no proposals while disable_by_batch_size or more sequences decode (the scheduler leaves no room);
 - a sequence's proposal length grows by one when all its proposals were accepted and falls to
   one past what was accepted when not; after repeated misses at length one it is paused for
-  2, 4, ... 32 steps, so a request speculation does not help costs almost nothing.
+  2, 4, ... 32 steps, so a request speculation does not help costs almost nothing;
+- each step's length is the one with the most expected tokens per second, from the step times
+  measured at start-up and each sequence's acceptance rate (cost.py): none at all when the rows
+  cost more than they earn (large batches, low acceptance).
 """
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sample.sampler import SampledTokens
 from nanovllm.spec_decode.config import SpeculativeConfig
+from nanovllm.spec_decode.cost import AcceptanceRates, StepTimes, best_length
 from nanovllm.spec_decode.metrics import SpecDecodeMetrics
 from nanovllm.spec_decode.proposer import Proposer
 
@@ -36,9 +40,13 @@ def grammar_prefix(seq: Sequence, tokens: list[int]) -> list[int]:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, target_times: StepTimes | None = None,
+                 draft_times: StepTimes | None = None):
         self.config = config
         self.proposer = proposer
+        # Step times by rows (None: not measured, e.g. tensor parallelism: lengths by the rules above only).
+        self.target_times, self.draft_times = target_times, draft_times
+        self.rates = AcceptanceRates()
         self.metrics = SpecDecodeMetrics(config.num_speculative_tokens)
         self.length: dict[int, int] = {}            # seq_id -> proposals it gets next
         self.misses: dict[int, int] = {}            # seq_id -> verifications in a row with nothing accepted
@@ -62,11 +70,23 @@ class Speculator:
                 wants.append(min(room, self.length.get(seq.seq_id, k)))
         if not any(wants):
             return
+        free = self.draft_times is None  # proposals cost nothing to make (ngram): look, then choose
+        if self.target_times is not None and not free:
+            length = best_length(wants, self.rates_of(out.seqs), self.target_times, self.draft_times)
+            wants = [min(w, length) for w in wants]
+            if not any(wants):
+                return
         drafts = self.proposer.propose(out.seqs, wants)
         drafts = [grammar_prefix(seq, d[:w]) for seq, d, w in zip(out.seqs, drafts, wants)]
+        if self.target_times is not None and free and any(drafts):
+            length = best_length([len(d) for d in drafts], self.rates_of(out.seqs), self.target_times, None)
+            drafts = [d[:length] for d in drafts]
         if any(drafts):
             out.draft_token_ids = drafts
             out.num_new_tokens = [1 + len(d) for d in drafts]
+
+    def rates_of(self, seqs: list[Sequence]) -> list[float]:
+        return [self.rates.rate(seq.seq_id) for seq in seqs]
 
     def record(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
         """Count one verification step and adapt each sequence's proposal length."""
@@ -76,6 +96,7 @@ class Speculator:
             if drafted == 0:
                 continue
             sid = seq.seq_id
+            self.rates.record(sid, drafted, accepted)
             length = self.length.get(sid, k)
             if accepted == drafted:
                 self.length[sid] = min(k, length + 1)
@@ -91,6 +112,7 @@ class Speculator:
     def forget(self, seq: Sequence) -> None:
         for table in (self.length, self.misses, self.paused_until):
             table.pop(seq.seq_id, None)
+        self.rates.forget(seq.seq_id)
         self.proposer.forget(seq)
 
     def exit(self) -> None:

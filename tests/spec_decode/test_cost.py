@@ -1,0 +1,73 @@
+"""The proposal length that pays (spec_decode/cost.py), against hand-computed tokens per second,
+and the engine with step times that make every proposal a loss (no proposals) or a gain."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.spec_decode import build
+from nanovllm.spec_decode.cost import AcceptanceRates, StepTimes, best_length, expected_tokens
+
+LINEAR = StepTimes.linear(6.0, 2.0)  # 6 + 2 * rows (ms)
+
+
+def test_expected_tokens_and_acceptance_rates():
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    rates = AcceptanceRates()
+    assert rates.rate(1) == 0.5  # the prior
+    rates.record(1, drafted=4, accepted=4)  # 4 trials, 4 successes
+    assert rates.rate(1) == pytest.approx(5 / 6)
+    rates.record(1, drafted=4, accepted=1)  # 2 trials (the rejected one counts), 1 success
+    assert rates.rate(1) == pytest.approx((0.8 * 4 + 1 + 1) / (0.8 * 4 + 2 + 2))
+    rates.forget(1)
+    assert rates.rate(1) == 0.5
+
+
+def test_step_times_between_and_past_the_table():
+    times = StepTimes({1: 10.0, 4: 12.0, 8: 20.0})
+    assert times(4) == 12.0 and times(0) == 0.0
+    assert times(5) == 20.0  # between measured counts: the larger
+    assert times(12) == pytest.approx(28.0)  # past the table: the last slope, 2 per row
+
+
+@pytest.mark.parametrize("caps, rates, draft, want", [
+    # One sequence, a = 0.8: L = 0..4 give 1/8, 1.8/10, 2.44/12, 2.952/14 (best), 3.3616/16 tokens per ms.
+    ([4], [0.8], None, 3),
+    # Eight, a = 0.8: 8/22 < 14.4/38 (L = 1) > 19.52/54 (L = 2).
+    ([4] * 8, [0.8] * 8, None, 1),
+    # Eight, a = 0.5: 12/38 < 8/22: no proposals.
+    ([4] * 8, [0.5] * 8, None, 0),
+    # A sequence's own cap bounds it: L = 1 is all it may get.
+    ([1], [0.9], None, 1),
+    # A draft costing 4 + rows ms per step: 1.9/16, 2.71/23, 3.439/30 all below 1/8.
+    ([4], [0.9], StepTimes.linear(4.0, 1.0), 0),
+    # A cheap draft (1 + rows / 2): 1.9/12, 2.71/15.5, 3.439/19, 4.0951/22.5 (best).
+    ([4], [0.9], StepTimes.linear(1.0, 0.5), 4),
+])
+def test_best_length_by_hand(caps, rates, draft, want):
+    assert best_length(caps, rates, LINEAR, draft) == want
+
+
+def test_rows_for_free_and_rows_that_cost_everything():
+    assert best_length([4, 2, 3], [0.5, 0.5, 0.5], StepTimes.linear(1.0, 0.0), None) == 4
+    assert best_length([4, 2, 3], [0.99] * 3, StepTimes.linear(0.0, 1.0), None) == 0
+
+
+def test_measured_on_the_engine_and_used(qwen3_gqa, monkeypatch):
+    config = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_model_len=128, max_num_seqs=2)
+    with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
+        times = llm.speculator.target_times
+        assert times.rows == [1, 2, 3, 4, 5, 6, 8]  # up to 2 sequences x (1 + 4) rows
+        assert all(t > 0 for t in times.table.values())
+        want = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    # Rows that cost more than any token earns: nothing proposed, outputs unchanged.
+    monkeypatch.setattr(build, "measure_step_times", lambda runner, max_rows: StepTimes.linear(0.0, 1.0))
+    with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        assert llm.speculator.metrics.num_drafts == 0
+    # Rows almost free next to the step: full lengths.
+    monkeypatch.setattr(build, "measure_step_times", lambda runner, max_rows: StepTimes.linear(100.0, 1.0))
+    with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        assert llm.speculator.metrics.num_accepted_tokens > 0
