@@ -5,10 +5,10 @@ n-gram lookup and with a draft model, at one sequence and at 8, and llama.cpp's 
     python scripts/bench_speculative.py [--max-tokens 256] [--k 4] [--batch 1,8] [--skip-llamacpp]
                                         [--isa native|avx2] [--json FILE]
 
-Files (both engines read the same two): the target is the default model (SmolLM2-135M-Instruct) in
-Q8_0, written by llama.cpp's own converter and llama-quantize from the default model's folder; the
-draft is the model's shipped Q4_1 file (a lower-bit file of the same model, the one LLM.default()
-runs on a CPU).
+Files (both engines read the same two): the target is the default model (SmolLM2-135M-Instruct) as
+llama.cpp's own converter writes it from the default model's folder, F16 (--target f16, the
+default) or Q8_0 (--target q8_0, through llama-quantize); the draft is the model's shipped Q4_1
+file (a lower-bit file of the same model, the one LLM.default() runs on a CPU).
 
 Requests, each in the model's chat template:
   (a) copy-heavy: "rewrite this with the typos fixed" over paragraphs of tests/data/english.txt
@@ -175,6 +175,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (llama.cpp: --draft-max)")
     p.add_argument("--batch", default="1,8", help="1, 8 or both")
+    p.add_argument("--target", default="f16", choices=["f16", "q8_0"], help="the target's file (default: %(default)s)")
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--isa", default="native", choices=["native", "avx2"])
     p.add_argument("--json", help="write every figure (and our outputs) here")
@@ -188,8 +189,11 @@ def main() -> None:
     cache = cache_root()
     bins = llamacpp_build.build_llamacpp(cache, isa=args.isa)
     folder = default_model_path()
-    f32 = llamacpp_build.convert_to_gguf(cache, folder, "SmolLM2-135M-Instruct", "f32")
-    target = llamacpp_build.quantize_gguf(cache, bins, f32, "q8_0")
+    if args.target == "f16":
+        target = llamacpp_build.convert_to_gguf(cache, folder, "SmolLM2-135M-Instruct", "f16")
+    else:
+        f32 = llamacpp_build.convert_to_gguf(cache, folder, "SmolLM2-135M-Instruct", "f32")
+        target = llamacpp_build.quantize_gguf(cache, bins, f32, "q8_0")
     draft = Path(default_model())
     print(f"target {target}\ndraft  {draft}", flush=True)
 
@@ -209,7 +213,8 @@ def main() -> None:
             for key in ("outputs", "outputs8"):
                 if key in ours["off"][name] and ours[method][name][key] != ours["off"][name][key]:
                     print(f"WARNING: {method} {name} {key} differ from speculation off", flush=True)
-    print(f"\n{args.isa} build, {os.cpu_count()} threads, up to {args.max_tokens} tokens, k={args.k}\n")
+    print(f"\ntarget {target.name}, draft {draft.name}; {args.isa} build, {os.cpu_count()} threads, "
+          f"up to {args.max_tokens} tokens, k={args.k}\n")
     print("| engine / method | set | 1 seq decode tok/s | x off | 8 seqs tok/s | x off | acceptance |")
     print("|---|---|---|---|---|---|---|")
     for method, rows in ours.items():

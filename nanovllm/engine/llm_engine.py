@@ -175,7 +175,8 @@ class LLMEngine:
 
     def _run_step(self, out: SchedulerOutput) -> StepOutput:
         if self.speculator is not None:
-            self.speculator.propose(out)  # decode: proposals into out; prefill: the proposer sees it
+            # decode: proposals into out; prefill: the proposer sees it
+            self.speculator.propose(out, len(self.scheduler.running))
         sampled = self.model_runner.run(out)
         more = sampled.more_token_ids
         if more is None:

@@ -75,23 +75,28 @@ def measure_step_times(runner, max_rows: int) -> StepTimes:
 class AcceptanceRates:
     """Each sequence's chance that a proposal is accepted, from its verifications: every
     proposal up to and including the first rejected one is a trial; older verifications weigh
-    less (DECAY per verification). A sequence with none yet gets PRIOR."""
+    less (DECAY per verification, and per step the sequence went without proposals). A sequence
+    with no history gets the proposer's prior, worth PRIOR_TRIALS trials: a few misses bring it
+    down; one left without proposals drifts back to the prior and is tried again."""
 
     DECAY = 0.8
-    PRIOR = (1.0, 2.0)  # one success in two trials: 0.5
+    PRIOR_TRIALS = 2.0
 
-    def __init__(self):
+    def __init__(self, prior: float):
+        self.prior = prior
         self.counts: dict[int, tuple[float, float]] = {}
 
     def rate(self, seq_id: int) -> float:
         s, t = self.counts.get(seq_id, (0.0, 0.0))
-        return (s + self.PRIOR[0]) / (t + self.PRIOR[1])
+        return (s + self.prior * self.PRIOR_TRIALS) / (t + self.PRIOR_TRIALS)
 
     def record(self, seq_id: int, drafted: int, accepted: int) -> None:
-        if drafted == 0:
+        s, t = self.counts.get(seq_id, (0.0, 0.0))
+        if drafted == 0:  # no proposals this step: the history weighs less
+            if t:
+                self.counts[seq_id] = (self.DECAY * s, self.DECAY * t)
             return
         trials = accepted + (1 if accepted < drafted else 0)
-        s, t = self.counts.get(seq_id, (0.0, 0.0))
         self.counts[seq_id] = (self.DECAY * s + accepted, self.DECAY * t + trials)
 
     def forget(self, seq_id: int) -> None:

@@ -4,9 +4,11 @@ or a lower-bit file of the target itself, proposes k tokens greedily, one forwar
 Its KV cache lies beside the target's: as many blocks of the same size, and every sequence's
 block table indexes both (the Scheduler's BlockManager hands out one block id for both caches), so
 prefix-cache hits, preemption and freeing need nothing of their own. The draft computes what the
-target computes: each prefill chunk (observe), and at each decode step the positions it has not
-yet computed (the target's last token; after a verification that accepted everything also the
-last proposal, which the draft never ran) before it proposes.
+target computes: each prefill chunk (observe) while it could be used, and at each decode step the
+positions it has not yet computed (the target's last token; after a verification that accepted
+everything also the last proposal, which the draft never ran; a whole sequence whose prefill it
+skipped, at loads where it would not have paid) before it proposes. What the draft holds only
+shapes its proposals: the target's verification decides every token.
 """
 import logging
 
@@ -55,6 +57,9 @@ def check_tokenizers(target_tokenizer, draft_tokenizer, draft_path: str) -> None
 
 
 class DraftModelProposer(Proposer):
+    prior_acceptance = 0.9  # a draft of the same family (or the same model in fewer bits) mostly agrees
+    runs_a_model = True
+
     def __init__(self, target: Config, spec: SpeculativeConfig, target_tokenizer, num_blocks: int):
         config = draft_config(target, spec)
         check_tokenizers(target_tokenizer, config.checkpoint.load_tokenizer(), spec.model)
@@ -63,11 +68,22 @@ class DraftModelProposer(Proposer):
         self.computed: dict[int, int] = {}
 
     def observe(self, out: SchedulerOutput) -> None:
-        input_ids, positions, context, _ = self.runner.prepare_prefill(out.seqs, out.num_new_tokens)
+        # Only chunks that continue what the draft holds (a first chunk, or the one after the
+        # last it computed); a sequence whose earlier chunk was skipped catches up when it proposes.
+        rows = [(seq, n) for seq, n in zip(out.seqs, out.num_new_tokens)
+                if seq.num_computed_tokens in (seq.num_cached_tokens, self.computed.get(seq.seq_id))]
+        if not rows:
+            return
+        seqs, num_new = [s for s, _ in rows], [n for _, n in rows]
+        input_ids, positions, context, _ = self.runner.prepare_prefill(seqs, num_new)
         last = torch.tensor([len(input_ids) - 1])  # logits are not needed: the fewest rows
         self.runner.run_model(input_ids, positions, context, self.runner.to_device(last))
-        for seq, n in zip(out.seqs, out.num_new_tokens):
+        for seq, n in rows:
             self.computed[seq.seq_id] = seq.num_computed_tokens + n
+
+    def skip(self, out: SchedulerOutput) -> None:
+        for seq in out.seqs:
+            self.computed.pop(seq.seq_id, None)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
@@ -77,7 +93,7 @@ class DraftModelProposer(Proposer):
         tokens, positions, tables, last_rows = [], [], [], []
         for i in active:
             seq = seqs[i]
-            start = min(self.computed.get(seq.seq_id, seq.num_computed_tokens), seq.num_computed_tokens)
+            start = min(self.computed.get(seq.seq_id, 0), seq.num_computed_tokens)
             tokens += seq.token_ids[start:]
             positions += range(start, len(seq))
             tables += [seq.block_table] * (len(seq) - start)

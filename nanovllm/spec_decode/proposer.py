@@ -5,6 +5,12 @@ from nanovllm.engine.sequence import Sequence
 
 
 class Proposer:
+    # A sequence's acceptance rate before it has one (spec_decode/cost.py plans with it).
+    prior_acceptance = 0.5
+    # Whether proposing runs a forward of its own (then the Speculator sizes the proposals before
+    # asking; else it asks for all, then keeps what pays).
+    runs_a_model = False
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
         """Up to num_tokens[i] proposed next tokens of seqs[i] (fewer, or none, where it has no
         good guess). Called on decode steps, before the target runs."""
@@ -13,6 +19,10 @@ class Proposer:
     def observe(self, out: SchedulerOutput) -> None:
         """A prefill step the target is about to run (a proposer with a KV cache of its own
         computes the same positions)."""
+
+    def skip(self, out: SchedulerOutput) -> None:
+        """A prefill step the proposer is not asked to observe (it would not be used at this
+        load): what it keeps of these sequences is no longer valid."""
 
     def forget(self, seq: Sequence) -> None:
         """seq finished or was aborted: drop what is kept for it."""

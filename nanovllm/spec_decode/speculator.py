@@ -46,17 +46,23 @@ class Speculator:
         self.proposer = proposer
         # Step times by rows (None: not measured, e.g. tensor parallelism: lengths by the rules above only).
         self.target_times, self.draft_times = target_times, draft_times
-        self.rates = AcceptanceRates()
+        self.rates = AcceptanceRates(proposer.prior_acceptance)
         self.metrics = SpecDecodeMetrics(config.num_speculative_tokens)
         self.length: dict[int, int] = {}            # seq_id -> proposals it gets next
         self.misses: dict[int, int] = {}            # seq_id -> verifications in a row with nothing accepted
         self.paused_until: dict[int, int] = {}      # seq_id -> step at which it gets proposals again
         self.steps = 0
 
-    def propose(self, out: SchedulerOutput) -> None:
-        """Prefill: let the proposer see it. Decode: fill out.draft_token_ids (and num_new_tokens)."""
+    def propose(self, out: SchedulerOutput, num_running: int) -> None:
+        """Prefill: let the proposer see it (a draft model: only while proposals could pay with
+        num_running sequences decoding). Decode: fill out.draft_token_ids (and num_new_tokens)."""
         if out.is_prefill:
-            self.proposer.observe(out)
+            if self.proposer.runs_a_model and self.target_times is not None and num_running > 0 and best_length(
+                    [self.config.num_speculative_tokens] * num_running, [self.proposer.prior_acceptance] * num_running,
+                    self.target_times, self.draft_times) == 0:
+                self.proposer.skip(out)
+            else:
+                self.proposer.observe(out)
             return
         self.steps += 1
         if out.max_drafts is None or not any(out.max_drafts):
@@ -69,12 +75,16 @@ class Speculator:
             else:
                 wants.append(min(room, self.length.get(seq.seq_id, k)))
         if not any(wants):
+            self._record_idle(out.seqs)
             return
-        free = self.draft_times is None  # proposals cost nothing to make (ngram): look, then choose
-        if self.target_times is not None and not free:
+        free = not self.proposer.runs_a_model  # proposals cost nothing to make (ngram): look, then choose
+        if self.target_times is not None:
+            # The length that pays if every sequence got all it asks for: an upper bound for ngram
+            # (its lookups are then skipped when nothing can pay), the length itself for a draft.
             length = best_length(wants, self.rates_of(out.seqs), self.target_times, self.draft_times)
             wants = [min(w, length) for w in wants]
             if not any(wants):
+                self._record_idle(out.seqs)
                 return
         drafts = self.proposer.propose(out.seqs, wants)
         drafts = [grammar_prefix(seq, d[:w]) for seq, d, w in zip(out.seqs, drafts, wants)]
@@ -84,6 +94,12 @@ class Speculator:
         if any(drafts):
             out.draft_token_ids = drafts
             out.num_new_tokens = [1 + len(d) for d in drafts]
+        else:
+            self._record_idle(out.seqs)
+
+    def _record_idle(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.rates.record(seq.seq_id, 0, 0)
 
     def rates_of(self, seqs: list[Sequence]) -> list[float]:
         return [self.rates.rate(seq.seq_id) for seq in seqs]
@@ -93,10 +109,10 @@ class Speculator:
         k = self.config.num_speculative_tokens
         for seq, drafted, accepted in zip(out.seqs, sampled.num_drafted, sampled.num_accepted):
             self.metrics.record(drafted, accepted)
+            self.rates.record(seq.seq_id, drafted, accepted)
             if drafted == 0:
                 continue
             sid = seq.seq_id
-            self.rates.record(sid, drafted, accepted)
             length = self.length.get(sid, k)
             if accepted == drafted:
                 self.length[sid] = min(k, length + 1)

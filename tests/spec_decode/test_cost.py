@@ -11,14 +11,17 @@ LINEAR = StepTimes.linear(6.0, 2.0)  # 6 + 2 * rows (ms)
 
 def test_expected_tokens_and_acceptance_rates():
     assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    rates = AcceptanceRates()
-    assert rates.rate(1) == 0.5  # the prior
-    rates.record(1, drafted=4, accepted=4)  # 4 trials, 4 successes
-    assert rates.rate(1) == pytest.approx(5 / 6)
+    rates = AcceptanceRates(0.9)
+    assert rates.rate(1) == pytest.approx(0.9)  # the prior: 1.8 successes in 2 trials
+    rates.record(1, drafted=4, accepted=0)  # 1 trial, rejected
+    assert rates.rate(1) == pytest.approx(1.8 / 3)
     rates.record(1, drafted=4, accepted=1)  # 2 trials (the rejected one counts), 1 success
-    assert rates.rate(1) == pytest.approx((0.8 * 4 + 1 + 1) / (0.8 * 4 + 2 + 2))
+    assert rates.rate(1) == pytest.approx((1 + 1.8) / (0.8 * 1 + 2 + 2))
+    for _ in range(30):  # steps without proposals: back towards the prior
+        rates.record(1, drafted=0, accepted=0)
+    assert rates.rate(1) == pytest.approx(0.9, abs=0.01)
     rates.forget(1)
-    assert rates.rate(1) == 0.5
+    assert rates.rate(1) == pytest.approx(0.9)
 
 
 def test_step_times_between_and_past_the_table():
@@ -71,3 +74,29 @@ def test_measured_on_the_engine_and_used(qwen3_gqa, monkeypatch):
     with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
         assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want
         assert llm.speculator.metrics.num_accepted_tokens > 0
+
+
+def test_a_draft_skips_prefills_it_would_not_pay_for_and_catches_up(qwen3_gqa, monkeypatch):
+    """Eight sequences: a draft step costs more than it earns (by the tables below, as computed in
+    test_best_length_by_hand), so the draft skips their prefill; once one sequence is left it
+    proposes, first computing that whole sequence. The draft is the target itself: every proposal
+    is accepted only if the catch-up filled its cache right."""
+    from nanovllm.spec_decode.draft_model import DraftRunner
+
+    def times(runner, max_rows):
+        return StepTimes.linear(1.0, 0.5) if isinstance(runner, DraftRunner) else LINEAR
+    monkeypatch.setattr(build, "measure_step_times", times)
+    prompts = [[5 + i, 6, 7, 8, 9 + i] * 5 for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=8 if i else 40, ignore_eos=True) for i in range(8)]
+    engine = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_model_len=128)
+    with LLM(qwen3_gqa, **engine) as llm:
+        want = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    config = dict(method="draft_model", model=qwen3_gqa, num_speculative_tokens=4)
+    with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
+        observed = []
+        real_observe = llm.speculator.proposer.observe
+        llm.speculator.proposer.observe = lambda out: observed.append(len(out.seqs)) or real_observe(out)
+        assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        metrics = llm.speculator.metrics
+        assert observed == []  # the one prefill step (all eight prompts) was skipped
+        assert metrics.num_drafts > 0 and metrics.num_accepted_tokens == metrics.num_draft_tokens
