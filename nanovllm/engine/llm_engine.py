@@ -175,8 +175,10 @@ class LLMEngine:
 
     def _run_step(self, out: SchedulerOutput) -> StepOutput:
         if self.speculator is not None:
-            # decode: proposals into out; prefill: the proposer sees it
-            self.speculator.propose(out, len(self.scheduler.running))
+            # decode: proposals into out; prefill: the proposer sees it (while it could pay with the
+            # sequences that will decode together: those running and those waiting, up to max_num_seqs)
+            decoding = min(self.config.max_num_seqs, len(self.scheduler.running) + len(self.scheduler.waiting))
+            self.speculator.propose(out, decoding)
         sampled = self.model_runner.run(out)
         more = sampled.more_token_ids
         if more is None:

@@ -12,6 +12,9 @@ second:
     tokens(L) = sum_i (1 + a_i + a_i^2 + ... + a_i^l_i),  l_i = min(cap_i, L)
     time(L)   = target(sum_i (1 + l_i)) + sum_{j=1..L} draft(rows of draft step j)
 
+(the draft's first step: the positions its cache lacks, a whole prompt for a sequence whose
+prefill it skipped),
+
 with a_i the sequence's acceptance rate (AcceptanceRates). L = 0 (no proposals) wins when rows are
 expensive next to what they earn: large batches, low acceptance. Measured thresholds, per machine
 and model, in place of one fixed batch size.
@@ -108,20 +111,23 @@ def expected_tokens(length: int, rate: float) -> float:
     return sum(rate ** j for j in range(length + 1))
 
 
-def best_length(caps: list[int], rates: list[float], target: StepTimes, draft: StepTimes | None) -> int:
+def best_length(caps: list[int], rates: list[float], target: StepTimes, draft: StepTimes | None,
+                pending: list[int] | None = None) -> int:
     """The proposal length L (each sequence min(cap_i, L)) with the most expected tokens per
     second; 0 when no proposal pays. draft: the draft model's forward times (None: proposals cost
-    nothing to make). The first draft step also computes each sequence's pending position(s):
-    counted as two rows per sequence."""
+    nothing to make). The first draft step also computes the positions each sequence's draft cache
+    lacks (pending[i] rows; two when not given: the last token, and the last proposal after a
+    verification that accepted everything)."""
+    pending = pending if pending is not None else [2] * len(caps)
     best, best_rate = 0, len(caps) / target(len(caps))
     for length in range(1, max(caps, default=0) + 1):
         lengths = [min(c, length) for c in caps]
         tokens = sum(expected_tokens(n, a) for n, a in zip(lengths, rates))
         seconds = target(sum(1 + n for n in lengths))
         if draft is not None:
-            for j in range(1, length + 1):
-                active = sum(1 for n in lengths if n >= j)
-                seconds += draft(2 * active if j == 1 else active)
+            seconds += draft(sum(p for n, p in zip(lengths, pending) if n >= 1))
+            for j in range(2, length + 1):
+                seconds += draft(sum(1 for n in lengths if n >= j))
         if tokens / seconds > best_rate * 1.0001:
             best, best_rate = length, tokens / seconds
     return best

@@ -81,6 +81,13 @@ class DraftModelProposer(Proposer):
         for seq, n in rows:
             self.computed[seq.seq_id] = seq.num_computed_tokens + n
 
+    def start(self, seq: Sequence) -> int:
+        """The first position of seq the draft's cache lacks."""
+        return min(self.computed.get(seq.seq_id, 0), seq.num_computed_tokens)
+
+    def pending(self, seqs: list[Sequence]) -> list[int]:
+        return [len(seq) - self.start(seq) for seq in seqs]
+
     def skip(self, out: SchedulerOutput) -> None:
         for seq in out.seqs:
             self.computed.pop(seq.seq_id, None)
@@ -93,7 +100,7 @@ class DraftModelProposer(Proposer):
         tokens, positions, tables, last_rows = [], [], [], []
         for i in active:
             seq = seqs[i]
-            start = min(self.computed.get(seq.seq_id, 0), seq.num_computed_tokens)
+            start = self.start(seq)
             tokens += seq.token_ids[start:]
             positions += range(start, len(seq))
             tables += [seq.block_table] * (len(seq) - start)

@@ -16,6 +16,11 @@ class Proposer:
         good guess). Called on decode steps, before the target runs."""
         raise NotImplementedError
 
+    def pending(self, seqs: list[Sequence]) -> list[int] | None:
+        """Rows a proposer running a model computes for each sequence before its first proposal
+        (None: nothing of the kind)."""
+        return None
+
     def observe(self, out: SchedulerOutput) -> None:
         """A prefill step the target is about to run (a proposer with a KV cache of its own
         computes the same positions)."""

@@ -53,12 +53,14 @@ class Speculator:
         self.paused_until: dict[int, int] = {}      # seq_id -> step at which it gets proposals again
         self.steps = 0
 
-    def propose(self, out: SchedulerOutput, num_running: int) -> None:
+    def propose(self, out: SchedulerOutput, num_decoding: int) -> None:
         """Prefill: let the proposer see it (a draft model: only while proposals could pay with
-        num_running sequences decoding). Decode: fill out.draft_token_ids (and num_new_tokens)."""
+        num_decoding sequences decoding together). Decode: fill out.draft_token_ids (and
+        num_new_tokens)."""
         if out.is_prefill:
-            if self.proposer.runs_a_model and self.target_times is not None and num_running > 0 and best_length(
-                    [self.config.num_speculative_tokens] * num_running, [self.proposer.prior_acceptance] * num_running,
+            n = num_decoding
+            if self.proposer.runs_a_model and self.target_times is not None and n > 0 and best_length(
+                    [self.config.num_speculative_tokens] * n, [self.proposer.prior_acceptance] * n,
                     self.target_times, self.draft_times) == 0:
                 self.proposer.skip(out)
             else:
@@ -81,7 +83,8 @@ class Speculator:
         if self.target_times is not None:
             # The length that pays if every sequence got all it asks for: an upper bound for ngram
             # (its lookups are then skipped when nothing can pay), the length itself for a draft.
-            length = best_length(wants, self.rates_of(out.seqs), self.target_times, self.draft_times)
+            length = best_length(wants, self.rates_of(out.seqs), self.target_times, self.draft_times,
+                                 self.proposer.pending(out.seqs))
             wants = [min(w, length) for w in wants]
             if not any(wants):
                 self._record_idle(out.seqs)

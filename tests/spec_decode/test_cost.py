@@ -49,6 +49,14 @@ def test_best_length_by_hand(caps, rates, draft, want):
     assert best_length(caps, rates, LINEAR, draft) == want
 
 
+def test_a_draft_cache_to_catch_up_counts():
+    """The cheap draft of the last case, but 40 positions of the sequence to compute first: its
+    first step costs 1 + 20 ms, and L = 1 gives 1.9 tokens in 10 + 21 ms, L = 4 4.0951 in 16 + 21 + 4.5."""
+    cheap = StepTimes.linear(1.0, 0.5)
+    assert best_length([4], [0.9], LINEAR, cheap, pending=[2]) == 4
+    assert best_length([4], [0.9], LINEAR, cheap, pending=[40]) == 0
+
+
 def test_rows_for_free_and_rows_that_cost_everything():
     assert best_length([4, 2, 3], [0.5, 0.5, 0.5], StepTimes.linear(1.0, 0.0), None) == 4
     assert best_length([4, 2, 3], [0.99] * 3, StepTimes.linear(0.0, 1.0), None) == 0
@@ -77,26 +85,33 @@ def test_measured_on_the_engine_and_used(qwen3_gqa, monkeypatch):
 
 
 def test_a_draft_skips_prefills_it_would_not_pay_for_and_catches_up(qwen3_gqa, monkeypatch):
-    """Eight sequences: a draft step costs more than it earns (by the tables below, as computed in
-    test_best_length_by_hand), so the draft skips their prefill; once one sequence is left it
-    proposes, first computing that whole sequence. The draft is the target itself: every proposal
-    is accepted only if the catch-up filled its cache right."""
+    """Eight sequences starting together, and a draft step costing more than it earns there (draft
+    4 + rows / 20 ms against LINEAR: L = 1 gives 15.2 tokens in 38 + 4.8 ms, below 8 in 22): the
+    draft skips their prefill. Then its steps become free (as if the batch had shrunk): it proposes,
+    first computing each whole sequence. The draft is the target itself: every proposal is accepted
+    only if that catch-up filled its cache right."""
     from nanovllm.spec_decode.draft_model import DraftRunner
 
     def times(runner, max_rows):
-        return StepTimes.linear(1.0, 0.5) if isinstance(runner, DraftRunner) else LINEAR
+        return StepTimes.linear(4.0, 0.05) if isinstance(runner, DraftRunner) else LINEAR
     monkeypatch.setattr(build, "measure_step_times", times)
     prompts = [[5 + i, 6, 7, 8, 9 + i] * 5 for i in range(8)]
-    params = [SamplingParams(temperature=0, max_tokens=8 if i else 40, ignore_eos=True) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_model_len=128)
     with LLM(qwen3_gqa, **engine) as llm:
         want = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     config = dict(method="draft_model", model=qwen3_gqa, num_speculative_tokens=4)
     with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
-        observed = []
-        real_observe = llm.speculator.proposer.observe
-        llm.speculator.proposer.observe = lambda out: observed.append(len(out.seqs)) or real_observe(out)
+        speculator, skipped = llm.speculator, []
+        real_skip = speculator.proposer.skip
+        monkeypatch.setattr(speculator.proposer, "observe", lambda out: pytest.fail("observed a prefill"))
+
+        def skip(out):
+            skipped.append(len(out.seqs))
+            real_skip(out)
+            speculator.draft_times = StepTimes.linear(0.0, 0.0)
+        monkeypatch.setattr(speculator.proposer, "skip", skip)
         assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want
-        metrics = llm.speculator.metrics
-        assert observed == []  # the one prefill step (all eight prompts) was skipped
+        metrics = speculator.metrics
+        assert skipped == [8]  # the one prefill step (all eight prompts)
         assert metrics.num_drafts > 0 and metrics.num_accepted_tokens == metrics.num_draft_tokens
