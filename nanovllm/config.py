@@ -188,9 +188,6 @@ class Config:
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is None or spec.method != "draft_model":
             return
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1 only; "
-                             "use method 'ngram' with tensor parallelism")
         from nanovllm.loader.checkpoint import Checkpoint
         try:
             draft = Checkpoint(spec.model)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.distributed.parallel import get_tp_size
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -37,9 +38,9 @@ def default_dtype(dtype: torch.dtype):
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0):
-        if dist.is_initialized() and dist.get_world_size() != config.tensor_parallel_size:
+        if get_tp_size() != config.tensor_parallel_size:
             # The layers shard themselves by the process group's size, whoever started it.
-            raise RuntimeError(f"a torch.distributed group of {dist.get_world_size()} ranks is already running "
+            raise RuntimeError(f"a torch.distributed group of {get_tp_size()} ranks is already running "
                                f"(another engine?); exit() it before building a tensor_parallel_size="
                                f"{config.tensor_parallel_size} engine in this process")
         self.config = config
@@ -102,7 +103,7 @@ class ModelRunner:
         num_blocks = max(budget, 0) // block_bytes
         blocks_per_seq = -(-self.config.max_model_len // self.block_size)
         num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if get_tp_size() > 1:
             # NOTE: rank 0's scheduler hands out block ids for every rank, so all must hold as many.
             count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)

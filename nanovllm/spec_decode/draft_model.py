@@ -1,7 +1,8 @@
 """Draft-model speculation (vLLM's "draft_model"): a smaller model sharing the target's tokenizer,
 or a lower-bit file of the target itself, proposes k tokens greedily, one forward per token.
 
-Its KV cache lies beside the target's: as many blocks of the same size, and every sequence's
+With a tensor-parallel target the draft runs whole, in rank 0's process. Its KV cache lies beside
+the target's: as many blocks of the same size, and every sequence's
 block table indexes both (the Scheduler's BlockManager hands out one block id for both caches), so
 prefix-cache hits, preemption and freeing need nothing of their own. The draft computes what the
 target computes: each prefill chunk (observe) while it could be used, and at each decode step the
@@ -15,6 +16,7 @@ import logging
 import torch
 
 from nanovllm.config import Config
+from nanovllm.distributed.parallel import single_rank
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.executor.model_runner import ModelRunner
@@ -25,17 +27,23 @@ logger = logging.getLogger(__name__)
 
 
 class DraftRunner(ModelRunner):
-    """A ModelRunner whose KV cache holds exactly num_blocks blocks (the target's count)."""
+    """A ModelRunner whose KV cache holds exactly num_blocks blocks (the target's count). Whole on
+    rank 0 when the target is tensor-parallel: built and run as rank 0 of 1 (single_rank)."""
 
     def __init__(self, config: Config, num_blocks: int):
         self.wanted_blocks = num_blocks
-        super().__init__(config)
+        with single_rank():
+            super().__init__(config)
         if self.num_kvcache_blocks != num_blocks:
             raise ValueError(f"the draft model's KV cache holds {self.num_kvcache_blocks} blocks, the target's "
                              f"{num_blocks}: give the draft a max_model_len at least the target's")
 
     def kv_cache_budget_bytes(self) -> int:
         return self.wanted_blocks * self.kv_block_bytes()
+
+    def run_model(self, *args):
+        with single_rank():
+            return super().run_model(*args)
 
 
 def draft_config(target: Config, spec: SpeculativeConfig) -> Config:

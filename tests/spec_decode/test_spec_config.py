@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from nanovllm import LLM
-from nanovllm.config import Config
 from nanovllm.spec_decode.config import SpeculativeConfig
 from nanovllm.spec_decode.ngram import find_continuation
 
@@ -56,9 +55,6 @@ def test_bad_drafts_are_refused_before_anything_starts(qwen3_gqa, tmp_path, monk
     other = make_qwen3(str(tmp_path / "other_vocab"), vocab_size=320)
     with pytest.raises(ValueError, match="vocabulary of 320 tokens, the target 256"):
         LLM(qwen3_gqa, speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
-        Config(qwen3_gqa, tensor_parallel_size=2,
-               speculative_config={"method": "draft_model", "model": qwen3_gqa, "num_speculative_tokens": 2})
     assert started == []
 
 

@@ -123,10 +123,12 @@ def test_chunked_prefill_prefix_hits_and_preemption(qwen3_gqa, other_model, meth
     assert got == want
 
 
-def test_tp2_with_ngram(qwen3_gqa, other_model):
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
+def test_tp2(qwen3_gqa, other_model, method):
+    """The target over two ranks; a draft model whole in rank 0's process (single_rank)."""
     want, _, _, _, _ = run_mixed_workload(qwen3_gqa, tp=1)
     got, _, preempted, _, _ = run_mixed_workload(qwen3_gqa, tp=2,
-                                                 speculative_config=spec_config("ngram", qwen3_gqa, other_model))
+                                                 speculative_config=spec_config(method, qwen3_gqa, other_model))
     assert preempted > 0
     assert got == want
 
