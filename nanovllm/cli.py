@@ -60,6 +60,10 @@ _ENGINE_OPTIONS = [
      '"prompt_lookup_max" / "prompt_lookup_min" n-gram sizes) or \'{"method": "draft_model", "model": PATH, '
      '"num_speculative_tokens": 4}\' (a model sharing the tokenizer; "quantization" its weight format); '
      '"disable_by_batch_size": no proposals at that many decoding sequences'),
+    ("--generation-config", "generation_config", str,
+     "sampling defaults for request fields left unset: auto (the model's generation_config.json, a GGUF file's "
+     "general.sampling.* metadata; the default model's card settings), vllm (none), or a folder holding a "
+     "generation_config.json"),
     ("--nnodes", "nnodes", int, "machines the tensor-parallel ranks are spread over"),
     ("--node-rank", "node_rank", int, "this machine's index; >= 1 runs `nanovllm worker`"),
     ("--dist-init-addr", "dist_init_addr", str, "HOST:PORT of node 0's rendezvous (nnodes > 1)"),
@@ -300,13 +304,15 @@ def served_names(args: argparse.Namespace, model: str) -> tuple[str, tuple[str, 
 
 def model_path(args: argparse.Namespace) -> str:
     """MODEL as given, else the default model (fetched on first use): its GGUF file on a CPU, its
-    converted folder on a GPU."""
+    converted folder on a GPU; with its model card's sampling defaults unless --generation-config."""
     if args.model is not None:
         return args.model
-    from nanovllm.utils.default_model import default_model, default_model_path
+    from nanovllm.utils.default_model import default_generation_config, default_model, default_model_path
 
     path = default_model_path() if args.quantization else default_model(device=args.device or "auto")
     logging.getLogger(__name__).info("no MODEL given: serving the default model from %s", path)
+    if args.generation_config is None:  # its model card's sampling for requests that leave it unset
+        args.generation_config = default_generation_config()
     return path
 
 

@@ -113,6 +113,11 @@ class Config:
     # Speculative decoding, vLLM's dict (spec_decode/config.py): {"method": "ngram", ...} or
     # {"method": "draft_model", "model": PATH, ...}; parsed into a SpeculativeConfig here.
     speculative_config: "dict | SpeculativeConfig | None" = None
+    # Sampling defaults for requests that leave a field unset (vLLM's --generation-config): "auto" the
+    # model's own (generation_config.json's temperature / top_p / top_k / min_p / repetition_penalty,
+    # a GGUF file's general.sampling.* metadata), "vllm" none (SamplingParams' defaults), or a folder
+    # whose generation_config.json holds them.
+    generation_config: str = "auto"
     # Derived, filled in __post_init__.
     checkpoint: "Checkpoint" = field(init=False, repr=False, compare=False)  # loader/checkpoint.py
     hf_config: object = field(init=False, repr=False)
@@ -121,6 +126,7 @@ class Config:
     kv_format: "KVFormat" = field(init=False, repr=False, compare=False)  # the KV cache's, from kv_cache_dtype
     weight_dtype: torch.dtype = field(init=False)  # how the linear weights are held (platform.weight_dtype)
     eos_token_ids: frozenset = field(init=False)
+    sampling_defaults: dict = field(init=False)  # from generation_config: SamplingParams keyword arguments
     platform: Platform = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -182,6 +188,28 @@ class Config:
         if self.cpu_kvcache_bytes is None:
             self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size // self.nnodes)
         self._check_speculative()
+        self.sampling_defaults = self._sampling_defaults()
+
+    def _sampling_defaults(self) -> dict:
+        from nanovllm.loader.checkpoint import generation_config_defaults
+        from nanovllm.sampling_params import SamplingParams
+        source = self.generation_config
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+        if source == "vllm":
+            return {}
+        if source == "auto":
+            defaults = self.checkpoint.sampling_defaults()
+        else:
+            defaults = generation_config_defaults(source) if os.path.isdir(source) else None
+            if defaults is None:
+                raise ValueError(f"generation_config {source!r} is not a folder holding a generation_config.json "
+                                 "('auto': the model's own; 'vllm': none)")
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the sampling defaults of generation_config {source!r} are not valid: {e}") from None
+        return defaults
 
     def _check_speculative(self) -> None:
         from nanovllm.spec_decode.config import SpeculativeConfig

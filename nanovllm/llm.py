@@ -12,9 +12,12 @@ class LLM(LLMEngine):
     def default(cls, cache_dir: str | None = None, **kwargs) -> "LLM":
         """An engine over the default model, SmolLM2-135M-Instruct, downloaded on first use: on a CPU
         from its shipped Q4_1 GGUF file, on a GPU from the fp32 folder converted from it (see
-        utils/default_model.py); kwargs are the usual engine options."""
-        from nanovllm.utils.default_model import default_model
-        return cls(default_model(cache_dir, kwargs.get("device", "auto")), **kwargs)
+        utils/default_model.py), sampling as its model card recommends unless generation_config
+        is given; kwargs are the usual engine options."""
+        from nanovllm.utils.default_model import default_generation_config, default_model
+        path = default_model(cache_dir, kwargs.get("device", "auto"))
+        kwargs.setdefault("generation_config", default_generation_config(cache_dir))  # its card's sampling
+        return cls(path, **kwargs)
 
     def chat(self, messages: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -62,6 +62,10 @@ class LLMEngine:
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         logger.info("%s", startup_summary(config, getattr(self.model_runner, "runner", self.model_runner),
                                           self.num_kvcache_blocks))
+        if config.sampling_defaults:
+            logger.info("sampling defaults from generation_config %r: %s (requests that leave a field unset "
+                        "take it; generation_config='vllm' for none)", config.generation_config,
+                        ", ".join(f"{k}={v}" for k, v in config.sampling_defaults.items()))
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.speculator = None
         if config.speculative_config is not None:
@@ -238,15 +242,19 @@ class LLMEngine:
         outputs = [dict(self.output_of(seq), index=i) for i, seq in enumerate(seqs)]
         return dict(outputs[0], outputs=outputs)
 
-    @staticmethod
-    def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's sampling defaults (Config.generation_config), what
+        generate() uses when given none (vLLM's name)."""
+        return SamplingParams(**self.config.sampling_defaults)
+
+    def _normalize(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         """One prompt or a list of them, and one SamplingParams or one per prompt -> two lists."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")

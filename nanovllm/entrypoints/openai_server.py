@@ -115,6 +115,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
                            check_model: Callable[[str | None], None]) -> None:
     """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
     max_model_len = engine.llm.config.max_model_len
+    sampling_defaults = engine.llm.config.sampling_defaults  # the model's, for fields a request leaves unset
     tools_warning = ToolsWarning(engine.llm.tokenizer, chat)
 
     def generation(prefix: str, n: int, logprobs: int | None, arrival: float, **settings) -> Generation:
@@ -129,7 +130,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
             body.check_supported()
             prompts = body.prompts()
             check_request(body, len(prompts), limits)
-            params = body.sampling_params()
+            params = body.sampling_params(sampling_defaults)
         prompt_ids = await prompt_token_ids(engine, prompts)
         check_context_length([len(ids) for ids in prompt_ids], params.max_tokens, max_model_len)
         echoed = await echo_texts(engine, prompts, prompt_ids) if body.echo else None
@@ -144,7 +145,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
         with _as_bad_request():
             body.check_supported()
             check_request(body, 1, limits)
-            params = body.sampling_params()
+            params = body.sampling_params(sampling_defaults)
             tool_choice = tool_choice_of(body, chat)
             params = with_forced_call(params, body, tool_choice, chat)
             conversation = body.conversation()

@@ -117,10 +117,12 @@ class _SamplingRequest(SGLangSamplingFields):
             raise ValueError("logit_bias is not supported")
         self.check_sglang_fields()
 
-    def sampling_kwargs(self) -> dict:
-        """The fields the client set, by SamplingParams' names (unset ones keep its defaults)."""
-        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS
-                  if name in self.model_fields_set and getattr(self, name) is not None}
+    def sampling_kwargs(self, defaults: dict | None = None) -> dict:
+        """The fields the client set, by SamplingParams' names, over defaults (the model's,
+        Config.sampling_defaults); fields in neither keep SamplingParams' own defaults."""
+        kwargs = dict(defaults or {})
+        kwargs.update({name: getattr(self, name) for name in SAMPLING_FIELDS
+                       if name in self.model_fields_set and getattr(self, name) is not None})
         structured = self.structured_outputs_params()
         if structured is not None:
             kwargs["structured_outputs"] = structured
@@ -180,8 +182,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt is empty")
         return list(p)
 
-    def sampling_params(self) -> SamplingParams:
-        kwargs = self.sampling_kwargs()
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        kwargs = self.sampling_kwargs(defaults)
         if self.max_tokens is not None:
             kwargs["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
@@ -233,8 +235,8 @@ class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest, SGLangChatFie
     def conversation(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
 
-    def sampling_params(self) -> SamplingParams:
-        kwargs = self.sampling_kwargs()
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        kwargs = self.sampling_kwargs(defaults)
         # Unset: as many as fit in max_model_len (OpenAI's chat default).
         kwargs["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens

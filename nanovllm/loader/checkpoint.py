@@ -58,6 +58,30 @@ def load_hf_config(model: str):
         raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
 
 
+# Sampling defaults a model states (vLLM applies them to requests that leave the field unset): the
+# generation_config.json fields, and a GGUF file's general.sampling.* metadata, by SamplingParams' names.
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def generation_config_defaults(folder: str) -> dict | None:
+    """The sampling fields of folder's generation_config.json ({} without any; None without the
+    file). ValueError for a file that is not a JSON object."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return {name: data[name] for name in GENERATION_CONFIG_FIELDS if data.get(name) is not None}
+
+
 class Checkpoint:
     """The checkpoint at path, opened and checked once (ValueError naming what is wrong)."""
 
@@ -95,6 +119,16 @@ class Checkpoint:
             with open(gen_path) as f:
                 add(json.load(f).get("eos_token_id"))
         return frozenset(ids)
+
+    def sampling_defaults(self) -> dict:
+        """The sampling settings the model states: generation_config.json's, or a GGUF file's
+        general.sampling.* metadata ({} when it states none)."""
+        if not self.is_gguf:
+            return generation_config_defaults(self.path) or {}
+        gguf = open_gguf(self.path)
+        found = {name: gguf.field(key, None) for key, name in GGUF_SAMPLING_KEYS.items()}
+        return {name: value.item() if hasattr(value, "item") else value
+                for name, value in found.items() if value is not None}
 
     def load_tokenizer(self) -> Any:
         """The HF tokenizer (a GGUF file's own, built by transformers from its metadata), or None for

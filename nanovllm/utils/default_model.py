@@ -31,6 +31,13 @@ _HOW_TO_AVOID = ("Alternatively pass a HuggingFace model folder (config.json, *.
                  "files), e.g. `python example.py --model /path/to/model` or `LLM('/path/to/model')`.")
 
 
+# The model card's recommended sampling (HuggingFaceTB/SmolLM2-135M-Instruct: temperature 0.2, top_p
+# 0.9); neither its GGUF file nor its generation_config.json states any. Written into a folder of its
+# own for Config.generation_config, so requests that leave them unset get them (vLLM's rule).
+CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+GENERATION_DIRNAME = MODEL_DIRNAME + "-generation-config"
+
+
 class DefaultModelError(RuntimeError):
     """The default model could not be fetched or converted; the message says what to do instead."""
 
@@ -56,6 +63,20 @@ def _writable_root(cache_dir: str | os.PathLike | None) -> Path:
         raise DefaultModelError(f"cannot create the cache folder {root}: {e}. Set {CACHE_ENV} to a "
                                 f"writable folder. {_HOW_TO_AVOID}") from e
     return root
+
+
+def default_generation_config(cache_dir: str | os.PathLike | None = None) -> str:
+    """A folder whose generation_config.json holds the default model's recommended sampling
+    (CARD_SAMPLING), written on first use: what LLM.default(), example.py and `nanovllm serve`
+    without MODEL pass as generation_config."""
+    folder = _writable_root(cache_dir) / GENERATION_DIRNAME
+    path = folder / "generation_config.json"
+    if not path.is_file() or json.loads(path.read_text()) != CARD_SAMPLING:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / ".generation_config.json.tmp"
+        tmp.write_text(json.dumps(CARD_SAMPLING, indent=2) + "\n")
+        os.replace(tmp, path)
+    return str(folder)
 
 
 def default_model_path(cache_dir: str | os.PathLike | None = None,

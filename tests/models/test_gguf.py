@@ -117,9 +117,9 @@ def llama_cpp_row_order(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=512, layers=2, heads=4,
-               kv_heads=2, vocab=320, seed=0, untied=False) -> Path:
+               kv_heads=2, vocab=320, seed=0, untied=False, metadata: dict | None = None) -> Path:
     """A random model as a GGUF file; types: tensor role (attn_q, ffn_down, token_embd, output,
-    ...) -> GGUF type name (default F32)."""
+    ...) -> GGUF type name (default F32); metadata: more keys (float values as float32, int as uint32)."""
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -135,6 +135,8 @@ def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=5
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    for key, value in (metadata or {}).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
 
     def add(name: str, role: str, value: np.ndarray) -> None:
         kind = types.get(role, "f32")
