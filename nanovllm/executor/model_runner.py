@@ -38,7 +38,7 @@ def default_dtype(dtype: torch.dtype):
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0):
-        if get_tp_size() != config.tensor_parallel_size:
+        if dist.is_initialized() and get_tp_size() != config.tensor_parallel_size:
             # The layers shard themselves by the process group's size, whoever started it.
             raise RuntimeError(f"a torch.distributed group of {get_tp_size()} ranks is already running "
                                f"(another engine?); exit() it before building a tensor_parallel_size="
