@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the model's tool-call format, parsed into tool_calls: hermes (Qwen2.5, Qwen3)")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
+    chat.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                      help="return the model's <think> block apart, as reasoning_content (default: none)")
     chat.add_argument("--trust-request-chat-template", action="store_true",
                       help="accept a chat_template in requests (it runs on the engine's thread)")
     engine = serve.add_argument_group("engine options")
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             limits = ServerLimits(args.max_n, args.max_prompts, args.max_body_bytes)
             chat = ChatSettings(args.tool_call_parser, args.enable_auto_tool_choice,
-                                args.trust_request_chat_template)
+                                args.trust_request_chat_template, args.reasoning_parser)
             model = model_path(args)
             llm = LLM(model, **engine_kwargs(args))
         except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag

@@ -159,7 +159,8 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
         gen = generation("chatcmpl", params.n, params.logprobs, arrival,
                          echo_prefix=(conversation[-1].get("content") or "") if echoes else "",
                          tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                         new_tool_reply=(lambda: ToolReply(tool_choice, chat)) if tool_choice != "none" else None)
+                         new_tool_reply=(lambda: ToolReply(tool_choice, chat)) if tool_choice != "none" else None,
+                         reasoning=chat.reasoning)
         return await _respond(gen, request, body, [prompt_ids], params, "chat")
 
 

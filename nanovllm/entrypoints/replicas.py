@@ -4,6 +4,7 @@ own GPUs), optionally sglang-router in front; this parent supervises them until 
 import argparse
 import copy
 import ctypes
+import json
 import logging
 import os
 import shlex
@@ -76,7 +77,9 @@ def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, port
         if not action.option_strings:  # MODEL
             argv += [] if value is None else [str(value)]
         elif action.dest == "port" or value != action.default:
-            argv += [action.option_strings[0]] + ([] if action.nargs == 0 else [str(value)])
+            # A JSON option (--speculative-config) goes back as JSON, not as Python's repr of it.
+            text = json.dumps(value) if isinstance(value, dict) else str(value)
+            argv += [action.option_strings[0]] + ([] if action.nargs == 0 else [text])
     return argv
 
 

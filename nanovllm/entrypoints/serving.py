@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nanovllm.outputs.streaming import StreamDelta
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError
@@ -103,11 +103,12 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, request_id: str, model: str, n: int, top_logprobs: int | None, *,
                  num_prompt_logprobs: int | None = None, echo_texts: list[str] | None = None,
-                 echo_prefix: str = "", tokens_as_ids: bool = False, new_tool_reply=None):
+                 echo_prefix: str = "", tokens_as_ids: bool = False, new_tool_reply=None, reasoning=None):
         """num_prompt_logprobs: SamplingParams.prompt_logprobs; echo_texts: completions' echo, each
         prompt's text; echo_prefix: chat's echo, the last (assistant) message's content opening the
         reply; tokens_as_ids: return_tokens_as_token_ids; new_tool_reply: chat with tools, () ->
-        tool_calls.ToolReply for one choice."""
+        tool_calls.ToolReply for one choice; reasoning: chat's reasoning.ReasoningParser (the
+        thinking returned apart; tool calls are read from the answer after it)."""
         self.engine = engine
         self.id = request_id
         self.model = model
@@ -125,6 +126,7 @@ class Generation:
         self.tokens_as_ids = tokens_as_ids
         self.echo_prefix = echo_prefix
         self.new_tool_reply = new_tool_reply
+        self.reasoning = reasoning
 
     async def submit(self, prompts: list, sampling_params) -> None:
         """Queue every prompt at once (they can share a step); if one is refused, abort the others
@@ -229,10 +231,13 @@ def chat_response(gen: Generation) -> dict:
     has_logprobs = gen.top_logprobs is not None
     choices = []
     for c in gen.choices:
-        message, finish = {"role": "assistant", "content": gen.echo_prefix + c.text}, c.finish_reason
+        text, message = c.text, {"role": "assistant"}
+        if gen.reasoning is not None:
+            message["reasoning_content"], text = gen.reasoning.split(text)
+        message["content"], finish = gen.echo_prefix + text, c.finish_reason
         if gen.new_tool_reply is not None:
             reply = gen.new_tool_reply()
-            content, calls = reply.whole(c.text)
+            content, calls = reply.whole(text)
             message["content"] = gen.echo_prefix + content if content or gen.echo_prefix else None
             message["tool_calls"] = calls
             finish = reply.finish_reason(finish)
@@ -256,6 +261,7 @@ async def sse_chunks(gen: Generation, kind: str, include_usage: bool,
     def usage() -> dict:
         return {"usage": gen.usage()} if continuous_usage else {}
     replies = {c.index: gen.new_tool_reply() for c in gen.choices} if gen.new_tool_reply else {}
+    thinking = {c.index: gen.reasoning.stream() for c in gen.choices} if is_chat and gen.reasoning else {}
     try:
         if is_chat:  # OpenAI opens each choice with the assistant role
             for c in gen.choices:
@@ -266,6 +272,13 @@ async def sse_chunks(gen: Generation, kind: str, include_usage: bool,
             logprobs = None
             if gen.top_logprobs is not None and entries:
                 logprobs = chat_logprobs(entries) if is_chat else completion_logprobs(choice, entries)
+            if choice.index in thinking:  # the thinking as reasoning_content; the answer goes on
+                reasoning, answer = thinking[choice.index].feed(delta.text or "", delta.is_finished)
+                if reasoning:
+                    yield _sse({**gen.header(obj), "choices": [
+                        {"index": choice.index, "delta": {"reasoning_content": reasoning}, "logprobs": None,
+                         "finish_reason": None}], **usage()})
+                delta = replace(delta, text=answer)
             chunk_choices = (_chunk_choices(choice, delta, is_chat, logprobs) if choice.index not in replies
                              else _tool_chunk_choices(choice, delta, logprobs, replies[choice.index]))
             for entry in chunk_choices:

@@ -19,12 +19,21 @@ class ChatSettings:
     tool_call_parser: str | None = None       # --tool-call-parser: the model's tool-call format
     enable_auto_tool_choice: bool = False     # --enable-auto-tool-choice: allow tool_choice "auto"
     trust_request_chat_template: bool = False  # --trust-request-chat-template
+    reasoning_parser: str | None = None       # --reasoning-parser: the thinking apart (reasoning.py)
 
     def __post_init__(self) -> None:
+        from nanovllm.entrypoints.reasoning import get_reasoning_parser
+        get_reasoning_parser(self.reasoning_parser)  # an unknown name fails at start, not per request
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # an unknown name fails at start, not per request
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @property
+    def reasoning(self):
+        """The reasoning.ReasoningParser of --reasoning-parser (None without one)."""
+        from nanovllm.entrypoints.reasoning import get_reasoning_parser
+        return get_reasoning_parser(self.reasoning_parser)
 
 
 def tool_choice_of(body: ChatCompletionRequest, settings: ChatSettings) -> str | None:

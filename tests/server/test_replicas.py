@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_replica_command_keeps_every_option_but_the_supervisors():
     argv = ["serve", "/m", "-dp", "3", "--port", "9000", "--router", "--router-port", "9100", "--enforce-eager",
-            "--no-enable-prefix-caching", "--max-model-len", "256", "--api-key", "k", "--log-level", "warning"]
+            "--no-enable-prefix-caching", "--max-model-len", "256", "--api-key", "k", "--log-level", "warning",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--reasoning-parser", "qwen3",
+            "--generation-config", "vllm"]
     args = build_parser().parse_args(argv)
     command = replicas.replica_argv(args.serve_parser, args, 9002)
     assert command[:4] == [sys.executable, "-m", "nanovllm.cli", "serve"]
