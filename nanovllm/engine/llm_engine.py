@@ -242,6 +242,28 @@ class LLMEngine:
         outputs = [dict(self.output_of(seq), index=i) for i, seq in enumerate(seqs)]
         return dict(outputs[0], outputs=outputs)
 
+    def embed(self, prompts: list[str] | list[list[int]] | str, pooling: str | None = None,
+              normalize: bool = True) -> list[list[float]]:
+        """One embedding per prompt: its final hidden states pooled (pooling: "last", "mean" or
+        "cls"; None: what the checkpoint says, else the last token) and L2-normalised. Every prompt
+        is checked first (as generate() checks them); nothing enters the KV cache."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = []
+        for prompt in prompts:
+            tokens = self.tokenize(prompt)
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:4]} are outside the vocabulary [0, {self.vocab_size})")
+            if len(tokens) > self.config.max_model_len:
+                raise ValueError(f"a prompt of {len(tokens)} tokens is longer than max_model_len "
+                                 f"({self.config.max_model_len})")
+            token_lists.append(tokens)
+        if not hasattr(self.model_runner, "embed"):
+            raise ValueError("embed() runs with tensor_parallel_size=1")
+        method = pooling or self.config.checkpoint.pooling()
+        return self.model_runner.embed(token_lists, method, normalize).tolist()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's sampling defaults (Config.generation_config), what
         generate() uses when given none (vLLM's name)."""

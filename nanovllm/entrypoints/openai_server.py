@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
+from nanovllm.entrypoints.embeddings import add_embedding_routes
 from nanovllm.entrypoints.limits import BodySizeLimit, ServerLimits, check_context_length, check_request
 from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
 from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
@@ -105,6 +106,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     _add_generation_routes(app, engine, served_model_name, limits, metrics, chat, check_model)
     add_tokenize_routes(app, engine, check_model, chat.trust_request_chat_template)
+    add_embedding_routes(app, engine, served_model_name, limits, check_model)
     _add_info_routes(app, engine, metrics)
     add_sglang_routes(app, engine, served_model_name, _version())  # what sglang-router probes
     return app

@@ -138,6 +138,33 @@ class ModelRunner:
         self.model.compute_logits(hidden_states[-1:].expand(cfg.max_num_seqs, -1))
         self.platform.synchronize(self.device)
 
+    @torch.inference_mode()
+    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> torch.Tensor:
+        """The prompts' pooled final hidden states [len(token_lists), hidden] (executor/pooling.py),
+        in forwards of at most max_num_batched_tokens tokens (a longer prompt alone); nothing is
+        stored in the KV cache."""
+        from nanovllm.executor.pooling import pool
+        out, batch, batch_tokens = [], [], 0
+        budget = self.config.max_num_batched_tokens
+
+        def run(prompts: list[list[int]]) -> None:
+            seqs = [Sequence(list(p)) for p in prompts]
+            input_ids, positions, context, _ = self.prepare_prefill(seqs, [len(p) for p in prompts])
+            context.slot_mapping = None  # nothing to store
+            with forward_context(context):
+                hidden_states = self.model(input_ids, positions)
+            out.append(pool(hidden_states, [len(p) for p in prompts], pooling, normalize))
+
+        for tokens in token_lists:
+            if batch and batch_tokens + len(tokens) > budget:
+                run(batch)
+                batch, batch_tokens = [], 0
+            batch.append(tokens)
+            batch_tokens += len(tokens)
+        if batch:
+            run(batch)
+        return torch.cat(out)
+
     # ---- step inputs ------------------------------------------------------------------------
     def slots_of(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Cache slots of positions [start, end) of seq."""

@@ -130,6 +130,20 @@ class Checkpoint:
         return {name: value.item() if hasattr(value, "item") else value
                 for name, value in found.items() if value is not None}
 
+    def pooling(self) -> str:
+        """How an embedding pools the prompt: a sentence-transformers folder's 1_Pooling/config.json
+        says (mean, CLS or last token); otherwise the last token, as vLLM pools decoder models."""
+        path = os.path.join(self.path, "1_Pooling", "config.json")
+        if self.is_gguf or not os.path.isfile(path):
+            return "last"
+        with open(path) as f:
+            modes = json.load(f)
+        for key, method in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                            ("pooling_mode_cls_token", "cls")):
+            if modes.get(key):
+                return method
+        raise ValueError(f"{path} asks for a pooling other than last token, mean or CLS: {modes}")
+
     def load_tokenizer(self) -> Any:
         """The HF tokenizer (a GGUF file's own, built by transformers from its metadata), or None for
         a weights-only folder (then prompts must be token ids)."""
