@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm.entrypoints.anthropic_messages import add_messages_routes
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
 from nanovllm.entrypoints.embeddings import add_embedding_routes
 from nanovllm.entrypoints.limits import BodySizeLimit, ServerLimits, check_context_length, check_request
@@ -54,16 +55,18 @@ def generation_responses(body: type) -> dict:
 
 class ApiKeyMiddleware:
     """Plain ASGI middleware (streams pass through untouched): every path but /health needs
-    `Authorization: Bearer <api_key>`."""
+    `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_x = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            given, given_x = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            if not (hmac.compare_digest(given, self.expected) or hmac.compare_digest(given_x, self.expected_x)):
                 body = error_body("missing or incorrect API key", "authentication_error", code="invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
@@ -107,6 +110,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     _add_generation_routes(app, engine, served_model_name, limits, metrics, chat, check_model)
     add_tokenize_routes(app, engine, check_model, chat.trust_request_chat_template)
     add_embedding_routes(app, engine, served_model_name, limits, check_model)
+    add_messages_routes(app, engine, served_model_name, check_model)
     _add_info_routes(app, engine, metrics)
     add_sglang_routes(app, engine, served_model_name, _version())  # what sglang-router probes
     return app
