@@ -47,6 +47,13 @@ def startup_summary(config: Config, runner: ModelRunner, num_blocks: int) -> str
             f"peak RSS {peak_rss_mib:.0f} MiB")
 
 
+def _as_prompt_list(prompts):
+    """One prompt (a string or a list of token ids) as a list of one; anything else as given."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
+
+
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         unknown = sorted(set(kwargs) - CONFIG_FIELDS)
@@ -94,14 +101,19 @@ class LLMEngine:
             return list(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
-        """Validate one request and wrap it as a Sequence; raises before touching any engine state."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    def checked_token_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, each checked to be in the vocabulary."""
         token_ids = self.tokenize(prompt)
         out_of_vocab = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if out_of_vocab:
             raise ValueError(f"prompt token ids {out_of_vocab[:4]} are outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
+
+    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
+        """Validate one request and wrap it as a Sequence; raises before touching any engine state."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        token_ids = self.checked_token_ids(prompt)
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {max_len} "
@@ -247,21 +259,16 @@ class LLMEngine:
         """One embedding per prompt: its final hidden states pooled (pooling: "last", "mean" or
         "cls"; None: what the checkpoint says, else the last token) and L2-normalised. Every prompt
         is checked first (as generate() checks them); nothing enters the KV cache."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         token_lists = []
-        for prompt in prompts:
-            tokens = self.tokenize(prompt)
-            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:4]} are outside the vocabulary [0, {self.vocab_size})")
+        for prompt in _as_prompt_list(prompts):
+            tokens = self.checked_token_ids(prompt)
             if len(tokens) > self.config.max_model_len:
                 raise ValueError(f"a prompt of {len(tokens)} tokens is longer than max_model_len "
                                  f"({self.config.max_model_len})")
             token_lists.append(tokens)
         if not hasattr(self.model_runner, "embed"):
             raise ValueError("embed() runs with tensor_parallel_size=1")
-        method = pooling or self.config.checkpoint.pooling()
+        method = pooling or self.config.checkpoint.pooling
         return self.model_runner.embed(token_lists, method, normalize).tolist()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -271,8 +278,7 @@ class LLMEngine:
 
     def _normalize(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         """One prompt or a list of them, and one SamplingParams or one per prompt -> two lists."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
         if sampling_params is None:

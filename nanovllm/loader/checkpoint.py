@@ -4,6 +4,7 @@ tokenizer, the end-of-sequence ids, the weight format (a QuantizationConfig, bui
 config.json or the file's tensor index), and the weights as (checkpoint name, tensor) pairs.
 Config opens it (and carries it, pickled, to the tensor-parallel workers: facts only, no open file);
 the tokenizer and the weights are read where they are used."""
+import functools
 import json
 import logging
 import os
@@ -66,9 +67,9 @@ GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.
                       "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def generation_config_defaults(folder: str) -> dict | None:
-    """The sampling fields of folder's generation_config.json ({} without any; None without the
-    file). ValueError for a file that is not a JSON object."""
+def read_generation_config(folder: str) -> dict | None:
+    """folder's generation_config.json (None without the file). ValueError for a file that is not
+    a JSON object."""
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return None
@@ -79,6 +80,15 @@ def generation_config_defaults(folder: str) -> dict | None:
         raise ValueError(f"cannot read {path}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def generation_config_defaults(folder: str) -> dict | None:
+    """The sampling fields of folder's generation_config.json ({} without any; None without the
+    file)."""
+    data = read_generation_config(folder)
+    if data is None:
+        return None
     return {name: data[name] for name in GENERATION_CONFIG_FIELDS if data.get(name) is not None}
 
 
@@ -114,10 +124,8 @@ class Checkpoint:
                 ids.update(v for v in value if isinstance(v, int))
 
         add(getattr(self.hf_config, "eos_token_id", None))
-        gen_path = os.path.join(self.path, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                add(json.load(f).get("eos_token_id"))
+        if not self.is_gguf:
+            add((read_generation_config(self.path) or {}).get("eos_token_id"))
         return frozenset(ids)
 
     def sampling_defaults(self) -> dict:
@@ -130,6 +138,7 @@ class Checkpoint:
         return {name: value.item() if hasattr(value, "item") else value
                 for name, value in found.items() if value is not None}
 
+    @functools.cached_property
     def pooling(self) -> str:
         """How an embedding pools the prompt: a sentence-transformers folder's 1_Pooling/config.json
         says (mean, CLS or last token); otherwise the last token, as vLLM pools decoder models."""

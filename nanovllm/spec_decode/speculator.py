@@ -80,10 +80,11 @@ class Speculator:
             self._record_idle(out.seqs)
             return
         free = not self.proposer.runs_a_model  # proposals cost nothing to make (ngram): look, then choose
+        rates = self.rates_of(out.seqs)
         if self.target_times is not None:
             # The length that pays if every sequence got all it asks for: an upper bound for ngram
             # (its lookups are then skipped when nothing can pay), the length itself for a draft.
-            length = best_length(wants, self.rates_of(out.seqs), self.target_times, self.draft_times,
+            length = best_length(wants, rates, self.target_times, self.draft_times,
                                  self.proposer.pending(out.seqs))
             wants = [min(w, length) for w in wants]
             if not any(wants):
@@ -92,7 +93,7 @@ class Speculator:
         drafts = self.proposer.propose(out.seqs, wants)
         drafts = [grammar_prefix(seq, d[:w]) for seq, d, w in zip(out.seqs, drafts, wants)]
         if self.target_times is not None and free and any(drafts):
-            length = best_length([len(d) for d in drafts], self.rates_of(out.seqs), self.target_times, None)
+            length = best_length([len(d) for d in drafts], rates, self.target_times, None)
             drafts = [d[:length] for d in drafts]
         if any(drafts):
             out.draft_token_ids = drafts
