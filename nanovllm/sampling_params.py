@@ -50,6 +50,9 @@ class StructuredOutputsParams:
     json: a JSON schema (dict, or its JSON text); json_object: True for any JSON object;
     regex: a regular expression the whole output matches; choice: the output is one of these
     strings; grammar: an EBNF grammar (GBNF, llama.cpp's dialect, with a `root` rule).
+    starts_after: the constraint applies only once the output holds this text's tokens (a
+    reasoning model's "</think>": the thinking is free, the answer constrained); None: from the
+    first token. The server sets it with --reasoning-parser.
     Checked for shape here; compiled (and a bad schema / regex / grammar refused with a
     ValueError) when the engine takes the request. Needs the `grammar` extra (xgrammar).
     """
@@ -59,8 +62,11 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
+        if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):
+            raise ValueError(f"structured_outputs.starts_after must be a non-empty string, got {self.starts_after!r}")
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if self.json_object is not None:
             _check_bool("structured_outputs.json_object", self.json_object)

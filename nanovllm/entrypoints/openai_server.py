@@ -1,19 +1,18 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine. Started by `nanovllm serve`
 (nanovllm/cli.py) or by tests through build_app() + uvicorn.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health, vLLM's POST /tokenize, /detokenize, GET /tokenizer_info, /version, /metrics (Prometheus),
-and SGLang's GET /model_info, /server_info for sglang-router (sglang_compat.py). Errors use OpenAI's
-body {"error": {"message", "type", "param", "code"}}. Every request's work is bounded before it is
-queued (limits.py).
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), OpenAI's Responses
+API (/v1/responses, openai_responses.py), Anthropic's Messages API (/v1/messages,
+anthropic_messages.py), /v1/embeddings (embeddings.py), GET /v1/models, GET /health, vLLM's POST
+/tokenize, /detokenize, GET /tokenizer_info, /version, /metrics (Prometheus), and SGLang's GET
+/model_info, /server_info for sglang-router (sglang_compat.py). Errors use OpenAI's body {"error":
+{"message", "type", "param", "code"}} (Anthropic's under /v1/messages). Every request's work is
+bounded before it is queued (limits.py).
 """
-import asyncio
 import hmac
 import logging
 import sys
 import time
-from collections.abc import Callable
-from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,20 +20,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.entrypoints.anthropic_messages import add_messages_routes
+from nanovllm.entrypoints.anthropic_messages import add_messages_routes, error_response as anthropic_error, \
+    is_messages_path
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
 from nanovllm.entrypoints.embeddings import add_embedding_routes
 from nanovllm.entrypoints.limits import BodySizeLimit, ServerLimits, check_context_length, check_request
-from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
-from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
-                                           error_responses)
+from nanovllm.entrypoints.chat_turn import ChatService, submit
+from nanovllm.entrypoints.metrics import ServerMetrics
+from nanovllm.entrypoints.openai_responses import add_responses_routes
+from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, as_bad_request,
+                                           error_body, error_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
 from nanovllm.entrypoints.responses import ChatCompletionResponse, CompletionResponse, ModelList, VersionResponse
 from nanovllm.entrypoints.sglang_compat import add_sglang_routes
-from nanovllm.entrypoints.tokenization import (add_tokenize_routes, chat_prompt_ids, echo_texts, prepared,
-                                               prompt_token_ids)
-from nanovllm.entrypoints.tool_calls import (ChatSettings, ToolReply, ToolsWarning, template_tools, tool_choice_of,
-                                             tools_note, with_forced_call)
+from nanovllm.entrypoints.tokenization import add_tokenize_routes, echo_texts, prompt_token_ids
+from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, tools_note
 from nanovllm.entrypoints.validation_errors import request_fields, validation_body
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,10 @@ class ApiKeyMiddleware:
             headers = dict(scope["headers"])
             given, given_x = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
             if not (hmac.compare_digest(given, self.expected) or hmac.compare_digest(given_x, self.expected_x)):
-                body = error_body("missing or incorrect API key", "authentication_error", code="invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+                message = "missing or incorrect API key"
+                response = (anthropic_error(401, message) if is_messages_path(scope["path"]) else JSONResponse(
+                    error_body(message, "authentication_error", code="invalid_api_key"), status_code=401))
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -107,32 +109,28 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "max_model_len": engine.llm.config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    _add_generation_routes(app, engine, served_model_name, limits, metrics, chat, check_model)
+    service = ChatService(engine, served_model_name, limits, metrics, chat, check_model)
+    _add_generation_routes(app, service)
     add_tokenize_routes(app, engine, check_model, chat.trust_request_chat_template)
     add_embedding_routes(app, engine, served_model_name, limits, check_model)
-    add_messages_routes(app, engine, served_model_name, check_model)
+    add_messages_routes(app, service)
+    add_responses_routes(app, service)
     _add_info_routes(app, engine, metrics)
     add_sglang_routes(app, engine, served_model_name, _version())  # what sglang-router probes
     return app
 
 
-def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str, limits: ServerLimits,
-                           metrics: ServerMetrics, chat: ChatSettings,
-                           check_model: Callable[[str | None], None]) -> None:
+def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
     """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
+    engine, limits = service.engine, service.limits
     max_model_len = engine.llm.config.max_model_len
     sampling_defaults = engine.llm.config.sampling_defaults  # the model's, for fields a request leaves unset
-    tools_warning = ToolsWarning(engine.llm.tokenizer, chat)
-
-    def generation(prefix: str, n: int, logprobs: int | None, arrival: float, **settings) -> Generation:
-        return MeteredGeneration(engine, engine.new_request_id(prefix), served_model_name, n, logprobs,
-                                 metrics=metrics, arrival=arrival, **settings)
 
     @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        check_model(body.model)
-        with _as_bad_request():
+        service.check_model(body.model)
+        with as_bad_request():
             body.check_supported()
             prompts = body.prompts()
             check_request(body, len(prompts), limits)
@@ -140,34 +138,25 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served_model_name:
         prompt_ids = await prompt_token_ids(engine, prompts)
         check_context_length([len(ids) for ids in prompt_ids], params.max_tokens, max_model_len)
         echoed = await echo_texts(engine, prompts, prompt_ids) if body.echo else None
-        gen = generation("cmpl", params.n, params.logprobs, arrival, num_prompt_logprobs=params.prompt_logprobs,
-                         echo_texts=echoed, tokens_as_ids=bool(body.return_tokens_as_token_ids))
+        gen = service.generation("cmpl", params.n, params.logprobs, arrival,
+                                 num_prompt_logprobs=params.prompt_logprobs, echo_texts=echoed,
+                                 tokens_as_ids=bool(body.return_tokens_as_token_ids))
         return await _respond(gen, request, body, prompt_ids, params, "completion")
 
     @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
-        check_model(body.model)
-        with _as_bad_request():
-            body.check_supported()
-            check_request(body, 1, limits)
-            params = body.sampling_params(sampling_defaults)
-            tool_choice = tool_choice_of(body, chat)
-            params = with_forced_call(params, body, tool_choice, chat)
-            conversation = body.conversation()
-        if body.tools:
-            tools_warning.request_brings_tools()
-        prompt_ids = await chat_prompt_ids(engine, conversation, body, template_tools(body), body.add_special_tokens,
-                                           chat.trust_request_chat_template)
         asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        check_context_length([len(prompt_ids)], params.max_tokens, max_model_len, "messages", asked)
+        chat = await service.prepare(body, asked)
+        conversation, tool_choice = chat.conversation, chat.tool_choice
         echoes = body.echo and conversation[-1].get("role") == "assistant"
-        gen = generation("chatcmpl", params.n, params.logprobs, arrival,
-                         echo_prefix=(conversation[-1].get("content") or "") if echoes else "",
-                         tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                         new_tool_reply=(lambda: ToolReply(tool_choice, chat)) if tool_choice != "none" else None,
-                         reasoning=chat.reasoning)
-        return await _respond(gen, request, body, [prompt_ids], params, "chat")
+        gen = service.generation("chatcmpl", chat.params.n, chat.params.logprobs, arrival,
+                                 echo_prefix=(conversation[-1].get("content") or "") if echoes else "",
+                                 tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                                 new_tool_reply=((lambda: ToolReply(tool_choice, service.chat))
+                                                 if tool_choice != "none" else None),
+                                 reasoning=service.chat.reasoning)
+        return await _respond(gen, request, body, [chat.prompt_ids], chat.params, "chat")
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
@@ -209,37 +198,35 @@ def _document_errors_only_as_sent(app: FastAPI) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as OpenAI's error body."""
+    """Every error leaves as OpenAI's error body, or as Anthropic's under /v1/messages."""
+
+    def answer(request: Request, body: dict, status: int, headers=None) -> JSONResponse:
+        if is_messages_path(request.url.path):
+            return anthropic_error(status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body, status_code=e.status)
+    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
+        return answer(request, e.body, e.status)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_body(e, request_fields(request)), status_code=400)
+        return answer(request, validation_body(e, request_fields(request)), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         # e.headers: a 405 carries Allow (the methods the path takes), as RFC 9110 requires.
-        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code, headers=e.headers)
+        return answer(request, error_body(str(e.detail), type_), e.status_code, e.headers)
 
     @app.exception_handler(Exception)
-    async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
+    async def on_unexpected_error(request: Request, e: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving a request")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+        return answer(request, error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
 
 
 async def _respond(gen: Generation, request: Request, body, prompts: list, params, kind: str):
-    if params.structured_outputs is not None:  # compiled beside the engine's steps, then found cached
-        await prepared(gen.engine, lambda llm: llm.grammars.compile(params.structured_outputs))
-    try:
-        await gen.submit(prompts, params)
-    except (ValueError, TypeError) as e:
-        raise ApiError(400, str(e)) from e
-    except EngineStoppedError as e:
-        raise ApiError(503, str(e), "server_error") from e
+    await submit(gen, prompts, params)
     if body.stream:
         # StreamingResponse cancels the stream when the client hangs up, which aborts the requests;
         # the background task catches a hang-up before the stream even started.
@@ -247,28 +234,11 @@ async def _respond(gen: Generation, request: Request, body, prompts: list, param
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(gen.abort_unfinished))
     try:
-        if not await _finish_unless_disconnected(gen, request):
+        if not await gen.run_unless_disconnected(request):
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
     except EngineStepError as e:
         raise ApiError(500, str(e), "server_error") from e
     return completion_response(gen) if kind == "completion" else chat_response(gen)
-
-
-async def _finish_unless_disconnected(gen: Generation, request: Request) -> bool:
-    """Wait for the whole generation; False (and the requests aborted) if the client left first.
-
-    NOTE: the body is already read, so the next ASGI message can only be http.disconnect."""
-    work = asyncio.ensure_future(gen.run_to_end())
-    hang_up = asyncio.ensure_future(request.receive())
-    try:
-        await asyncio.wait({work, hang_up}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (work, hang_up):
-            task.cancel()  # cancelling the work runs Generation.deltas' abort
-    if work.cancelled() or not work.done():
-        return False
-    work.result()  # re-raises an EngineStepError
-    return True
 
 
 def _check_model(name: str | None, served_model_name: str, accepted: frozenset[str]) -> None:
@@ -276,15 +246,6 @@ def _check_model(name: str | None, served_model_name: str, accepted: frozenset[s
     if name is not None and name not in accepted:  # OpenAI's and vLLM's answer: 404, model_not_found
         raise ApiError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}",
                        param="model", code="model_not_found")
-
-
-@contextmanager
-def _as_bad_request():
-    """Turns the ValueError/TypeError of request validation into a 400."""
-    try:
-        yield
-    except (ValueError, TypeError) as e:
-        raise ApiError(400, str(e)) from e
 
 
 def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,

@@ -3,6 +3,7 @@ vLLM's /tokenize and /detokenize bodies; OpenAI's error body.
 
 openai_server.py validates each request body with these models. Unknown fields are an error (400).
 """
+from contextlib import contextmanager
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -305,3 +306,12 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
                code: str | int | None = None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@contextmanager
+def as_bad_request():
+    """Turns the ValueError/TypeError of request validation into a 400."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e)) from e

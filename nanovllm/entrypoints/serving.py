@@ -197,6 +197,10 @@ class Generation:
         async for _ in self.deltas():
             pass
 
+    async def run_unless_disconnected(self, request) -> bool:
+        """run_to_end; False (and the requests aborted) if the HTTP client left first."""
+        return await unless_disconnected(self.run_to_end(), request)
+
     def usage(self) -> dict:
         prompt_tokens = sum(self.prompt_lens)
         completion_tokens = sum(c.num_tokens for c in self.choices)
@@ -205,6 +209,23 @@ class Generation:
 
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+async def unless_disconnected(work, request) -> bool:
+    """Await the coroutine work; False (and work cancelled) if the HTTP client left first; work's
+    error (an EngineStepError) is raised.
+
+    NOTE: the request's body is already read, so its next ASGI message can only be http.disconnect."""
+    task, hang_up = asyncio.ensure_future(work), asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({task, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, hang_up):
+            t.cancel()  # cancelling Generation.deltas runs its abort
+    if task.cancelled() or not task.done():
+        return False
+    task.result()
+    return True
 
 
 def completion_response(gen: Generation) -> dict:

@@ -105,8 +105,60 @@ class GrammarCache:
             raise ValueError(f"structured_outputs.{kind} is not a valid {what}: {message}") from None
 
     def new_matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher (at the grammar's start) for one sequence."""
-        return import_xgrammar().GrammarMatcher(self.compile(params))
+        """A fresh matcher (at the grammar's start) for one sequence; with params.starts_after, one
+        that lets every token through until the output holds that text's tokens."""
+        matcher = import_xgrammar().GrammarMatcher(self.compile(params))
+        if params.starts_after is None:
+            return matcher
+        marker = self.tokenizer.encode(params.starts_after, add_special_tokens=False)
+        if not marker:
+            raise ValueError(f"structured_outputs.starts_after {params.starts_after!r} encodes to no tokens")
+        return DeferredMatcher(matcher, marker)
+
+
+class DeferredMatcher:
+    """A grammar matcher that starts after a marker (the end of a reasoning model's thinking):
+    until the output's tokens end with `marker`, every token is allowed and nothing ends; then the
+    grammar matches from its start. Has the matcher methods the sampler, the engine and speculative
+    verification call (fill_next_token_bitmask, accept_token, rollback, is_terminated)."""
+
+    def __init__(self, matcher, marker: list[int]):
+        self.matcher, self.marker = matcher, list(marker)
+        self.before: list[int] = []  # the tokens accepted before the grammar started
+        self.started = False
+        self.num_after = 0  # tokens the inner matcher has accepted
+
+    @property
+    def stop_token_ids(self):
+        return self.matcher.stop_token_ids
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        if self.started:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+        else:
+            bitmask[index].fill_(-1)  # every bit set: any token
+
+    def accept_token(self, token: int) -> bool:
+        if self.started:
+            accepted = self.matcher.accept_token(token)
+            self.num_after += bool(accepted)
+            return accepted
+        self.before.append(token)
+        self.started = self.before[-len(self.marker):] == self.marker
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.started and self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        inner = min(num_tokens, self.num_after)
+        if inner:
+            self.matcher.rollback(inner)
+            self.num_after -= inner
+        outer = num_tokens - inner
+        if outer:
+            del self.before[-outer:]
+            self.started = False
 
 
 def fill_bitmask(seqs: "list[Sequence]", is_sampled: list[bool],

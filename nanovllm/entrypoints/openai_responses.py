@@ -1,0 +1,454 @@
+"""OpenAI's Responses API: POST /v1/responses (whole, or streamed as the Responses event sequence),
+GET and DELETE /v1/responses/{id}, for `client.responses.create` and the OpenAI Agents SDK.
+
+A request is translated into a chat turn (chat_turn.py): `instructions` and `input` (a string, or
+message / function_call / function_call_output / reasoning items) become chat messages, function
+`tools` and `tool_choice` the chat request's, `text.format` its response_format,
+`max_output_tokens` its max_completion_tokens; `reasoning.effort: "none"` turns the template's
+thinking off (`enable_thinking: false`, as does vLLM's `chat_template_kwargs`). The reply's blocks
+come back as `reasoning`, `message` and `function_call` output items.
+
+Stored responses (`store`, true by default) are kept in memory, least recently used dropped first
+past --max-stored-responses or 64 MiB of stored conversation; `previous_response_id` continues
+one (its input and output before the new input; its instructions are not carried over, as in
+OpenAI's API) and names a response no longer kept with a 404.
+"""
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
+
+from nanovllm.entrypoints.async_engine import EngineStepError
+from nanovllm.entrypoints.chat_turn import AssistantTurn, Block, ChatService
+from nanovllm.entrypoints.protocol import ApiError, ChatCompletionRequest, error_body, error_responses
+
+logger = logging.getLogger(__name__)
+
+MAX_INPUT_ITEMS = 1024
+MAX_TOOLS = 128
+MAX_STORED_BYTES = 64 * 2**20
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    """text.format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name", "schema"}."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def response_format(self) -> dict | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.schema_ is None:
+            raise ApiError(400, "text.format of type json_schema needs a schema", param="text.format.schema")
+        return {"type": "json_schema", "json_schema": {"name": self.name or "output", "schema": self.schema_}}
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides its length
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; the thinking comes whole
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The fields of OpenAI's create-response body this server acts on, and those it accepts without
+    effect (include, truncation "disabled", metadata echoed back, user and cache hints); any other is a 400."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extra
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    include: list[str] | None = Field(None, max_length=16)
+    truncation: Literal["disabled"] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+    def function_tools(self) -> list[FunctionTool]:
+        tools = []
+        for i, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function":  # web_search, file_search, mcp, ...
+                raise ApiError(400, f"tools[{i}]: tools of type {tool.get('type')!r} are not supported "
+                                    "(function tools only)", param=f"tools[{i}].type")
+            try:
+                tools.append(FunctionTool.model_validate(tool))
+            except ValidationError as e:
+                raise _bad_field(e, f"tools[{i}]") from None
+        return tools
+
+
+def _bad_field(e: ValidationError, where: str = "") -> ApiError:
+    first = e.errors()[0]
+    path = ".".join(str(p) for p in (where, *first["loc"]) if p != "")
+    return ApiError(400, f"{path}: {first['msg']}", param=path or None)
+
+
+# ---- input items -> chat messages -----------------------------------------------------------------
+def _text_of(content, where: str, kinds: tuple[str, ...]) -> str:
+    """A message's content as text: a string, or a list of text parts of the given types."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: content must be a string or a list of parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}[{j}]: content parts of type {kind!r} are not supported "
+                                f"(expected one of {list(kinds)} with a text)", param=f"{where}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
+class Conversation:
+    """Chat messages built item by item; function calls (and the thinking before them) join the
+    assistant message they follow; a function_call_output must answer a call made earlier."""
+
+    def __init__(self, messages: list[dict] | None = None):
+        self.messages = list(messages or [])
+        self.call_ids = {c["id"] for m in self.messages for c in m.get("tool_calls") or []}
+        self.reasoning: str | None = None  # a reasoning item's text, for the next assistant message
+
+    def _assistant(self) -> dict:
+        last = self.messages[-1] if self.messages else None
+        if last is None or last["role"] != "assistant" or self.reasoning is not None:
+            last = {"role": "assistant", "content": ""}
+            if self.reasoning is not None:
+                last["reasoning_content"], self.reasoning = self.reasoning, None
+            self.messages.append(last)
+        return last
+
+    def add(self, item: dict, where: str) -> None:
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{where} must be an object", param=where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role == "assistant":
+                self._assistant()["content"] += _text_of(item.get("content"), f"{where}.content",
+                                                         ("output_text", "input_text", "refusal"))
+                return
+            if role not in ("user", "system", "developer"):
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer, got {role!r}",
+                               param=f"{where}.role")
+            text = _text_of(item.get("content"), f"{where}.content", ("input_text", "output_text"))
+            self.messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call_id, name = _string(item, "call_id", where), _string(item, "name", where)
+            arguments = _string(item, "arguments", where)
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ApiError(400, f"{where}.arguments is not JSON: {e}", param=f"{where}.arguments") from None
+            self._assistant().setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            self.call_ids.add(call_id)
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            if call_id not in self.call_ids:
+                raise ApiError(400, f"{where}: call_id {call_id!r} answers no earlier function_call",
+                               param=f"{where}.call_id")
+            output = _text_of(item.get("output"), f"{where}.output", ("input_text", "output_text"))
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            self.reasoning = _text_of(parts, f"{where}.content", ("reasoning_text", "summary_text"))
+        else:
+            raise ApiError(400, f"{where}: input items of type {kind!r} are not supported (message, "
+                                "function_call, function_call_output and reasoning are)", param=f"{where}.type")
+
+
+# ---- output ----------------------------------------------------------------------------------------
+def output_item(block: Block, status: str = "completed") -> dict:
+    """A block as a Responses output item (its text so far)."""
+    if block.kind == "reasoning":
+        content = [{"type": "reasoning_text", "text": block.text}] if status == "completed" else []
+        return {"type": "reasoning", "id": block.id, "summary": [], "content": content, "status": status}
+    if block.kind == "text":
+        content = [_text_part(block.text)] if status == "completed" else []
+        return {"type": "message", "id": block.id, "role": "assistant", "status": status, "content": content}
+    return {"type": "function_call", "id": block.id, "call_id": block.call_id, "name": block.name,
+            "arguments": block.text if status == "completed" else "", "status": status}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def assistant_message(blocks: list[Block]) -> dict:
+    """The reply as the chat message a continuation (previous_response_id) renders."""
+    message: dict = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}
+    thinking = "".join(b.text for b in blocks if b.kind == "reasoning")
+    if thinking:
+        message["reasoning_content"] = thinking
+    calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+             for b in blocks if b.kind == "call"]
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+@dataclass
+class Stored:
+    body: dict             # the response object
+    messages: list[dict]   # its conversation, input and output (instructions left out)
+    size: int
+
+
+class ResponseStore:
+    """Responses kept for GET and previous_response_id: bounded by count and by stored size, the
+    least recently used dropped first."""
+
+    def __init__(self, max_entries: int, max_bytes: int = MAX_STORED_BYTES):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
+        self.size = 0
+
+    def get(self, response_id: str) -> Stored:
+        stored = self.entries.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"response {response_id!r} is not stored on this server (never made, not "
+                                "stored, deleted, or dropped from its bounded store)", param="previous_response_id",
+                           code="not_found")
+        self.entries.move_to_end(response_id)
+        return stored
+
+    def put(self, response_id: str, body: dict, messages: list[dict]) -> None:
+        size = len(json.dumps(messages)) + len(json.dumps(body))
+        if size > self.max_bytes:
+            return
+        self.entries[response_id] = Stored(body, messages, size)
+        self.size += size
+        while len(self.entries) > self.max_entries or self.size > self.max_bytes:
+            _, dropped = self.entries.popitem(last=False)
+            self.size -= dropped.size
+
+    def delete(self, response_id: str) -> None:
+        self.size -= self.get(response_id).size
+        del self.entries[response_id]
+
+
+class ResponseRun:
+    """One request's response object, as it is built."""
+
+    def __init__(self, body: ResponsesRequest, model: str, tools: list[FunctionTool]):
+        self.id = "resp_" + uuid.uuid4().hex[:24]
+        self.request, self.model, self.tools = body, model, tools
+        self.created_at = int(time.time())
+
+    def body(self, status: str, turn: AssistantTurn | None = None, output: list[dict] | None = None) -> dict:
+        r = self.request
+        choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, BaseModel) else (r.tool_choice or "auto")
+        text_format = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format \
+            else {"type": "text"}
+        out = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+               "model": self.model, "output": output or [], "instructions": r.instructions,
+               "tools": [t.model_dump(exclude_none=True) for t in self.tools], "tool_choice": choice,
+               "parallel_tool_calls": r.parallel_tool_calls is not False, "temperature": r.temperature,
+               "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
+               "previous_response_id": r.previous_response_id, "store": r.store, "metadata": r.metadata or {},
+               "text": {"format": text_format}, "truncation": "disabled", "error": None,
+               "incomplete_details": None, "usage": None}
+        if turn is not None and status in ("completed", "incomplete"):
+            if status == "incomplete":
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+            out["usage"] = {"input_tokens": turn.num_prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                            "output_tokens": turn.num_output_tokens,
+                            "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens()},
+                            "total_tokens": turn.num_prompt_tokens + turn.num_output_tokens}
+        return out
+
+
+def _status(turn: AssistantTurn) -> str:
+    return "incomplete" if turn.finish_reason == "length" else "completed"
+
+
+def add_responses_routes(app: FastAPI, service: ChatService, max_stored: int = 1024) -> None:
+    store = ResponseStore(max_stored)
+    app.state.response_store = store
+
+    def chat_request(body: ResponsesRequest, tools: list[FunctionTool], conversation: Conversation) -> ChatCompletionRequest:
+        if body.input == [] and body.previous_response_id is None:
+            raise ApiError(400, "input is empty", param="input")
+        if isinstance(body.input, str):
+            conversation.messages.append({"role": "user", "content": body.input})
+        else:
+            for i, item in enumerate(body.input):
+                conversation.add(item, f"input[{i}]")
+        messages = conversation.messages
+        if body.instructions:
+            messages = [{"role": "system", "content": body.instructions}] + messages
+        if not messages:
+            raise ApiError(400, "input is empty", param="input")
+        fields: dict[str, Any] = {"model": body.model, "messages": messages,
+                                  "max_completion_tokens": body.max_output_tokens}
+        for name in ("temperature", "top_p", "top_k", "parallel_tool_calls", "chat_template_kwargs"):
+            if getattr(body, name) is not None:
+                fields[name] = getattr(body, name)
+        if body.reasoning is not None and body.reasoning.effort == "none":
+            fields["chat_template_kwargs"] = {"enable_thinking": False, **(body.chat_template_kwargs or {})}
+        if tools:
+            fields["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                               for t in tools]
+        if body.tool_choice is not None:
+            fields["tool_choice"] = (body.tool_choice if isinstance(body.tool_choice, str) else
+                                     {"type": "function", "function": {"name": body.tool_choice.name}})
+        if body.text is not None and body.text.format is not None:
+            response_format = body.text.format.response_format()
+            if response_format is not None:
+                fields["response_format"] = response_format
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:
+            raise _bad_field(e) from None
+
+    @app.post("/v1/responses", responses={**error_responses(400, 401, 404, 413, 500, 503),
+                                          200: {"description": "the response object, or its events with stream"}})
+    async def create_response(body: ResponsesRequest, request: Request):
+        service.check_model(body.model)
+        tools = body.function_tools()
+        previous = store.get(body.previous_response_id).messages if body.previous_response_id else []
+        conversation = Conversation(previous)
+        chat = chat_request(body, tools, conversation)
+        turn = await service.start_turn(chat, "resp", "max_output_tokens")
+        run = ResponseRun(body, service.served_model_name, tools)
+
+        def keep(response: dict) -> None:
+            if body.store:
+                store.put(run.id, response, conversation.messages + [assistant_message(turn.blocks)])
+        if body.stream:
+            return StreamingResponse(_events(run, turn, keep), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(turn.gen.abort_unfinished))
+        try:
+            if await turn.run(request) is None:
+                return JSONResponse(error_body("client disconnected"), status_code=499)
+        except EngineStepError as e:
+            raise ApiError(500, str(e), "server_error") from e
+        response = run.body(_status(turn), turn, [output_item(b) for b in turn.blocks])
+        keep(response)
+        return response
+
+    @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+    async def get_response(response_id: str) -> dict:
+        return store.get(response_id).body
+
+    @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404))
+    async def delete_response(response_id: str) -> dict:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+async def _events(run: ResponseRun, turn: AssistantTurn, keep) -> AsyncIterator[str]:
+    """The Responses event sequence: response.created and .in_progress; per output item its
+    .added, content part and deltas, .done events; then response.completed (or .incomplete)."""
+    sequence = 0
+
+    def event(kind: str, **data) -> str:
+        nonlocal sequence
+        payload = {"type": kind, "sequence_number": sequence, **data}
+        sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    yield event("response.created", response=run.body("in_progress"))
+    yield event("response.in_progress", response=run.body("in_progress"))
+    done: list[dict] = []
+    try:
+        async for what, block, piece in turn.events():
+            at = {"item_id": block.id, "output_index": len(done)}
+            if what == "open":
+                yield event("response.output_item.added", output_index=len(done), item=output_item(block, "in_progress"))
+                if block.kind == "text":
+                    yield event("response.content_part.added", **at, content_index=0, part=_text_part(""))
+                elif block.kind == "reasoning":
+                    yield event("response.content_part.added", **at, content_index=0,
+                                part={"type": "reasoning_text", "text": ""})
+            elif what == "delta":
+                if block.kind == "text":
+                    yield event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
+                elif block.kind == "reasoning":
+                    yield event("response.reasoning_text.delta", **at, content_index=0, delta=piece)
+                else:
+                    yield event("response.function_call_arguments.delta", **at, delta=piece)
+            else:
+                if block.kind == "text":
+                    yield event("response.output_text.done", **at, content_index=0, text=block.text, logprobs=[])
+                    yield event("response.content_part.done", **at, content_index=0, part=_text_part(block.text))
+                elif block.kind == "reasoning":
+                    yield event("response.reasoning_text.done", **at, content_index=0, text=block.text)
+                    yield event("response.content_part.done", **at, content_index=0,
+                                part={"type": "reasoning_text", "text": block.text})
+                else:
+                    yield event("response.function_call_arguments.done", **at, arguments=block.text)
+                item = output_item(block)
+                yield event("response.output_item.done", output_index=len(done), item=item)
+                done.append(item)
+    except EngineStepError as e:
+        yield event("error", code="server_error", message=str(e), param=None)
+        failed = run.body("failed", turn, done)
+        failed["error"] = {"code": "server_error", "message": str(e)}
+        yield event("response.failed", response=failed)
+        return
+    status = _status(turn)
+    response = run.body(status, turn, done)
+    keep(response)
+    yield event(f"response.{status}", response=response)
