@@ -51,7 +51,7 @@ def make_scripted_qwen3(path: str, script: list[str], template: str):
     from helpers import make_byte_tokenizer, make_qwen3
     from transformers import AutoModelForCausalLM
 
-    make_qwen3(path, vocab_size=272, seed=5)
+    make_qwen3(path, vocab_size=272, seed=5, max_position_embeddings=4096)
     tokenizer = make_byte_tokenizer(path)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
     tokenizer.add_tokens(ADDED)

@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 
 from nanovllm.entrypoints.async_engine import EngineStepError
 from nanovllm.entrypoints.chat_turn import AssistantTurn, Block, ChatService
-from nanovllm.entrypoints.protocol import ApiError, ChatCompletionRequest
+from nanovllm.entrypoints.protocol import ApiError, ChatCompletionRequest, generation_responses
 from nanovllm.entrypoints.tokenization import chat_prompt_ids
 
 PATH = "/v1/messages"
@@ -35,30 +35,45 @@ MAX_TOOLS = 128
 Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_BLOCKS)]
 
 
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body."""
+    type: Literal["error"]
+    error: AnthropicErrorInfo
+
+
+ERRORS = {status: {"model": AnthropicError, "description": kind} for status, kind in ERROR_TYPES.items()}
+
+
 def is_messages_path(path: str) -> bool:
     return path == PATH or path.startswith(PATH + "/")
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                                     "message": message}}, status_code=status)
+def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status,
+                        headers=headers)
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["user", "assistant"]
     content: str | Blocks
 
 
 class ThinkingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0)  # accepted; the thinking is bounded by max_tokens only
     display: str | None = None
 
 
 class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | Blocks | None = None
@@ -247,7 +262,7 @@ def add_messages_routes(app: FastAPI, service: ChatService) -> None:
         except ValueError as e:
             raise ApiError(400, str(e)) from e
 
-    @app.post(PATH + "/count_tokens", responses={200: {"description": "{\"input_tokens\": N}"}})
+    @app.post(PATH + "/count_tokens", responses={**ERRORS, 200: {"description": "{\"input_tokens\": N}"}})
     async def count_tokens(body: CountTokensRequest) -> dict:
         service.check_model(body.model)
         chat = translated(body)
@@ -255,7 +270,7 @@ def add_messages_routes(app: FastAPI, service: ChatService) -> None:
         prompt = await chat_prompt_ids(engine, chat.conversation(), chat, tools, False, False)
         return {"input_tokens": len(prompt)}
 
-    @app.post(PATH, responses={200: {"description": "the message, or its events with stream"}})
+    @app.post(PATH, responses=generation_responses(None, ERRORS))
     async def messages(body: MessagesRequest, request: Request):
         turn = await service.start_turn(translated(body), "msg", "max_tokens")
         head = {"id": "msg_" + turn.gen.id.split("-", 1)[-1], "type": "message", "role": "assistant",

@@ -98,10 +98,15 @@ class BodySizeLimit:
         await self.app(scope, _replay([whole], receive), send)
 
     async def _refuse(self, scope, receive, send) -> None:
-        body = error_body(f"request body is larger than this server's limit of {self.max_bytes} bytes",
-                          param="body", code="request_too_large")
+        from nanovllm.entrypoints.anthropic_messages import error_response, is_messages_path  # (an import cycle)
+        message = f"request body is larger than this server's limit of {self.max_bytes} bytes"
         # Connection: close, so the unread rest of the body is never parsed as a next request.
-        await JSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
+        if is_messages_path(scope["path"]):
+            response = error_response(413, message, {"connection": "close"})
+        else:
+            response = JSONResponse(error_body(message, param="body", code="request_too_large"), status_code=413,
+                                    headers={"connection": "close"})
+        await response(scope, receive, send)
 
 
 def _replay(messages: list[dict], receive):

@@ -29,7 +29,8 @@ from starlette.background import BackgroundTask
 
 from nanovllm.entrypoints.async_engine import EngineStepError
 from nanovllm.entrypoints.chat_turn import AssistantTurn, Block, ChatService
-from nanovllm.entrypoints.protocol import ApiError, ChatCompletionRequest, error_body, error_responses
+from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, error_body, error_responses,
+                                           generation_responses)
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ MAX_STORED_BYTES = 64 * 2**20
 
 
 class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -48,14 +49,14 @@ class FunctionTool(BaseModel):
 
 
 class NamedFunctionChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["function"]
     name: str
 
 
 class TextFormat(BaseModel):
     """text.format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name", "schema"}."""
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -73,13 +74,13 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides its length
 
 
 class ReasoningConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; the thinking comes whole
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
@@ -88,7 +89,7 @@ class ReasoningConfig(BaseModel):
 class ResponsesRequest(BaseModel):
     """The fields of OpenAI's create-response body this server acts on, and those it accepts without
     effect (include, truncation "disabled", metadata echoed back, user and cache hints); any other is a 400."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
@@ -361,8 +362,7 @@ def add_responses_routes(app: FastAPI, service: ChatService, max_stored: int = 1
         except ValidationError as e:
             raise _bad_field(e) from None
 
-    @app.post("/v1/responses", responses={**error_responses(400, 401, 404, 413, 500, 503),
-                                          200: {"description": "the response object, or its events with stream"}})
+    @app.post("/v1/responses", responses=generation_responses(None))
     async def create_response(body: ResponsesRequest, request: Request):
         service.check_model(body.model)
         tools = body.function_tools()
@@ -388,12 +388,11 @@ def add_responses_routes(app: FastAPI, service: ChatService, max_stored: int = 1
         keep(response)
         return response
 
-    @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
-    async def get_response(response_id: str) -> dict:
-        return store.get(response_id).body
-
-    @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404))
-    async def delete_response(response_id: str) -> dict:
+    # NOTE: one route for both methods, so a 405 on the path names both in Allow.
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], responses=error_responses(401, 404))
+    async def stored_response(response_id: str, request: Request) -> dict:
+        if request.method == "GET":
+            return store.get(response_id).body
         store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

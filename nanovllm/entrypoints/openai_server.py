@@ -29,7 +29,7 @@ from nanovllm.entrypoints.chat_turn import ChatService, submit
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.openai_responses import add_responses_routes
 from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, as_bad_request,
-                                           error_body, error_responses)
+                                           error_body, error_responses, generation_responses)
 from nanovllm.entrypoints.serving import Generation, completion_response, chat_response, sse_chunks
 from nanovllm.entrypoints.responses import ChatCompletionResponse, CompletionResponse, ModelList, VersionResponse
 from nanovllm.entrypoints.sglang_compat import add_sglang_routes
@@ -38,20 +38,6 @@ from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, tools_note
 from nanovllm.entrypoints.validation_errors import request_fields, validation_body
 
 logger = logging.getLogger(__name__)
-
-# `stream: true` answers server-sent events: documented beside the JSON body. Before OpenAPI 3.2
-# (itemSchema), an event stream's `schema` describes one event: its `data` is a JSON chunk, `[DONE]` last.
-SSE_EVENT = {"type": "object", "required": ["data"],
-             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
-
-
-def generation_responses(body: type) -> dict:
-    """What a generation route answers, in /openapi.json: its JSON body (a model of responses.py) or
-    its chunks as server-sent events, and every error status."""
-    return {**error_responses(400, 401, 404, 413, 500, 503),
-            200: {"model": body, "description": "the completion (JSON), or its chunks as server-sent events with "
-                  "stream", "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
-
 
 class ApiKeyMiddleware:
     """Plain ASGI middleware (streams pass through untouched): every path but /health needs
@@ -202,7 +188,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     def answer(request: Request, body: dict, status: int, headers=None) -> JSONResponse:
         if is_messages_path(request.url.path):
-            return anthropic_error(status, body["error"]["message"])
+            return anthropic_error(status, body["error"]["message"], headers)
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)

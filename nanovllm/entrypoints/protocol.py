@@ -293,6 +293,25 @@ def error_responses(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
 
 
+# `stream: true` answers server-sent events: documented beside the JSON body. Before OpenAPI 3.2
+# (itemSchema), an event stream's `schema` describes one event: its `data` is a JSON chunk, `[DONE]` last.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
+
+
+def generation_responses(body: type | None, errors: dict | None = None) -> dict:
+    """What a generation route answers, in /openapi.json: its JSON body (a pydantic model, None for
+    any object) or its events as server-sent events, and every error status (OpenAI's body unless
+    errors gives the route's own)."""
+    ok = {"description": "the result (JSON), or its events as server-sent events with stream",
+          "content": {"text/event-stream": {"schema": SSE_EVENT}}}
+    if body is not None:
+        ok["model"] = body
+    else:
+        ok["content"]["application/json"] = {"schema": {"type": "object"}}
+    return {**(errors or error_responses(400, 401, 404, 413, 500, 503)), 200: ok}
+
+
 class ApiError(Exception):
     """An error answered with OpenAI's error body and this HTTP status."""
 

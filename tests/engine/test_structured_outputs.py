@@ -235,3 +235,41 @@ def test_an_empty_language_ends_only_its_own_output(llm):
                              structured_outputs=constrained(grammar="root ::= root"))
     empty = llm.generate(PROMPTS[:1], sampled, use_tqdm=False)[0]
     assert (empty["finish_reason"], empty["token_ids"]) == ("stop", [1])
+
+
+def test_starts_after_leaves_the_output_free_until_the_marker(llm):
+    """starts_after (the server's --reasoning-parser sets "</think>"): the tokens up to the marker's
+    first occurrence are the unconstrained greedy ones, the text after it is in the language."""
+    def spells_itself(t: int) -> bool:  # a whole character, not a piece of one
+        return llm.tokenizer.encode(llm.tokenizer.decode([t]), add_special_tokens=False) == [t]
+    free = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    checked = 0
+    for prompt, out in zip(PROMPTS, free):
+        ids = out["token_ids"]
+        k = next((i for i in range(2, len(ids)) if ids[i] not in ids[:i] and spells_itself(ids[i])), None)
+        if k is None:
+            continue
+        marker = llm.tokenizer.decode([ids[k]])
+        params = SamplingParams(temperature=0, max_tokens=k + 40,
+                                structured_outputs=constrained(regex=REGEX, starts_after=marker))
+        got = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert got["token_ids"][:k + 1] == ids[:k + 1]
+        assert re.fullmatch(REGEX, llm.tokenizer.decode(got["token_ids"][k + 1:], skip_special_tokens=True))
+        checked += 1
+    assert checked >= 2
+
+
+def test_deferred_matcher_rolls_back_across_its_start(llm):
+    from nanovllm.sample.structured_outputs import DeferredMatcher
+    matcher = llm.grammars.new_matcher(constrained(regex="ab", starts_after="zz"))
+    assert isinstance(matcher, DeferredMatcher)
+    z, a, b = (llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "zab")
+    bitmask = xgr.allocate_token_bitmask(1, MODEL_VOCAB)
+    for t in (a, z, z):  # anything goes before the marker
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        assert bool((bitmask == -1).all()) and matcher.accept_token(t) and not matcher.is_terminated()
+    assert matcher.started and not matcher.accept_token(b) and matcher.accept_token(a)
+    matcher.rollback(2)  # back over the grammar's token and one of the marker's
+    assert not matcher.started and matcher.accept_token(z) and matcher.started
+    assert matcher.accept_token(a) and matcher.accept_token(b) and not matcher.is_terminated()
+    assert matcher.accept_token(1) and matcher.is_terminated()  # EOS ends the grammar

@@ -42,43 +42,21 @@ def test_unknown_parser_is_named():
         get_reasoning_parser("qwen2")
 
 
-# ---- through the server: chat completions, whole and streamed, through the openai client ----------
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
+# ---- through the server: without a parser the thinking stays in the content ----------------------
+# (with one: test_agent_apis.py, on Qwen3's own template, in all three APIs)
+def test_without_a_parser_the_thinking_is_content(tmp_path):
     from helpers import make_byte_tokenizer, make_qwen3
-    from server_fixtures import MODEL, serve_engine
+    from server_fixtures import MODEL, openai, serve_engine
 
     from nanovllm import LLM
     from nanovllm.entrypoints.openai_server import build_app
-    from nanovllm.entrypoints.tool_calls import ChatSettings
 
-    path = make_qwen3(str(tmp_path_factory.mktemp("qwen3_bytes")), vocab_size=320, seed=3)
+    path = make_qwen3(str(tmp_path / "qwen3_bytes"), vocab_size=320, seed=3)
     make_byte_tokenizer(path)
     llm = LLM(path, dtype="float32", max_model_len=256, kvcache_block_size=16)
-    apps = [lambda engine: build_app(engine, MODEL, chat=ChatSettings(reasoning_parser="qwen3")),
-            lambda engine: build_app(engine, MODEL)]
-    with serve_engine(llm, apps) as (_, urls):
-        yield urls
-
-
-def ask(url: str, stream: bool):
-    """A reply forced to '<think>ab\\ncd</think>\\n\\nParis.' by a regex (structured outputs)."""
-    from server_fixtures import MODEL, openai
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    return client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "capital of France?"}], max_tokens=40, stream=stream,
-        extra_body={"structured_outputs": {"regex": "<think>ab\ncd</think>\n\nParis\\."}})
-
-
-def test_chat_completions_return_the_thinking_apart(thinking_server):
-    with_parser, without = thinking_server
-    message = ask(with_parser, stream=False).choices[0].message
-    assert (message.reasoning_content, message.content) == ("ab\ncd", "Paris.")
-    reasoning = content = ""
-    for chunk in ask(with_parser, stream=True):
-        for choice in chunk.choices:
-            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
-            content += choice.delta.content or ""
-    assert (reasoning, content) == ("ab\ncd", "Paris.")
-    plain = ask(without, stream=False).choices[0].message
-    assert plain.content == "<think>ab\ncd</think>\n\nParis." and getattr(plain, "reasoning_content", None) is None
+    with serve_engine(llm, [lambda engine: build_app(engine, MODEL)]) as (_, (url,)):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        message = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "capital of France?"}], max_tokens=40,
+            extra_body={"structured_outputs": {"regex": "<think>ab\ncd</think>\n\nParis\\."}}).choices[0].message
+    assert message.content == "<think>ab\ncd</think>\n\nParis." and getattr(message, "reasoning_content", None) is None

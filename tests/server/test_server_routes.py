@@ -180,12 +180,13 @@ def test_metrics_gauges_see_a_running_request(served, client, monkeypatch):
 
 def test_openapi_documents_the_error_bodies(served):
     schema = httpx.get(served[1] + "/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path, body in [("/v1/completions", "ErrorResponse"), ("/v1/chat/completions", "ErrorResponse"),
+                       ("/v1/responses", "ErrorResponse"), ("/v1/messages", "AnthropicError")]:
         responses = schema["paths"][path]["post"]["responses"]
         assert {"200", "400", "401", "404", "413"} <= set(responses)
         assert "422" not in responses  # validation errors are sent as 400
         ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
-        assert ref.endswith("/ErrorResponse")
+        assert ref.endswith("/" + body)
     error = schema["components"]["schemas"]["ErrorInfo"]
     assert set(error["properties"]) == {"message", "type", "param", "code"}
     assert {"/tokenize", "/detokenize", "/version", "/metrics"} <= set(schema["paths"])
