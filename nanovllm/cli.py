@@ -64,6 +64,8 @@ _ENGINE_OPTIONS = [
      "sampling defaults for request fields left unset: auto (the model's generation_config.json, a GGUF file's "
      "general.sampling.* metadata; the default model's card settings), vllm (none), or a folder holding a "
      "generation_config.json"),
+    ("--runner", "runner", str, "auto or generate (generation and embeddings), or pooling (embeddings only: "
+     "/v1/embeddings; no KV cache beyond one block; generation requests refused)"),
     ("--nnodes", "nnodes", int, "machines the tensor-parallel ranks are spread over"),
     ("--node-rank", "node_rank", int, "this machine's index; >= 1 runs `nanovllm worker`"),
     ("--dist-init-addr", "dist_init_addr", str, "HOST:PORT of node 0's rendezvous (nnodes > 1)"),

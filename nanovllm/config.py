@@ -118,6 +118,10 @@ class Config:
     # a GGUF file's general.sampling.* metadata), "vllm" none (SamplingParams' defaults), or a folder
     # whose generation_config.json holds them.
     generation_config: str = "auto"
+    # vLLM's --runner: "generate" (and "auto") build the engine to generate; "pooling" to embed only
+    # (LLM.embed, /v1/embeddings): one KV cache block is held (embedding runs KV-free prefills) and
+    # generation requests are refused with a ValueError naming it.
+    runner: str = "auto"
     # Derived, filled in __post_init__.
     checkpoint: "Checkpoint" = field(init=False, repr=False, compare=False)  # loader/checkpoint.py
     hf_config: object = field(init=False, repr=False)
@@ -189,6 +193,8 @@ class Config:
             self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size // self.nnodes)
         self._check_speculative()
         self.sampling_defaults = self._sampling_defaults()
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
 
     def _sampling_defaults(self) -> dict:
         from nanovllm.loader.checkpoint import generation_config_defaults

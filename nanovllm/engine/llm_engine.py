@@ -113,6 +113,9 @@ class LLMEngine:
         """Validate one request and wrap it as a Sequence; raises before touching any engine state."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if self.config.runner == "pooling":
+            raise ValueError("this engine runs the pooling runner (runner='pooling', `--runner pooling`): it "
+                             "embeds (LLM.embed, /v1/embeddings) and does not generate")
         token_ids = self.checked_token_ids(prompt)
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:

@@ -103,6 +103,8 @@ class ModelRunner:
         num_blocks = max(budget, 0) // block_bytes
         blocks_per_seq = -(-self.config.max_model_len // self.block_size)
         num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+        if self.config.runner == "pooling":
+            num_blocks = min(num_blocks, 1)  # embeddings never store K/V; the structures want a block
         if get_tp_size() > 1:
             # NOTE: rank 0's scheduler hands out block ids for every rank, so all must hold as many.
             count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)

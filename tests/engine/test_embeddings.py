@@ -93,3 +93,26 @@ def test_through_the_openai_client(llm, qwen3_gqa):
     assert np.allclose(one.data[0].embedding, want[0], atol=1e-5)
     assert "outside the vocabulary" in e.value.message
     assert "dimensions must be this model's size (64)" in dims.value.message
+
+
+def test_pooling_runner_embeds_and_refuses_generation(llm, qwen3_gqa):
+    """`nanovllm serve --runner pooling` (vLLM's flag): one KV cache block, the same vectors through
+    the openai client, and a generation request a 400 naming the runner."""
+    from agent_fixtures import serve
+    from server_fixtures import openai
+
+    with LLM(qwen3_gqa, runner="pooling", **ENGINE) as pooling:
+        assert pooling.num_kvcache_blocks == 1
+        assert np.allclose(pooling.embed(PROMPTS), llm.embed(PROMPTS), atol=1e-5)
+        with pytest.raises(ValueError, match="pooling runner"):
+            pooling.generate([[5, 6]], use_tqdm=False)
+    with serve(qwen3_gqa, "--runner", "pooling", "--served-model-name", "m", "--max-model-len", "128",
+               "--dtype", "float32", "--kv-cache-dtype", "float32") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        vectors = [d.embedding for d in client.embeddings.create(model="m", input=PROMPTS).data]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert np.allclose(vectors, llm.embed(PROMPTS), atol=1e-5)
+    assert "pooling runner" in e.value.message
+    with pytest.raises(ValueError, match="runner must be"):
+        LLM(qwen3_gqa, runner="embed", **ENGINE)

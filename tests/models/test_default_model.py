@@ -52,6 +52,22 @@ def test_smollm2_greedy_matches_transformers(smollm2, cache_dir, no_download):
     assert exact >= len(prompts) - 1, f"only {exact}/{len(prompts)} prompts matched exactly"
 
 
+def test_default_model_embeddings_match_transformers(smollm2, no_download):
+    """LLM.embed on the default model's converted folder: its final hidden states pooled (last
+    token, as a decoder model's config leaves it) and normalised, against transformers' (fp32)."""
+    import torch
+    from transformers import AutoModel
+
+    with LLM(smollm2, dtype="float32", kv_cache_dtype="float32", max_num_seqs=4, max_model_len=512) as llm:
+        prompts = [llm.tokenize(q) for q in QUESTIONS]
+        ours = torch.tensor(llm.embed(prompts))
+    model = AutoModel.from_pretrained(smollm2, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts])
+    cosine = torch.nn.functional.cosine_similarity(ours, torch.nn.functional.normalize(ref, dim=-1), dim=-1)
+    assert cosine.min() > 0.9999, cosine
+
+
 def test_on_a_cpu_the_default_model_runs_from_its_gguf_file(smollm2, cache_dir, no_download):
     """LLM.default() and example.py on a CPU: the shipped Q4_1 file itself, its own block formats
     held (no fp32 folder read); it answers the capital question."""
