@@ -7,56 +7,28 @@ messages (strings or text / tool_use / tool_result / thinking blocks) become cha
 none its tool choice ("any" is "required"; disable_parallel_tool_use its parallel_tool_calls), and
 `thinking: {"type": "disabled"}` turns the template's thinking off (enable_thinking false). The
 reply's blocks come back as thinking, text and tool_use content blocks. Errors have Anthropic's
-shape ({"type": "error", "error": {"type", "message"}}); openai_server.py's handlers use
-error_response for every path under /v1/messages.
+shape (anthropic_errors.py) on every path under /v1/messages.
 """
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 
+from nanovllm.entrypoints.anthropic_errors import ERRORS, PATH, error_response
 from nanovllm.entrypoints.async_engine import EngineStepError
 from nanovllm.entrypoints.chat_turn import AssistantTurn, Block, ChatService
 from nanovllm.entrypoints.protocol import ApiError, ChatCompletionRequest, generation_responses
 from nanovllm.entrypoints.tokenization import chat_prompt_ids
 
-PATH = "/v1/messages"
-# Anthropic's error types by HTTP status.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 500: "api_error", 503: "overloaded_error"}
 MAX_MESSAGES = 1024
 MAX_BLOCKS = 1024
 MAX_TOOLS = 128
 
 Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_BLOCKS)]
-
-
-class AnthropicErrorInfo(BaseModel):
-    type: str
-    message: str
-
-
-class AnthropicError(BaseModel):
-    """Anthropic's error body."""
-    type: Literal["error"]
-    error: AnthropicErrorInfo
-
-
-ERRORS = {status: {"model": AnthropicError, "description": kind} for status, kind in ERROR_TYPES.items()}
-
-
-def is_messages_path(path: str) -> bool:
-    return path == PATH or path.startswith(PATH + "/")
-
-
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status,
-                        headers=headers)
 
 
 class Message(BaseModel):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from fastapi.responses import JSONResponse
 
+from nanovllm.entrypoints.anthropic_errors import error_response, is_messages_path
 from nanovllm.entrypoints.protocol import MAX_LOGPROBS, ApiError, error_body
 from nanovllm.sampling_params import MAX_N
 
@@ -98,7 +99,6 @@ class BodySizeLimit:
         await self.app(scope, _replay([whole], receive), send)
 
     async def _refuse(self, scope, receive, send) -> None:
-        from nanovllm.entrypoints.anthropic_messages import error_response, is_messages_path  # (an import cycle)
         message = f"request body is larger than this server's limit of {self.max_bytes} bytes"
         # Connection: close, so the unread rest of the body is never parsed as a next request.
         if is_messages_path(scope["path"]):

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.entrypoints.anthropic_messages import add_messages_routes, error_response as anthropic_error, \
-    is_messages_path
+from nanovllm.entrypoints.anthropic_errors import error_response as anthropic_error, is_messages_path
+from nanovllm.entrypoints.anthropic_messages import add_messages_routes
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
 from nanovllm.entrypoints.embeddings import add_embedding_routes
 from nanovllm.entrypoints.limits import BodySizeLimit, ServerLimits, check_context_length, check_request
