@@ -51,8 +51,8 @@ def tool_choice_of(body: ChatCompletionRequest, settings: ChatSettings) -> str |
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools {names}")
         return choice.function.name
     if choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
-        raise ValueError('tool_choice "auto" needs `nanovllm serve --enable-auto-tool-choice '
-                         '--tool-call-parser NAME`')
+        raise ValueError('tool_choice "auto" (the default when a request brings tools) needs `nanovllm serve '
+                         '--enable-auto-tool-choice --tool-call-parser NAME`; "required" or a named tool works without')
     return choice
 
 
