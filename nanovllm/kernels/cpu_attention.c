@@ -468,7 +468,8 @@ static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride
 }
 
 /* The query heads of KV heads [kv_first, kv_end) of one sequence (q, out: [num_heads, head_dim]) over
- * its cached tokens [t_first, t_end) (t_first a multiple of block_size). part_max == NULL: the item
+ * its cached tokens [t_first, t_end) (t_first a multiple of block_size), the first `skip` of them
+ * left out (before a sliding window: read, given no weight). part_max == NULL: the item
  * is the whole sequence, and out is the attention. Otherwise out is the item's share before the
  * softmax division (sum_t exp(s_t - m) v_t) with part_max = m and part_sum = sum_t exp(s_t - m) per
  * head, for merge_parts. */
@@ -476,7 +477,7 @@ static inline __attribute__((always_inline)) void attend_item_t(
     const int type, const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
     int64_t t_first, int64_t t_end, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
-    float *inv_sum, float *part_max, float *part_sum) {
+    float *inv_sum, float *part_max, float *part_sum, int64_t skip) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = kv_row_bytes(type, head_dim);
     const int64_t token_stride = num_kv_heads * row; /* bytes between consecutive cached tokens */
@@ -543,7 +544,8 @@ static inline __attribute__((always_inline)) void attend_item_t(
     for (int64_t h = 0; h < num_item_heads; h++) {
         float *srow = scores + h * scores_stride;
         float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = srow[t] > m ? srow[t] : m;
+        for (int64_t t = 0; t < skip; t++) srow[t] = -INFINITY; /* exp() makes them 0 */
+        for (int64_t t = skip; t < len; t++) m = srow[t] > m ? srow[t] : m;
         vf sum = {0};
         int64_t t = 0;
         for (; t + VL <= len; t += VL) {
@@ -633,9 +635,10 @@ static void attend_item(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *table, int64_t t_first, int64_t t_end, float *out, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t kv_first, int64_t kv_end,
                         float scale, float *scores, int64_t scores_stride, float *inv_sum, float *part_max,
-                        float *part_sum) {
+                        float *part_sum, int64_t skip) {
     KV_DISPATCH(attend_item_t, kv_type, q, k_cache, v_cache, table, t_first, t_end, out, num_heads, num_kv_heads,
-                head_dim, block_size, kv_first, kv_end, scale, scores, scores_stride, inv_sum, part_max, part_sum)
+                head_dim, block_size, kv_first, kv_end, scale, scores, scores_stride, inv_sum, part_max, part_sum,
+                skip)
 }
 
 /* ---- the work items of a decode step -----------------------------------------------------------
@@ -696,8 +699,8 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
                             int64_t kv_type, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *context_lens, float *out, int64_t out_stride, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, const DecodePlan *p, float *scratch, float *parts, ItemPrepare prepare,
-                            const void *ctx) {
+                            float scale, int64_t window, const DecodePlan *p, float *scratch, float *parts,
+                            ItemPrepare prepare, const void *ctx) {
     const int64_t group = num_heads / num_kv_heads, per_item = p->kv_heads_per_item;
     const int64_t head_items = (num_kv_heads + per_item - 1) / per_item, items = num_seqs * head_items * p->splits;
     float *inv_sum = scratch + per_item * group * p->chunk;
@@ -709,28 +712,35 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
         const int64_t b = item / (head_items * p->splits), rest = item % (head_items * p->splits);
         const int64_t kv_first = rest / p->splits * per_item, split = rest % p->splits;
         const int64_t kv_end = kv_first + per_item < num_kv_heads ? kv_first + per_item : num_kv_heads;
-        const int64_t len = context_lens[b], t_first = split * p->chunk;
+        const int64_t len = context_lens[b];
+        /* A sliding window sees the last `window` tokens: the items start at its first block (lo),
+         * the tokens of that block before the window (skip) given no weight. */
+        const int64_t start = window > 0 && len > window ? len - window : 0, lo = start / block_size * block_size;
+        const int64_t t_first = lo + split * p->chunk;
         if (prepare != NULL) prepare(ctx, b, kv_first, kv_end);
         if (t_first >= len) continue;
         const int64_t t_end = t_first + p->chunk < len ? t_first + p->chunk : len;
+        const int64_t skip = split == 0 ? start - lo : 0;
         const float *qb = q + b * q_stride;
         const int32_t *table = block_tables + b * max_blocks;
         if (p->splits == 1) {
-            attend_item(qb, k_cache, v_cache, kv_type, table, 0, len, out + b * out_stride, num_heads, num_kv_heads,
-                        head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum, NULL, NULL);
+            attend_item(qb, k_cache, v_cache, kv_type, table, t_first, len, out + b * out_stride, num_heads,
+                        num_kv_heads, head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum, NULL,
+                        NULL, skip);
         } else {
             float *mine = parts + b * seq_parts, *share = mine + split * num_heads * head_dim;
             float *pmax = mine + p->splits * num_heads * head_dim + split * num_heads;
             attend_item(qb, k_cache, v_cache, kv_type, table, t_first, t_end, share, num_heads, num_kv_heads,
                         head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum,
-                        pmax, pmax + p->splits * num_heads);
+                        pmax, pmax + p->splits * num_heads, skip);
         }
     }
     if (p->splits == 1) return;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < num_seqs * num_heads; i++) {
-        const int64_t b = i / num_heads, h = i % num_heads;
-        const int64_t used = (context_lens[b] + p->chunk - 1) / p->chunk;
+        const int64_t b = i / num_heads, h = i % num_heads, len = context_lens[b];
+        const int64_t start = window > 0 && len > window ? len - window : 0;
+        const int64_t used = (len - start / block_size * block_size + p->chunk - 1) / p->chunk;
         merge_parts(parts + b * seq_parts, p->splits, used, num_heads, head_dim, h, out + b * out_stride + h * head_dim);
     }
 }
@@ -738,8 +748,10 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type,
                            const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t max_blocks, int64_t max_context, float scale, int num_threads) {
+                           int64_t max_blocks, int64_t max_context, float scale, int64_t window, int num_threads) {
     if (kv_row_bytes(kv_type, head_dim) == 0) return 2;
+    /* With a window, an item reads at most window + block_size - 1 tokens (from the window's first block). */
+    if (window > 0 && max_context > window + block_size) max_context = window + block_size;
     const DecodePlan plan = decode_plan(num_seqs, num_kv_heads, max_context, block_size, num_threads);
     float *parts = NULL;
     const int64_t partial = decode_partial_floats(&plan, num_seqs, num_heads, head_dim);
@@ -754,7 +766,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         }
         phase_decode_attention(q, num_heads * head_dim, k_cache, v_cache, kv_type, block_tables, max_blocks,
                                context_lens, out, num_heads * head_dim, num_seqs, num_heads, num_kv_heads, head_dim,
-                               block_size, scale, &plan, scratch, parts, NULL, NULL);
+                               block_size, scale, window, &plan, scratch, parts, NULL, NULL);
         free(scratch);
     }
     free(parts);

@@ -21,8 +21,9 @@ _LOG2E = 1.4426950408889634
 def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores s [M, N] (masked with -inf) and values v [N, D] into the state."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet adds nothing
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
@@ -48,7 +49,7 @@ def _paged_kv_offsets(table_ptr, pos, mask_n, offs_d, kv_head, stride_b, stride_
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale, num_heads,
+                   out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale, num_heads, window,
                    stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -59,10 +60,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
+    # A sliding window (window > 0) sees the last `window` keys: the tiles start at its first one.
+    start = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)
     # The split range comes from the device-side length, so a fixed NUM_SPLITS is graph-safe.
+    first_tile = start // BLOCK_N
     num_tiles = tl.cdiv(ctx_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -78,7 +82,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     table_ptr = block_tables_ptr + seq * stride_bt
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
-        mask_n = pos < ctx_len
+        mask_n = (pos < ctx_len) & (pos >= start)
         offs = _paged_kv_offsets(table_ptr, pos, mask_n, offs_d, kv_head, stride_kb, stride_ks, stride_kh,
                                  BLOCK_SIZE)
         mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -127,7 +131,7 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_hea
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr,
-                    out_ptr, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    out_ptr, qk_scale, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -135,7 +139,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
                     DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
                     LIMIT: tl.constexpr):
     # One program: BLOCK_M new tokens of one sequence, one query head. Keys are the cached prefix
-    # (paged, all visible) followed by this step's new tokens (packed k/v, causal).
+    # (paged, all visible) followed by this step's new tokens (packed k/v, causal); with a sliding
+    # window (window > 0) a query sees only the last `window` keys up to itself, and the key tiles
+    # before the tile's first window are not visited.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal tiles start first
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -160,7 +166,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
         k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
         prefix_len = k_len - q_len
         table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for start_n in range(0, prefix_len, BLOCK_N):
+        first_key = tl.where(window > 0, tl.maximum(prefix_len + tile_m * BLOCK_M - window + 1, 0), 0)
+        for start_n in range(first_key // BLOCK_N * BLOCK_N, prefix_len, BLOCK_N):
             pos = start_n + offs_n
             mask_n = pos < prefix_len
             offs = _paged_kv_offsets(table_ptr, pos, mask_n, offs_d, kv_head, stride_cb, stride_cs, stride_ch,
@@ -169,15 +176,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             k = _cached(tl.load(k_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
             v = _cached(tl.load(v_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-            s = tl.where(mask_n[None, :], s, float("-inf"))
+            seen = mask_n[None, :] & ((window == 0) | (pos[None, :] > (prefix_len + offs_m)[:, None] - window))
+            s = tl.where(seen, s, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     # New tokens: key j is visible to query i iff j <= i. Stage 0 walks the key tiles wholly before
     # this query tile (nothing to mask), stage 1 the diagonal ones; later tiles are never visited.
     # Without DIAG_SPLIT (fp32: two loops of exact fp32 dots spill registers) stage 1 does all.
     diag = tile_m * BLOCK_M if DIAG_SPLIT else 0  # a multiple of BLOCK_N (checked by the launcher)
+    first_new = tl.where(window > 0, tl.maximum(tile_m * BLOCK_M - window + 1, 0), 0) // BLOCK_N * BLOCK_N
     for stage in tl.static_range(0 if DIAG_SPLIT else 1, 2):
-        lo = 0 if stage == 0 else diag
+        lo = tl.minimum(first_new, diag) if stage == 0 else tl.maximum(first_new, diag)
         hi = diag if stage == 0 else tl.minimum((tile_m + 1) * BLOCK_M, q_len)
         for start_n in range(lo, hi, BLOCK_N):
             pos = start_n + offs_n
@@ -195,6 +204,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if stage == 1:
                 s = tl.where((pos[None, :] <= offs_m[:, None]) & mask_n[None, :], s, float("-inf"))
+            s = tl.where((window == 0) | (pos[None, :] > offs_m[:, None] - window), s, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     out = acc / l_i[:, None]  # every row sees at least key 0 of the new tokens, so l_i > 0
@@ -234,8 +244,9 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context_len: int = 0, num_splits: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
-    """q [num_seqs, num_heads, head_dim] (query at position context_len - 1) -> same shape.
+                           block_n: int | None = None, window: int | None = None) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim] (query at position context_len - 1) -> same shape; with a
+    window, each query over its sequence's last `window` keys.
 
     Caches [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
     context_lens [num_seqs] int32. max_context_len (host int, 0 = unknown) only guides num_splits.
@@ -249,7 +260,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile_n, num_warps, num_stages = decode_tiles(block_d, q.dtype)
     block_n = block_n or tile_n
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
+        seen = max_context_len if window is None else min(max_context_len, window)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, seen, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -259,7 +271,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_m = part_l = out  # unused by the single-split variant
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, num_heads,
+        scale * _LOG2E, num_heads, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -275,13 +287,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                             max_seqlen_q: int, scale: float, block_tables: torch.Tensor | None = None,
-                            block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                            block_m: int | None = None, block_n: int | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens q [num_tokens, num_heads, head_dim] -> same shape.
 
     k, v [num_tokens, num_kv_heads, head_dim] are the new tokens' keys/values. Sequence i has
     cu_seqlens_k[i+1] - cu_seqlens_k[i] keys; the ones before its new tokens are read from the
     paged cache through block_tables, which must be given whenever any sequence has such a prefix.
     With an fp8 cache, k and v are rounded as the cache holds them (k_cache's dtype says which).
+    window: sliding-window attention, each query over the last `window` keys up to itself.
     """
     has_prefix = block_tables is not None
     kv_fp8, fp8 = k_cache.dtype in FP8_FORMATS, fp8_constants(k_cache.dtype)
@@ -308,7 +322,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     cache_strides = k_cache.stride()[:3] if has_prefix else (0, 0, 0)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale * _LOG2E,
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if has_prefix else 16,

@@ -9,12 +9,15 @@ from nanovllm.utils.context import get_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        # Sliding-window attention: a query at position p sees keys at p - window + 1 .. p (None: all).
+        self.sliding_window = sliding_window
         # Set by ModelRunner: the paged caches of this layer, their storage format and the backend.
         self.k_cache = self.v_cache = torch.tensor([])
         self.kv_format: KVFormat | None = None
@@ -27,5 +30,5 @@ class Attention(nn.Module):
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         metadata = context.attn_metadata
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, metadata, self.scale)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window)
+        return self.backend.decode(q, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window)

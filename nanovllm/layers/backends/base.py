@@ -168,10 +168,11 @@ class AttentionBackend:
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self._store(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, metadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """window: sliding-window attention, each query over the last `window` keys up to itself."""
         raise NotImplementedError
 
-    def decode(self, q, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, metadata, scale: float, window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------

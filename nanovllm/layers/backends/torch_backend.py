@@ -34,10 +34,13 @@ def stored_values(rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torc
     return rows if rows.dtype == dtype else fmt.dequantize(rows, dtype)
 
 
-def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
-    """[q_len, k_len] bool: query i (at position k_len - q_len + i) sees keys 0..its position."""
+def causal_mask(q_len: int, k_len: int, device, window: int | None = None) -> torch.Tensor:
+    """[q_len, k_len] bool: query i (at position k_len - q_len + i) sees keys 0..its position, or
+    with a window only the last `window` of them."""
     q_pos = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(1)
-    return torch.arange(k_len, device=device).unsqueeze(0) <= q_pos
+    k_pos = torch.arange(k_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -113,12 +116,14 @@ class TorchBackend(AttentionBackend):
     def decode_tensors(self, metadata: TorchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         return metadata.block_tables, metadata.context_lens
 
-    def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """Each sequence's new tokens over its keys as the cache holds them: the fresh K/V where
         nothing is cached before them (rounded to the cache's format first, which gives the values
         stored), else its blocks gathered; the queries as the format's decode takes them (round_query).
         torch's SDPA (flash attention on CPU) either way: it ran 2-3x faster than a C kernel reading the
-        paged cache in place (docs/performance.md item 42)."""
+        paged cache in place (docs/performance.md item 42). A window narrower than the keys makes
+        the mask explicit (and the keys before the first query's window are left out)."""
         has_cache = k_cache.numel() > 0
         rounded = has_cache and not self.stores_values(q.dtype)
         q = self.kv_format.round_query(q) if has_cache else q  # int8: as decode multiplies it
@@ -130,28 +135,37 @@ class TorchBackend(AttentionBackend):
                 ki, vi = k[q_start: q_start + q_len], v[q_start: q_start + q_len]
                 if rounded:
                     ki, vi = (self.kv_format.dequantize(self.kv_format.quantize(x), q.dtype) for x in (ki, vi))
-                oi = sdpa(qi, ki, vi, scale, None, is_causal=q_len > 1)
             else:
                 table = metadata.block_tables[i]
                 ki = gather_kv(k_cache, table, k_len, self.kv_format, q.dtype)
                 vi = gather_kv(v_cache, table, k_len, self.kv_format, q.dtype)
-                oi = sdpa(qi, ki, vi, scale, causal_mask(q_len, k_len, q.device), is_causal=False)
+            first = 0 if window is None else max(0, k_len - q_len - window + 1)  # the first key any query sees
+            if window is not None and first + window < k_len:
+                mask = causal_mask(q_len, k_len, q.device, window)[:, first:]
+                oi = sdpa(qi, ki[first:], vi[first:], scale, mask, is_causal=False)
+            elif k_len == q_len or not has_cache:
+                oi = sdpa(qi, ki, vi, scale, None, is_causal=q_len > 1)
+            else:
+                oi = sdpa(qi, ki[first:], vi[first:], scale, causal_mask(q_len, k_len, q.device)[:, first:],
+                          is_causal=False)
             out[q_start: q_start + q_len] = oi
             q_start += q_len
         return out
 
-    def decode(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
         # q: [num_seqs, num_heads, head_dim]; one query per sequence at position context_len - 1.
         if self.device == "cpu" and metadata.seqlens_k is not None:
             if self.cpu_kernel is not None and q.dtype == torch.float32:
                 return cpu_kernels.paged_decode_attention(
                     self.cpu_kernel, q, k_cache, v_cache, self.kv_format.c_type, metadata.block_tables,
-                    metadata.context_lens, metadata.max_seqlen_k, scale)
-            return self.decode_grouped(self.kv_format.round_query(q), k_cache, v_cache, metadata, scale)
+                    metadata.context_lens, metadata.max_seqlen_k, scale, window)
+            return self.decode_grouped(self.kv_format.round_query(q), k_cache, v_cache, metadata, scale, window)
         return decode_padded(self.kv_format.round_query(q), k_cache, v_cache, metadata.block_tables,
-                             metadata.context_lens, scale, self.kv_format)
+                             metadata.context_lens, scale, self.kv_format, window)
 
-    def decode_grouped(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float) -> torch.Tensor:
+    def decode_grouped(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float,
+                       window: int | None = None) -> torch.Tensor:
         """CPU decode in groups of sequences of similar length, each padded only to its own
         longest context: padding every sequence to the batch's longest one made attention 2.5x
         slower at batch 64 with contexts of 64..512 (docs/performance.md)."""
@@ -160,7 +174,8 @@ class TorchBackend(AttentionBackend):
                                                    metadata.context_lens, k_cache.shape[1])
         out = torch.empty_like(q)
         for rows, tables, lens in metadata.decode_groups:
-            out[rows] = decode_padded(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, self.kv_format)
+            out[rows] = decode_padded(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, self.kv_format,
+                                      window)
         return out
 
 
@@ -182,9 +197,9 @@ def length_groups(context_lens: list[int], block_tables: torch.Tensor, lens: tor
 
 
 def decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float, fmt: KVFormat) -> torch.Tensor:
+                  context_lens: torch.Tensor, scale: float, fmt: KVFormat, window: int | None = None) -> torch.Tensor:
     """Every sequence's K/V gathered (as values) and padded to the widest block table, masked past
-    its length."""
+    its length (and, with a window, before its last `window` keys)."""
     tables = block_tables.clamp(min=0)
     num_seqs, max_blocks = tables.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -194,7 +209,10 @@ def decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v = stored_values(select_blocks(v_cache, flat), fmt, q.dtype).view(num_seqs, max_blocks * block_size,
                                                                        num_kv_heads, -1)
     positions = torch.arange(max_blocks * block_size, device=q.device)
-    mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+    mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)
+    if window is not None:
+        mask &= positions.unsqueeze(0) >= context_lens.unsqueeze(1) - window
+    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != num_kv_heads)  # [num_seqs, num_heads, 1, head_dim]
