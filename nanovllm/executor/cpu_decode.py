@@ -23,6 +23,7 @@ from torch import nn
 
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.kernels import cpu_kernels
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.models.moe_block import SparseMoeBlock
@@ -114,6 +115,10 @@ class FusedDecode(StepRunner):
         self.compute_logits = model.compute_logits
         if not all(isinstance(layer.self_attn, DecoderAttention) for layer in layers):
             raise ValueError("a layer's attention is not the shared decoder attention")
+        if any(layer.self_attn.attn.sliding_window is not None for layer in layers):
+            raise ValueError("sliding-window layers (the C decode step attends over whole contexts)")
+        if not all(isinstance(getattr(layer.mlp, "act_fn", SiluAndMul()), SiluAndMul) for layer in layers):
+            raise ValueError("an MLP's activation is not SiLU (the C decode step's)")
         attn0 = layers[0].self_attn
         descs, in_c = [], []
         # NOTE: the structures below hold copies of these descriptions, whose chained parts (a
@@ -304,8 +309,8 @@ def build_fused_decode(model: nn.Module, backend_name: str, dtype: torch.dtype, 
     any format (the C attention reads each)."""
     if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
         return None
-    if not isinstance(model, DecoderForCausalLM) or tp_size != 1 or backend_name != "torch" \
-            or dtype != torch.float32:
+    if not isinstance(model, DecoderForCausalLM) or not model.fused_decode or tp_size != 1 \
+            or backend_name != "torch" or dtype != torch.float32:
         return None
     kernels = cpu_kernels.load()
     if kernels is None:

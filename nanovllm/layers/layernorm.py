@@ -25,3 +25,18 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, x * (1 + w), scaled in fp32
+    before the cast back (as transformers' Gemma3RMSNorm does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
+        orig_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x * (1.0 + self.weight.float())).to(orig_dtype)

@@ -108,9 +108,12 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
 
 
-def rope_settings(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling dict) from either the 4.x fields or the 5.x `rope_parameters` dict."""
+def rope_settings(hf_config, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(theta, scaling dict) from either the 4.x fields or the 5.x `rope_parameters` dict (with
+    layer_type, its entry for that kind of layer: Gemma 3 gives sliding layers their own)."""
     params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         theta = 10000.0

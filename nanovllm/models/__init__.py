@@ -8,6 +8,8 @@ _MODELS = {
     "Qwen3MoeForCausalLM": "nanovllm.models.qwen_moe:Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM": "nanovllm.models.qwen_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "nanovllm.models.mixtral:MixtralForCausalLM",
+    "MistralForCausalLM": "nanovllm.models.mistral:MistralForCausalLM",
+    "Gemma3ForCausalLM": "nanovllm.models.gemma3:Gemma3ForCausalLM",
 }
 
 

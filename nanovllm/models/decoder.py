@@ -1,5 +1,6 @@
-"""Shared blocks of decoder-only transformers (Qwen3, Qwen2, Llama): attention with optional
-q/k RMSNorm and qkv bias, SiLU-gated MLP, pre-norm layers, and the causal-LM wrapper. Every layer
+"""Shared blocks of decoder-only transformers (Qwen3, Qwen2, Llama, Mistral; Gemma 3 builds on
+them): attention with optional q/k RMSNorm, qkv bias and a sliding window per layer kind
+(`layer_types`), gated MLP, pre-norm layers, and the causal-LM wrapper. Every layer
 gets its module prefix (the checkpoint's names) and the quantization config, which picks how its
 weights are held; each decoder layer asks the model for its MLP (make_mlp), so a model can put
 another block (a sparse MoE) in some layers."""
@@ -8,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.activation import gated_activation
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -31,16 +32,50 @@ def row_parallel_inputs(config) -> dict[str, int]:
     return {name: k for name, k in sizes.items() if k}
 
 
-def build_rope(config) -> RotaryEmbedding:
-    theta, scaling = rope_settings(config)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_type_of(config, layer_idx: int) -> str:
+    """The attention kind of a layer: config.layer_types' entry (Gemma 3, GPT-OSS, Qwen2 and the
+    5.x configs of every family), else a window on every layer where sliding_window is set and
+    not switched off (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        if len(types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
+        kind = types[layer_idx]
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{layer_idx}] is {kind!r}, not a layer type this engine runs {LAYER_TYPES}")
+        return kind
+    window = getattr(config, "sliding_window", None)
+    return "sliding_attention" if window and getattr(config, "use_sliding_window", True) else "full_attention"
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The layer's window in tokens (a query sees the last `window` keys up to itself), or None."""
+    if layer_type_of(config, layer_idx) != "sliding_attention":
+        return None
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"layer {layer_idx} is a sliding_attention layer, but sliding_window is {window!r} "
+                         "(it must be a positive number of tokens)")
+    return window
+
+
+def build_rope(config, layer_type: str | None = None) -> RotaryEmbedding:
+    theta, scaling = rope_settings(config, layer_type)
     head_dim = head_dim_of(config)
     return get_rope(head_dim, head_dim, config.max_position_embeddings, theta, scaling)
 
 
 class DecoderAttention(nn.Module):
+    """q/k/v projections, optional q/k norm (norm: its class), rotary embedding, paged attention
+    (scale: head_dim ** -0.5 unless given; sliding_window: None for full attention), o projection."""
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
                  rotary_emb: RotaryEmbedding | None = None, quant_config: QuantizationConfig | None = None,
-                 prefix: str = ""):
+                 prefix: str = "", sliding_window: int | None = None, scale: float | None = None,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         hidden_size = config.hidden_size
         self.total_num_heads = config.num_attention_heads
@@ -56,11 +91,12 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb if rotary_emb is not None else build_rope(config)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim ** -0.5, self.num_kv_heads,
+                              sliding_window)
         self.use_qk_norm = use_qk_norm
         if use_qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
@@ -76,22 +112,20 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate x) * up x), of config.intermediate_size unless intermediate_size is given (a
-    mixture of experts' shared expert)."""
+    """down(act(gate x) * up x), of config.intermediate_size unless intermediate_size is given (a
+    mixture of experts' shared expert); act: config.hidden_activation (Gemma) or hidden_act."""
 
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "",
                  intermediate_size: int | None = None):
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         bias = getattr(config, "mlp_bias", False)
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size] * 2, bias=bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -105,6 +139,16 @@ def gated_mlp(config, layer_idx: int, prefix: str, quant_config: QuantizationCon
     return GatedMLP(config, quant_config, prefix)
 
 
+def layer_ropes(config) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding: one per layer kind where rope_parameters are given per kind
+    (Gemma 3: another theta for sliding layers), else one for all."""
+    kinds = [layer_type_of(config, i) for i in range(config.num_hidden_layers)]
+    params = getattr(config, "rope_parameters", None) or {}
+    per_kind = any(isinstance(params.get(kind), dict) for kind in LAYER_TYPES)
+    ropes = {kind: build_rope(config, kind if per_kind else None) for kind in (set(kinds) if per_kind else {None})}
+    return [ropes[kind if per_kind else None] for kind in kinds]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
                  rotary_emb: RotaryEmbedding | None = None, quant_config: QuantizationConfig | None = None,
@@ -112,7 +156,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = DecoderAttention(config, qkv_bias, o_bias, use_qk_norm, rotary_emb, quant_config,
-                                          f"{prefix}.self_attn")
+                                          f"{prefix}.self_attn", sliding_window_of(config, layer_idx))
         self.mlp = make_mlp(config, layer_idx, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -129,21 +173,27 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer  # a family's own layer (Gemma 3's four norms)
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
                  quant_config: QuantizationConfig | None = None, prefix: str = "model", make_mlp: MakeMLP = gated_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config,
                                                    f"{prefix}.embed_tokens")
-        # NOTE: one cos/sin cache shared by all layers; per-layer copies of a 128k-position cache
-        # (Llama 3.1) would cost gigabytes.
-        rotary_emb = build_rope(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, o_bias, use_qk_norm, rotary_emb, quant_config,
-                                                 f"{prefix}.layers.{i}", make_mlp)
+        # NOTE: one cos/sin cache shared by all layers of a kind; per-layer copies of a 128k-position
+        # cache (Llama 3.1) would cost gigabytes.
+        ropes = layer_ropes(config)
+        self.layers = nn.ModuleList(self.layer_class(config, i, qkv_bias, o_bias, use_qk_norm, ropes[i],
+                                                     quant_config, f"{prefix}.layers.{i}", make_mlp)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
@@ -163,11 +213,14 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     use_qk_norm = False
+    model_class: type[DecoderModel] = DecoderModel
+    fused_decode = True  # whether executor/cpu_decode.py's C decode step may run it
 
     def __init__(self, config, quant_config: QuantizationConfig | None = None):
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = DecoderModel(config, qkv_bias, o_bias, self.use_qk_norm, quant_config, "model", self.make_mlp)
+        self.model = self.model_class(config, qkv_bias, o_bias, self.use_qk_norm, quant_config, "model",
+                                      self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                       prefix="lm_head")
         if getattr(config, "tie_word_embeddings", False):

@@ -185,18 +185,6 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         assert arch in message and arch in supported_architectures()
 
 
-def test_qwen2_sliding_window_is_rejected():
-    from transformers import Qwen2Config
-
-    from nanovllm.models.qwen2 import Qwen2ForCausalLM
-
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=64, use_sliding_window=True, sliding_window=16,
-                         max_window_layers=0)
-    with pytest.raises(ValueError, match="sliding"):
-        Qwen2ForCausalLM(config)
-
-
 def test_layers_share_one_rope_table():
     from transformers import LlamaConfig
 

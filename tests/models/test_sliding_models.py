@@ -1,0 +1,89 @@
+"""Families with sliding-window layers against transformers' greedy tokens (fp32): Mistral (a window
+on every layer), Gemma 3 (sliding and full layers, a rope theta per kind, Gemma's norms, GELU-tanh,
+scaled embeddings) and Qwen2 with use_sliding_window; windows far shorter than the prompts and the
+generations, through whole prefills, chunked prefills and prefix-cache hits; bad configs named."""
+import random
+
+import pytest
+import torch
+
+from helpers import check_tokens_close, hf_greedy, save_decisive
+from nanovllm import LLM, SamplingParams
+
+VOCAB, WINDOW, MAX_NEW = 256, 8, 30
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+              eos_token_id=1, bos_token_id=2, pad_token_id=0)
+
+
+def config_of(name: str):
+    import transformers
+    if name == "mistral":
+        return transformers.MistralConfig(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False), "Mistral"
+    if name == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+        return config, "Gemma3"
+    return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                    tie_word_embeddings=False), "Qwen2"
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "qwen2"])
+def checkpoint(request, tmp_path_factory) -> tuple[str, str]:
+    import transformers
+    config, family = config_of(request.param)
+    config.architectures = [f"{family}ForCausalLM"]
+    torch.manual_seed(7)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    return request.param, save_decisive(model, str(tmp_path_factory.mktemp(request.param)), VOCAB)
+
+
+def test_checkpoint_is_as_named(checkpoint):
+    """Guards the fixture: the layers the engine builds have the windows the configs ask for."""
+    name, path = checkpoint
+    with LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
+        windows = [layer.self_attn.attn.sliding_window for layer in llm.model_runner.model.model.layers]
+        if name == "gemma3":
+            ropes = [layer.self_attn.rotary_emb for layer in llm.model_runner.model.model.layers]
+            assert ropes[0] is ropes[2] and ropes[0] is not ropes[1]
+    assert windows == {"mistral": [WINDOW] * 3, "gemma3": [WINDOW, None, WINDOW], "qwen2": [None, WINDOW, WINDOW]}[name]
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=4)],
+                         ids=["whole", "chunked"])
+def test_greedy_matches_transformers(checkpoint, engine):
+    _, path = checkpoint
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 20, 45)]
+    ref = hf_greedy(path, prompts, MAX_NEW, mask_eos=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, kvcache_block_size=16, dtype="float32", cpu_kvcache_bytes=8 << 20, **engine) as llm:
+        first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix-cache hits
+    exact = check_tokens_close(first, ref)
+    assert exact >= len(prompts) - 1, f"only {exact}/{len(prompts)} prompts matched exactly"
+    assert again == first
+
+
+def test_bad_window_configs_are_named(tmp_path):
+    import transformers
+
+    from nanovllm.models.decoder import sliding_window_of
+    config = transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
+    config.layer_types = ["sliding_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layer_types\[1\] is 'chunked_attention'"):
+        sliding_window_of(config, 1)
+    config.layer_types = ["sliding_attention"] * 3
+    config.sliding_window = 0
+    with pytest.raises(ValueError, match="sliding_window is 0"):
+        sliding_window_of(config, 0)
+    config.layer_types = ["full_attention"]
+    with pytest.raises(ValueError, match="1 entries for 3 layers"):
+        sliding_window_of(config, 0)
+    gemma2ish = transformers.Gemma3TextConfig(**COMMON, sliding_window=WINDOW, final_logit_softcapping=30.0)
+    from nanovllm.models.gemma3 import Gemma3ForCausalLM
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        Gemma3ForCausalLM(gemma2ish)
