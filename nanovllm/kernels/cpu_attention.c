@@ -469,7 +469,8 @@ static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride
 
 /* The query heads of KV heads [kv_first, kv_end) of one sequence (q, out: [num_heads, head_dim]) over
  * its cached tokens [t_first, t_end) (t_first a multiple of block_size), the first `skip` of them
- * left out (before a sliding window: read, given no weight). part_max == NULL: the item
+ * left out (before a sliding window: read, given no weight); softcap > 0: each scaled score s
+ * becomes softcap * tanh(s / softcap) (Gemma 2's logit soft-capping). part_max == NULL: the item
  * is the whole sequence, and out is the attention. Otherwise out is the item's share before the
  * softmax division (sum_t exp(s_t - m) v_t) with part_max = m and part_sum = sum_t exp(s_t - m) per
  * head, for merge_parts. */
@@ -477,7 +478,7 @@ static inline __attribute__((always_inline)) void attend_item_t(
     const int type, const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
     int64_t t_first, int64_t t_end, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
-    float *inv_sum, float *part_max, float *part_sum, int64_t skip) {
+    float *inv_sum, float *part_max, float *part_sum, int64_t skip, float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = kv_row_bytes(type, head_dim);
     const int64_t token_stride = num_kv_heads * row; /* bytes between consecutive cached tokens */
@@ -545,6 +546,8 @@ static inline __attribute__((always_inline)) void attend_item_t(
         float *srow = scores + h * scores_stride;
         float m = -INFINITY;
         for (int64_t t = 0; t < skip; t++) srow[t] = -INFINITY; /* exp() makes them 0 */
+        if (softcap > 0.0f) /* Gemma 2: scaled scores capped to (-softcap, softcap) by a tanh */
+            for (int64_t t = skip; t < len; t++) srow[t] = softcap * tanhf(srow[t] * scale / softcap) / scale;
         for (int64_t t = skip; t < len; t++) m = srow[t] > m ? srow[t] : m;
         vf sum = {0};
         int64_t t = 0;
@@ -635,10 +638,10 @@ static void attend_item(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *table, int64_t t_first, int64_t t_end, float *out, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t kv_first, int64_t kv_end,
                         float scale, float *scores, int64_t scores_stride, float *inv_sum, float *part_max,
-                        float *part_sum, int64_t skip) {
+                        float *part_sum, int64_t skip, float softcap) {
     KV_DISPATCH(attend_item_t, kv_type, q, k_cache, v_cache, table, t_first, t_end, out, num_heads, num_kv_heads,
                 head_dim, block_size, kv_first, kv_end, scale, scores, scores_stride, inv_sum, part_max, part_sum,
-                skip)
+                skip, softcap)
 }
 
 /* ---- the work items of a decode step -----------------------------------------------------------
@@ -699,8 +702,8 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
                             int64_t kv_type, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *context_lens, float *out, int64_t out_stride, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int64_t window, const DecodePlan *p, float *scratch, float *parts,
-                            ItemPrepare prepare, const void *ctx) {
+                            float scale, int64_t window, float softcap, const DecodePlan *p, float *scratch,
+                            float *parts, ItemPrepare prepare, const void *ctx) {
     const int64_t group = num_heads / num_kv_heads, per_item = p->kv_heads_per_item;
     const int64_t head_items = (num_kv_heads + per_item - 1) / per_item, items = num_seqs * head_items * p->splits;
     float *inv_sum = scratch + per_item * group * p->chunk;
@@ -726,13 +729,13 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
         if (p->splits == 1) {
             attend_item(qb, k_cache, v_cache, kv_type, table, t_first, len, out + b * out_stride, num_heads,
                         num_kv_heads, head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum, NULL,
-                        NULL, skip);
+                        NULL, skip, softcap);
         } else {
             float *mine = parts + b * seq_parts, *share = mine + split * num_heads * head_dim;
             float *pmax = mine + p->splits * num_heads * head_dim + split * num_heads;
             attend_item(qb, k_cache, v_cache, kv_type, table, t_first, t_end, share, num_heads, num_kv_heads,
                         head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum,
-                        pmax, pmax + p->splits * num_heads, skip);
+                        pmax, pmax + p->splits * num_heads, skip, softcap);
         }
     }
     if (p->splits == 1) return;
@@ -748,7 +751,8 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t kv_type,
                            const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t max_blocks, int64_t max_context, float scale, int64_t window, int num_threads) {
+                           int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
+                           int num_threads) {
     if (kv_row_bytes(kv_type, head_dim) == 0) return 2;
     /* With a window, an item reads at most window + block_size - 1 tokens (from the window's first block). */
     if (window > 0 && max_context > window + block_size) max_context = window + block_size;
@@ -766,7 +770,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         }
         phase_decode_attention(q, num_heads * head_dim, k_cache, v_cache, kv_type, block_tables, max_blocks,
                                context_lens, out, num_heads * head_dim, num_seqs, num_heads, num_kv_heads, head_dim,
-                               block_size, scale, window, &plan, scratch, parts, NULL, NULL);
+                               block_size, scale, window, softcap, &plan, scratch, parts, NULL, NULL);
         free(scratch);
     }
     free(parts);

@@ -128,7 +128,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64)]
 
 
-ABI_VERSION = 9  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 10  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 
@@ -160,7 +160,7 @@ class CpuKernels:
             fn.restype, fn.argtypes = restype, list(argtypes)
             return fn
         self.decode_attention = typed("paged_decode_attention", cint, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
-                                      i64, i64, i64, i64, c_float, i64, cint)
+                                      i64, i64, i64, i64, c_float, i64, c_float, cint)
         self.kv_row_bytes = typed("kv_row_bytes", i64, i64, i64)
         self.kv_store_rows = typed("kv_store_rows", cint, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
@@ -286,9 +286,10 @@ def rows_to_f32(kernels: CpuKernels, weight: Linear, ids: torch.Tensor) -> torch
 
 def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_type: int, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
-                           scale: float, window: int | None = None) -> torch.Tensor:
+                           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] (fp32) over caches in the C KV format kv_type -> the
-    attention output, shaped like q; with a window, each query over its sequence's last `window` tokens."""
+    attention output, shaped like q; with a window, each query over its sequence's last `window`
+    tokens; with softcap, the scaled scores capped by softcap * tanh(s / softcap)."""
     q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
@@ -300,7 +301,7 @@ def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.
     failed = kernels.decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type, block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.shape[1], max_context, scale, window or 0, torch.get_num_threads())
+        block_tables.shape[1], max_context, scale, window or 0, softcap or 0.0, torch.get_num_threads())
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
     return out

@@ -30,6 +30,15 @@ def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _capped(s, cap, HAS_SOFTCAP: tl.constexpr):
+    """Gemma 2's soft-capping of base-2 scores: cap * tanh(s / cap), cap = softcap * log2(e)
+    (tanh through the sigmoid: the interpreter has no libdevice)."""
+    if HAS_SOFTCAP:
+        s = cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+    return s
+
+
+@triton.jit
 def _cached(x, KV_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Cache rows as loaded -> the dots' dtype. fp8 goes through fp32 (exact either way; the
     interpreter's direct e5m2 -> fp16 cast flushes subnormals)."""
@@ -49,12 +58,12 @@ def _paged_kv_offsets(table_ptr, pos, mask_n, offs_d, kv_head, stride_b, stride_
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale, num_heads, window,
+                   out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale, num_heads, window, softcap,
                    stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   KV_FP8: tl.constexpr):
+                   KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     # One program: all GROUP query heads sharing one KV head, over one split of one sequence's context.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -88,7 +97,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = _cached(tl.load(k_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)  # [BLOCK_N, BLOCK_D]
         v = _cached(tl.load(v_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, softcap, HAS_SOFTCAP)  # [G, N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
@@ -131,13 +140,13 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_hea
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr,
-                    out_ptr, qk_scale, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    out_ptr, qk_scale, window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_PREFIX: tl.constexpr, DIAG_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
-                    LIMIT: tl.constexpr):
+                    LIMIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     # One program: BLOCK_M new tokens of one sequence, one query head. Keys are the cached prefix
     # (paged, all visible) followed by this step's new tokens (packed k/v, causal); with a sliding
     # window (window > 0) a query sees only the last `window` keys up to itself, and the key tiles
@@ -175,7 +184,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             mask_nd = mask_n[:, None] & mask_d[None, :]
             k = _cached(tl.load(k_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
             v = _cached(tl.load(v_cache_ptr + offs, mask=mask_nd, other=0.0), KV_FP8, DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, softcap, HAS_SOFTCAP)
             seen = mask_n[None, :] & ((window == 0) | (pos[None, :] > (prefix_len + offs_m)[:, None] - window))
             s = tl.where(seen, s, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
@@ -201,7 +210,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
                 k = fp8_round(k.to(tl.float32), MANT, EMIN, LIMIT)
                 v = fp8_round(v.to(tl.float32), MANT, EMIN, LIMIT)
             k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, softcap, HAS_SOFTCAP)
             if stage == 1:
                 s = tl.where((pos[None, :] <= offs_m[:, None]) & mask_n[None, :], s, float("-inf"))
             s = tl.where((window == 0) | (pos[None, :] > offs_m[:, None] - window), s, float("-inf"))
@@ -244,9 +253,11 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context_len: int = 0, num_splits: int | None = None,
-                           block_n: int | None = None, window: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] (query at position context_len - 1) -> same shape; with a
-    window, each query over its sequence's last `window` keys.
+    window, each query over its sequence's last `window` keys; with softcap, the scaled scores
+    capped by softcap * tanh(s / softcap).
 
     Caches [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
     context_lens [num_seqs] int32. max_context_len (host int, 0 = unknown) only guides num_splits.
@@ -271,12 +282,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_m = part_l = out  # unused by the single-split variant
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, num_heads, window or 0,
+        scale * _LOG2E, num_heads, window or 0, (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, **_dot_options(q),
-        KV_FP8=k_cache.dtype in FP8_FORMATS, num_warps=num_warps, num_stages=num_stages)
+        KV_FP8=k_cache.dtype in FP8_FORMATS, HAS_SOFTCAP=softcap is not None, num_warps=num_warps,
+        num_stages=num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out, num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
@@ -288,7 +300,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                             v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                             max_seqlen_q: int, scale: float, block_tables: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens q [num_tokens, num_heads, head_dim] -> same shape.
 
     k, v [num_tokens, num_kv_heads, head_dim] are the new tokens' keys/values. Sequence i has
@@ -296,6 +308,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     paged cache through block_tables, which must be given whenever any sequence has such a prefix.
     With an fp8 cache, k and v are rounded as the cache holds them (k_cache's dtype says which).
     window: sliding-window attention, each query over the last `window` keys up to itself.
+    softcap: the scaled scores capped by softcap * tanh(s / softcap) (Gemma 2).
     """
     has_prefix = block_tables is not None
     kv_fp8, fp8 = k_cache.dtype in FP8_FORMATS, fp8_constants(k_cache.dtype)
@@ -323,10 +336,10 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale * _LOG2E, window or 0,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if has_prefix else 16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_PREFIX=has_prefix,
         DIAG_SPLIT=q.dtype != torch.float32, **_dot_options(q), KV_FP8=kv_fp8, **fp8,
-        num_warps=num_warps, num_stages=num_stages)
+        HAS_SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -10,7 +10,7 @@ from nanovllm.utils.context import get_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -18,6 +18,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         # Sliding-window attention: a query at position p sees keys at p - window + 1 .. p (None: all).
         self.sliding_window = sliding_window
+        # Gemma 2's soft-capping: each scaled score s becomes softcap * tanh(s / softcap) (None: off).
+        self.logit_softcap = logit_softcap
         # Set by ModelRunner: the paged caches of this layer, their storage format and the backend.
         self.k_cache = self.v_cache = torch.tensor([])
         self.kv_format: KVFormat | None = None
@@ -29,6 +31,7 @@ class Attention(nn.Module):
         if self.k_cache.numel() > 0 and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         metadata = context.attn_metadata
+        options = dict(window=self.sliding_window, softcap=self.logit_softcap)
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window)
-        return self.backend.decode(q, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, **options)
+        return self.backend.decode(q, self.k_cache, self.v_cache, metadata, self.scale, **options)

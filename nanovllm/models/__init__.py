@@ -9,7 +9,8 @@ _MODELS = {
     "Qwen2MoeForCausalLM": "nanovllm.models.qwen_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "nanovllm.models.mixtral:MixtralForCausalLM",
     "MistralForCausalLM": "nanovllm.models.mistral:MistralForCausalLM",
-    "Gemma3ForCausalLM": "nanovllm.models.gemma3:Gemma3ForCausalLM",
+    "Gemma2ForCausalLM": "nanovllm.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "nanovllm.models.gemma:Gemma3ForCausalLM",
 }
 
 

@@ -70,12 +70,13 @@ def build_rope(config, layer_type: str | None = None) -> RotaryEmbedding:
 
 class DecoderAttention(nn.Module):
     """q/k/v projections, optional q/k norm (norm: its class), rotary embedding, paged attention
-    (scale: head_dim ** -0.5 unless given; sliding_window: None for full attention), o projection."""
+    (scale: head_dim ** -0.5 unless given; sliding_window: None for full attention; logit_softcap:
+    Gemma 2's cap on the scores), o projection."""
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
                  rotary_emb: RotaryEmbedding | None = None, quant_config: QuantizationConfig | None = None,
                  prefix: str = "", sliding_window: int | None = None, scale: float | None = None,
-                 norm: type[RMSNorm] = RMSNorm):
+                 norm: type[RMSNorm] = RMSNorm, logit_softcap: float | None = None):
         super().__init__()
         hidden_size = config.hidden_size
         self.total_num_heads = config.num_attention_heads
@@ -92,7 +93,7 @@ class DecoderAttention(nn.Module):
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb if rotary_emb is not None else build_rope(config)
         self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim ** -0.5, self.num_kv_heads,
-                              sliding_window)
+                              sliding_window, logit_softcap)
         self.use_qk_norm = use_qk_norm
         if use_qk_norm:
             self.q_norm = norm(self.head_dim, eps=config.rms_norm_eps)

@@ -1,5 +1,6 @@
-"""Sliding-window attention in every attention path against a plain-torch formula (softmax of the
-scaled scores with keys outside [p - window + 1, p] masked): the torch backend's prefill (fresh and
+"""Sliding-window attention and Gemma 2's logit soft-capping in every attention path against a
+plain-torch formula (softmax of the scaled scores, capped by softcap * tanh(s / softcap), with keys
+outside [p - window + 1, p] masked): the torch backend's prefill (fresh and
 over a cached prefix) and decode (the C kernel, whole-sequence and split plans, and the torch
 fallbacks), and the Triton kernels (interpreted on CPU), with windows below, at and above the
 context and not aligned to the block size."""
@@ -19,12 +20,15 @@ SCALE = 0.3
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 32, 16
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None) -> torch.Tensor:
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None,
+              softcap: float | None = None) -> torch.Tensor:
     """q [n, H, D] at the last n positions of keys/values [L, Hkv, D]."""
     n, length = q.shape[0], keys.shape[0]
     group = q.shape[1] // keys.shape[1]
     k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(length - n, length)[:, None]
     k_pos = torch.arange(length)[None, :]
     seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
@@ -55,33 +59,41 @@ WINDOWS = [None, 1, 7, 16, 40, 500]
 LENS = [(5, 5), (37, 37), (3, 50), (20, 90)]  # fresh prompts, chunks over a cached prefix
 
 
+CAPS = [None, 1.5]  # 1.5: below the scaled scores' spread, so the cap changes every softmax
+
+
+@pytest.mark.parametrize("softcap", CAPS)
 @pytest.mark.parametrize("window", WINDOWS)
-def test_torch_prefill(window):
+def test_torch_prefill(window, softcap):
     seqs, k_cache, v_cache, tables = case(LENS)
     meta = TorchMetadata(seqlens_q=[q for q, _ in LENS], seqlens_k=[k for _, k in LENS], block_tables=tables)
     q = torch.cat([s[0] for s in seqs])
     k = torch.cat([s[1][-len(s[0]):] for s in seqs])
     v = torch.cat([s[2][-len(s[0]):] for s in seqs])
-    got = TorchBackend().prefill(q, k, v, k_cache, v_cache, meta, SCALE, window)
-    want = torch.cat([reference(*s, window) for s in seqs])
+    got = TorchBackend().prefill(q, k, v, k_cache, v_cache, meta, SCALE, window, softcap)
+    want = torch.cat([reference(*s, window, softcap) for s in seqs])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", CAPS)
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("lens", [[1, 2, 17, 33, 100, 150], [1300], [600, 2100]])  # split plans from 2 x 512
-def test_decode_paths(window, lens):
+def test_decode_paths(window, lens, softcap):
     seqs, k_cache, v_cache, tables = case([(1, n) for n in lens], seed=len(lens))
     q = torch.cat([s[0] for s in seqs])
     context_lens = torch.tensor(lens, dtype=torch.int32)
-    want = torch.cat([reference(*s, window) for s in seqs])
+    want = torch.cat([reference(*s, window, softcap) for s in seqs])
     backend = TorchBackend()
     meta = TorchMetadata(seqlens_k=list(lens), block_tables=tables, context_lens=context_lens, max_seqlen_k=max(lens))
+    def check():
+        got = backend.decode(q, k_cache, v_cache, meta, SCALE, window, softcap)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     if backend.cpu_kernel is not None:  # the C kernel
-        torch.testing.assert_close(backend.decode(q, k_cache, v_cache, meta, SCALE, window), want, rtol=1e-4, atol=1e-5)
+        check()
     backend.cpu_kernel = None  # the torch fallbacks: length groups, and one padded batch
-    torch.testing.assert_close(backend.decode(q, k_cache, v_cache, meta, SCALE, window), want, rtol=1e-4, atol=1e-5)
+    check()
     meta.seqlens_k = None
-    torch.testing.assert_close(backend.decode(q, k_cache, v_cache, meta, SCALE, window), want, rtol=1e-4, atol=1e-5)
+    check()
 
 
 def test_c_kernel_with_more_threads_than_sequences():
@@ -98,8 +110,8 @@ def test_c_kernel_with_more_threads_than_sequences():
     torch.testing.assert_close(got, reference(*seqs[0], 1100), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 7, 40])
-def test_triton_kernels(window):
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (40, None), (None, 1.5), (7, 1.5)])
+def test_triton_kernels(window, softcap):
     pytest.importorskip("triton")
     from nanovllm.kernels import triton_attention as ta
 
@@ -109,13 +121,15 @@ def test_triton_kernels(window):
     v = torch.cat([s[2][-len(s[0]):] for s in seqs])
     cu = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
     got = ta.paged_prefill_attention(q, k, v, k_cache, v_cache, cu([a for a, _ in LENS]), cu([b for _, b in LENS]),
-                                     max(a for a, _ in LENS), SCALE, tables, block_m=16, block_n=16, window=window)
-    torch.testing.assert_close(got, torch.cat([reference(*s, window) for s in seqs]), rtol=1e-4, atol=1e-5)
+                                     max(a for a, _ in LENS), SCALE, tables, block_m=16, block_n=16, window=window,
+                                     softcap=softcap)
+    torch.testing.assert_close(got, torch.cat([reference(*s, window, softcap) for s in seqs]), rtol=1e-4, atol=1e-5)
     lens = [1, 17, 90, 150]
     seqs, k_cache, v_cache, tables = case([(1, n) for n in lens], seed=3)
     q = torch.cat([s[0] for s in seqs])
-    want = torch.cat([reference(*s, window) for s in seqs])
+    want = torch.cat([reference(*s, window, softcap) for s in seqs])
     for splits in (1, 3):
         got = ta.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), SCALE,
-                                        max_context_len=max(lens), num_splits=splits, block_n=16, window=window)
+                                        max_context_len=max(lens), num_splits=splits, block_n=16, window=window,
+                                        softcap=softcap)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

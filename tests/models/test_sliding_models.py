@@ -1,6 +1,7 @@
 """Families with sliding-window layers against transformers' greedy tokens (fp32): Mistral (a window
 on every layer), Gemma 3 (sliding and full layers, a rope theta per kind, Gemma's norms, GELU-tanh,
-scaled embeddings) and Qwen2 with use_sliding_window; windows far shorter than the prompts and the
+scaled embeddings), Gemma 2 (soft-capped attention scores and final logits) and Qwen2 with
+use_sliding_window; windows far shorter than the prompts and the
 generations, through whole prefills, chunked prefills and prefix-cache hits; bad configs named."""
 import random
 
@@ -27,11 +28,17 @@ def config_of(name: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000.0}})
         return config, "Gemma3"
+    if name == "gemma2":
+        # Caps below the tiny model's score and logit spreads, so both change the tokens.
+        config = transformers.Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                           attn_logit_softcapping=0.2, final_logit_softcapping=3.0)
+        return config, "Gemma2"
     return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
                                     tie_word_embeddings=False), "Qwen2"
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "qwen2"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "gemma2", "qwen2"])
 def checkpoint(request, tmp_path_factory) -> tuple[str, str]:
     import transformers
     config, family = config_of(request.param)
@@ -49,7 +56,10 @@ def test_checkpoint_is_as_named(checkpoint):
         if name == "gemma3":
             ropes = [layer.self_attn.rotary_emb for layer in llm.model_runner.model.model.layers]
             assert ropes[0] is ropes[2] and ropes[0] is not ropes[1]
-    assert windows == {"mistral": [WINDOW] * 3, "gemma3": [WINDOW, None, WINDOW], "qwen2": [None, WINDOW, WINDOW]}[name]
+        caps = [layer.self_attn.attn.logit_softcap for layer in llm.model_runner.model.model.layers]
+    assert windows == {"mistral": [WINDOW] * 3, "gemma3": [WINDOW, None, WINDOW], "gemma2": [WINDOW, None, WINDOW],
+                       "qwen2": [None, WINDOW, WINDOW]}[name]
+    assert caps == ([0.2] * 3 if name == "gemma2" else [None] * 3)
 
 
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=4)],
@@ -83,7 +93,23 @@ def test_bad_window_configs_are_named(tmp_path):
     config.layer_types = ["full_attention"]
     with pytest.raises(ValueError, match="1 entries for 3 layers"):
         sliding_window_of(config, 0)
-    gemma2ish = transformers.Gemma3TextConfig(**COMMON, sliding_window=WINDOW, final_logit_softcapping=30.0)
-    from nanovllm.models.gemma3 import Gemma3ForCausalLM
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        Gemma3ForCausalLM(gemma2ish)
+
+
+def test_gemma2_final_logits_are_capped(tmp_path):
+    """A monotonic cap never changes a greedy token, so the log-probabilities tell: equal to
+    transformers' over its capped logits."""
+    import transformers
+    config, _ = config_of("gemma2")
+    config.architectures = ["Gemma2ForCausalLM"]
+    torch.manual_seed(7)
+    path = save_decisive(transformers.Gemma2ForCausalLM(config), str(tmp_path), VOCAB)
+    prompt = [5, 17, 99, 3, 42]
+    (ref_tokens, ref_logits), = hf_greedy(path, [prompt], 1, mask_eos=False)
+    want = torch.log_softmax(ref_logits[0].float(), -1)
+    with LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    got = out["logprobs"][0]
+    assert out["token_ids"] == ref_tokens and len(got) >= 5
+    for token, logprob in got.items():
+        assert abs(logprob - want[token].item()) < 1e-3, (token, logprob, want[token].item())
+    assert want.max() > -1.0  # a cap of 3 leaves no token far ahead: uncapped logits would not give these

@@ -168,11 +168,14 @@ class AttentionBackend:
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self._store(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, metadata, scale: float, window: int | None = None) -> torch.Tensor:
-        """window: sliding-window attention, each query over the last `window` keys up to itself."""
+    def prefill(self, q, k, v, k_cache, v_cache, metadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """window: sliding-window attention, each query over the last `window` keys up to itself.
+        softcap: each scaled score s becomes softcap * tanh(s / softcap) before the softmax."""
         raise NotImplementedError
 
-    def decode(self, q, k_cache, v_cache, metadata, scale: float, window: int | None = None) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, metadata, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------

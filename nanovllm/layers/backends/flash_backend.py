@@ -49,7 +49,7 @@ class FlashBackend(PagedBackend):
         return (-1, -1) if window is None else (window - 1, 0)
 
     def prefill(self, q, k, v, k_cache, v_cache, metadata: PagedMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]. Without a cached prefix the fresh K/V are the whole
         # key range; with one, the keys are read from the paged cache (this step's K/V were stored
         # there first), so cu_seqlens_k counts cached + new tokens.
@@ -59,13 +59,15 @@ class FlashBackend(PagedBackend):
         return self._varlen(
             q, k, v, cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_k=metadata.cu_seqlens_k,
             max_seqlen_q=metadata.max_seqlen_q, max_seqlen_k=metadata.max_seqlen_k,
-            softmax_scale=scale, causal=True, block_table=block_table, window_size=self.window_size(window))
+            softmax_scale=scale, causal=True, block_table=block_table, window_size=self.window_size(window),
+            softcap=softcap or 0.0)
 
     def decode(self, q, k_cache, v_cache, metadata: PagedMetadata, scale: float,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         # One query per sequence: [num_seqs, num_heads, head_dim] -> [num_seqs, 1, num_heads, head_dim].
         # NOTE: reads only context_lens and block_tables (fixed shapes), so CUDA graphs can replay it.
         out = self._with_kvcache(
             q.unsqueeze(1), k_cache, v_cache, cache_seqlens=metadata.context_lens,
-            block_table=metadata.block_tables, softmax_scale=scale, causal=True, window_size=self.window_size(window))
+            block_table=metadata.block_tables, softmax_scale=scale, causal=True, window_size=self.window_size(window),
+            softcap=softcap or 0.0)
         return out.squeeze(1)

@@ -1,8 +1,9 @@
-"""Gemma 3 (text; Gemma3ForCausalLM): five sliding-window layers per full one (`layer_types`),
-each kind with its own rope theta (`rope_parameters` per layer type), attention scaled by
-query_pre_attn_scalar ** -0.5, q/k norms, Gemma's (1 + w) RMSNorm, four norms per layer (before
-and after attention and the MLP), a GELU-tanh gated MLP, embeddings scaled by sqrt(hidden_size),
-the head tied to them. Logit soft-capping (Gemma 2) is refused here by name."""
+"""Gemma 2 and Gemma 3 (text; Gemma2ForCausalLM, Gemma3ForCausalLM): sliding-window and full layers
+(`layer_types`), attention scaled by query_pre_attn_scalar ** -0.5, Gemma's (1 + w) RMSNorm, four
+norms per layer (before and after attention and the MLP), a GELU-tanh gated MLP, embeddings scaled
+by sqrt(hidden_size), the head tied to them. Gemma 2: logit soft-capping of the attention scores
+(attn_logit_softcapping) and of the final logits (final_logit_softcapping). Gemma 3: q/k norms and
+a rope theta per layer kind (`rope_parameters` per layer type), no soft-capping."""
 import torch
 from torch import nn
 
@@ -13,14 +14,15 @@ from nanovllm.models.decoder import (DecoderAttention, DecoderForCausalLM, Decod
                                      sliding_window_of)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
                  rotary_emb: RotaryEmbedding | None = None, quant_config: QuantizationConfig | None = None,
                  prefix: str = "", make_mlp=gated_mlp):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, True, rotary_emb, quant_config,
+        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, use_qk_norm, rotary_emb, quant_config,
                                           f"{prefix}.self_attn", sliding_window_of(config, layer_idx),
-                                          scale=config.query_pre_attn_scalar ** -0.5, norm=GemmaRMSNorm)
+                                          scale=config.query_pre_attn_scalar ** -0.5, norm=GemmaRMSNorm,
+                                          logit_softcap=getattr(config, "attn_logit_softcapping", None))
         self.mlp = make_mlp(config, layer_idx, f"{prefix}.mlp", quant_config)
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -38,8 +40,8 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(stream))), stream
 
 
-class Gemma3Model(DecoderModel):
-    layer_class = Gemma3DecoderLayer
+class GemmaModel(DecoderModel):
+    layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
 
     def __init__(self, config, *args, **kwargs):
@@ -52,12 +54,20 @@ class Gemma3Model(DecoderModel):
         return embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM):
-    model_class = Gemma3Model
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    model_class = GemmaModel
     fused_decode = False  # the C decode step knows the shared layer only
 
     def __init__(self, config, quant_config=None):
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(config, name, None) is not None:
-                raise ValueError(f"{name} (Gemma 2's logit soft-capping) is not supported")
         super().__init__(config, quant_config)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        if logits is not None and self.final_softcap is not None:
+            logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
+        return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    use_qk_norm = True
