@@ -118,9 +118,9 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
         prefix_hits = []
         real_prefill = runner.backend.prefill
 
-        def prefill(q, k, v, k_cache, v_cache, meta, scale, window=None):
+        def prefill(q, k, v, k_cache, v_cache, meta, scale, **options):
             prefix_hits.append(any(k > q for q, k in zip(meta.seqlens_q, meta.seqlens_k)))  # a cached prefix
-            return real_prefill(q, k, v, k_cache, v_cache, meta, scale, window)
+            return real_prefill(q, k, v, k_cache, v_cache, meta, scale, **options)
         monkeypatch.setattr(runner.backend, "prefill", prefill)
         prompts = [[3 + i, 9, 27 + i, 81 - i] * (2 + 3 * (i % 5)) for i in range(max(5, limit + 1))]  # 8 .. 56 tokens
         batches = [prompts[:1], prompts[1:3], prompts[:3], prompts]

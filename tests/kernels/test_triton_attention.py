@@ -207,9 +207,9 @@ def generate_twice(path: str, backend: str, kv_cache_dtype: str = "float32") -> 
     runner_backend = llm.model_runner.backend
     prefill, prefix_flags = runner_backend.prefill, []
 
-    def recording_prefill(q, k, v, k_cache, v_cache, metadata, scale, window=None):
+    def recording_prefill(q, k, v, k_cache, v_cache, metadata, scale, **options):
         prefix_flags.append(metadata.block_tables is not None)  # the table comes with a cached prefix
-        return prefill(q, k, v, k_cache, v_cache, metadata, scale, window)
+        return prefill(q, k, v, k_cache, v_cache, metadata, scale, **options)
 
     runner_backend.prefill = recording_prefill
     try:

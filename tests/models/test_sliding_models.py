@@ -112,4 +112,3 @@ def test_gemma2_final_logits_are_capped(tmp_path):
     assert out["token_ids"] == ref_tokens and len(got) >= 5
     for token, logprob in got.items():
         assert abs(logprob - want[token].item()) < 1e-3, (token, logprob, want[token].item())
-    assert want.max() > -1.0  # a cap of 3 leaves no token far ahead: uncapped logits would not give these
