@@ -470,7 +470,8 @@ static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride
 /* The query heads of KV heads [kv_first, kv_end) of one sequence (q, out: [num_heads, head_dim]) over
  * its cached tokens [t_first, t_end) (t_first a multiple of block_size), the first `skip` of them
  * left out (before a sliding window: read, given no weight); softcap > 0: each scaled score s
- * becomes softcap * tanh(s / softcap) (Gemma 2's logit soft-capping). part_max == NULL: the item
+ * becomes softcap * tanh(s / softcap) (Gemma 2's logit soft-capping); sinks (NULL: none): a logit
+ * per query head that joins the softmax's denominator only (GPT-OSS). part_max == NULL: the item
  * is the whole sequence, and out is the attention. Otherwise out is the item's share before the
  * softmax division (sum_t exp(s_t - m) v_t) with part_max = m and part_sum = sum_t exp(s_t - m) per
  * head, for merge_parts. */
@@ -478,7 +479,7 @@ static inline __attribute__((always_inline)) void attend_item_t(
     const int type, const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
     int64_t t_first, int64_t t_end, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t kv_first, int64_t kv_end, float scale, float *scores, int64_t scores_stride,
-    float *inv_sum, float *part_max, float *part_sum, int64_t skip, float softcap) {
+    float *inv_sum, float *part_max, float *part_sum, int64_t skip, float softcap, const float *sinks) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = kv_row_bytes(type, head_dim);
     const int64_t token_stride = num_kv_heads * row; /* bytes between consecutive cached tokens */
@@ -561,6 +562,8 @@ static inline __attribute__((always_inline)) void attend_item_t(
             srow[t] = sexp((srow[t] - m) * scale);
             s += srow[t];
         }
+        /* an attention sink: a per-head logit in the denominator only (a split plan adds it when merging) */
+        if (sinks != NULL && part_max == NULL) s += sexp(sinks[kv_first * group + h] - m * scale);
         inv_sum[h] = 1.0f / s;
         if (part_max != NULL) part_max[kv_first * group + h] = m * scale, part_sum[kv_first * group + h] = s;
         memset(out_item + h * head_dim, 0, sizeof(float) * (size_t)head_dim);
@@ -638,10 +641,10 @@ static void attend_item(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *table, int64_t t_first, int64_t t_end, float *out, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t kv_first, int64_t kv_end,
                         float scale, float *scores, int64_t scores_stride, float *inv_sum, float *part_max,
-                        float *part_sum, int64_t skip, float softcap) {
+                        float *part_sum, int64_t skip, float softcap, const float *sinks) {
     KV_DISPATCH(attend_item_t, kv_type, q, k_cache, v_cache, table, t_first, t_end, out, num_heads, num_kv_heads,
                 head_dim, block_size, kv_first, kv_end, scale, scores, scores_stride, inv_sum, part_max, part_sum,
-                skip, softcap)
+                skip, softcap, sinks)
 }
 
 /* ---- the work items of a decode step -----------------------------------------------------------
@@ -681,9 +684,10 @@ int64_t decode_partial_floats(const DecodePlan *p, int64_t num_seqs, int64_t num
     return p->splits > 1 ? num_seqs * p->splits * num_heads * (head_dim + 2) : 0;
 }
 
-/* out[h] (b's) = the chunks' shares of each head merged: sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i. */
+/* out[h] (b's) = the chunks' shares of each head merged: sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i
+ * (+ e^(sink - M) in the denominator with an attention sink). */
 static void merge_parts(const float *parts, int64_t splits, int64_t used, int64_t num_heads, int64_t head_dim,
-                        int64_t h, float *out) {
+                        int64_t h, const float *sinks, float *out) {
     const float *pmax = parts + splits * num_heads * head_dim, *psum = pmax + splits * num_heads;
     float m = -INFINITY, l = 0.0f;
     for (int64_t i = 0; i < used; i++) m = pmax[i * num_heads + h] > m ? pmax[i * num_heads + h] : m;
@@ -694,6 +698,7 @@ static void merge_parts(const float *parts, int64_t splits, int64_t used, int64_
         const float *o = parts + (i * num_heads + h) * head_dim;
         for (int64_t d = 0; d < head_dim; d++) out[d] += w * o[d];
     }
+    if (sinks != NULL) l += sexp(sinks[h] - m);
     const float inv = 1.0f / l;
     for (int64_t d = 0; d < head_dim; d++) out[d] *= inv;
 }
@@ -702,8 +707,8 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
                             int64_t kv_type, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *context_lens, float *out, int64_t out_stride, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int64_t window, float softcap, const DecodePlan *p, float *scratch,
-                            float *parts, ItemPrepare prepare, const void *ctx) {
+                            float scale, int64_t window, float softcap, const float *sinks, const DecodePlan *p,
+                            float *scratch, float *parts, ItemPrepare prepare, const void *ctx) {
     const int64_t group = num_heads / num_kv_heads, per_item = p->kv_heads_per_item;
     const int64_t head_items = (num_kv_heads + per_item - 1) / per_item, items = num_seqs * head_items * p->splits;
     float *inv_sum = scratch + per_item * group * p->chunk;
@@ -729,13 +734,13 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
         if (p->splits == 1) {
             attend_item(qb, k_cache, v_cache, kv_type, table, t_first, len, out + b * out_stride, num_heads,
                         num_kv_heads, head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum, NULL,
-                        NULL, skip, softcap);
+                        NULL, skip, softcap, sinks);
         } else {
             float *mine = parts + b * seq_parts, *share = mine + split * num_heads * head_dim;
             float *pmax = mine + p->splits * num_heads * head_dim + split * num_heads;
             attend_item(qb, k_cache, v_cache, kv_type, table, t_first, t_end, share, num_heads, num_kv_heads,
                         head_dim, block_size, kv_first, kv_end, scale, scratch, p->chunk, inv_sum,
-                        pmax, pmax + p->splits * num_heads, skip, softcap);
+                        pmax, pmax + p->splits * num_heads, skip, softcap, sinks);
         }
     }
     if (p->splits == 1) return;
@@ -744,7 +749,8 @@ void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cach
         const int64_t b = i / num_heads, h = i % num_heads, len = context_lens[b];
         const int64_t start = window > 0 && len > window ? len - window : 0;
         const int64_t used = (len - start / block_size * block_size + p->chunk - 1) / p->chunk;
-        merge_parts(parts + b * seq_parts, p->splits, used, num_heads, head_dim, h, out + b * out_stride + h * head_dim);
+        merge_parts(parts + b * seq_parts, p->splits, used, num_heads, head_dim, h, sinks,
+                    out + b * out_stride + h * head_dim);
     }
 }
 
@@ -752,7 +758,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
-                           int num_threads) {
+                           const float *sinks, int num_threads) {
     if (kv_row_bytes(kv_type, head_dim) == 0) return 2;
     /* With a window, an item reads at most window + block_size - 1 tokens (from the window's first block). */
     if (window > 0 && max_context > window + block_size) max_context = window + block_size;
@@ -770,7 +776,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         }
         phase_decode_attention(q, num_heads * head_dim, k_cache, v_cache, kv_type, block_tables, max_blocks,
                                context_lens, out, num_heads * head_dim, num_seqs, num_heads, num_kv_heads, head_dim,
-                               block_size, scale, window, softcap, &plan, scratch, parts, NULL, NULL);
+                               block_size, scale, window, softcap, sinks, &plan, scratch, parts, NULL, NULL);
         free(scratch);
     }
     free(parts);

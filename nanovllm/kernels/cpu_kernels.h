@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 10
+#define NANOVLLM_ABI_VERSION 11
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -120,13 +120,14 @@ typedef void (*ItemPrepare)(const void *ctx, int64_t b, int64_t kv_first, int64_
  * plan's items. scratch: this thread's decode_scratch_floats (NULL: its items are skipped, the
  * caller reports it); parts: the shared decode_partial_floats. window > 0: each query sees its
  * sequence's last `window` tokens only (sliding-window attention; the plan made for at most
- * window + block_size tokens). softcap > 0: scaled scores capped by softcap * tanh(s / softcap). */
+ * window + block_size tokens). softcap > 0: scaled scores capped by softcap * tanh(s / softcap).
+ * sinks (NULL: none): [num_heads] logits that join each head's softmax denominator (GPT-OSS). */
 void phase_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             int64_t kv_type, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *context_lens, float *out, int64_t out_stride, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int64_t window, float softcap, const DecodePlan *p, float *scratch,
-                            float *parts, ItemPrepare prepare, const void *ctx);
+                            float scale, int64_t window, float softcap, const float *sinks, const DecodePlan *p,
+                            float *scratch, float *parts, ItemPrepare prepare, const void *ctx);
 
 /* act[i] = silu(g[i]) * u[i] for i in [first, end) (cpu_decode.c). */
 void silu_mul_span(const float *g, const float *u, int64_t first, int64_t end, float *act);

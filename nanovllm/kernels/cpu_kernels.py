@@ -128,7 +128,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64)]
 
 
-ABI_VERSION = 10  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 11  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 
@@ -160,7 +160,7 @@ class CpuKernels:
             fn.restype, fn.argtypes = restype, list(argtypes)
             return fn
         self.decode_attention = typed("paged_decode_attention", cint, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
-                                      i64, i64, i64, i64, c_float, i64, c_float, cint)
+                                      i64, i64, i64, i64, c_float, i64, c_float, ptr, cint)
         self.kv_row_bytes = typed("kv_row_bytes", i64, i64, i64)
         self.kv_store_rows = typed("kv_store_rows", cint, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
@@ -286,10 +286,12 @@ def rows_to_f32(kernels: CpuKernels, weight: Linear, ids: torch.Tensor) -> torch
 
 def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_type: int, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
-                           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                           scale: float, window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] (fp32) over caches in the C KV format kv_type -> the
     attention output, shaped like q; with a window, each query over its sequence's last `window`
-    tokens; with softcap, the scaled scores capped by softcap * tanh(s / softcap)."""
+    tokens; with softcap, the scaled scores capped by softcap * tanh(s / softcap); sinks [num_heads]:
+    a logit per head in the softmax's denominator."""
     q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
@@ -297,11 +299,13 @@ def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
+    sinks = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     # The work items (whole sequences, KV-head chunks or token chunks) are the C side's choice.
     failed = kernels.decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type, block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.shape[1], max_context, scale, window or 0, softcap or 0.0, torch.get_num_threads())
+        block_tables.shape[1], max_context, scale, window or 0, softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
     return out

@@ -58,12 +58,12 @@ def _paged_kv_offsets(table_ptr, pos, mask_n, offs_d, kv_head, stride_b, stride_
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale, num_heads, window, softcap,
+                   out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, qk_scale, num_heads, window, softcap,
                    stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                   KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     # One program: all GROUP query heads sharing one KV head, over one split of one sequence's context.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -102,6 +102,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # each head's sink logit joins the denominator only
+            sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i += tl.exp2(sink - m_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_offs = seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_gd)
@@ -114,9 +117,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 
 @triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_heads, stride_os, stride_oh,
+def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, num_heads, stride_os, stride_oh,
                           HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Merge the split-K partials of one (sequence, head) into the final output row."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -133,6 +136,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_hea
     acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_sd, other=0.0)
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        den += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_max)
     out = num / tl.where(den == 0.0, 1.0, den)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -140,13 +145,13 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_hea
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr,
-                    out_ptr, qk_scale, window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    out_ptr, sinks_ptr, qk_scale, window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_PREFIX: tl.constexpr, DIAG_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
-                    LIMIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                    LIMIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     # One program: BLOCK_M new tokens of one sequence, one query head. Keys are the cached prefix
     # (paged, all visible) followed by this step's new tokens (packed k/v, causal); with a sliding
     # window (window > 0) a query sees only the last `window` keys up to itself, and the key tiles
@@ -216,6 +221,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             s = tl.where((window == 0) | (pos[None, :] > offs_m[:, None] - window), s, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
+    if HAS_SINKS:  # the head's sink logit joins the denominator only
+        l_i += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]  # every row sees at least key 0 of the new tokens, so l_i > 0
     tl.store(out_ptr + tokens_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_md)
@@ -254,10 +261,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context_len: int = 0, num_splits: int | None = None,
                            block_n: int | None = None, window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] (query at position context_len - 1) -> same shape; with a
     window, each query over its sequence's last `window` keys; with softcap, the scaled scores
-    capped by softcap * tanh(s / softcap).
+    capped by softcap * tanh(s / softcap); sinks [num_heads]: a logit per head in the denominator.
 
     Caches [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
     context_lens [num_seqs] int32. max_context_len (host int, 0 = unknown) only guides num_splits.
@@ -280,19 +287,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused by the single-split variant
+    sinks_arg = sinks if sinks is not None else out  # a placeholder pointer without sinks
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, sinks_arg,
         scale * _LOG2E, num_heads, window or 0, (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, **_dot_options(q),
-        KV_FP8=k_cache.dtype in FP8_FORMATS, HAS_SOFTCAP=softcap is not None, num_warps=num_warps,
-        num_stages=num_stages)
+        KV_FP8=k_cache.dtype in FP8_FORMATS, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_acc, part_m, part_l, out, num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(max(2, num_splits)), BLOCK_D=block_d, num_warps=4)
+            part_acc, part_m, part_l, sinks_arg, out, num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(max(2, num_splits)), BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
 
@@ -300,7 +309,8 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                             v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                             max_seqlen_q: int, scale: float, block_tables: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
-                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                            window: int | None = None, softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens q [num_tokens, num_heads, head_dim] -> same shape.
 
     k, v [num_tokens, num_kv_heads, head_dim] are the new tokens' keys/values. Sequence i has
@@ -308,7 +318,8 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     paged cache through block_tables, which must be given whenever any sequence has such a prefix.
     With an fp8 cache, k and v are rounded as the cache holds them (k_cache's dtype says which).
     window: sliding-window attention, each query over the last `window` keys up to itself.
-    softcap: the scaled scores capped by softcap * tanh(s / softcap) (Gemma 2).
+    softcap: the scaled scores capped by softcap * tanh(s / softcap) (Gemma 2). sinks [num_heads]:
+    a logit per head that joins the softmax's denominator only (GPT-OSS).
     """
     has_prefix = block_tables is not None
     kv_fp8, fp8 = k_cache.dtype in FP8_FORMATS, fp8_constants(k_cache.dtype)
@@ -335,11 +346,12 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     cache_strides = k_cache.stride()[:3] if has_prefix else (0, 0, 0)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale * _LOG2E, window or 0,
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out,
+        sinks if sinks is not None else out, scale * _LOG2E, window or 0,
         (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if has_prefix else 16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_PREFIX=has_prefix,
         DIAG_SPLIT=q.dtype != torch.float32, **_dot_options(q), KV_FP8=kv_fp8, **fp8,
-        HAS_SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages)
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
     return out

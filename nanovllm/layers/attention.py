@@ -3,6 +3,7 @@ picked once by ModelRunner (torch, flash or triton; see layers/backends)."""
 import torch
 from torch import nn
 
+from nanovllm.distributed.parallel import get_tp_rank, get_tp_size
 from nanovllm.layers.backends import AttentionBackend
 from nanovllm.layers.backends.kv_formats import KVFormat
 from nanovllm.utils.context import get_context
@@ -10,7 +11,7 @@ from nanovllm.utils.context import get_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logit_softcap: float | None = None):
+                 sliding_window: int | None = None, logit_softcap: float | None = None, sinks: bool = False):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -20,10 +21,20 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # Gemma 2's soft-capping: each scaled score s becomes softcap * tanh(s / softcap) (None: off).
         self.logit_softcap = logit_softcap
+        # Attention sinks (GPT-OSS): a learned logit per head in the softmax's denominator only;
+        # this rank's heads (the checkpoint's `sinks` split like the heads).
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+        if sinks:
+            self.sinks.weight_loader = self._load_sinks
         # Set by ModelRunner: the paged caches of this layer, their storage format and the backend.
         self.k_cache = self.v_cache = torch.tensor([])
         self.kv_format: KVFormat | None = None
         self.backend: AttentionBackend | None = None
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != (self.num_heads * get_tp_size(),):
+            raise ValueError(f"sinks has shape {tuple(loaded.shape)} for {self.num_heads * get_tp_size()} heads")
+        param.data.copy_(loaded.narrow(0, get_tp_rank() * self.num_heads, self.num_heads))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -31,7 +42,7 @@ class Attention(nn.Module):
         if self.k_cache.numel() > 0 and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         metadata = context.attn_metadata
-        options = dict(window=self.sliding_window, softcap=self.logit_softcap)
+        options = dict(window=self.sliding_window, softcap=self.logit_softcap, sinks=self.sinks)
         if context.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, **options)
         return self.backend.decode(q, self.k_cache, self.v_cache, metadata, self.scale, **options)

@@ -21,7 +21,7 @@ HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 32, 16
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, H, D] at the last n positions of keys/values [L, Hkv, D]."""
     n, length = q.shape[0], keys.shape[0]
     group = q.shape[1] // keys.shape[1]
@@ -32,8 +32,17 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window:
     q_pos = torch.arange(length - n, length)[:, None]
     k_pos = torch.arange(length)[None, :]
     seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
-    probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # exp(s_t) / (sum_u exp(s_u) + exp(sink_h)), written out
+        top = torch.maximum(scores.amax(-1, keepdim=True), sinks.view(-1, 1, 1))
+        e = (scores - top).exp()
+        probs = e / (e.sum(-1, keepdim=True) + (sinks.view(-1, 1, 1) - top).exp())
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+SINKS = torch.tensor([0.5, -1.0, 2.0, 3.5])  # per query head (HEADS = 4); 3.5 outweighs most scores
 
 
 def case(lens: list[tuple[int, int]], seed: int = 0):
@@ -133,3 +142,46 @@ def test_triton_kernels(window, softcap):
                                         max_context_len=max(lens), num_splits=splits, block_n=16, window=window,
                                         softcap=softcap)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks(window):
+    """GPT-OSS's sinks through the torch prefill, every decode path and the Triton kernels."""
+    seqs, k_cache, v_cache, tables = case(LENS, seed=4)
+    meta = TorchMetadata(seqlens_q=[q for q, _ in LENS], seqlens_k=[k for _, k in LENS], block_tables=tables)
+    q = torch.cat([s[0] for s in seqs])
+    k = torch.cat([s[1][-len(s[0]):] for s in seqs])
+    v = torch.cat([s[2][-len(s[0]):] for s in seqs])
+    want = torch.cat([reference(*s, window, None, SINKS) for s in seqs])
+    got = TorchBackend().prefill(q, k, v, k_cache, v_cache, meta, SCALE, window, None, SINKS)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    triton = None
+    try:
+        from nanovllm.kernels import triton_attention as triton
+    except ImportError:
+        pass
+    cu = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
+    if triton is not None:
+        got = triton.paged_prefill_attention(q, k, v, k_cache, v_cache, cu([a for a, _ in LENS]),
+                                             cu([b for _, b in LENS]), max(a for a, _ in LENS), SCALE, tables,
+                                             block_m=16, block_n=16, window=window, sinks=SINKS)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for lens in ([1, 17, 90, 150], [1300]):
+        seqs, k_cache, v_cache, tables = case([(1, n) for n in lens], seed=5)
+        q = torch.cat([s[0] for s in seqs])
+        context_lens = torch.tensor(lens, dtype=torch.int32)
+        want = torch.cat([reference(*s, window, None, SINKS) for s in seqs])
+        backend = TorchBackend()
+        meta = TorchMetadata(seqlens_k=list(lens), block_tables=tables, context_lens=context_lens,
+                             max_seqlen_k=max(lens))
+        results = []
+        if backend.cpu_kernel is not None:
+            results.append(backend.decode(q, k_cache, v_cache, meta, SCALE, window, None, SINKS))
+        backend.cpu_kernel = None
+        results.append(backend.decode(q, k_cache, v_cache, meta, SCALE, window, None, SINKS))
+        if triton is not None:
+            results += [triton.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, SCALE,
+                                                      max_context_len=max(lens), num_splits=splits, block_n=16,
+                                                      window=window, sinks=SINKS) for splits in (1, 3)]
+        for got in results:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

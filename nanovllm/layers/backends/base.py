@@ -169,13 +169,14 @@ class AttentionBackend:
         self._store(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, metadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """window: sliding-window attention, each query over the last `window` keys up to itself.
-        softcap: each scaled score s becomes softcap * tanh(s / softcap) before the softmax."""
+        softcap: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
+        sinks: [num_heads] logits that join each head's softmax denominator (attention sinks)."""
         raise NotImplementedError
 
     def decode(self, q, k_cache, v_cache, metadata, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------

@@ -48,8 +48,14 @@ class FlashBackend(PagedBackend):
         """flash-attn's (left, right): keys before the query it may see (-1: all), none after."""
         return (-1, -1) if window is None else (window - 1, 0)
 
+    @staticmethod
+    def check_sinks(sinks) -> None:
+        if sinks is not None:
+            raise ValueError("flash-attn has no attention sinks; run this model with attention_backend='triton'")
+
     def prefill(self, q, k, v, k_cache, v_cache, metadata: PagedMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None, sinks=None) -> torch.Tensor:
+        self.check_sinks(sinks)
         # q: [num_tokens, num_heads, head_dim]. Without a cached prefix the fresh K/V are the whole
         # key range; with one, the keys are read from the paged cache (this step's K/V were stored
         # there first), so cu_seqlens_k counts cached + new tokens.
@@ -63,7 +69,8 @@ class FlashBackend(PagedBackend):
             softcap=softcap or 0.0)
 
     def decode(self, q, k_cache, v_cache, metadata: PagedMetadata, scale: float,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None, sinks=None) -> torch.Tensor:
+        self.check_sinks(sinks)
         # One query per sequence: [num_seqs, num_heads, head_dim] -> [num_seqs, 1, num_heads, head_dim].
         # NOTE: reads only context_lens and block_tables (fixed shapes), so CUDA graphs can replay it.
         out = self._with_kvcache(

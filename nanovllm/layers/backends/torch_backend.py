@@ -43,29 +43,36 @@ def causal_mask(q_len: int, k_len: int, device, window: int | None = None) -> to
     return mask if window is None else mask & (k_pos > q_pos - window)
 
 
-def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                     softcap: float) -> torch.Tensor:
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                   softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask broadcastable to [B, H, Lq, Lk] (True: seen) ->
-    [B, H, Lq, D], the scaled scores capped by softcap * tanh(s / softcap) (SDPA has no such step)."""
+    [B, H, Lq, D], with what SDPA has no step for: the scaled scores capped by softcap * tanh(s /
+    softcap) (Gemma 2), and sinks [H], a logit per head in the softmax's denominator only (GPT-OSS)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if sinks is not None:  # one more column, dropped after the softmax
+        column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-         is_causal: bool, softcap: float | None = None) -> torch.Tensor:
+         is_causal: bool, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D], grouped-query aware.
     NOTE: 4-D inputs (a batch of one): with 3-D ones torch takes its unfused math path on CPU
     (docs/performance.md item 9)."""
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         if is_causal:
             mask = causal_mask(q.shape[0], k.shape[0], q.device)
-        out = capped_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                               v.transpose(0, 1).unsqueeze(0), scale, mask, softcap)
+        out = math_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                             v.transpose(0, 1).unsqueeze(0), scale, mask, softcap, sinks)
         return out.squeeze(0).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
@@ -136,7 +143,8 @@ class TorchBackend(AttentionBackend):
         return metadata.block_tables, metadata.context_lens
 
     def prefill(self, q, k, v, k_cache, v_cache, metadata: TorchMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Each sequence's new tokens over its keys as the cache holds them: the fresh K/V where
         nothing is cached before them (rounded to the cache's format first, which gives the values
         stored), else its blocks gathered; the queries as the format's decode takes them (round_query).
@@ -161,31 +169,33 @@ class TorchBackend(AttentionBackend):
             first = 0 if window is None else max(0, k_len - q_len - window + 1)  # the first key any query sees
             if window is not None and first + window < k_len:
                 mask = causal_mask(q_len, k_len, q.device, window)[:, first:]
-                oi = sdpa(qi, ki[first:], vi[first:], scale, mask, False, softcap)
+                oi = sdpa(qi, ki[first:], vi[first:], scale, mask, False, softcap, sinks)
             elif k_len == q_len or not has_cache:
-                oi = sdpa(qi, ki, vi, scale, None, q_len > 1, softcap)
+                oi = sdpa(qi, ki, vi, scale, None, q_len > 1, softcap, sinks)
             else:
                 oi = sdpa(qi, ki[first:], vi[first:], scale, causal_mask(q_len, k_len, q.device)[:, first:], False,
-                          softcap)
+                          softcap, sinks)
             out[q_start: q_start + q_len] = oi
             q_start += q_len
         return out
 
     def decode(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: [num_seqs, num_heads, head_dim]; one query per sequence at position context_len - 1.
         if self.device == "cpu" and metadata.seqlens_k is not None:
             if self.cpu_kernel is not None and q.dtype == torch.float32:
                 return cpu_kernels.paged_decode_attention(
                     self.cpu_kernel, q, k_cache, v_cache, self.kv_format.c_type, metadata.block_tables,
-                    metadata.context_lens, metadata.max_seqlen_k, scale, window, softcap)
+                    metadata.context_lens, metadata.max_seqlen_k, scale, window, softcap, sinks)
             return self.decode_grouped(self.kv_format.round_query(q), k_cache, v_cache, metadata, scale, window,
-                                       softcap)
+                                       softcap, sinks)
         return decode_padded(self.kv_format.round_query(q), k_cache, v_cache, metadata.block_tables,
-                             metadata.context_lens, scale, self.kv_format, window, softcap)
+                             metadata.context_lens, scale, self.kv_format, window, softcap, sinks)
 
     def decode_grouped(self, q, k_cache, v_cache, metadata: TorchMetadata, scale: float,
-                       window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                       window: int | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """CPU decode in groups of sequences of similar length, each padded only to its own
         longest context: padding every sequence to the batch's longest one made attention 2.5x
         slower at batch 64 with contexts of 64..512 (docs/performance.md)."""
@@ -195,7 +205,7 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         for rows, tables, lens in metadata.decode_groups:
             out[rows] = decode_padded(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, self.kv_format,
-                                      window, softcap)
+                                      window, softcap, sinks)
         return out
 
 
@@ -218,7 +228,7 @@ def length_groups(context_lens: list[int], block_tables: torch.Tensor, lens: tor
 
 def decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, scale: float, fmt: KVFormat, window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every sequence's K/V gathered (as values) and padded to the widest block table, masked past
     its length (and, with a window, before its last `window` keys)."""
     tables = block_tables.clamp(min=0)
@@ -234,8 +244,9 @@ def decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if window is not None:
         mask &= positions.unsqueeze(0) >= context_lens.unsqueeze(1) - window
     mask = mask[:, None, None, :]
-    if softcap is not None:
-        return capped_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale, mask, softcap).squeeze(2)
+    if softcap is not None or sinks is not None:
+        return math_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale, mask, softcap,
+                              sinks).squeeze(2)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != num_kv_heads)  # [num_seqs, num_heads, 1, head_dim]

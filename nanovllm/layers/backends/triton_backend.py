@@ -43,12 +43,13 @@ class TritonBackend(PagedBackend):
                 "the torch backend reads every format")
 
     def prefill(self, q, k, v, k_cache, v_cache, metadata: PagedMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None, sinks=None) -> torch.Tensor:
         # New tokens' keys come from k/v directly; only a cached prefix is read through the block table.
         return self._prefill(q, k, v, k_cache, v_cache, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
-                             metadata.max_seqlen_q, scale, metadata.block_tables, window=window, softcap=softcap)
+                             metadata.max_seqlen_q, scale, metadata.block_tables, window=window, softcap=softcap,
+                             sinks=sinks)
 
     def decode(self, q, k_cache, v_cache, metadata: PagedMetadata, scale: float,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None, sinks=None) -> torch.Tensor:
         return self._decode(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale,
-                            max_context_len=metadata.max_seqlen_k, window=window, softcap=softcap)
+                            max_context_len=metadata.max_seqlen_k, window=window, softcap=softcap, sinks=sinks)
