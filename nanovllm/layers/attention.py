@@ -11,7 +11,7 @@ from nanovllm.utils.context import get_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logit_softcap: float | None = None, sinks: bool = False):
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -21,15 +21,17 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # Gemma 2's soft-capping: each scaled score s becomes softcap * tanh(s / softcap) (None: off).
         self.logit_softcap = logit_softcap
-        # Attention sinks (GPT-OSS): a learned logit per head in the softmax's denominator only;
-        # this rank's heads (the checkpoint's `sinks` split like the heads).
-        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
-        if sinks:
-            self.sinks.weight_loader = self._load_sinks
+        self.sinks: nn.Parameter | None = None  # enable_sinks()
         # Set by ModelRunner: the paged caches of this layer, their storage format and the backend.
         self.k_cache = self.v_cache = torch.tensor([])
         self.kv_format: KVFormat | None = None
         self.backend: AttentionBackend | None = None
+
+    def enable_sinks(self) -> None:
+        """Attention sinks (GPT-OSS): a learned logit per head in the softmax's denominator only, a
+        parameter `sinks` of this rank's heads (the checkpoint's split like the heads)."""
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.sinks.weight_loader = self._load_sinks
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape != (self.num_heads * get_tp_size(),):

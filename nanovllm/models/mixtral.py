@@ -14,12 +14,6 @@ from nanovllm.models.qwen_moe import MoeMixin
 class MixtralForCausalLM(MoeMixin, LlamaForCausalLM):
     expert_parts = MIXTRAL_EXPERT_PARTS
 
-    def __init__(self, config, quant_config=None):
-        if getattr(config, "sliding_window", None):
-            raise ValueError(f"Mixtral sliding-window attention (sliding_window={config.sliding_window}) is not "
-                             "supported")
-        super().__init__(config, quant_config)
-
     def renormalize(self, config) -> bool:
         return True
 

@@ -1,7 +1,7 @@
 """Families with sliding-window layers against transformers' greedy tokens (fp32): Mistral (a window
 on every layer), Gemma 3 (sliding and full layers, a rope theta per kind, Gemma's norms, GELU-tanh,
-scaled embeddings), Gemma 2 (soft-capped attention scores and final logits) and Qwen2 with
-use_sliding_window; windows far shorter than the prompts and the
+scaled embeddings), Gemma 2 (soft-capped attention scores and final logits), GPT-OSS (attention
+sinks, biases, YaRN, its router and clamped-SwiGLU experts) and Qwen2 with use_sliding_window; windows far shorter than the prompts and the
 generations, through whole prefills, chunked prefills and prefix-cache hits; bad configs named."""
 import random
 
@@ -34,17 +34,29 @@ def config_of(name: str):
                                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                            attn_logit_softcapping=0.2, final_logit_softcapping=3.0)
         return config, "Gemma2"
+    if name == "gpt_oss":
+        shape = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+        config = transformers.GptOssConfig(
+            **shape, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+        return config, "GptOss"
     return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
                                     tie_word_embeddings=False), "Qwen2"
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "gemma2", "qwen2"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "gemma2", "gpt_oss", "qwen2"])
 def checkpoint(request, tmp_path_factory) -> tuple[str, str]:
     import transformers
     config, family = config_of(request.param)
     config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(7)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "sinks"):  # sinks of the size of the scores, so they count
+                layer.self_attn.sinks.normal_(0, 1.0)
     return request.param, save_decisive(model, str(tmp_path_factory.mktemp(request.param)), VOCAB)
 
 
@@ -57,8 +69,10 @@ def test_checkpoint_is_as_named(checkpoint):
             ropes = [layer.self_attn.rotary_emb for layer in llm.model_runner.model.model.layers]
             assert ropes[0] is ropes[2] and ropes[0] is not ropes[1]
         caps = [layer.self_attn.attn.logit_softcap for layer in llm.model_runner.model.model.layers]
+        sinks = [layer.self_attn.attn.sinks is not None for layer in llm.model_runner.model.model.layers]
     assert windows == {"mistral": [WINDOW] * 3, "gemma3": [WINDOW, None, WINDOW], "gemma2": [WINDOW, None, WINDOW],
-                       "qwen2": [None, WINDOW, WINDOW]}[name]
+                       "gpt_oss": [WINDOW, None, WINDOW], "qwen2": [None, WINDOW, WINDOW]}[name]
+    assert sinks == [name == "gpt_oss"] * 3
     assert caps == ([0.2] * 3 if name == "gemma2" else [None] * 3)
 
 
