@@ -46,10 +46,9 @@ def config_of(name: str):
                                     tie_word_embeddings=False), "Qwen2"
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "gemma2", "gpt_oss", "qwen2"])
-def checkpoint(request, tmp_path_factory) -> tuple[str, str]:
+def make_checkpoint(name: str, path: str) -> str:
     import transformers
-    config, family = config_of(request.param)
+    config, family = config_of(name)
     config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(7)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
@@ -57,7 +56,12 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, str]:
         for layer in model.model.layers:
             if hasattr(layer.self_attn, "sinks"):  # sinks of the size of the scores, so they count
                 layer.self_attn.sinks.normal_(0, 1.0)
-    return request.param, save_decisive(model, str(tmp_path_factory.mktemp(request.param)), VOCAB)
+    return save_decisive(model, path, VOCAB)
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "gemma2", "gpt_oss", "qwen2"])
+def checkpoint(request, tmp_path_factory) -> tuple[str, str]:
+    return request.param, make_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 def test_checkpoint_is_as_named(checkpoint):
@@ -126,3 +130,14 @@ def test_gemma2_final_logits_are_capped(tmp_path):
     assert out["token_ids"] == ref_tokens and len(got) >= 5
     for token, logprob in got.items():
         assert abs(logprob - want[token].item()) < 1e-3, (token, logprob, want[token].item())
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+def test_tp2_matches_tp1_with_prefix_hits_chunks_and_preemption(name, tmp_path):
+    """Each rank holds its heads' sinks and its slice of the attention; windows and norms alike."""
+    from test_tp import run_mixed_workload
+    path = make_checkpoint(name, str(tmp_path))
+    tokens1, _, preempted1, _, _ = run_mixed_workload(path, tp=1)
+    tokens2, _, preempted2, _, _ = run_mixed_workload(path, tp=2)
+    assert preempted1 > 0 and preempted2 > 0
+    assert tokens2 == tokens1
