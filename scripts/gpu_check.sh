@@ -17,6 +17,7 @@ if $PY -c "import pytest" 2>/dev/null; then
         "tests/kernels/test_triton_attention.py::test_decode_reads_fp8_caches" "tests/kernels/test_triton_attention.py::test_prefill_over_fp8_caches" \
         tests/kernels/test_triton_weight_only.py "tests/models/test_prequantized.py::test_on_a_gpu_the_triton_kernels_run_the_checkpoints" \
         "tests/spec_decode/test_spec_engine.py::test_cuda_verification_with_and_without_graphs" \
+        "tests/kernels/test_sliding_window.py::test_triton_kernels" "tests/kernels/test_sliding_window.py::test_attention_sinks" \
         >"$work/pytest.log" 2>&1
     tests_rc=$?
     tail -n 25 "$work/pytest.log"

@@ -16,6 +16,7 @@ from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.backends.base import store_kvcache_torch  # noqa: E402
 from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton: compiled on CUDA, else interpreted
 SCALE = 0.3
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 32, 16
 
@@ -128,20 +129,22 @@ def test_triton_kernels(window, softcap):
     q = torch.cat([s[0] for s in seqs])
     k = torch.cat([s[1][-len(s[0]):] for s in seqs])
     v = torch.cat([s[2][-len(s[0]):] for s in seqs])
-    cu = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
-    got = ta.paged_prefill_attention(q, k, v, k_cache, v_cache, cu([a for a, _ in LENS]), cu([b for _, b in LENS]),
-                                     max(a for a, _ in LENS), SCALE, tables, block_m=16, block_n=16, window=window,
-                                     softcap=softcap)
-    torch.testing.assert_close(got, torch.cat([reference(*s, window, softcap) for s in seqs]), rtol=1e-4, atol=1e-5)
+    cu = lambda xs: torch.tensor([0] + xs, device=DEVICE).cumsum(0).to(torch.int32)  # noqa: E731
+    on = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    got = ta.paged_prefill_attention(*on(q, k, v, k_cache, v_cache), cu([a for a, _ in LENS]), cu([b for _, b in LENS]),
+                                     max(a for a, _ in LENS), SCALE, tables.to(DEVICE), block_m=16, block_n=16,
+                                     window=window, softcap=softcap)
+    torch.testing.assert_close(got.cpu(), torch.cat([reference(*s, window, softcap) for s in seqs]), rtol=1e-4,
+                               atol=1e-5)
     lens = [1, 17, 90, 150]
     seqs, k_cache, v_cache, tables = case([(1, n) for n in lens], seed=3)
     q = torch.cat([s[0] for s in seqs])
     want = torch.cat([reference(*s, window, softcap) for s in seqs])
     for splits in (1, 3):
-        got = ta.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), SCALE,
+        got = ta.paged_decode_attention(*on(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)), SCALE,
                                         max_context_len=max(lens), num_splits=splits, block_n=16, window=window,
                                         softcap=softcap)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 7])
@@ -160,12 +163,14 @@ def test_attention_sinks(window):
         from nanovllm.kernels import triton_attention as triton
     except ImportError:
         pass
-    cu = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
+    cu = lambda xs: torch.tensor([0] + xs, device=DEVICE).cumsum(0).to(torch.int32)  # noqa: E731
+    on = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
     if triton is not None:
-        got = triton.paged_prefill_attention(q, k, v, k_cache, v_cache, cu([a for a, _ in LENS]),
-                                             cu([b for _, b in LENS]), max(a for a, _ in LENS), SCALE, tables,
-                                             block_m=16, block_n=16, window=window, sinks=SINKS)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        got = triton.paged_prefill_attention(*on(q, k, v, k_cache, v_cache), cu([a for a, _ in LENS]),
+                                             cu([b for _, b in LENS]), max(a for a, _ in LENS), SCALE,
+                                             tables.to(DEVICE), block_m=16, block_n=16, window=window,
+                                             sinks=SINKS.to(DEVICE))
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     for lens in ([1, 17, 90, 150], [1300]):
         seqs, k_cache, v_cache, tables = case([(1, n) for n in lens], seed=5)
         q = torch.cat([s[0] for s in seqs])
@@ -180,8 +185,9 @@ def test_attention_sinks(window):
         backend.cpu_kernel = None
         results.append(backend.decode(q, k_cache, v_cache, meta, SCALE, window, None, SINKS))
         if triton is not None:
-            results += [triton.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, SCALE,
+            results += [triton.paged_decode_attention(*on(q, k_cache, v_cache, tables, context_lens), SCALE,
                                                       max_context_len=max(lens), num_splits=splits, block_n=16,
-                                                      window=window, sinks=SINKS) for splits in (1, 3)]
+                                                      window=window, sinks=SINKS.to(DEVICE)).cpu()
+                        for splits in (1, 3)]
         for got in results:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
