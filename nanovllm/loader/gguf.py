@@ -26,7 +26,16 @@ from nanovllm.layers.quantization.block_formats import block_shape
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# Gemma files (llama.cpp's conventions): norms stored as 1 + w; the norm before the MLP is ffn_norm,
+# the ones after attention and the MLP have their own names; every `pattern`-th layer is full
+# attention, the others slide (llama.cpp's set_swa_pattern), with sliding layers' rope base 10000.
+GEMMA = {"gemma2": dict(pattern=2, local_theta=None, large_layers=46),
+         "gemma3": dict(pattern=6, local_theta=10000.0, large_layers=62)}
+_GEMMA_LAYER_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # llama.cpp renormalizes the chosen experts' weights for qwen3moe and not for qwen2moe (its
 # build_moe_ffn's norm_w); the files carry no key for it.
 NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
@@ -79,13 +88,14 @@ def is_gguf_path(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and str(path).lower().endswith(".gguf")
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """The HuggingFace parameter name of a GGUF tensor name, or None for one the model lacks."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER.fullmatch(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in GEMMA else _LAYER_NAMES
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
@@ -125,7 +135,7 @@ class GGUFFile:
             type_name = t.tensor_type.name.lower()
             if t.data_offset + t.n_bytes > size:
                 raise ValueError(f"{path!r}: tensor {t.name} lies past the end of the file (truncated?)")
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch)
             if name is None:
                 if t.name != "rope_freqs.weight":
                     unknown.append(t.name)
@@ -203,6 +213,8 @@ class GGUFFile:
             kwargs["qkv_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
         if a in NORM_TOPK or self.is_mixtral:
             kwargs.update(self.moe_config(a, kwargs["num_hidden_layers"]))
+        if a in GEMMA:
+            kwargs.update(self.gemma_config(a, kwargs))
         if self.is_mixtral:  # llama.cpp's Mixtral: a llama file whose layers all hold experts
             kwargs["num_local_experts"] = kwargs.pop("num_experts")
             kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
@@ -211,6 +223,25 @@ class GGUFFile:
             for key in ("norm_topk_prob", "decoder_sparse_step"):
                 kwargs.pop(key)
         return PretrainedConfig(**kwargs)
+
+    def gemma_config(self, a: str, kwargs: dict) -> dict:
+        """A Gemma file's settings as llama.cpp reads them (its gemma2 / gemma3 graphs)."""
+        rules, layers = GEMMA[a], kwargs["num_hidden_layers"]
+        window = self.field(f"{a}.attention.sliding_window", None)
+        kinds = ["full_attention" if not window or (i + 1) % rules["pattern"] == 0 else "sliding_attention"
+                 for i in range(layers)]
+        # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B models
+        scalar = (kwargs["hidden_size"] // kwargs["num_attention_heads"] if layers == rules["large_layers"]
+                  else kwargs["head_dim"])
+        out = dict(hidden_activation="gelu_pytorch_tanh", layer_types=kinds, sliding_window=window,
+                   query_pre_attn_scalar=scalar, tie_word_embeddings=True,
+                   final_logit_softcapping=self.field(f"{a}.final_logit_softcapping", None),
+                   attn_logit_softcapping=self.field(f"{a}.attn_logit_softcapping", None))
+        if rules["local_theta"] is not None:
+            theta = kwargs.pop("rope_theta")
+            out["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": theta},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": rules["local_theta"]}}
+        return out
 
     @property
     def is_mixtral(self) -> bool:
@@ -257,6 +288,8 @@ class GGUFFile:
                 data = q5_k_as_q5_1(np.asarray(data).reshape(-1, 176)).reshape(*rows, info.row_bytes)
             if info.type_name == "f32":
                 tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(info.shape))
+                if self.arch in GEMMA and name.endswith("norm.weight"):
+                    tensor = tensor - 1.0  # llama.cpp stores Gemma's norms as 1 + w
             else:
                 # the reader gives F16 / BF16 data as 16-bit values: their bytes, as for the blocks
                 tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(*rows, info.row_bytes))
