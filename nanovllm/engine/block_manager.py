@@ -54,10 +54,14 @@ class BlockManager:
     later request with the same prefix still hits it. Free blocks are reused oldest-freed first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
+        """window: every layer of the model attends over at most this many tokens (a sliding window
+        on all of them, Mistral's): a sequence's blocks wholly before it are handed back as it grows."""
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -151,16 +155,39 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         """Free seq's blocks and forget its cache state (finish, abort, preemption): a later
         allocate() starts it from scratch, reusing whatever prefix blocks are still cached."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(block_id)
         self.seq_block_hashes.pop(seq.seq_id, None)
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.num_cached_tokens = 0
         seq.num_computed_tokens = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None  # its hash kept: a later prefix may still hit it
+
+    def release_behind_window(self, seq: Sequence) -> None:
+        """With a window on every layer: hand back seq's blocks that no query from its next
+        position on can see (every token in them is window or more positions back)."""
+        if self.window is None:
+            return
+        first_seen = max(0, seq.num_computed_tokens - self.window + 1)
+        first_kept = min(first_seen // self.block_size, len(seq.block_table))
+        for block_id in seq.block_table[seq.num_released_blocks:first_kept]:
+            self._release(block_id)
+        seq.num_released_blocks = max(seq.num_released_blocks, first_kept)
+
+    def blocks_held_at_most(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once (its whole prompt at
+        admission, then, with a window, the window's blocks and the one being written)."""
+        whole = -(-num_tokens // self.block_size)
+        if self.window is None:
+            return whole
+        return min(whole, -(-self.window // self.block_size) + 2)
 
     def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
         """Whether the next decode step (computing token len(seq)-1, and lookahead proposed tokens

@@ -73,7 +73,7 @@ class LLMEngine:
             logger.info("sampling defaults from generation_config %r: %s (requests that leave a field unset "
                         "take it; generation_config='vllm' for none)", config.generation_config,
                         ", ".join(f"{k}={v}" for k, v in config.sampling_defaults.items()))
-        self.scheduler = Scheduler(config, self.num_kvcache_blocks)
+        self.scheduler = Scheduler(config, self.num_kvcache_blocks, self.kv_window())
         self.speculator = None
         if config.speculative_config is not None:
             from nanovllm.spec_decode.build import build_speculator
@@ -109,6 +109,17 @@ class LLMEngine:
             raise ValueError(f"prompt token ids {out_of_vocab[:4]} are outside the vocabulary [0, {self.vocab_size})")
         return token_ids
 
+    def kv_window(self) -> int | None:
+        """The window every attention layer slides over, when all do (Mistral): the scheduler then
+        frees a sequence's blocks behind it. None with a full-attention layer, or a draft model
+        (whose own attention reads the target's block tables)."""
+        runner = getattr(self.model_runner, "runner", self.model_runner)
+        windows = {layer.sliding_window for layer in runner.attention_layers}
+        spec = self.config.speculative_config
+        if None in windows or (spec is not None and spec.method == "draft_model"):
+            return None
+        return max(windows)
+
     def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
         """Validate one request and wrap it as a Sequence; raises before touching any engine state."""
         if not isinstance(sampling_params, SamplingParams):
@@ -126,9 +137,8 @@ class LLMEngine:
         bad_stops = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_token_ids {bad_stops[:4]} are outside the vocabulary [0, {self.vocab_size})")
-        block_size = self.config.kvcache_block_size
         longest = min(len(token_ids) + (sampling_params.max_tokens or max_len), max_len)
-        blocks_needed = -(-longest // block_size)
+        blocks_needed = self.scheduler.block_manager.blocks_held_at_most(longest)
         if blocks_needed > self.num_kvcache_blocks:
             raise ValueError(f"request needs {blocks_needed} KV cache blocks ({longest} tokens) but the whole "
                              f"cache holds {self.num_kvcache_blocks}; lower max_tokens or give the cache more memory")

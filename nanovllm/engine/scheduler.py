@@ -30,13 +30,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int):
+    def __init__(self, config: Config, num_kvcache_blocks: int, kv_window: int | None = None):
+        """kv_window: the window every layer attends over, when all slide (their blocks behind it are freed)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, kv_window)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -127,6 +128,7 @@ class Scheduler:
         for seq, n, token_id in zip(out.seqs, out.num_new_tokens, token_ids):
             seq.num_computed_tokens += n
             self.block_manager.register_computed_blocks(seq)
+            self.block_manager.release_behind_window(seq)
             if seq.num_computed_tokens < len(seq):
                 continue  # mid-prompt chunk: its sampled token means nothing
             seq.append_token(token_id)

@@ -36,6 +36,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Leading entries of block_table handed back because every layer's window has passed them
+        # (BlockManager.release_behind_window); their ids stay in the table, never read again.
+        self.num_released_blocks = 0
         self.sampling_params = sp
         # max_tokens None: bounded by max_model_len only (the scheduler checks that).
         self.max_tokens = sp.max_tokens if sp.max_tokens is not None else sys.maxsize
