@@ -279,3 +279,26 @@ def test_pydantic_ai_agent_over_the_messages_api(url):
     agent = Agent(model, output_type=City, model_settings=AnthropicModelSettings(temperature=0, max_tokens=200))
     result = agent.run_sync(QUESTION)  # a forced call of the output tool, parsed into City
     assert isinstance(result.output, City)
+
+
+def test_openai_agents_sdk_streamed_run(url):
+    """The SDK's streamed run (Runner.run_streamed) reads our Responses events into its own."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    @agents.function_tool
+    def get_weather(city: Literal["paris", "rome"]) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        agent = agents.Agent(name="weather", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+                             model_settings=agents.ModelSettings(tool_choice="required", temperature=0))
+        agents.set_tracing_disabled(True)
+        result = agents.Runner.run_streamed(agent, QUESTION)
+        kinds = [event.type async for event in result.stream_events()]
+        return result, kinds
+    result, kinds = asyncio.run(run())
+    assert result.final_output == ANSWER and "raw_response_event" in kinds and "run_item_stream_event" in kinds
