@@ -82,6 +82,7 @@ def make_scripted_qwen3(path: str, script: list[str], template: str):
 @contextmanager
 def serve(model: str, *flags: str):
     """`nanovllm serve model flags...` on a free port; yields its URL once /health answers."""
+    from process_helpers import stop
     from server_fixtures import wait_for_health
 
     with socket.socket() as s:
@@ -97,9 +98,4 @@ def serve(model: str, *flags: str):
         wait_for_health(proc, url)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

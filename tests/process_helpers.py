@@ -60,3 +60,14 @@ def port_is_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def stop(proc) -> None:
+    """SIGTERM a subprocess and wait for it; kill it if it has not ended within 30 s."""
+    import subprocess
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -23,6 +23,7 @@ from nanovllm.entrypoints.async_engine import EngineStepError
 from nanovllm.entrypoints.chat_turn import AssistantTurn, Block, ChatService
 from nanovllm.entrypoints.protocol import ApiError, ChatCompletionRequest, generation_responses
 from nanovllm.entrypoints.tokenization import chat_prompt_ids
+from nanovllm.entrypoints.validation_errors import first_error
 
 MAX_MESSAGES = 1024
 MAX_BLOCKS = 1024
@@ -197,8 +198,8 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        path, message = first_error(e)
+        raise ValueError(f"{path}: {message}") from None
 
 
 def content_block(block: Block, whole: bool = True) -> dict:

@@ -31,6 +31,7 @@ from nanovllm.entrypoints.async_engine import EngineStepError
 from nanovllm.entrypoints.chat_turn import AssistantTurn, Block, ChatService
 from nanovllm.entrypoints.protocol import (ApiError, ChatCompletionRequest, error_body, error_responses,
                                            generation_responses)
+from nanovllm.entrypoints.validation_errors import first_error
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +131,8 @@ class ResponsesRequest(BaseModel):
 
 
 def _bad_field(e: ValidationError, where: str = "") -> ApiError:
-    first = e.errors()[0]
-    path = ".".join(str(p) for p in (where, *first["loc"]) if p != "")
-    return ApiError(400, f"{path}: {first['msg']}", param=path or None)
+    path, message = first_error(e, where)
+    return ApiError(400, f"{path}: {message}", param=path or None)
 
 
 # ---- input items -> chat messages -----------------------------------------------------------------

@@ -42,3 +42,10 @@ def validation_body(e: RequestValidationError, known_fields: list[str] = ()) -> 
             messages.append(f"{field or 'request body'}: {err.get('msg')}")
         params.append(field or None)
     return error_body("; ".join(messages) or "invalid request", param=params[0] if params else None)
+
+
+def first_error(e, where: str = "") -> tuple[str, str]:
+    """(dotted field path under `where`, message) of a pydantic ValidationError's first error: the
+    agent APIs' own checks of the chat request they translate a body into."""
+    first = e.errors()[0]
+    return ".".join(str(p) for p in (where, *first["loc"]) if p != ""), first["msg"]

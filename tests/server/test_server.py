@@ -14,6 +14,8 @@ httpx = pytest.importorskip("httpx")
 
 from nanovllm import SamplingParams  # noqa: E402
 
+from process_helpers import stop  # noqa: E402
+
 from server_fixtures import (  # noqa: E402,F401  (client, ref_llm, served are fixtures)
     API_KEY, MODEL, client, prompt_of, ref_llm, served, wait_all_blocks_free, wait_for_health)
 
@@ -210,12 +212,7 @@ def test_serve_command_line(qwen3_gqa, ref_llm):
         out = keyed.completions.create(model="served", prompt="the lazy dog", max_tokens=8, temperature=0)
         assert out.choices[0].text == ref["text"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     assert proc.returncode == 0
     # The tiny model's template ignores tools: at --log-level warning, nothing said about it while no
     # request brought tools.
