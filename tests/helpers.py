@@ -163,6 +163,12 @@ def random_weights(name: str, n: int, k: int, rng, unit_scales: bool = False, st
         return np.ascontiguousarray(rng.standard_normal((n, k)).astype(np.float16)).view(np.uint8).reshape(n, 2 * k)
     size, nbytes = gguf.GGML_QUANT_SIZES[qtype(name)]
     blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
+    if name == "mxfp4":  # an E8M0 exponent byte: scales 2^(e - 128) on the doubled E2M1 codes
+        blocks[:, 0] = 128 if unit_scales else rng.integers(118, 124, len(blocks))
+        if std is not None:
+            factor = std / gguf.quants.dequantize(blocks.reshape(n, -1), qtype(name)).std()
+            blocks[:, 0] = np.clip(blocks[:, 0].astype(np.int64) + int(np.round(np.log2(factor))), 2, 254)
+        return blocks.reshape(n, k // size * nbytes)
     for i, offset in enumerate(HALF_FIELDS[name]):
         if unit_scales:
             value = np.full(len(blocks), 1.0 if i == 0 else float(rng.integers(0, 3)), np.float16)

@@ -62,7 +62,9 @@ int64_t weight_type_index(const char *name); /* the row of a format's name, or -
     /* fp8 checkpoints' weights: an fp32 scale, then 32 float8_e4m3fn (layers/quantization/weight_only.py) */  \
     X(e4m3, 32, 36, 1)                                                                                         \
     X(q8_0x8, 32, 34, 8) X(q4_0x8, 32, 18, 8) X(q4_1x8, 32, 20, 8) X(q5_0x8, 32, 22, 8) X(q5_1x8, 32, 24, 8)  \
-    X(q4_kx8, 256, 144, 8) X(q6_kx8, 256, 210, 8)
+    X(q4_kx8, 256, 144, 8) X(q6_kx8, 256, 210, 8)                                                              \
+    /* OCP microscaling FP4 (GPT-OSS's experts): an E8M0 exponent, then 32 E2M1 nibbles */                      \
+    X(mxfp4, 32, 17, 1) X(mxfp4x8, 32, 17, 8)
 #define DECLARE_FORMAT(NAME, BLOCK_SIZE, BLOCK_BYTES, GROUP_ROWS)                                                  \
     void linear_rows_##NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy); \
     void to_f32_##NAME(const Linear *m, int64_t r, float *out);

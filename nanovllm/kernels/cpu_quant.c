@@ -1,4 +1,4 @@
-/* Block-quantized weight formats (GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), f16 and e4m3, as
+/* Block-quantized weight formats (GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, MXFP4), f16 and e4m3, as
  * rows of the weight-type table (cpu_kernels.c).
  *
  * A quantized matrix is held as the file stores it: n rows of k / block_size blocks each (the
@@ -239,17 +239,40 @@ static inline int32_t x_at(const int8_t *hi, const int8_t *lo, int64_t j) { retu
  *   Q4_1 (20): d, m, nibbles[16];                         w = d q + m
  *   Q5_0 (22): d, fifth bits[4], nibbles[16];              w = d (q - 16)
  *   Q5_1 (24): d, m, fifth bits[4], nibbles[16];           w = d q + m
+ *   MXFP4 (17): an E8M0 exponent e, nibbles[16] (Q4_0's order) of FP4 E2M1 codes;
+ *               w = 2^(e - 128) kv[q], kv the E2M1 values doubled: 0 1 2 3 4 6 8 12, then negated
  * The dot of a block with an input group (scale dx, values x, sum S) is
- *   d dx (sum q x) - offset d dx S   or   d dx (sum q x) + m dx S. */
-typedef enum { FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1 } Fmt32;
+ *   d dx (sum q x) - offset d dx S   or   d dx (sum q x) + m dx S.
+ * MXFP4's codes are not linear in q: each nibble is looked up (vpshufb) as kv[q] + 12, an unsigned
+ * 0..24, so that it multiplies like Q4_0's values with an offset of 12. */
+typedef enum { FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1, FMT_MXFP4 } Fmt32;
 
 /* Per Fmt32 (constant-folded where f is a constant): bytes per block, whether it has a min, the
  * offset its stored values carry, its name in the table. */
-static const int FMT32_BYTES[] = {34, 18, 20, 22, 24}, FMT32_MIN[] = {0, 0, 1, 0, 1}, FMT32_OFFSET[] = {0, 8, 0, 16, 0};
-static const char *const FMT32_NAMES[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"};
+static const int FMT32_BYTES[] = {34, 18, 20, 22, 24, 17}, FMT32_MIN[] = {0, 0, 1, 0, 1, 0},
+                 FMT32_OFFSET[] = {0, 8, 0, 16, 0, 12};
+static const char *const FMT32_NAMES[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"};
 static inline int fmt_bytes(Fmt32 f) { return FMT32_BYTES[f]; }
 static inline int fmt_has_min(Fmt32 f) { return FMT32_MIN[f]; }
 static inline int fmt_offset(Fmt32 f) { return FMT32_OFFSET[f]; }
+/* Bytes of a block's scale (fp16 d, or MXFP4's one exponent byte). */
+static inline int fmt_scale_bytes(Fmt32 f) { return f == FMT_MXFP4 ? 1 : 2; }
+
+/* MXFP4's E2M1 codes doubled, plus 12 (unsigned 0..24): the units its nibbles are looked up as. */
+static const uint8_t MXFP4_UNITS[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* 2^(e - 128): an E8M0 exponent's scale, halved for the doubled codes (exact: e < 2 subnormal). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* A 32-weight block's scale d. */
+static inline float fmt_scale(Fmt32 f, const uint8_t *blk) {
+    return f == FMT_MXFP4 ? e8m0_half(blk[0]) : f16_to_f32(read_u16(blk));
+}
 
 /* The Fmt32 of a format's name, or -1. */
 static int fmt32_of(const char *name) {
@@ -262,6 +285,10 @@ static int fmt32_of(const char *name) {
 static inline void block32_values(Fmt32 f, const uint8_t *blk, int32_t q[32]) {
     if (f == FMT_Q8_0) {
         for (int j = 0; j < 32; j++) q[j] = (int8_t)blk[2 + j];
+        return;
+    }
+    if (f == FMT_MXFP4) {
+        for (int j = 0; j < 16; j++) q[j] = MXFP4_UNITS[blk[1 + j] & 0x0F], q[j + 16] = MXFP4_UNITS[blk[1 + j] >> 4];
         return;
     }
     const int head = f == FMT_Q4_0 ? 2 : f == FMT_Q4_1 ? 4 : f == FMT_Q5_0 ? 6 : 8;
@@ -305,7 +332,7 @@ static void to_f32_fmt32(Fmt32 f, const Linear *m, int64_t r, float *out) {
     const uint8_t *row = (const uint8_t *)m->data + r * m->row_bytes;
     for (int64_t i = 0; i < m->k / 32; i++) {
         const uint8_t *blk = row + i * fmt_bytes(f);
-        const float d = f16_to_f32(read_u16(blk)), mn = fmt_has_min(f) ? f16_to_f32(read_u16(blk + 2)) : 0.0f;
+        const float d = fmt_scale(f, blk), mn = fmt_has_min(f) ? f16_to_f32(read_u16(blk + 2)) : 0.0f;
         int32_t v[32];
         block32_values(f, blk, v);
         for (int j = 0; j < 32; j++) out[i * 32 + j] = d * (float)(v[j] - fmt_offset(f)) + mn;
@@ -322,18 +349,19 @@ static void to_f32_fmt32(Fmt32 f, const Linear *m, int64_t r, float *out) {
  *   q4_0x8 (144): d[8], then 4 chunks of the stored nibble bytes 4c..4c+3 (low nibbles: values
  *          4c..4c+3, high: 16 + 4c..)                            q4_1x8 (160): d[8], m[8], nibbles
  *   q5_0x8 (176): d[8], fifth bits[8] (a 32-bit word per row, bit 8 t + c: value 4 c + t), nibbles
- *   q5_1x8 (192): d[8], m[8], fifth bits[8], nibbles */
+ *   q5_1x8 (192): d[8], m[8], fifth bits[8], nibbles
+ *   mxfp4x8 (136): e[8], then q4_0x8's nibbles */
 #define IL 8
 
-static inline int fmt_scales_bytes(Fmt32 f) { return fmt_has_min(f) ? 4 * IL : 2 * IL; }
+static inline int fmt_scales_bytes(Fmt32 f) { return fmt_has_min(f) ? 4 * IL : fmt_scale_bytes(f) * IL; }
 
 /* Copy row `lane`'s block between the plain layout (plain) and a group's interleaved block (x8):
  * to_x8 1 repacks, 0 unpacks. */
 static void x8_block(Fmt32 f, int to_x8, uint8_t *plain, uint8_t *x8, int lane) {
-    const int heads = fmt_has_min(f) ? 4 : 2;
-    for (int h = 0; h < heads; h += 2) { /* d (and m) */
-        uint8_t *a = plain + h, *b = x8 + h * IL + 2 * lane;
-        memcpy(to_x8 ? b : a, to_x8 ? a : b, 2);
+    const int sb = fmt_scale_bytes(f), heads = fmt_has_min(f) ? 4 : sb;
+    for (int h = 0; h < heads; h += sb) { /* d (and m) */
+        uint8_t *a = plain + h, *b = x8 + h * IL + sb * lane;
+        memcpy(to_x8 ? b : a, to_x8 ? a : b, (size_t)sb);
     }
     uint8_t *values = x8 + fmt_scales_bytes(f);
     if (f == FMT_Q8_0) {
@@ -388,6 +416,7 @@ void to_f32_q4_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_
 void to_f32_q4_1x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q4_1, m, r, out); }
 void to_f32_q5_0x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q5_0, m, r, out); }
 void to_f32_q5_1x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_Q5_1, m, r, out); }
+void to_f32_mxfp4x8(const Linear *m, int64_t r, float *out) { to_f32_fmt32x8(FMT_MXFP4, m, r, out); }
 
 /* ---- the K-quants: super-blocks of 256 --------------------------------------------------------
  * Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
@@ -660,6 +689,8 @@ DEFINE_X16_LINEAR_ROWS(linear_rows_q4_0x8, FMT_Q4_0)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q4_1x8, FMT_Q4_1)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_0x8, FMT_Q5_0)
 DEFINE_X16_LINEAR_ROWS(linear_rows_q5_1x8, FMT_Q5_1)
+/* (no 16-row VNNI-512 pairing for MXFP4: its units come out of a table lookup per 8-row group) */
+DEFINE_X8_LINEAR_ROWS(linear_rows_mxfp4x8, 32, 0, dot_fmt32x8(FMT_MXFP4, grp, q, b0, NB, P, out))
 #if QUANT_VNNI512
 DEFINE_X8_LINEAR_ROWS_W(linear_rows_q4_kx8, 256, 0, dot_q4_kx8(grp, q, b0, NB, P, out), 16, dot_q4_kx16(grp, gb, q, b0, NB, P, out))
 DEFINE_X8_LINEAR_ROWS_W(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, out), 16, dot_q6_kx16(grp, gb, q, b0, NB, P, out))
@@ -727,6 +758,7 @@ DEFINE_QUANT_LINEAR_ROWS(linear_rows_q4_0, 32, dot_fmt32(FMT_Q4_0, w, q, b0, NB,
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q4_1, 32, dot_fmt32(FMT_Q4_1, w, q, b0, NB, out))
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q5_0, 32, dot_fmt32(FMT_Q5_0, w, q, b0, NB, out))
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q5_1, 32, dot_fmt32(FMT_Q5_1, w, q, b0, NB, out))
+DEFINE_QUANT_LINEAR_ROWS(linear_rows_mxfp4, 32, dot_fmt32(FMT_MXFP4, w, q, b0, NB, out))
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q4_k, 256, dot_q4_k(w, q, b0, NB, out))
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q6_k, 256, dot_q6_k(w, q, b0, NB, out))
 
@@ -735,6 +767,7 @@ void to_f32_q4_0(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_Q4_0
 void to_f32_q4_1(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_Q4_1, m, r, out); }
 void to_f32_q5_0(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_Q5_0, m, r, out); }
 void to_f32_q5_1(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_Q5_1, m, r, out); }
+void to_f32_mxfp4(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_MXFP4, m, r, out); }
 
 /* The row loop of a format whose inputs stay fp32 (f16, e4m3): DOT(w, xb, ldx, k, NB, dot) on up
  * to QROWS input rows per pass over a weight row. */

@@ -132,6 +132,22 @@ static inline __m256i nibbles_32(const uint8_t *p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
 }
 
+/* MXFP4's units (MXFP4_UNITS) of 32 nibble codes, in both 128-bit lanes for vpshufb. */
+static inline __m256i mxfp4_units(__m256i codes) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_UNITS);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(table, table), codes);
+}
+
+/* The scales d of the 8 rows of an interleaved block (fp16 d[8], or MXFP4's e[8]). */
+static inline __m256 scales_x8(Fmt32 f, const uint8_t *blk) {
+    if (f != FMT_MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    /* e8m0_half lane by lane: (e - 1) << 23, or 0x00200000 << e for e < 2 */
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)blk)), two = _mm256_set1_epi32(2);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(two, e)));
+}
+
 /* Byte j = 0x10 where bit j of the 32 bits at p is set, else 0 (Q5's fifth bits). */
 static inline __m256i fifth_bits_32(const uint8_t *p) {
     uint32_t bits;
@@ -155,12 +171,14 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
     for (int b = 0; b < NB; b++) acc[0][b] = acc[1][b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = w + i * bytes;
-        const float d = f16_to_f32(read_u16(blk));
+        const float d = fmt_scale(f, blk);
         const float m = fmt_has_min(f) ? f16_to_f32(read_u16(blk + 2)) : 0.0f;
         __m256i wv = _mm256_setzero_si256(), aw;
         if (f == FMT_Q8_0) {
             wv = load_i8(blk + 2);
             aw = _mm256_sign_epi8(wv, wv); /* |w| as unsigned; the sign moves onto x */
+        } else if (f == FMT_MXFP4) {
+            aw = mxfp4_units(nibbles_32(blk + 1));
         } else if (f == FMT_Q4_0 || f == FMT_Q4_1) {
             aw = nibbles_32(blk + (f == FMT_Q4_0 ? 2 : 4));
         } else {
@@ -173,7 +191,9 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
             __m256i p = f == FMT_Q8_0 ? planes(dot_us(aw, _mm256_sign_epi8(xh, wv)), dot_us(aw, _mm256_sign_epi8(xl, wv)))
                                       : planes(dot_us(aw, xh), dot_us(aw, xl));
             const int32_t s32 = in.sums[b][2 * i] + in.sums[b][2 * i + 1];
-            if (fmt_offset(f)) /* sum (q - off) x = sum q x - off S: off / 8 * S off each of the 8 lanes */
+            if (fmt_offset(f) % 8) /* sum (q - off) x = sum q x - off S: all of it off lane 0 */
+                p = _mm256_sub_epi32(p, _mm256_setr_epi32(fmt_offset(f) * s32, 0, 0, 0, 0, 0, 0, 0));
+            else if (fmt_offset(f)) /* or off / 8 * S off each of the 8 lanes */
                 p = _mm256_sub_epi32(p, _mm256_set1_epi32(fmt_offset(f) / 8 * s32));
             acc[i & 1][b] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(p), acc[i & 1][b]);
             if (fmt_has_min(f)) corr[b] += m * dx * (float)s32;
@@ -205,6 +225,7 @@ static inline __attribute__((always_inline)) void units_x8(Fmt32 f, const uint8_
     const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
     const __m256i m4 = _mm256_set1_epi8(0x0F), v = load_i8(values + (five ? 4 * IL : 0) + 32 * c);
     *a = _mm256_and_si256(v, m4), *b = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (f == FMT_MXFP4) *a = mxfp4_units(*a), *b = mxfp4_units(*b);
     if (five) {
         const __m256i hbits = load_i8(values), one = _mm256_set1_epi32(0x01010101);
         *a = _mm256_or_si256(*a, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hbits, c), one), 4));
@@ -232,11 +253,12 @@ static inline __attribute__((always_inline)) uint32_t loud_blocks(const InputRow
 
 /* sum[b] (b < NB; lane r: row r of the group) = the integer products of one block's units (values at
  * `values`) with 32 values of an input plane at x[b] (without VNNI: vpmaddubsw pair sums added in
- * int16, <= 8 x 2 x 15 x 127 = 30,480 for 4-bit weights, 4 of 2 x 31 x 127 for 5-bit). */
+ * int16, <= 8 x 2 x 15 x 127 = 30,480 for 4-bit weights, 4 of 2 x 31 x 127 for 5-bit and of
+ * 2 x 24 x 127 for MXFP4's units). */
 #if !QUANT_VNNI
 static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const uint8_t *values, const int8_t *x[QROWS],
                                                                 const int NB, __m256i sum[QROWS]) {
-    const int five = f == FMT_Q5_0 || f == FMT_Q5_1;
+    const int five = f == FMT_Q5_0 || f == FMT_Q5_1 || f == FMT_MXFP4;
     for (int b = 0; b < NB; b++) sum[b] = _mm256_setzero_si256();
     /* unit pairs 0..3 in runs of `run` (without VNNI: as many as the int16 sums hold) */
     const int run = QUANT_VNNI || !five ? 4 : 2;
@@ -280,7 +302,7 @@ static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const u
         for (int b = 0; b < NB; b++) x[b] = in.hi[b] + 32 * i;
         __m256i sum[QROWS];
         block_units_x8(f, blk + vo, x, NB, sum);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d8 = scales_x8(f, blk);
         const __m256 e8 = fmt_has_min(f) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * IL)))
                                          : _mm256_mul_ps(d8, _mm256_set1_ps(-(float)units_offset(f)));
         for (int b = 0; b < NB; b++) {
@@ -297,7 +319,7 @@ static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const u
                 for (int b = 0; b < NB; b++) x[b] = in.lo[b] + 32 * i;
                 __m256i sum[QROWS]; /* (int16 runs: the low plane's 2 x 31 x 63 pair sums are smaller) */
                 block_units_x8(f, blk + vo, x, NB, sum);
-                const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+                const __m256 d8 = scales_x8(f, blk);
                 for (int b = 0; b < NB; b++)
                     acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum[b]), acc[b]);
             }

@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
     float acc[QROWS] = {0};
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = w + i * bytes;
-        const float d = f16_to_f32(read_u16(blk));
+        const float d = fmt_scale(f, blk);
         const float m = fmt_has_min(f) ? f16_to_f32(read_u16(blk + 2)) : 0.0f;
         int32_t v[32];
         block32_values(f, blk, v);
@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         for (int r = 0; r < IL; r++) {
             uint8_t plain[40]; /* the largest plain block: Q8_0, 34 bytes */
             x8_block(f, 0, plain, (uint8_t *)grp + i * bytes, r);
-            const float d = f16_to_f32(read_u16(plain));
+            const float d = fmt_scale(f, plain);
             const float m = fmt_has_min(f) ? f16_to_f32(read_u16(plain + 2)) : 0.0f;
             int32_t v[32];
             block32_values(f, plain, v);

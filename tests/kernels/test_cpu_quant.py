@@ -17,7 +17,7 @@ from helpers import qtype, random_weights  # noqa: E402
 from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.quantization.base import CWeightView  # noqa: E402
 
-TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "f16"]
+TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4", "f16"]
 
 
 def dequantized(name, raw, k):
@@ -124,7 +124,7 @@ def check_all(kernels):
         rows = cpu_kernels.rows_to_f32(kernels, table, torch.tensor([3, 0, 15, 3])).numpy()
         np.testing.assert_allclose(rows, dequantized(name, raw, k)[[3, 0, 15, 3]], rtol=1e-6, atol=0, err_msg=name)
     # The 8-row interleaved layouts: the same products, and the same rows read back.
-    for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"):
+    for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4"):
         group = input_group(name)
         k = 512 if group == 256 else 256
         raw = random_weights(name, 40, k, rng)
@@ -248,3 +248,29 @@ def test_other_builds(other_build_cache, march, simd):
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"simd {simd}" in out.stdout
+
+
+def test_mxfp4_decodes_as_gguf_quants(kernels):
+    """Every E8M0 exponent (0 and 1 subnormal, 255 the largest) with every E2M1 code, plain and
+    interleaved by 8 rows: the rows the kernels read back are gguf.quants' dequantization bit for bit."""
+    blocks = np.zeros((256, 2, 17), np.uint8)  # row e: exponent e, codes 0..15 then 15..0 in both blocks
+    blocks[:, :, 0] = np.arange(256)[:, None]
+    codes = np.arange(16, dtype=np.uint8)
+    blocks[:, :, 1:] = codes | (codes[::-1] << 4)
+    raw = blocks.reshape(256, 34)
+    with np.errstate(over="ignore"):  # 12 x 2^127 is past fp32 for both
+        want = gguf.quants.dequantize(raw, qtype("mxfp4")).reshape(256, 64)
+    assert want[0, 1] == 0.5 * 2.0 ** -127 and want[200, 7] == 6 * 2.0 ** 73  # 2^(e - 127) E2M1 and np.isinf(want[255, 7])
+    ids = torch.arange(256)
+    plain = cpu_kernels.linear_struct(kernels, CWeightView("mxfp4", torch.from_numpy(raw), 256, 64, 34))
+    np.testing.assert_array_equal(cpu_kernels.rows_to_f32(kernels, plain, ids).numpy(), want)
+    x8_name, x8 = cpu_kernels.interleaved(kernels, "mxfp4", torch.from_numpy(raw), 64)
+    table = cpu_kernels.linear_struct(kernels, CWeightView(x8_name, x8, 256, 64, 34))
+    np.testing.assert_array_equal(cpu_kernels.rows_to_f32(kernels, table, ids).numpy(), want)
+    # and a product through the exponents' vector decode (every scale, the subnormal ones included)
+    x = np.zeros((1, 64), np.float32)
+    x[0, 7] = 1.0  # picks code 7 (6.0) of each row's first block (exponents 32..199: the product's
+    # scales, 2^(e - 128) / 127^2, stay normal fp32 numbers)
+    for held, data in (("mxfp4", torch.from_numpy(raw)), (x8_name, x8)):
+        got = c_linear(kernels, held, data.numpy()[:200], 64, x)[0]
+        np.testing.assert_array_equal(got[32:], want[32:200, 7].astype(np.float64), err_msg=held)

@@ -13,7 +13,7 @@ def test_block_sizes_are_ggmls(name):
 
 
 def test_derived_lists():
-    assert block_formats.ONLINE_FORMATS == ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
+    assert block_formats.ONLINE_FORMATS == ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "mxfp4")
     assert block_formats.CONVERTED_FORMATS == {"q5_k": "q5_1"}
     assert "q5_k" not in block_formats.NATIVE_FORMATS and "q6_k" in block_formats.NATIVE_FORMATS
     # every format `quantization=` offers has a reference quantizer in gguf.quants (q4_k: ours)
@@ -50,7 +50,7 @@ def test_the_c_table_agrees():
         assert (row.block_size, row.block_bytes, row.group_rows) == (*block_formats.block_shape(name), 1), name
         assert row.linear_rows and row.row_to_f32
     interleaved = {n for n in rows if n.endswith("x8")}
-    assert interleaved == {"q8_0x8", "q4_0x8", "q4_1x8", "q5_0x8", "q5_1x8", "q4_kx8", "q6_kx8"}
+    assert interleaved == {"q8_0x8", "q4_0x8", "q4_1x8", "q5_0x8", "q5_1x8", "q4_kx8", "q6_kx8", "mxfp4x8"}
     for name in interleaved:
         plain = rows[name[:-2]]
         assert (rows[name].block_size, rows[name].block_bytes, rows[name].group_rows) == \
