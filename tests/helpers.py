@@ -99,14 +99,15 @@ def save_decisive(model, path: str, vocab_size: int) -> str:
     return path
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, mask_eos: bool = False):
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, mask_eos: bool = False, **load):
     """Greedy tokens and per-step logits from transformers, one prompt at a time (fp32).
 
     mask_eos=True forces max_new_tokens with min_new_tokens, which masks EOS out of the choice;
-    mask_eos=False takes the plain argmax and runs on past EOS, as the engine's ignore_eos does."""
+    mask_eos=False takes the plain argmax and runs on past EOS, as the engine's ignore_eos does.
+    load: more from_pretrained arguments."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load)
     model.eval()
     length = {"min_new_tokens": max_new_tokens} if mask_eos else {"eos_token_id": None}
     results = []

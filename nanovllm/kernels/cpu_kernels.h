@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 12
+#define NANOVLLM_ABI_VERSION 13
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -142,7 +142,13 @@ typedef struct {
     Linear router;          /* [num_experts, hidden]; data NULL: the logits come from outside */
     /* Qwen2-MoE's shared expert, added with weight sigmoid(shared_gate x); data NULL: none. */
     Linear shared_gate_up, shared_down, shared_gate;
+    /* The experts' activation of gate g and up u: MOE_SILU silu(g) u; MOE_SWIGLU_OAI (GPT-OSS)
+     * (clamp(u, -limit, limit) + 1) g' sigmoid(alpha g') with g' = min(g, limit). (The experts'
+     * biases, where a model has them, are their Linears' own.) */
+    int64_t activation;
+    float alpha, limit;
 } MoeExperts;
+enum { MOE_SILU, MOE_SWIGLU_OAI };
 
 int moe_is_valid(const MoeExperts *m);
 /* Floats of scratch phase_moe needs for B rows. */

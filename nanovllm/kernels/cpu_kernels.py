@@ -106,7 +106,11 @@ class Linear(ctypes.Structure):
 class MoeExperts(ctypes.Structure):
     _fields_ = [("gate_up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear)), ("num_experts", c_int64),
                 ("top_k", c_int64), ("renormalize", c_int64), ("hidden", c_int64), ("intermediate", c_int64),
-                ("router", Linear), ("shared_gate_up", Linear), ("shared_down", Linear), ("shared_gate", Linear)]
+                ("router", Linear), ("shared_gate_up", Linear), ("shared_down", Linear), ("shared_gate", Linear),
+                ("activation", c_int64), ("alpha", c_float), ("limit", c_float)]
+
+# MoeExperts.activation (cpu_kernels.h): the experts' activation by the name layers/moe.py gives it.
+MOE_ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 
 
 class DecoderLayer(ctypes.Structure):
@@ -129,7 +133,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64)]
 
 
-ABI_VERSION = 12  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 13  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 
@@ -328,19 +332,24 @@ def store_kv(kernels: CpuKernels, k: torch.Tensor, v: torch.Tensor, k_cache: tor
 
 
 def moe_experts_struct(kernels: CpuKernels, gate_up: list, down: list, top_k: int, renormalize: bool,
-                       router=None, shared: tuple | None = None) -> MoeExperts:
+                       router=None, shared: tuple | None = None, biases: tuple | None = None,
+                       activation: tuple = ("silu", 0.0, 0.0)) -> MoeExperts:
     """The C description of a layer's experts from their weight views (one per expert: gate_up
     [2I, H], down [H, I]), optionally with the router's view and the shared expert's (gate_up,
-    down, gate) views, checked by moe_is_valid. NOTE: it points into the views' tensors, which the
-    layer keeps alive; the per-expert descriptions are kept alive by the returned structure."""
-    ups = [linear_struct(kernels, view) for view in gate_up]
-    downs = [linear_struct(kernels, view) for view in down]
+    down, gate) views, checked by moe_is_valid. biases: (gate_up [E, 2I], down [E, H]) fp32, or
+    None; activation: (name in MOE_ACTIVATIONS, alpha, limit). NOTE: it points into the views'
+    tensors and the biases, which the layer keeps alive; the per-expert descriptions are kept alive
+    by the returned structure."""
+    up_bias, down_bias = biases if biases is not None else (None, None)
+    ups = [linear_struct(kernels, view, None if up_bias is None else up_bias[e]) for e, view in enumerate(gate_up)]
+    downs = [linear_struct(kernels, view, None if down_bias is None else down_bias[e]) for e, view in enumerate(down)]
     ups_array, downs_array = (Linear * len(ups))(*ups), (Linear * len(downs))(*downs)
     extra = [linear_struct(kernels, view) for view in ([router] if router is not None else []) + list(shared or ())]
     moe = MoeExperts(ctypes.cast(ups_array, ctypes.POINTER(Linear)), ctypes.cast(downs_array, ctypes.POINTER(Linear)),
                      len(ups), top_k, int(renormalize), down[0].outputs, down[0].k,
                      extra[0] if router is not None else Linear(),
-                     *(extra[-3:] if shared else [Linear()] * 3))
+                     *(extra[-3:] if shared else [Linear()] * 3),
+                     MOE_ACTIVATIONS[activation[0]], activation[1], activation[2])
     moe.keep = (ups, downs, ups_array, downs_array, extra)
     if not kernels.moe_is_valid(ctypes.byref(moe)):
         raise ValueError(f"the experts' weights ({len(ups)} x [{gate_up[0].outputs}, {gate_up[0].k}] and "

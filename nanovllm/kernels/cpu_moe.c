@@ -76,8 +76,18 @@ void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logi
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int64_t place = 0; place < P; place++)
-        silu_mul_span(gu + place * 2 * I, gu + place * 2 * I + I, 0, I, act + place * I);
+    for (int64_t place = 0; place < P; place++) {
+        const float *g = gu + place * 2 * I, *u = g + I;
+        float *a = act + place * I;
+        if (m->activation == MOE_SWIGLU_OAI)
+            for (int64_t i = 0; i < I; i++) {
+                const float gi = g[i] < m->limit ? g[i] : m->limit;
+                const float ui = u[i] < -m->limit ? -m->limit : u[i] > m->limit ? m->limit : u[i];
+                a[i] = (ui + 1.0f) * gi / (1.0f + expf(-m->alpha * gi));
+            }
+        else
+            silu_mul_span(g, u, 0, I, a);
+    }
     for (int64_t e = 0; e < E; e++) {
         const int64_t first = start[e], rows = start[e + 1] - first;
         if (rows > 0) linear_rows_nowait(&m->down[e], act + first * I, I, rows, yd + first * H, H);
@@ -99,7 +109,9 @@ void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logi
  * the shared expert's (where given) [2 Is, H], [H, Is] and [1, H]. */
 int moe_is_valid(const MoeExperts *m) {
     const int64_t E = m->num_experts, H = m->hidden, I = m->intermediate;
-    if (E <= 0 || m->top_k <= 0 || m->top_k > E || m->gate_up == NULL || m->down == NULL) return 0;
+    if (E <= 0 || m->top_k <= 0 || m->top_k > E || m->gate_up == NULL || m->down == NULL ||
+        (m->activation != MOE_SILU && m->activation != MOE_SWIGLU_OAI))
+        return 0;
     if (m->router.data != NULL && !(linear_is_valid(&m->router) && m->router.k == H && linear_outputs(&m->router) == E))
         return 0;
     for (int64_t e = 0; e < E; e++) {

@@ -11,6 +11,8 @@ How the experts run is the layer's method (layers/quantization, moe_method): tok
 expert, each active expert's weights read once per step: in C on a CPU (kernels/cpu_moe.c), by a
 Triton kernel on CUDA (kernels/fused_moe.py), and by the grouped torch loop of
 quantization/moe_ops.py elsewhere and as the reference of both."""
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,11 +22,28 @@ from nanovllm.layers.quantization.base import QuantizationConfig, method_for
 from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, shard_of
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The experts' activation of gate g and up u (moe_ops.activate): "silu", silu(g) u, or
+    "swigluoai" (GPT-OSS), (clamp(u, -limit, limit) + 1) g' sigmoid(alpha g'), g' = min(g, limit)."""
+
+    name: str = "silu"
+    alpha: float = 0.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.name not in ("silu", "swigluoai"):
+            raise ValueError(f"experts activation {self.name!r} is not supported (silu, swigluoai)")
+
+
 class FusedMoE(TaggedWeights):
-    """The experts of one layer: forward(x, router_logits) -> [T, hidden], summed over the ranks."""
+    """The experts of one layer: forward(x, router_logits) -> [T, hidden], summed over the ranks.
+    bias: every expert's gate / up and down have biases (w13_bias [E, 2I], w2_bias [E, H], fp32;
+    with tensor parallelism only rank 0 holds the down biases' values, so the sum adds them once)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", bias: bool = False,
+                 activation: ExpertActivation = ExpertActivation()):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"{prefix}: num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]")
@@ -33,14 +52,28 @@ class FusedMoE(TaggedWeights):
         self.hidden_size = hidden_size
         self.intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
         self.prefix = prefix
+        self.activation = activation
         self.quant_method = method_for(quant_config, "moe_method", self, prefix)
         self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size,
                                          torch.get_default_dtype())
+        if bias:
+            self.register_weight("w13_bias", torch.zeros(num_experts, 2 * self.intermediate_size, dtype=torch.float32),
+                                 output_dim=1)
+            self.register_weight("w2_bias", torch.zeros(num_experts, hidden_size, dtype=torch.float32), output_dim=1)
+        else:
+            self.w13_bias = self.w2_bias = None
+
+    @property
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13_bias, w2_bias) fp32, or None."""
+        return None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int, expert_id: int) -> None:
-        """Expert expert_id's gate (shard 0), up (1) or down (2) matrix, this rank's part of it."""
+        """Expert expert_id's gate (shard 0), up (1) or down (2) matrix or bias, this rank's part of it."""
         what = f"{self.prefix}.experts.{expert_id}[{('gate', 'up', 'down')[shard_id]}]"
-        if shard_id == 2:
+        if param is self.w2_bias:
+            copy_checked(param.data[expert_id], loaded if self.tp_rank == 0 else torch.zeros_like(loaded), what)
+        elif shard_id == 2:
             part = shard_of(loaded, 1, self.tp_rank, self.tp_size, f"{what} input dimension")
             copy_checked(param.data[expert_id], part, what)
         else:

@@ -1,84 +1,95 @@
 """GPT-OSS (GptOssForCausalLM): attention with biases, a learned sink logit per head and sliding-window
 layers alternating with full ones (`layer_types`), YaRN rope; a mixture of experts in every layer
-whose router has a bias and takes the softmax over its top-k logits, and whose experts hold gate
-and up interleaved in one matrix with biases and a clamped SwiGLU:
+whose router has a bias and takes the softmax over its top-k logits (the softmax over all of them
+renormalized over the k: the same weights), and whose experts have biases and a clamped SwiGLU:
 (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
 
-The experts here are the checkpoint's dense (bf16 / fp32) matrices multiplied expert by expert in
-torch, held whole on every tensor-parallel rank; MXFP4 experts and a fused kernel are not built yet.
+The experts are the shared fused-experts layer (layers/moe.py) with biases and that activation, so
+every experts method runs them: dense (bf16 / fp32 checkpoints), MXFP4 as OpenAI ships them
+(layers/quantization/mxfp4.py, the C MXFP4 kernel), a GGUF file's formats, `quantization=` at load.
+The checkpoint stacks each layer's experts with gate and up interleaved (gate_up_proj [E, H, 2I],
+columns gate 0, up 0, gate 1, ...; MXFP4: rows of gate_up_proj_blocks / _scales likewise); they
+are handed to the layer expert by expert, gate and up apart, as Qwen-MoE checkpoints name them.
 """
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.moe import ExpertActivation, FusedMoE
 from nanovllm.layers.quantization.base import QuantizationConfig
+from nanovllm.layers.quantization.mxfp4 import BLOCKS, SCALES, gguf_rows
+from nanovllm.loader.weights import StackedParam
 from nanovllm.models.decoder import DecoderForCausalLM
-
-
-class GptOssExperts(nn.Module):
-    """Experts [E] of hidden H and intermediate I: gate_up_proj [E, H, 2I] (gate and up interleaved
-    along the last axis), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]."""
-
-    def __init__(self, config):
-        super().__init__()
-        e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i), requires_grad=False)
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
-        self.down_proj_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
-        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
-
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = gate_up[..., ::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; experts / weights [T, k]: each token's chosen experts and their weights."""
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            tokens, slot = torch.where(experts == e)
-            y = self.activation(x[tokens] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-            y = (y @ self.down_proj[e] + self.down_proj_bias[e]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
-        return out
+from nanovllm.models.moe_block import EXPERT_PARTS, expert_stacked_params
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, config, prefix: str):
+    def __init__(self, config, prefix: str, quant_config: QuantizationConfig | None):
         super().__init__()
-        self.top_k = config.num_experts_per_tok
         self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True,
                                        prefix=f"{prefix}.router")
-        self.experts = GptOssExperts(config)
+        self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.intermediate_size, True, quant_config, f"{prefix}.experts", bias=True,
+                                activation=ExpertActivation("swigluoai", config.swiglu_alpha, config.swiglu_limit))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router(x)
-        top, experts = torch.topk(logits, self.top_k, dim=-1)
-        return self.experts(x, experts, torch.softmax(top, dim=-1))
+        return self.experts(x, self.router(x))
+
+
+def split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor (dense, or MXFP4 rows made of a _blocks / _scales pair) as the
+    per-expert names of EXPERT_PARTS: experts.{e}.gate_proj / up_proj / down_proj .weight / .bias."""
+    base, kind = name.rsplit(".", 1)
+    rows = kind.endswith("_rows")  # MXFP4: [E, rows, bytes], rows already the outputs
+    proj = kind.removesuffix("_rows").removesuffix("_bias")
+    suffix = "bias" if kind.endswith("_bias") else "weight"
+    for e in range(tensor.shape[0]):
+        t = tensor[e]
+        if proj == "down_proj":
+            yield f"{base}.{e}.down_proj.{suffix}", t if rows or suffix == "bias" else t.t()
+        else:  # gate and up interleaved: even outputs gate, odd up
+            outputs = t if rows or suffix == "bias" else t.t()
+            yield f"{base}.{e}.gate_proj.{suffix}", outputs[0::2]
+            yield f"{base}.{e}.up_proj.{suffix}", outputs[1::2]
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
     fused_decode = False  # the C decode step knows the shared gated MLP only
 
     def __init__(self, config, quant_config: QuantizationConfig | None = None):
-        if quant_config is not None and quant_config.name != "unquantized":
-            raise ValueError(f"GPT-OSS runs from dense weights only so far, not {quant_config.name} "
-                             "(MXFP4 and quantizing at load are not built)")
         super().__init__(config, quant_config)
         for layer in self.model.layers:
             layer.self_attn.attn.enable_sinks()
 
     def make_mlp(self, config, layer_idx: int, prefix: str, quant_config) -> nn.Module:
-        return GptOssMoE(config, prefix)
+        return GptOssMoE(config, prefix, quant_config)
+
+    def stacked_params(self) -> list[StackedParam]:
+        n = self.model.layers[0].mlp.experts.num_experts
+        biases = [StackedParam(f"experts.{param.replace('weight', 'bias')}", f"experts.{e}.{part}.bias", shard, e)
+                  for e in range(n) for part, (param, shard) in EXPERT_PARTS.items()]
+        return expert_stacked_params(n) + biases + super().stacked_params()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed():
+            pending: dict[str, torch.Tensor] = {}  # an MXFP4 matrix's blocks or scales, until its other half
             for name, tensor in weights:
-                if name.endswith(".quantization_config") or "_blocks" in name or "_scales" in name:
-                    raise ValueError(f"{name}: MXFP4 expert weights are not supported yet; use a dequantized "
-                                     "(bf16) GPT-OSS checkpoint")
-                yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+                name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
+                if ".mlp.experts." not in name:
+                    yield name, tensor
+                    continue
+                if name.endswith(BLOCKS) or name.endswith(SCALES):
+                    stem = name[: -len(BLOCKS)]
+                    other = stem + (SCALES if name.endswith(BLOCKS) else BLOCKS)
+                    if other not in pending:
+                        pending[name] = tensor
+                        continue
+                    blocks, scales = (tensor, pending.pop(other)) if name.endswith(BLOCKS) else (pending.pop(other), tensor)
+                    yield from split_experts(f"{stem}_rows", gguf_rows(blocks, scales, stem))
+                else:
+                    yield from split_experts(name, tensor)
+            if pending:
+                raise ValueError(f"MXFP4 tensors without their other half: {sorted(pending)}")
         super().load_weights(renamed())

@@ -1,4 +1,4 @@
-"""quantization="q8_0" | "q4_0" | "q4_k" on a safetensors checkpoint: the blocks held bit-identical to
+"""quantization="q8_0" | "q4_0" | "q4_k" | "mxfp4" on a safetensors checkpoint: the blocks held bit-identical to
 gguf.quants.quantize of the checkpoint's weights (gguf has no Q4_K quantizer: ours is checked through
 gguf's own Q4_K dequantization), and the model's log-probabilities against transformers running the
 same weights through gguf's quantize / dequantize."""
@@ -52,7 +52,7 @@ def test_our_q4_k_blocks_are_gguf_blocks():
         quantize_q4_k(x[:, :100])
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "mxfp4"])
 def test_online_quantization(tmp_path, fmt):
     size = dict(hidden_size=256, intermediate_size=512) if fmt == "q4_k" else dict(hidden_size=128, intermediate_size=256)
     folder = make_qwen3(str(tmp_path / "qwen3"), shape="gqa", seed=3, tie_word_embeddings=True, **size)

@@ -58,3 +58,21 @@ def test_quantized_experts_run_dequantized(no_c_kernels):
     x, logits = torch.randn(5, 64), torch.randn(5, 6)
     weights, ids = select_experts(logits, 2, True)
     torch.testing.assert_close(layer(x, logits), experts_reference(x, deq[0], deq[1], weights, ids))
+
+
+def test_mxfp4_experts_with_biases_run_dequantized(tmp_path, no_c_kernels):
+    """GPT-OSS's MXFP4 experts (biases, clamped SwiGLU) through the grouped torch loop: transformers'
+    greedy tokens."""
+    from helpers import check_tokens_close, hf_greedy
+    from nanovllm import SamplingParams
+    from test_gpt_oss_mxfp4 import make_mxfp4_checkpoint
+    from transformers import Mxfp4Config
+    path = make_mxfp4_checkpoint(str(tmp_path))
+    prompts = [[5, 17, 99, 3, 42, 8, 8, 130], [200, 3]]
+    ref = hf_greedy(path, prompts, 12, quantization_config=Mxfp4Config(dequantize=True))
+    with LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
+        experts = llm.model_runner.model.model.layers[0].mlp.experts
+        assert "dequantized, torch" in experts.quant_method.name
+        ours = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                                             ignore_eos=True), use_tqdm=False)]
+    assert check_tokens_close(ours, ref) == len(prompts)

@@ -15,6 +15,7 @@ from nanovllm.layers.quantization.compressed_tensors import CompressedTensorsCon
 from nanovllm.layers.quantization.fp8 import Fp8Config
 from nanovllm.layers.quantization.gguf_config import GGUFConfig, OnlineQuantConfig
 from nanovllm.layers.quantization.gptq import GPTQConfig
+from nanovllm.layers.quantization.mxfp4 import Mxfp4Config
 from nanovllm.layers.quantization.prequantized import PrequantizedConfig
 from nanovllm.layers.quantization.unquantized import (UnquantizedConfig, UnquantizedEmbeddingMethod,
                                                       UnquantizedFusedMoEMethod, UnquantizedLinearMethod)
@@ -37,6 +38,7 @@ register_quantization_config(CompressedTensorsConfig)
 register_quantization_config(GPTQConfig)
 register_quantization_config(AWQConfig)
 register_quantization_config(Fp8Config)
+register_quantization_config(Mxfp4Config)
 
 
 def quantization_methods() -> list[str]:
@@ -69,7 +71,8 @@ def _check_argument(quantization: str | None, method: str | None, is_gguf: bool)
             raise ValueError(f"quantization={quantization!r} cannot apply to a GGUF file, whose tensors keep the "
                              "formats the file stores them in; leave quantization unset")
         return
-    if quantization in prequantized_methods():
+    if quantization in prequantized_methods() and (method is not None or quantization not in ONLINE_FORMATS):
+        # ("mxfp4" names both a checkpoint's format and one `quantization=` makes of a dense one)
         if method != quantization:  # vLLM's rule: the argument may only confirm the checkpoint's own method
             raise ValueError(f"quantization={quantization!r} names a pre-quantized format, but config.json's "
                              f"quantization_config names {method!r}" if method else
@@ -99,7 +102,7 @@ def quant_config_for_model(path: str, hf_config: Any, quantization: str | None, 
         return GGUFConfig(gguf_tensors, packed_modules_mapping, input_planes)
     method = quant_method_of(hf_config)
     _check_argument(quantization, method, False)
-    if quantization in ONLINE_FORMATS:
+    if quantization in ONLINE_FORMATS and method is None:
         return OnlineQuantConfig(quantization, input_planes)
     if method is None:
         return UnquantizedConfig()

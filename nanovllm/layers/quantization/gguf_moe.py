@@ -15,7 +15,7 @@ from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import CWeightView, FusedMoEMethodBase, LinearKernels
 from nanovllm.layers.quantization.block_formats import row_bytes
 from nanovllm.layers.quantization.gguf_dense import dequantized
-from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
+from nanovllm.layers.quantization.moe_ops import c_experts, experts_reference, select_experts
 from nanovllm.layers.quantization.quantizers import quantize_rows
 
 
@@ -72,12 +72,13 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         if self.c_kernels is None:
             self.c_only = False
             return
-        self.c_moe = cpu_kernels.moe_experts_struct(self.c_kernels, views[0], views[1], layer.top_k, layer.renormalize)
+        self.c_moe = c_experts(self.c_kernels, layer, views[0], views[1])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.c_moe is None:  # dequantized: no C kernels here
             weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
-            return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids)
+            return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases,
+                                     layer.activation)
         dtype = x.dtype
         y = cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x.to(torch.float32), router_logits)
         return y if dtype == torch.float32 else y.to(dtype)

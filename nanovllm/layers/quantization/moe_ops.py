@@ -15,11 +15,21 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def activate(gate: torch.Tensor, up: torch.Tensor, activation=None) -> torch.Tensor:
+    """The experts' activation (layers/moe.py, ExpertActivation; None: silu(gate) up)."""
+    if activation is None or activation.name == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(min=-activation.limit, max=activation.limit)
+    return (up + 1) * gate * torch.sigmoid(gate * activation.alpha)
+
+
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+                      ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      activation=None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, expert e's MLP being
-    w2[e] (silu(gate) * up) with gate | up = w13[e] x: tokens grouped by expert, each expert that
-    receives a token run once over its tokens."""
+    w2[e] act(gate, up) (+ b2[e]) with gate | up = w13[e] x (+ b13[e]): tokens grouped by expert,
+    each expert that receives a token run once over its tokens."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -31,7 +41,17 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         pairs = order[start:start + count]
         start += count
         tokens = pairs // ids.shape[1]
-        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]).float()
+        b13, b2 = (None, None) if biases is None else (biases[0][e].to(x.dtype), biases[1][e].to(x.dtype))
+        gate, up = F.linear(x[tokens], w13[e], b13).chunk(2, dim=-1)
+        y = F.linear(activate(gate, up, activation), w2[e], b2).float()
         out.index_add_(0, tokens, y * weights.flatten()[pairs, None])
     return out.to(x.dtype)
+
+
+def c_experts(kernels, layer, gate_up_views: list, down_views: list):
+    """The C description (kernels/cpu_kernels.py, MoeExperts) of a FusedMoE layer's experts from
+    their weight views, with the layer's routing, biases and activation."""
+    from nanovllm.kernels import cpu_kernels
+    act = layer.activation
+    return cpu_kernels.moe_experts_struct(kernels, gate_up_views, down_views, layer.top_k, layer.renormalize,
+                                          biases=layer.biases, activation=(act.name, act.alpha, act.limit))

@@ -12,7 +12,7 @@ from torch import nn
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
                                                LinearMethodBase, QuantizationConfig, register_dense_method)
-from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
+from nanovllm.layers.quantization.moe_ops import c_experts, experts_reference, select_experts
 
 # The C kernels' name of a dense weight's element type (kernels/cpu_kernels.c, weight_types).
 C_TYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -161,17 +161,16 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             param.data = param.data.to(kernels.c_weight_dtype).contiguous()
         views = [[dense_c_view(w[e]) for e in range(layer.num_experts)] for w in (layer.w13_weight, layer.w2_weight)]
         self.c_kernels = kernels.c_kernels
-        self.c_moe = cpu_kernels.moe_experts_struct(self.c_kernels, views[0], views[1], layer.top_k,
-                                                    layer.renormalize)
+        self.c_moe = c_experts(self.c_kernels, layer, views[0], views[1])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.c_moe is not None and x.dtype == torch.float32:
             return cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x, router_logits)
         weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
-        if self.use_triton:
+        if self.use_triton and layer.biases is None and layer.activation.name == "silu":
             from nanovllm.kernels.fused_moe import fused_experts
             return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids)
-        return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases, layer.activation)
 
     @property
     def c_only(self) -> bool:

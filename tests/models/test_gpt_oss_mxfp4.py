@@ -1,0 +1,116 @@
+"""GPT-OSS as OpenAI ships it: experts in MXFP4 (`*_blocks` / `*_scales`, config.json quant_method
+"mxfp4"), the rest dense. The checkpoint's codes and exponents are made by the `gguf` package's MXFP4
+quantizer from a tiny random GPT-OSS and written in the OCP layout; transformers reads it back
+(dequantizing the experts itself) as the reference. The engine holds the experts as MXFP4 block
+rows and multiplies them with the C kernel: greedy tokens equal transformers', through whole and
+chunked prefills, prefix-cache hits, preemption and TP=2; a scale tensor that does not match its
+blocks is named."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_tokens_close, hf_greedy
+from nanovllm import LLM, SamplingParams
+
+gguf = pytest.importorskip("gguf")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB, MAX_NEW = 256, 24
+
+
+def ocp_pair(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [E, rows, k] as OCP MXFP4 (blocks uint8 [E, rows, k / 32, 16], scales uint8
+    [E, rows, k / 32]), quantized by gguf.quants (whose blocks hold values j and j + 16 in byte
+    j's nibbles; the OCP layout holds values 2j and 2j + 1)."""
+    e, rows, k = dense.shape
+    raw = gguf.quants.quantize(dense.float().reshape(-1, k).numpy(), gguf.GGMLQuantizationType.MXFP4)
+    blocks = raw.reshape(e, rows, k // 32, 17)
+    codes = np.concatenate([blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4], -1)  # [..., 32] in order
+    ocp = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(ocp)), torch.from_numpy(np.ascontiguousarray(blocks[..., 0]))
+
+
+def make_mxfp4_checkpoint(path: str) -> str:
+    import transformers
+
+    from test_sliding_models import COMMON, WINDOW
+    from helpers import save_decisive
+    shape = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+    config = transformers.GptOssConfig(
+        **shape, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False)
+    config.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(11)
+    model = transformers.GptOssForCausalLM(config)
+    save_decisive(model, path, VOCAB)
+    file = os.path.join(path, "model.safetensors")
+    tensors = safetensors_torch.load_file(file)
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj") or n.endswith("mlp.experts.down_proj")]:
+        # stored [E, inputs, outputs]; the blocks run along the inputs of each output row
+        blocks, scales = ocp_pair(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    safetensors_torch.save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return make_mxfp4_checkpoint(str(tmp_path_factory.mktemp("gpt_oss_mxfp4")))
+
+
+def test_experts_held_as_mxfp4(checkpoint):
+    with LLM(checkpoint, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
+        experts = llm.model_runner.model.model.layers[0].mlp.experts
+        assert experts.quant_method.name == "experts mxfp4 (C kernel)"
+        # 17 bytes per 32 weights, the rows interleaved by 8 in place: the checkpoint's bytes, once
+        assert experts.w13_weight.dtype == torch.uint8 and tuple(experts.w13_weight.shape) == (4, 128, 2 * 17)
+        assert tuple(experts.w2_weight.shape) == (4, 64, 2 * 17)
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=4)],
+                         ids=["whole", "chunked"])
+def test_greedy_matches_transformers(checkpoint, engine):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 20, 45)]
+    from transformers import Mxfp4Config
+    # (dequantized by transformers' own reading of the blocks; its hub kernels are not for CPUs)
+    ref = hf_greedy(checkpoint, prompts, MAX_NEW, mask_eos=False, quantization_config=Mxfp4Config(dequantize=True))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(checkpoint, kvcache_block_size=16, dtype="float32", cpu_kvcache_bytes=8 << 20, **engine) as llm:
+        first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix-cache hits
+    exact = check_tokens_close(first, ref)
+    assert exact >= len(prompts) - 1, f"only {exact}/{len(prompts)} prompts matched exactly"
+    assert again == first
+
+
+def test_tp2_matches_tp1_with_preemption(checkpoint):
+    from test_tp import run_mixed_workload
+    tokens1, _, preempted1, _, _ = run_mixed_workload(checkpoint, tp=1)
+    tokens2, _, preempted2, _, _ = run_mixed_workload(checkpoint, tp=2)
+    assert preempted1 > 0 and preempted2 > 0
+    assert tokens2 == tokens1
+
+
+def test_scales_that_do_not_pair_are_named(checkpoint, tmp_path):
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(checkpoint, bad)
+    file = os.path.join(bad, "model.safetensors")
+    tensors = safetensors_torch.load_file(file)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][..., :1].contiguous()  # one exponent per row where two are due
+    safetensors_torch.save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_blocks .* do not pair as MXFP4"):
+        LLM(bad, dtype="float32", cpu_kvcache_bytes=8 << 20)
