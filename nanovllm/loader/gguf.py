@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 # Gemma files (llama.cpp's conventions): norms stored as 1 + w; the norm before the MLP is ffn_norm,
 # the ones after attention and the MLP have their own names; every `pattern`-th layer is full
 # attention, the others slide (llama.cpp's set_swa_pattern), with sliding layers' rope base 10000.
@@ -36,6 +36,16 @@ GEMMA = {"gemma2": dict(pattern=2, local_theta=None, large_layers=46),
 _GEMMA_LAYER_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
                       "post_attention_norm.weight": "post_attention_layernorm.weight",
                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# GPT-OSS files (llama.cpp's gpt-oss): the norm before the MLP is post_attention_norm, the router
+# ffn_gate_inp with a bias, each head's sink logit attn_sinks, the experts' biases stacked [E, rows];
+# every other layer slides (even ones, llama.cpp's set_swa_pattern(2)); its clamped SwiGLU's
+# constants are llama.cpp's (and the model card's), not in the file.
+_GPT_OSS_LAYER_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "attn_sinks.weight": "self_attn.sinks",
+                        "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+                        "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias", "ffn_up_exps.bias": "mlp.experts.up_proj.bias",
+                        "ffn_down_exps.bias": "mlp.experts.down_proj.bias"}
+GPT_OSS_SWIGLU = dict(swiglu_alpha=1.702, swiglu_limit=7.0)
 # llama.cpp renormalizes the chosen experts' weights for qwen3moe and not for qwen2moe (its
 # build_moe_ffn's norm_w); the files carry no key for it.
 NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
@@ -93,7 +103,8 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER.fullmatch(name)
-    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in GEMMA else _LAYER_NAMES
+    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in GEMMA else \
+        {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES} if arch == "gpt-oss" else _LAYER_NAMES
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
@@ -165,8 +176,9 @@ class GGUFFile:
                              "which are not supported for GGUF files yet; use the HF checkpoint")
         for key in ("rope.scaling.type",):
             value = self.field(f"{self.arch}.{key}", None)
-            if value not in (None, "none"):
-                raise ValueError(f"{path!r}: rope scaling {value!r} is not supported for GGUF files")
+            if value not in (None, "none") and not (self.arch == "gpt-oss" and value == "yarn"):
+                raise ValueError(f"{path!r}: rope scaling {value!r} is not supported for GGUF files"
+                                 f"{' of ' + self.arch if value == 'yarn' else ''}")
 
     def field(self, key: str, default=KeyError):
         f = self.reader.fields.get(key)
@@ -215,6 +227,8 @@ class GGUFFile:
             kwargs.update(self.moe_config(a, kwargs["num_hidden_layers"]))
         if a in GEMMA:
             kwargs.update(self.gemma_config(a, kwargs))
+        if a == "gpt-oss":
+            kwargs.update(self.gpt_oss_config(a, kwargs))
         if self.is_mixtral:  # llama.cpp's Mixtral: a llama file whose layers all hold experts
             kwargs["num_local_experts"] = kwargs.pop("num_experts")
             kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
@@ -241,6 +255,22 @@ class GGUFFile:
             theta = kwargs.pop("rope_theta")
             out["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": theta},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": rules["local_theta"]}}
+        return out
+
+    def gpt_oss_config(self, a: str, kwargs: dict) -> dict:
+        """A gpt-oss file's settings: experts, alternating windows, YaRN as the HF config states it."""
+        window = self.field(f"{a}.attention.sliding_window", None)
+        out = dict(num_local_experts=int(self.field(f"{a}.expert_count")),
+                   num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
+                   sliding_window=window, attention_bias=True, **GPT_OSS_SWIGLU,
+                   layer_types=["sliding_attention" if window and i % 2 == 0 else "full_attention"
+                                for i in range(kwargs["num_hidden_layers"])])
+        if self.field(f"{a}.rope.scaling.type", None) == "yarn":
+            out["rope_parameters"] = {
+                "rope_type": "yarn", "rope_theta": kwargs.pop("rope_theta"),
+                "factor": float(self.field(f"{a}.rope.scaling.factor")),
+                "original_max_position_embeddings": int(self.field(f"{a}.rope.scaling.original_context_length")),
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
         return out
 
     @property
@@ -295,7 +325,8 @@ class GGUFFile:
                 tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(*rows, info.row_bytes))
             if self.arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
                 tensor = unpermute_rows(tensor, heads if "q_proj" in name else kv_heads)
-            if len(info.shape) == 3:  # experts.{gate,up,down}_proj.weight -> experts.{e}.{part}.weight
+            if len(info.shape) == 3 or (".mlp.experts." in name and name.endswith(".bias")):
+                # experts.{gate,up,down}_proj.{weight,bias} -> experts.{e}.{part}.{weight,bias}
                 base, part = name.split(".experts.")
                 yield from ((f"{base}.experts.{e}.{part}", tensor[e]) for e in range(tensor.shape[0]))
                 continue

@@ -11,6 +11,7 @@ The checkpoint stacks each layer's experts with gate and up interleaved (gate_up
 columns gate 0, up 0, gate 1, ...; MXFP4: rows of gate_up_proj_blocks / _scales likewise); they
 are handed to the layer expert by expert, gate and up apart, as Qwen-MoE checkpoints name them.
 """
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -23,6 +24,10 @@ from nanovllm.layers.quantization.mxfp4 import BLOCKS, SCALES, gguf_rows
 from nanovllm.loader.weights import StackedParam
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.moe_block import EXPERT_PARTS, expert_stacked_params
+
+
+# The checkpoint's stacked expert tensors (dense, biases, MXFP4 halves).
+STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
 
 class GptOssMoE(nn.Module):
@@ -77,7 +82,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
             pending: dict[str, torch.Tensor] = {}  # an MXFP4 matrix's blocks or scales, until its other half
             for name, tensor in weights:
                 name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
-                if ".mlp.experts." not in name:
+                if not STACKED.search(name):  # (a GGUF file's experts come one by one already)
                     yield name, tensor
                     continue
                 if name.endswith(BLOCKS) or name.endswith(SCALES):

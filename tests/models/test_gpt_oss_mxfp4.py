@@ -114,3 +114,82 @@ def test_scales_that_do_not_pair_are_named(checkpoint, tmp_path):
     safetensors_torch.save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_blocks .* do not pair as MXFP4"):
         LLM(bad, dtype="float32", cpu_kvcache_bytes=8 << 20)
+
+
+def write_gguf(folder: str, path: str) -> str:
+    """The MXFP4 checkpoint as llama.cpp's converter lays out a gpt-oss file (conversion/gpt_oss.py:
+    experts gate / up apart, MXFP4 rows of GGUF's nibble order, biases split alike, sinks and the
+    router under its names), written with the gguf package's GGUFWriter."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    rope = config.rope_parameters
+    tensors = safetensors_torch.load_file(os.path.join(folder, "model.safetensors"))
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_expert_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_expert_count(config.num_local_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_sliding_window(config.sliding_window)
+    w.add_vocab_size(config.vocab_size)
+
+    def f32(name):
+        return tensors[name].float().numpy()
+    w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
+    w.add_tensor("output_norm.weight", f32("model.norm.weight"))
+    w.add_tensor("output.weight", f32("lm_head.weight"))
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        for ours, theirs in (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm")):
+            w.add_tensor(f"blk.{i}.{ours}.weight", f32(f"{p}.{theirs}.weight"))
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            for kind in ("weight", "bias"):
+                w.add_tensor(f"blk.{i}.{ours}.{kind}", f32(f"{p}.self_attn.{theirs}.{kind}"))
+        w.add_tensor(f"blk.{i}.attn_sinks.weight", f32(f"{p}.self_attn.sinks"))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", f32(f"{p}.mlp.router.weight"))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.bias", f32(f"{p}.mlp.router.bias"))
+        e = f"{p}.mlp.experts"
+        from nanovllm.layers.quantization.mxfp4 import gguf_rows
+        gate_up = gguf_rows(tensors[f"{e}.gate_up_proj_blocks"], tensors[f"{e}.gate_up_proj_scales"], e).numpy()
+        down = gguf_rows(tensors[f"{e}.down_proj_blocks"], tensors[f"{e}.down_proj_scales"], e).numpy()
+        for name, rows in (("ffn_gate_exps", gate_up[:, 0::2]), ("ffn_up_exps", gate_up[:, 1::2]), ("ffn_down_exps", down)):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(rows), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        bias = f32(f"{e}.gate_up_proj_bias")
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.bias", np.ascontiguousarray(bias[:, 0::2]))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.bias", np.ascontiguousarray(bias[:, 1::2]))
+        w.add_tensor(f"blk.{i}.ffn_down_exps.bias", f32(f"{e}.down_proj_bias"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_file_runs_as_the_checkpoint(checkpoint, tmp_path):
+    """The same weights as a gpt-oss GGUF file: experts held MXFP4 as the file stores them, the
+    config (experts, alternating windows, YaRN) read from its metadata; the checkpoint's tokens and
+    log-probabilities (the checkpoint's run is transformers' above)."""
+    path = write_gguf(checkpoint, str(tmp_path / "gpt-oss.gguf"))
+    prompts = [[5, 17, 99, 3, 42, 8, 8, 130, 77, 19, 4], [200, 3]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    runs = []
+    for model in (checkpoint, path):
+        with LLM(model, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
+            layers = llm.model_runner.model.model.layers
+            assert [layer.self_attn.attn.sliding_window for layer in layers] == [8, None, 8]
+            assert layers[2].mlp.experts.quant_method.name == "experts mxfp4 (C kernel)"
+            runs.append(llm.generate(prompts, params, use_tqdm=False))
+    for hf, ours in zip(*runs):
+        assert ours["token_ids"] == hf["token_ids"]
+        for a, b in zip(hf["logprobs"], ours["logprobs"]):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
