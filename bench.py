@@ -30,6 +30,14 @@ QWEN3_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 RANDOM_MODELS = {"qwen3-moe": "a random Qwen3-MoE (24 layers, 64 experts, 8 active; 1.5B parameters, bf16)"}
 
+# GPT-OSS-20B's kind (24 layers of 32 experts, 4 active; sinks; windows of 128 on every other layer;
+# YaRN) at hidden 1024: 2.6B parameters, the experts (2.4B) in MXFP4 as OpenAI ships them (1.3 GB),
+# 0.36B parameters read per token.
+GPT_OSS_BENCH = dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                     num_key_value_heads=4, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                     sliding_window=128, vocab_size=151936, max_position_embeddings=131072,
+                     tie_word_embeddings=False)
+
 
 def random_checkpoint(name: str, family: str, shape: dict) -> str:
     """A random-weight bf16 checkpoint of transformers' {family}ForCausalLM, built once in the cache."""
@@ -51,6 +59,47 @@ def random_checkpoint(name: str, family: str, shape: dict) -> str:
             p.normal_(0, config.initializer_range) if p.dim() > 1 else p.fill_(1.0)
     tmp = path + ".tmp"
     model.save_pretrained(tmp, safe_serialization=True)
+    os.replace(tmp, path)
+    return path
+
+
+def random_gpt_oss_mxfp4_checkpoint() -> str:
+    """A random GPT-OSS-shaped checkpoint (GPT_OSS_BENCH) in OpenAI's layout: experts as MXFP4
+    _blocks / _scales (random codes, exponents giving weights of about transformers' init size),
+    everything else bf16; built once in the cache, written tensor by tensor."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
+    path = os.path.join(cache, "bench-gpt-oss-mxfp4")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    print(f"building a random GPT-OSS-shaped MXFP4 checkpoint in {path} (once)")
+    config = transformers.GptOssConfig(**GPT_OSS_BENCH)
+    config.architectures = ["GptOssForCausalLM"]
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in transformers.GptOssForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("gate_up_proj") or name.endswith("down_proj"):  # [E, inputs, outputs]
+            e, k, n = shape
+            tensors[f"{name}_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=gen)
+            # codes of std ~3.3 (E2M1 doubled) at 2^(e - 128): e = 121 gives weights of std ~0.026
+            tensors[f"{name}_scales"] = torch.randint(120, 123, (e, n, k // 32), dtype=torch.uint8, generator=gen)
+        elif len(shape) > 1 or name.endswith("bias") or name.endswith("sinks"):
+            tensors[name] = (torch.randn(shape, generator=gen) * config.initializer_range).to(torch.bfloat16)
+        else:
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+    tmp = path + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    config_dict = config.to_dict()
+    config_dict["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config_dict, f, indent=2)
     os.replace(tmp, path)
     return path
 

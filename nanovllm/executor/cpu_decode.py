@@ -57,9 +57,7 @@ def moe_description(kernels: cpu_kernels.CpuKernels, block: SparseMoeBlock) -> M
     parts = [block.gate]
     if block.shared_expert is not None:
         parts += [block.shared_expert.gate_up_proj, block.shared_expert.down_proj, block.shared_expert_gate]
-    if any(m.bias is not None for m in parts):
-        return None
-    described_parts = [described(kernels, m) for m in parts]
+    described_parts = [described(kernels, m, m.bias) for m in parts]
     if experts is None or any(d is None for d in described_parts):
         return None
     moe = MoeExperts.from_buffer_copy(experts)
@@ -115,9 +113,8 @@ class FusedDecode(StepRunner):
         self.compute_logits = model.compute_logits
         if not all(isinstance(layer.self_attn, DecoderAttention) for layer in layers):
             raise ValueError("a layer's attention is not the shared decoder attention")
-        if any(layer.self_attn.attn.logit_softcap is not None or layer.self_attn.attn.sinks is not None
-               for layer in layers):
-            raise ValueError("soft-capped or sink attention (the C decode step's softmax has neither)")
+        if any(layer.self_attn.attn.logit_softcap is not None for layer in layers):
+            raise ValueError("soft-capped attention (the C decode step's softmax has no cap)")
         if not all(isinstance(getattr(layer.mlp, "act_fn", SiluAndMul()), SiluAndMul) for layer in layers):
             raise ValueError("an MLP's activation is not SiLU (the C decode step's)")
         attn0 = layers[0].self_attn
@@ -139,7 +136,8 @@ class FusedDecode(StepRunner):
                 pointer(a.k_norm.weight) if a.use_qk_norm else None,
                 *linears, pointer(a.attn.k_cache, a.attn.kv_format.storage),
                 pointer(a.attn.v_cache, a.attn.kv_format.storage), int(parts is not None),
-                ctypes.pointer(moe) if moe is not None else None, a.attn.sliding_window or 0))
+                ctypes.pointer(moe) if moe is not None else None, a.attn.sliding_window or 0,
+                pointer(a.attn.sinks)))
         eps = {layer.input_layernorm.eps for layer in layers} | {inner.norm.eps}
         if attn0.use_qk_norm:
             eps |= {layer.self_attn.q_norm.eps for layer in layers} | {layer.self_attn.k_norm.eps for layer in layers}
@@ -254,7 +252,8 @@ class FusedDecode(StepRunner):
             shape = (qkv.shape[0], -1, a.head_dim)
             attn = a.attn
             return attn.backend.prefill(q.view(shape), key.view(shape), value.view(shape), attn.k_cache,
-                                        attn.v_cache, meta, attn.scale, window=attn.sliding_window).flatten(1, -1)
+                                        attn.v_cache, meta, attn.scale, window=attn.sliding_window,
+                                        sinks=attn.sinks).flatten(1, -1)
         return self.run_layers(embeds, attend)
 
     def checked_positions(self, positions: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,7 @@ static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, f
     const int stored = plan->splits > 1 || s->store_first;
     if (stored) phase_rope_store(m, L, qkv, s->positions, s->slots, B); /* ends in a barrier */
     phase_decode_attention(qkv, QKV, L->k_cache, L->v_cache, m->kv_type, s->block_tables, s->max_blocks,
-                           s->context_lens, attn, Q, B, NH, NKV, D, m->block_size, m->scale, L->window, 0.0f, NULL, plan, scratch, parts,
+                           s->context_lens, attn, Q, B, NH, NKV, D, m->block_size, m->scale, L->window, 0.0f, L->sinks, plan, scratch, parts,
                            stored ? NULL : rope_store_item, &ctx);
 }
 

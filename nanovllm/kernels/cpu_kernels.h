@@ -168,6 +168,7 @@ typedef struct {
                                           * own module runs them (only its phases are called) */
     const MoeExperts *moe;               /* non-NULL: the MLP is this sparse MoE block (gate_up and down unused) */
     int64_t window;                      /* > 0: sliding-window attention over the last `window` tokens */
+    const float *sinks;                  /* [num_heads] logits in each head's softmax denominator, or NULL */
 } DecoderLayer;
 
 typedef struct {

@@ -117,7 +117,7 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts)),
-                ("window", c_int64)]
+                ("window", c_int64), ("sinks", c_void_p)]
 
 
 class DecoderModel(ctypes.Structure):

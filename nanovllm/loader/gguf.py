@@ -270,7 +270,8 @@ class GGUFFile:
                 "rope_type": "yarn", "rope_theta": kwargs.pop("rope_theta"),
                 "factor": float(self.field(f"{a}.rope.scaling.factor")),
                 "original_max_position_embeddings": int(self.field(f"{a}.rope.scaling.original_context_length")),
-                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+                "beta_fast": float(self.field(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(self.field(f"{a}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
         return out
 
     @property

@@ -23,24 +23,25 @@ from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.quantization.mxfp4 import BLOCKS, SCALES, gguf_rows
 from nanovllm.loader.weights import StackedParam
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.moe_block import EXPERT_PARTS, expert_stacked_params
+from nanovllm.models.moe_block import EXPERT_PARTS, SparseMoeBlock, expert_stacked_params
 
 
 # The checkpoint's stacked expert tensors (dense, biases, MXFP4 halves).
 STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
 
-class GptOssMoE(nn.Module):
+class GptOssMoE(SparseMoeBlock):
+    """The sparse block with GPT-OSS's router (`gate` here, `router` in the checkpoint: a bias), and
+    experts with biases and the clamped SwiGLU; no shared expert. As a SparseMoeBlock the C decode
+    step runs it (its experts kernel has the biases and the activation)."""
+
     def __init__(self, config, prefix: str, quant_config: QuantizationConfig | None):
-        super().__init__()
-        self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True,
-                                       prefix=f"{prefix}.router")
+        nn.Module.__init__(self)
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True, prefix=f"{prefix}.router")
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.intermediate_size, True, quant_config, f"{prefix}.experts", bias=True,
                                 activation=ExpertActivation("swigluoai", config.swiglu_alpha, config.swiglu_limit))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x))
+        self.shared_expert = self.shared_expert_gate = None
 
 
 def split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,8 +62,6 @@ def split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
-    fused_decode = False  # the C decode step knows the shared gated MLP only
-
     def __init__(self, config, quant_config: QuantizationConfig | None = None):
         super().__init__(config, quant_config)
         for layer in self.model.layers:
@@ -81,7 +80,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
         def renamed():
             pending: dict[str, torch.Tensor] = {}  # an MXFP4 matrix's blocks or scales, until its other half
             for name, tensor in weights:
-                name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
+                name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks").replace(".mlp.router.", ".mlp.gate.")
                 if not STACKED.search(name):  # (a GGUF file's experts come one by one already)
                     yield name, tensor
                     continue

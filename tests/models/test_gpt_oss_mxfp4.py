@@ -70,7 +70,11 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def test_experts_held_as_mxfp4(checkpoint):
+    from nanovllm.executor.cpu_decode import FusedDecode
     with LLM(checkpoint, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
+        # every layer in the C decode step's one call (sinks, windows, biases, experts kernel): the
+        # greedy tests below run it
+        assert llm.model_runner.step_runner(FusedDecode).one_call_layers == 3
         experts = llm.model_runner.model.model.layers[0].mlp.experts
         assert experts.quant_method.name == "experts mxfp4 (C kernel)"
         # 17 bytes per 32 weights, the rows interleaved by 8 in place: the checkpoint's bytes, once
