@@ -289,6 +289,13 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
  * plane there is zeros): no branch in the block loop, and the unpacked units of a block serve all
  * NB rows in both passes (an outlier channel makes the same groups loud in most rows).
  * performance.md item 37. */
+/* How far ahead of the block being multiplied the interleaved kernels ask for the weights
+ * (software prefetch): at one row a matrix of a few hundred KB (an expert's) is read in less time
+ * than the hardware prefetchers take to ramp up; 4 KB ahead took the experts kernel at one row from
+ * 13 to 18-19 GB/s on a 2-core AVX2 machine (docs/performance.md item 46). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
 static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
                                                                int64_t b0, const int NB, const int P,
                                                                float out[QROWS][IL]) {
@@ -298,6 +305,8 @@ static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const u
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes;
+        _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
         const int8_t *x[QROWS];
         for (int b = 0; b < NB; b++) x[b] = in.hi[b] + 32 * i;
         __m256i sum[QROWS];
@@ -345,6 +354,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes, *values = blk + fmt_scales_bytes(f);
+        for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64 * l, _MM_HINT_T0); /* 272 B */
         __m256i s03[QROWS], s47[QROWS];
         for (int b = 0; b < NB; b++) s03[b] = s47[b] = _mm256_setzero_si256();
         /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
