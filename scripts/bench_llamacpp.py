@@ -41,17 +41,22 @@ from llamacpp_build import BuildError  # noqa: E402
 PROMPT_LEN, DECODE_STEPS, PREFILL_LEN = 64, 64, 128
 PREFILL_REPS = 5  # prefills timed per figure, both engines; the figure is their median
 QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
+# mxfp4: a GPT-OSS checkpoint's file as llama.cpp's converter writes it (--outtype q8_0): the MXFP4
+# experts as shipped, the other matrices Q8_0 (the gpt-oss model's row; not among the defaults).
+FORMATS = QUANTS + ("mxfp4",)
 LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "q4_0": "llama.cpp Q4_0",
-          "q4_k_m": "llama.cpp Q4_K_M", "ours": "nano-vLLM fp32", "ours_bf16": "nano-vLLM bf16 weights",
-          "ours_q8_0": "nano-vLLM Q8_0", "ours_q4_0": "nano-vLLM Q4_0", "ours_q4_k_m": "nano-vLLM Q4_K_M"}
+          "q4_k_m": "llama.cpp Q4_K_M", "mxfp4": "llama.cpp MXFP4 experts + Q8_0", "ours": "nano-vLLM fp32",
+          "ours_bf16": "nano-vLLM bf16 weights", "ours_q8_0": "nano-vLLM Q8_0", "ours_q4_0": "nano-vLLM Q4_0",
+          "ours_q4_k_m": "nano-vLLM Q4_K_M", "ours_mxfp4": "nano-vLLM MXFP4 experts + Q8_0"}
 # Each of our rows against the llama.cpp row at the same weight width (the same file for the
 # quantized ones).
-RATIOS = {"ours": "f32", "ours_bf16": "f16", "ours_q8_0": "q8_0", "ours_q4_0": "q4_0", "ours_q4_k_m": "q4_k_m"}
+RATIOS = {"ours": "f32", "ours_bf16": "f16", "ours_q8_0": "q8_0", "ours_q4_0": "q4_0", "ours_q4_k_m": "q4_k_m",
+          "ours_mxfp4": "mxfp4"}
 # The dense rows load the HF folder; the quantized rows the very file llama-quantize wrote.
 OUR_DTYPES = {"ours": "float32", "ours_bf16": "bfloat16"}
 FILE_ROWS = tuple(llamacpp_build.PRESETS)
 RSS_COLUMNS = ("after load", "after the largest batch")
-MODELS = ("default", "qwen3", "qwen3-moe")
+MODELS = ("default", "qwen3", "qwen3-moe", "gpt-oss")
 
 
 def model_folder(name: str) -> str:
@@ -64,6 +69,8 @@ def model_folder(name: str) -> str:
         return bench.random_qwen3_checkpoint()
     if name == "qwen3-moe":
         return bench.random_qwen3_moe_checkpoint()
+    if name == "gpt-oss":
+        return bench.random_gpt_oss_mxfp4_checkpoint()
     raise ValueError(f"--models takes {', '.join(MODELS)}, got {name!r}")
 
 
@@ -182,6 +189,9 @@ def sources(cache: Path, bins, name: str, path: str, quant: str) -> tuple[Path |
     conversion for the quantized rows (both engines load it), the conversion against our HF folder
     for f32 / f16."""
     stem = f"{name}-{Path(path).name}"
+    if quant == "mxfp4":  # the converter keeps a GPT-OSS checkpoint's MXFP4 experts as they are
+        gguf = llamacpp_build.convert_to_gguf(cache, path, stem, "q8_0")
+        return gguf, str(gguf), "float32"
     if quant in FILE_ROWS:
         gguf = llamacpp_build.quantize_gguf(cache, bins, llamacpp_build.convert_to_gguf(cache, path, stem, "f32"),
                                             quant)
@@ -255,7 +265,7 @@ def table(name: str, results: dict, batches: list[int]) -> str:
         results.get("cpu_input_bits"), "")
     lines = [f"### {name} (tok/s, {results['threads']} threads{inputs})", "",
              "| engine | " + " | ".join(cols + rss_cols) + " |", "|---" * (len(cols) + len(rss_cols) + 1) + "|"]
-    keys = [k for pair in zip(QUANTS, [o for o, _ in sorted(RATIOS.items(), key=lambda kv: QUANTS.index(kv[1]))])
+    keys = [k for pair in zip(FORMATS, [o for o, _ in sorted(RATIOS.items(), key=lambda kv: FORMATS.index(kv[1]))])
             for k in pair]
     rows = {k: values(results[k]) for k in keys if k in results}
     for key, vals in rows.items():
@@ -293,7 +303,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="default,qwen3",
                    help="comma-separated: default (SmolLM2-135M), qwen3 (random, Qwen3-0.6B's shape), qwen3-moe "
-                   "(random Qwen3-MoE: 24 layers, 64 experts, 8 active, 1.5B parameters)")
+                   "(random Qwen3-MoE: 24 layers, 64 experts, 8 active, 1.5B parameters), gpt-oss (random "
+                   "GPT-OSS shape in MXFP4: 24 layers, 32 experts, 4 active, hidden 1024; with --formats mxfp4)")
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--threads", type=int, default=cores, help="default: every core")
@@ -305,9 +316,10 @@ def parse_args() -> argparse.Namespace:
                    "-march=native) or avx2 (llama.cpp AVX2 + FMA; ours: C kernels for x86-64-v3 and "
                    "torch's ATen / oneDNN / MKL held to AVX2, llamacpp_build.OUR_ISA_ENV)")
     p.add_argument("--formats", default=",".join(QUANTS),
-                   help=f"comma-separated rows: {', '.join(QUANTS)} (default: all); f32 / f16: llama.cpp's "
+                   help=f"comma-separated rows: {', '.join(FORMATS)} (default: all but mxfp4); f32 / f16: llama.cpp's "
                    "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
-                   "llama-quantize's file from the F32 conversion, loaded by both engines")
+                   "llama-quantize's file from the F32 conversion, loaded by both engines; mxfp4 (gpt-oss): "
+                   "the converter's file of the MXFP4 checkpoint, experts as shipped and the rest Q8_0")
     p.add_argument("--input-bits", type=lambda s: int(s) if s.isdigit() else s, default="auto", choices=("auto", 8, 14),
                    help="our block-format kernels' input rounding per group (LLM(cpu_input_bits=)): auto (the "
                    "default: int8 where that is within 40 dB of the group, 14-bit elsewhere), 14 (two int8 planes "
@@ -330,8 +342,8 @@ def parse_args() -> argparse.Namespace:
                 f"{args.rounds}")
     args.formats = args.formats.split(",")
     for f in args.formats:
-        if f not in QUANTS:
-            p.error(f"--formats takes {', '.join(QUANTS)}, got {f!r}")
+        if f not in FORMATS:
+            p.error(f"--formats takes {', '.join(FORMATS)}, got {f!r}")
     args.models = args.models.split(",")
     for m in args.models:
         if m not in MODELS:

@@ -141,11 +141,16 @@ static inline __m256i mxfp4_units(__m256i codes) {
 /* The scales d of the 8 rows of an interleaved block (fp16 d[8], or MXFP4's e[8]). */
 static inline __m256 scales_x8(Fmt32 f, const uint8_t *blk) {
     if (f != FMT_MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-    /* e8m0_half lane by lane: (e - 1) << 23, or 0x00200000 << e for e < 2 */
+    /* e8m0_half lane by lane: (e - 1) << 23, or 0x00200000 << e for e < 2 (subnormal scales, which
+     * trained weights do not have: one compare and a branch that is never taken) */
     const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)blk)), two = _mm256_set1_epi32(2);
     const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(two, e)));
+    const __m256i tiny_lanes = _mm256_cmpgt_epi32(two, e);
+    if (__builtin_expect(!_mm256_testz_si256(tiny_lanes, tiny_lanes), 0)) {
+        const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, tiny_lanes));
+    }
+    return _mm256_castsi256_ps(normal);
 }
 
 /* Byte j = 0x10 where bit j of the 32 bits at p is set, else 0 (Q5's fifth bits). */
