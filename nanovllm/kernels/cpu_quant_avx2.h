@@ -297,7 +297,8 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
 /* How far ahead of the block being multiplied the interleaved kernels ask for the weights
  * (software prefetch): at one row a matrix of a few hundred KB (an expert's) is read in less time
  * than the hardware prefetchers take to ramp up; 4 KB ahead took the experts kernel at one row from
- * 13 to 18-19 GB/s on a 2-core AVX2 machine (docs/performance.md item 46). */
+ * 13 to 18-19 GB/s on a 2-core AVX2 machine, and the non-temporal hint (the weights are read once
+ * per step) to 22-24 GB/s (docs/performance.md item 46). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -310,8 +311,8 @@ static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const u
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes;
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_NTA);
+        _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_NTA);
         const int8_t *x[QROWS];
         for (int b = 0; b < NB; b++) x[b] = in.hi[b] + 32 * i;
         __m256i sum[QROWS];
@@ -359,7 +360,7 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes, *values = blk + fmt_scales_bytes(f);
-        for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64 * l, _MM_HINT_T0); /* 272 B */
+        for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64 * l, _MM_HINT_NTA); /* 272 B */
         __m256i s03[QROWS], s47[QROWS];
         for (int b = 0; b < NB; b++) s03[b] = s47[b] = _mm256_setzero_si256();
         /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
