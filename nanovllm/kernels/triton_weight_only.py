@@ -5,6 +5,8 @@
           Q4_K, layers/quantization/gguf_triton.py), u[n, k] * s[n, g(k)] + m[n, g(k)]
     fp8:  W[n, k] = e4m3(u[n, k]) * s[n, g(k)], widened through fp16 (the sign bit to bit 15, the
           rest shifted up by 7 is the same value times 2^-8)
+    fp4:  W[n, k] = e2m1(u[n, k]) * s[n, g(k)], u 4-bit E2M1 codes two per byte (MXFP4, s the
+          block's 2^(e - 127)): sign bit 3, exponent bits 2-1, mantissa bit 0
 g(k) = g_idx[k] (GPTQ's desc_act) or k // group. One program per BLOCK_M x BLOCK_N tile of y,
 looping over the inputs: the weight tile is dequantized to x's dtype and multiplied with fp32
 accumulation (tl.dot). Tested under TRITON_INTERPRET=1 on CPU against the dequantized matmul
@@ -30,6 +32,15 @@ class PackedWeight:
     n: int
     k: int
     mins: torch.Tensor | None = None  # fp32 [n, groups] (int formats with a min instead of zero points)
+    fp4: bool = False            # q holds E2M1 codes (bits 4), W = e2m1(code) * scale
+
+
+def pack_fp4(codes: torch.Tensor, scales: torch.Tensor, group: int) -> PackedWeight:
+    """The kernel's layout of E2M1 codes [n, k] (0..15) with a scale per group of `group` inputs."""
+    n, k = codes.shape
+    u = codes.to(torch.uint8)
+    return PackedWeight((u[:, 0::2] | (u[:, 1::2] << 4)).contiguous(), scales.float().contiguous(), None, None,
+                        group, 4, False, n, k, fp4=True)
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor, group: int, zeros: torch.Tensor | None,
@@ -65,7 +76,7 @@ def pack(values: torch.Tensor, scales: torch.Tensor, group: int, zeros: torch.Te
 @triton.jit
 def _weight_only_gemm(x_ptr, q_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr, M, N, K, groups, group, stride_xm, stride_ym,
                       BITS: tl.constexpr, FP8: tl.constexpr, HAS_G: tl.constexpr, HAS_MIN: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,6 +101,11 @@ def _weight_only_gemm(x_ptr, q_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr, M, N, K, 
         if FP8:
             h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
             w = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * (s * 256.0)
+        elif FP4:  # E2M1: exponent 0 is 0.5 m (0, 0.5), else (1 + 0.5 m) 2^(exponent - 1)
+            e = (u >> 1) & 3
+            m = (u & 1).to(tl.float32)
+            mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+            w = tl.where((u & 8) != 0, -mag, mag) * s
         elif HAS_MIN:
             mn = tl.load(m_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
             w = u.to(tl.float32) * s + mn
@@ -114,5 +130,5 @@ def weight_only_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | No
     g_idx = w.g_idx if w.g_idx is not None else w.scales  # unread without HAS_G
     _weight_only_gemm[grid](x, w.q, w.scales, zeros, mins, g_idx, y, m, w.n, w.k, w.scales.shape[1], w.group,
                             x.stride(0), y.stride(0), BITS=w.bits, FP8=w.fp8, HAS_G=w.g_idx is not None,
-                            HAS_MIN=w.mins is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                            HAS_MIN=w.mins is not None, FP4=w.fp4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y if bias is None else y + bias

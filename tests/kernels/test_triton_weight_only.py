@@ -55,7 +55,7 @@ def test_kernel_equals_the_dequantized_matmul(case, m):
 
 
 # ---- GGUF block formats on the Triton kernel (layers/quantization/gguf_triton.py) ----------------
-GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"]
+GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4"]
 # fp32 products: exact under the interpreter, TF32 (10-bit mantissas) in tl.dot on a GPU
 GGUF_RTOL = 1e-4 if DEVICE == "cpu" else 5e-3
 
@@ -76,6 +76,7 @@ def test_gguf_blocks_unpacked_and_multiplied(name):
     held = gguf_triton.hold(torch.from_numpy(raw).to(DEVICE), name, k, torch.float32)
     assert held.bits == (8 if name in ("q8_0", "q5_0", "q5_1", "q6_k") else 4)
     assert (held.mins is not None) == (name in ("q4_1", "q5_1", "q4_k"))
+    assert held.fp4 == (name == "mxfp4")  # MXFP4 held as its 4-bit codes
     for m in (1, 7):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ref = x.double() @ want.double().t()

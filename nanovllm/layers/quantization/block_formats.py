@@ -30,7 +30,7 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q4_k", 256, 144, online=True, triton=True),
     BlockFormat("q6_k", 256, 210, triton=True),
     # OCP microscaling FP4 (GPT-OSS's experts, GGUF type MXFP4): an E8M0 exponent and 32 E2M1 codes.
-    BlockFormat("mxfp4", 32, 17, online=True),
+    BlockFormat("mxfp4", 32, 17, online=True, triton=True),
     # A Q5_K sub-block of 32 (6-bit scale and min under the super-block's fp16 d and dmin) is a
     # Q5_1 block with d = d sc and m = -dmin mn rounded to fp16.
     BlockFormat("q5_k", 256, 176, converted_to="q5_1"),

@@ -12,11 +12,13 @@ What each format's block holds (ggml-common.h), as (values, scale, zero point or
     Q4_1 / Q5_1: q, d, m              w = d q + m             group 32
     Q4_K: q, d, dmin, 6-bit sc / mn   w = (d sc) q - dmin mn  group 32 (a sub-block)
     Q6_K: 6-bit q, d, int8 sc         w = (d sc) (q - 32)     group 16 (a sub-block)
+    MXFP4: E2M1 codes, E8M0 e         w = 2^(e - 127) e2m1(q) group 32 (the kernel's fp4 mode: the
+                                      codes held as they are, a scale per block)
 F16 / BF16 matrices are held dense in the model's dtype."""
 import torch
 from torch import nn
 
-from nanovllm.kernels.triton_weight_only import PackedWeight, pack
+from nanovllm.kernels.triton_weight_only import PackedWeight, pack, pack_fp4
 from nanovllm.layers.quantization.block_formats import TRITON_FORMATS as UNPACKED, block_shape
 
 
@@ -36,6 +38,21 @@ def _fifth_bits(b: torch.Tensor) -> torch.Tensor:
     return (((b[..., :, None].to(torch.int32) >> bits) & 1).reshape(*b.shape[:-1], 32)) << 4
 
 
+# MXFP4's E2M1 codes doubled (gguf's kvalues): integers, so a block is exact as values x 2^(e - 128).
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def mxfp4_codes(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 rows uint8 [n, row bytes] as (codes int32 [n, k] in order, E8M0 exponents int32 [n, k / 32])."""
+    b = raw.reshape(raw.shape[0], k // 32, 17)
+    return _nibbles(b[..., 1:]).reshape(raw.shape[0], k), b[..., 0].to(torch.int32)
+
+
+def e8m0(e: torch.Tensor, bias: int) -> torch.Tensor:
+    """2^(e - bias) in fp32, exact (ldexp of 1)."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - bias)
+
+
 def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
     """Raw rows uint8 [n, row bytes] of a block format as (values int32 [n, k], scales fp32
     [n, groups], group, zero points int32 [n, groups] or None, mins fp32 [n, groups] or None)."""
@@ -45,6 +62,10 @@ def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
     n = raw.shape[0]
     b = raw.reshape(n, k // size, nbytes)
     zeros = mins = None
+    if type_name == "mxfp4":
+        codes, e = mxfp4_codes(raw, k)
+        values = torch.tensor(E2M1_DOUBLED, dtype=torch.int32, device=raw.device)[codes]
+        return values, e8m0(e, 128), 32, None, None
     if type_name == "q8_0":
         values, scales, group = b[..., 2:].contiguous().view(torch.int8).to(torch.int32), _f16(b, 0), 32
     elif type_name in ("q4_0", "q5_0"):
@@ -94,6 +115,9 @@ def hold(raw: torch.Tensor, type_name: str, k: int, dtype: torch.dtype) -> Packe
     if type_name in ("f16", "bf16"):
         half = torch.float16 if type_name == "f16" else torch.bfloat16
         return raw.contiguous().view(half).reshape(raw.shape[0], k).to(dtype)
+    if type_name == "mxfp4":  # held as its codes (4 bits) and a scale per block of 32
+        codes, e = mxfp4_codes(raw, k)
+        return pack_fp4(codes, e8m0(e, 127), 32)
     values, scales, group, zeros, mins = unpack_blocks(raw, type_name, k)
     return pack(values, scales, group, zeros, None, mins=mins)
 
@@ -125,6 +149,8 @@ def rows(held: PackedWeight | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     q = held.q[ids].to(torch.int32)
     u = torch.stack([q & 0x0F, q >> 4], -1).reshape(len(ids), -1) if held.bits == 4 else q
     s = held.scales[ids].repeat_interleave(held.group, 1)
+    if held.fp4:  # codes -> E2M1 values (the doubled table, halved)
+        return torch.tensor(E2M1_DOUBLED, dtype=torch.float32, device=q.device)[u] * 0.5 * s
     if held.mins is not None:
         return u.float() * s + held.mins[ids].repeat_interleave(held.group, 1)
     return (u - held.zeros[ids].repeat_interleave(held.group, 1)).float() * s
