@@ -197,3 +197,15 @@ def test_gguf_file_runs_as_the_checkpoint(checkpoint, tmp_path):
         assert ours["token_ids"] == hf["token_ids"]
         for a, b in zip(hf["logprobs"], ours["logprobs"]):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_tensor_parallel_cutting_a_block_is_named():
+    from nanovllm.layers.quantization.mxfp4 import Mxfp4Config
+    header = {"model.layers.0.mlp.experts.down_proj_blocks": ("U8", (4, 64, 3, 16)),
+              "model.layers.0.mlp.experts.down_proj_scales": ("U8", (4, 64, 3))}
+    config = Mxfp4Config(header, {})
+    config.check_checkpoint()
+    config.check_tensor_parallel(3, {})  # one block of 32 inputs a rank
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 would split model\.layers\.0\.mlp\.experts\.down_proj_blocks "
+                                         r"\(3 MXFP4 blocks"):
+        config.check_tensor_parallel(2, {})

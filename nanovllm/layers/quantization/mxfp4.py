@@ -63,6 +63,13 @@ class Mxfp4Config(PrequantizedConfig, BlockFormatConfig):
                                  f"{'(missing)' if scale is None else f'{scale[0]} {list(scale[1])}'} do not pair "
                                  "as MXFP4 (uint8 blocks [..., groups, 16] with uint8 scales [..., groups])")
 
+    def check_tensor_parallel(self, tp_size: int, row_parallel_inputs: dict[str, int]) -> None:
+        """The experts' down matrices split their inputs over the ranks: in whole blocks of 32."""
+        for name, (_, shape) in sorted(self.header.items()):
+            if name.endswith(f"down_proj{BLOCKS}") and shape[-2] % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} would split {name} ({shape[-2]} MXFP4 blocks of "
+                                 f"32 inputs) inside a block; use a tensor_parallel_size that divides {shape[-2]}")
+
     def scheme_for(self, module: str) -> Any:
         return None  # the dense layers
 
