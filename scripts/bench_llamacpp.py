@@ -2,8 +2,12 @@
 the same checkpoint) and nano-vLLM on the same shapes, fp32 weights and bf16 weights (fp32 activations,
 as llama.cpp runs its F16 files); one markdown table per model, with ours fp32 / F32 and ours bf16 / F16.
 
-    python scripts/bench_llamacpp.py [--models default,qwen3,qwen3-moe] [--batches 1,8,32,64] [--threads N]
+    python scripts/bench_llamacpp.py [--models default,qwen3,qwen3-moe,gpt-oss] [--batches 1,8,32,64] [--threads N]
                                      [--rounds N] [--json FILE] [--skip-llamacpp | --skip-ours]
+                                     [--forks llama.cpp,ik_llama.cpp]
+
+--forks ik_llama.cpp adds ik_llama.cpp (the fastest CPU fork; built from the ik-llama-cpp-python sdist,
+run with -rtr and its defaults otherwise) on the quantized files, a third row per file.
 
 Shapes: random 64-token prompts, greedy decoding, 64 decode steps per sequence, at each batch size
 (llama-batched-bench -npp 64 -ntg 64 -npl B; llama.cpp's batch-1 decode is llama-bench -n 64), and a
@@ -96,29 +100,36 @@ def parse_batched_bench(stdout: str) -> dict[int, dict]:
 
 
 def llamacpp_point(bins: dict[str, Path], gguf: Path, point: tuple[str, int], threads: int, logs: Path,
-                   raw: list) -> tuple[float, float]:
-    """One figure of llama.cpp on one GGUF (tok/s) and the run's peak RSS (MiB): ("decode", 1) from
-    llama-bench -n 64 (the figure llama.cpp users quote), ("decode", B) from llama-batched-bench -npl
-    B, ("prefill", N) from llama-bench -p N; one repetition each (after llama-bench's own warm-up
-    run). Its raw rows go to raw."""
+                   raw: list, fork: str = "llama.cpp") -> tuple[float, float]:
+    """One figure of llama.cpp (or ik_llama.cpp: with -rtr, its run-time repacking, its defaults
+    otherwise) on one GGUF (tok/s) and the run's peak RSS (MiB): ("decode", 1) from llama-bench -n 64
+    (the figure llama.cpp users quote), ("decode", B) from llama-batched-bench -npl B, ("prefill", N)
+    from llama-bench -p N; one repetition each (after llama-bench's own warm-up run). Its raw rows
+    go to raw."""
     kind, n = point
-    stem = f"{gguf.stem}-{kind}{n}"
+    ik = fork == "ik_llama.cpp"
+    stem = f"{gguf.stem}-{kind}{n}{'-ik' if ik else ''}"
     if kind == "decode" and n > 1:
         out = logs / f"batched-bench-{stem}.jsonl"
-        rss = llamacpp_build.run_step(f"llama-batched-bench on {gguf.name}",
+        rss = llamacpp_build.run_step(f"{fork} llama-batched-bench on {gguf.name}",
                                 [str(bins["llama-batched-bench"]), "-m", str(gguf),
                                  "-c", str(n * (PROMPT_LEN + DECODE_STEPS)), "-b", "2048", "-ub", "512",
                                  "-npp", str(PROMPT_LEN), "-ntg", str(DECODE_STEPS), "-npl", str(n),
-                                 "-t", str(threads), "--output-format", "jsonl"],
+                                 "-t", str(threads), *(["-rtr"] if ik else ["--output-format", "jsonl"])],
                                 logs / f"batched-bench-{stem}.log", stdout=out)
-        row = parse_batched_bench(out.read_text())[n]
+        if ik:  # (its batched-bench prints a markdown table only)
+            from bench_depth import table_rows
+            row = table_rows(out.read_text())[-1]
+        else:
+            row = parse_batched_bench(out.read_text())[n]
         raw.append({**row, "peak_rss_mib": rss})
         return row["speed_tg"], rss
     prompt, gen = (n, 0) if kind == "prefill" else (0, DECODE_STEPS)
     out = logs / f"bench-{stem}.json"
-    rss = llamacpp_build.run_step(f"llama-bench on {gguf.name}",
+    rss = llamacpp_build.run_step(f"{fork} llama-bench on {gguf.name}",
                             [str(bins["llama-bench"]), "-m", str(gguf), "-p", str(prompt), "-n", str(gen),
-                             "-r", str(PREFILL_REPS if kind == "prefill" else 1), "-t", str(threads), "-o", "json"],
+                             "-r", str(PREFILL_REPS if kind == "prefill" else 1), "-t", str(threads), "-o", "json",
+                             *(["-rtr", "1"] if ik else [])],
                             logs / f"bench-{stem}.log", stdout=out)
     parsed = parse_llama_bench(out.read_text())
     raw.extend({**row, "peak_rss_mib": rss} for row in parsed["rows"])
@@ -265,20 +276,34 @@ def table(name: str, results: dict, batches: list[int]) -> str:
         results.get("cpu_input_bits"), "")
     lines = [f"### {name} (tok/s, {results['threads']} threads{inputs})", "",
              "| engine | " + " | ".join(cols + rss_cols) + " |", "|---" * (len(cols) + len(rss_cols) + 1) + "|"]
-    keys = [k for pair in zip(FORMATS, [o for o, _ in sorted(RATIOS.items(), key=lambda kv: FORMATS.index(kv[1]))])
-            for k in pair]
+    ours_of = {ref: o for o, ref in RATIOS.items()}
+    keys = [k for f in FORMATS for k in (f, fork_key("ik_llama.cpp", f), ours_of[f])]
     rows = {k: values(results[k]) for k in keys if k in results}
     for key, vals in rows.items():
         rss = results[key].get("rss", {})
-        lines.append(row(LABELS[key], vals, "{:.1f}", [rss.get(c) for c in RSS_COLUMNS]))
+        lines.append(row(label(key), vals, "{:.1f}", [rss.get(c) for c in RSS_COLUMNS]))
     for ours, ref in RATIOS.items():
-        if ours in rows and ref in rows:
-            ratio = [None if a is None or b is None else a / b for a, b in zip(rows[ours], rows[ref])]
-            lines.append(row(f"{LABELS[ours]} / {LABELS[ref]}", ratio, "{:.2f}x"))
-            medians = [paired_median(results[ours], results[ref], point) for point in points]
-            if any(m is not None for m in medians):
-                lines.append(row(f"{LABELS[ours]} / {LABELS[ref]}, median of the rounds' pairs", medians, "{:.2f}x"))
+        for ref_key in (ref, fork_key("ik_llama.cpp", ref)):
+            if ours in rows and ref_key in rows:
+                ratio = [None if a is None or b is None else a / b for a, b in zip(rows[ours], rows[ref_key])]
+                lines.append(row(f"{LABELS[ours]} / {label(ref_key)}", ratio, "{:.2f}x"))
+                medians = [paired_median(results[ours], results[ref_key], point) for point in points]
+                if any(m is not None for m in medians):
+                    lines.append(row(f"{LABELS[ours]} / {label(ref_key)}, median of the rounds' pairs", medians,
+                                     "{:.2f}x"))
     return "\n".join(lines)
+
+
+def fork_key(fork: str, quant: str) -> str:
+    """The results key of a llama.cpp fork's row on one format ("q4_0", "ik_q4_0")."""
+    return quant if fork == "llama.cpp" else f"ik_{quant}"
+
+
+def label(key: str) -> str:
+    """A row's name in the tables."""
+    if key.startswith("ik_"):
+        return f"ik_llama.cpp {LABELS[key[3:]].removeprefix('llama.cpp ')} (-rtr)"
+    return LABELS[key]
 
 
 def keep_rss(results: dict, key: str, column: str, mib: float) -> None:
@@ -329,6 +354,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--depths", help="instead: decode behind long prompts, one sequence (scripts/bench_depth.py "
                    "--llamacpp, llama.cpp and ik_llama.cpp: these prompt lengths, our auto and int8 KV caches against f16 and q8_0, "
                    "the first quantized --formats file, --isa)")
+    p.add_argument("--forks", default="llama.cpp",
+                   help="comma-separated: llama.cpp, ik_llama.cpp (the CPU-speed fork, built once from the "
+                   "ik-llama-cpp-python sdist; run with -rtr, its run-time repacking, on the quantized files)")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-llamacpp", action="store_true", help="run only nano-vLLM")
     skip.add_argument("--skip-ours", action="store_true", help="run only llama.cpp")
@@ -344,6 +372,9 @@ def parse_args() -> argparse.Namespace:
     for f in args.formats:
         if f not in FORMATS:
             p.error(f"--formats takes {', '.join(FORMATS)}, got {f!r}")
+    args.forks = args.forks.split(",")
+    if any(f not in llamacpp_build.FORKS for f in args.forks):
+        p.error(f"--forks takes {', '.join(llamacpp_build.FORKS)}, got {args.forks}")
     args.models = args.models.split(",")
     for m in args.models:
         if m not in MODELS:
@@ -372,6 +403,9 @@ def main() -> None:
         # NOTE: built even with --skip-llamacpp when a quantized row runs: llama-quantize writes its file.
         need_build = not args.skip_llamacpp or any(q in FILE_ROWS for q in args.formats)
         bins = llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count(), isa=args.isa) if need_build else None
+        fork_bins = {fork: bins if fork == "llama.cpp" else
+                     llamacpp_build.build_llamacpp(cache, jobs=os.cpu_count(), isa=args.isa, fork=fork)
+                     for fork in (args.forks if not args.skip_llamacpp else [])}
         for name in args.models:
             path = model_folder(name)
             results = report["models"][name] = {"path": path, "threads": args.threads, "cpu_input_bits": args.input_bits}
@@ -389,7 +423,10 @@ def main() -> None:
                     gguf_run = gguf
                 if gguf_run is None and ours is None:
                     continue
-                engines = [LABELS[key] for key, runs in ((quant, gguf_run is not None), (ours, ours is not None)) if runs]
+                # every fork on the quantized files (ik_llama.cpp only there: the files of its users)
+                runs = {fork: gguf_run for fork in args.forks if fork == "llama.cpp" or quant in FILE_ROWS}
+                engines = [label(fork_key(fork, quant)) for fork, g in runs.items() if g is not None]
+                engines += [LABELS[ours]] if ours is not None else []
                 print(f"{' vs '.join(engines)}: {our_source if ours else gguf} ...", flush=True)
                 llm = start_ours(our_source, args.batches, args.threads, our_dtype, args.input_bits) if ours else None
                 if llm is not None:
@@ -398,20 +435,23 @@ def main() -> None:
                 try:
                     for point in points:
                         for _ in range(args.rounds):
-                            if gguf_run is not None:
+                            for fork, fork_gguf in runs.items():
+                                if fork_gguf is None:
+                                    continue
+                                key = fork_key(fork, quant)
                                 try:
-                                    rate, rss = llamacpp_point(bins, gguf_run, point, args.threads,
-                                                               llamacpp_build.work_dir(cache) / "logs",
-                                                               raw.setdefault(quant, []))
-                                    keep_best(results, quant, point, rate)
+                                    rate, rss = llamacpp_point(fork_bins[fork], fork_gguf, point, args.threads,
+                                                               llamacpp_build.work_dir(cache, fork) / "logs",
+                                                               raw.setdefault(key, []), fork)
+                                    keep_best(results, key, point, rate)
                                     if point == ("decode", args.batches[0]):
-                                        keep_rss(results, quant, RSS_COLUMNS[0], rss)
+                                        keep_rss(results, key, RSS_COLUMNS[0], rss)
                                     if point == ("decode", args.batches[-1]):
-                                        keep_rss(results, quant, RSS_COLUMNS[1], rss)
+                                        keep_rss(results, key, RSS_COLUMNS[1], rss)
                                 except BuildError as e:  # a crashed run: this format's other figures are skipped
-                                    print(f"error: {e}\n(no more {LABELS[quant]} figures)", file=sys.stderr)
-                                    results.setdefault("failed", {})[quant] = str(e)
-                                    gguf_run = None
+                                    print(f"error: {e}\n(no more {label(key)} figures)", file=sys.stderr)
+                                    results.setdefault("failed", {})[key] = str(e)
+                                    runs[fork] = None
                             if llm is not None:
                                 keep_best(results, ours, point, ours_point(llm, point, rng, raw.setdefault(ours, [])))
                                 if point == ("decode", args.batches[-1]):

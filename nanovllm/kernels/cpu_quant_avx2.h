@@ -302,6 +302,10 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
+/* The cache lines of `bytes` of weights PREFETCH_BYTES past p (a K-quant super-block of 8 rows). */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, const int bytes) {
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + PREFETCH_BYTES + l, _MM_HINT_NTA);
+}
 static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const uint8_t *grp, const QuantRows *q,
                                                                int64_t b0, const int NB, const int P,
                                                                float out[QROWS][IL]) {
@@ -517,6 +521,7 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < supers; i++) {
         const uint8_t *blk = grp + i * Q4K_X8, *units = blk + 128;
+        prefetch_ahead(blk, Q4K_X8);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         uint8_t sc[64], mn[64];
@@ -570,6 +575,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < supers; i++) {
         const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *units = blk + 144;
+        prefetch_ahead(blk, Q6K_X8);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256i sh[QROWS], sl[QROWS]; /* |sh| <= 16 x 128 x 16 x 63 x 127 < 2^29 */
         for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();

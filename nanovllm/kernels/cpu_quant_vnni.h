@@ -46,6 +46,7 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < supers; i++) {
         const uint8_t *blk = grp + i * Q4K_X8, *units = blk + 128;
+        prefetch_ahead(blk, Q4K_X8);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         uint8_t sc[64], mn[64];
@@ -95,6 +96,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < supers; i++) {
         const uint8_t *blk = grp + i * Q6K_X8, *scales = blk + 16, *units = blk + 144;
+        prefetch_ahead(blk, Q6K_X8);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 sub[QROWS];
         for (int b = 0; b < NB; b++) sub[b] = _mm256_setzero_ps();
