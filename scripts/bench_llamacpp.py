@@ -111,12 +111,22 @@ def llamacpp_point(bins: dict[str, Path], gguf: Path, point: tuple[str, int], th
     stem = f"{gguf.stem}-{kind}{n}{'-ik' if ik else ''}"
     if kind == "decode" and n > 1:
         out = logs / f"batched-bench-{stem}.jsonl"
-        rss = llamacpp_build.run_step(f"{fork} llama-batched-bench on {gguf.name}",
-                                [str(bins["llama-batched-bench"]), "-m", str(gguf),
-                                 "-c", str(n * (PROMPT_LEN + DECODE_STEPS)), "-b", "2048", "-ub", "512",
-                                 "-npp", str(PROMPT_LEN), "-ntg", str(DECODE_STEPS), "-npl", str(n),
-                                 "-t", str(threads), *(["-rtr"] if ik else ["--output-format", "jsonl"])],
-                                logs / f"batched-bench-{stem}.log", stdout=out)
+        cmd = [str(bins["llama-batched-bench"]), "-m", str(gguf), "-c", str(n * (PROMPT_LEN + DECODE_STEPS)),
+               "-b", "2048", "-ub", "512", "-npp", str(PROMPT_LEN), "-ntg", str(DECODE_STEPS), "-npl", str(n),
+               "-t", str(threads), *(["-rtr"] if ik else ["--output-format", "jsonl"])]
+        try:
+            rss = llamacpp_build.run_step(f"{fork} llama-batched-bench on {gguf.name}", cmd,
+                                          logs / f"batched-bench-{stem}.log", stdout=out)
+        except BuildError:
+            if not ik:
+                raise
+            # ik_llama.cpp 0.1.5's flash attention (on by default) aborts on some shapes (GGML_ASSERT(S > 0)
+            # in iqk_fa_templates.h with SmolLM2's 64-wide heads): its run without it
+            print(f"note: {fork} llama-batched-bench aborted with flash attention on {gguf.name}; rerun with -fa 0",
+                  file=sys.stderr)
+            rss = llamacpp_build.run_step(f"{fork} llama-batched-bench -fa 0 on {gguf.name}", cmd + ["-fa", "0"],
+                                          logs / f"batched-bench-{stem}-nofa.log", stdout=out)
+            raw.append({"note": "flash attention off (aborted with it on)"})
         if ik:  # (its batched-bench prints a markdown table only)
             from bench_depth import table_rows
             row = table_rows(out.read_text())[-1]
