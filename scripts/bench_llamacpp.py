@@ -117,6 +117,7 @@ def llamacpp_point(bins: dict[str, Path], gguf: Path, point: tuple[str, int], th
         try:
             rss = llamacpp_build.run_step(f"{fork} llama-batched-bench on {gguf.name}", cmd,
                                           logs / f"batched-bench-{stem}.log", stdout=out)
+            log = logs / f"batched-bench-{stem}.log"
         except BuildError:
             if not ik:
                 raise
@@ -124,12 +125,13 @@ def llamacpp_point(bins: dict[str, Path], gguf: Path, point: tuple[str, int], th
             # in iqk_fa_templates.h with SmolLM2's 64-wide heads): its run without it
             print(f"note: {fork} llama-batched-bench aborted with flash attention on {gguf.name}; rerun with -fa 0",
                   file=sys.stderr)
+            log = logs / f"batched-bench-{stem}-nofa.log"
             rss = llamacpp_build.run_step(f"{fork} llama-batched-bench -fa 0 on {gguf.name}", cmd + ["-fa", "0"],
-                                          logs / f"batched-bench-{stem}-nofa.log", stdout=out)
+                                          log, stdout=out)
             raw.append({"note": "flash attention off (aborted with it on)"})
-        if ik:  # (its batched-bench prints a markdown table only)
+        if ik:  # (its batched-bench prints a markdown table only, to either stream)
             from bench_depth import table_rows
-            row = table_rows(out.read_text())[-1]
+            row = table_rows(out.read_text() + log.read_text())[-1]
         else:
             row = parse_batched_bench(out.read_text())[n]
         raw.append({**row, "peak_rss_mib": rss})
