@@ -145,14 +145,14 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
     rates = iter(range(1, 1000))
     builds = []
     monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
-                        lambda cache, jobs, isa: builds.append(isa) or {"fake": tmp_path})
+                        lambda cache, jobs, isa, fork="llama.cpp": builds.append(isa) or {"fake": tmp_path})
     monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
                         lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
     monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
                         lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
     monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
 
-    def llamacpp_point(bins, gguf, point, threads, logs, raw):
+    def llamacpp_point(bins, gguf, point, threads, logs, raw, fork="llama.cpp"):
         calls.append((gguf.stem.split("-")[1], point))
         return float(next(rates)), 100.0
 
@@ -209,7 +209,7 @@ def test_isa_choice_reaches_both_engines(bench, monkeypatch, tmp_path):
     real_build = bench.llamacpp_build.build_llamacpp
     builds = []
     monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
-                        lambda cache, jobs, isa: builds.append(isa) or {"fake": tmp_path})
+                        lambda cache, jobs, isa, fork="llama.cpp": builds.append(isa) or {"fake": tmp_path})
     monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf", lambda cache, path, name, quant: None)
     monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
     marches = []
@@ -244,7 +244,7 @@ def test_isa_choice_reaches_both_engines(bench, monkeypatch, tmp_path):
 def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, monkeypatch, tmp_path, capsys):
     """A llama.cpp run that fails (e.g. a kernel the VM traps) ends that format's figures only: the
     error is printed and saved, the other formats and our engine are still measured."""
-    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", lambda cache, jobs, isa: {"fake": tmp_path})
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", lambda cache, jobs, isa, fork="llama.cpp": {"fake": tmp_path})
     monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
                         lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
     monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
@@ -252,7 +252,7 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
     monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
     tried = []
 
-    def llamacpp_point(bins, gguf, point, threads, logs, raw):
+    def llamacpp_point(bins, gguf, point, threads, logs, raw, fork="llama.cpp"):
         quant = gguf.stem.split("-")[1]
         tried.append(quant)
         if quant == "f16":
@@ -276,6 +276,65 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
     import json
     saved = json.loads((tmp_path / "out.json").read_text())["models"]["default"]
     assert "exit code -11" in saved["failed"]["f16"]
+
+
+def test_ik_llama_cpp_is_a_third_row_on_the_quantized_files(bench, monkeypatch, tmp_path, capsys):
+    """--forks llama.cpp,ik_llama.cpp: on a quantized file the three engines alternate figure by
+    figure (ik built as its own fork); the dense rows stay llama.cpp against ours; the table has
+    ik's row and our ratio to it."""
+    calls, builds = [], []
+    monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
+                        lambda cache, jobs, isa, fork="llama.cpp": builds.append(fork) or {"fake": tmp_path})
+    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
+                        lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
+    monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
+                        lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
+    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+
+    def llamacpp_point(bins, gguf, point, threads, logs, raw, fork="llama.cpp"):
+        calls.append((fork, gguf.stem.split("-")[1], point))
+        return (20.0 if fork == "llama.cpp" else 25.0), 100.0
+
+    class Engine:
+        def exit(self):
+            pass
+    monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
+    monkeypatch.setattr(bench, "start_ours", lambda *a: Engine())
+    monkeypatch.setattr(bench, "ours_point", lambda llm, point, rng, raw: calls.append(("ours", point)) or 30.0)
+    monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1", "--rounds", "1",
+                                      "--formats", "f32,q4_0", "--forks", "llama.cpp,ik_llama.cpp"])
+    bench.main()
+    assert builds == ["llama.cpp", "ik_llama.cpp"]  # each fork built once
+    points = [("decode", 1), ("prefill", 128)]
+    expected = [c for p in points for c in (("llama.cpp", "f32", p), ("ours", p))]
+    expected += [c for p in points for c in (("llama.cpp", "q4_0", p), ("ik_llama.cpp", "q4_0", p), ("ours", p))]
+    assert calls == expected
+    out = capsys.readouterr().out
+    assert "| ik_llama.cpp Q4_0 (-rtr) | 25.0 | 25.0 |" in out
+    assert "| nano-vLLM Q4_0 / ik_llama.cpp Q4_0 (-rtr) | 1.20x | 1.20x |" in out
+    assert "| nano-vLLM Q4_0 / llama.cpp Q4_0 | 1.50x | 1.50x |" in out
+
+
+def test_ik_batched_bench_reruns_without_flash_attention(bench, monkeypatch, tmp_path, capsys):
+    """ik_llama.cpp's llama-batched-bench aborting with flash attention (its default): the figure is
+    its -fa 0 run, read from the markdown table it prints, and the run says so."""
+    commands = []
+
+    def run_step(step, cmd, log, stdout=None, cwd=None):
+        commands.append(cmd)
+        if "-fa" not in cmd:
+            raise bench.BuildError(f"{step} failed (exit code -6)")
+        log.write_text("|    64 |     64 |    8 |   1024 |    1.131 |   452.72 |    2.084 |   245.69 |    3.215 |   318.52 |\n")
+        stdout.write_text("")
+        return 123.0
+    monkeypatch.setattr(bench.llamacpp_build, "run_step", run_step)
+    raw = []
+    rate, rss = bench.llamacpp_point({"llama-batched-bench": tmp_path / "bb"}, tmp_path / "m.gguf", ("decode", 8), 2,
+                                     tmp_path, raw, "ik_llama.cpp")
+    assert (rate, rss) == (245.69, 123.0)
+    assert "-rtr" in commands[0] and commands[1][-2:] == ["-fa", "0"]
+    assert "rerun with -fa 0" in capsys.readouterr().err
+    assert raw[0] == {"note": "flash attention off (aborted with it on)"}
 
 
 def test_build_info_script_the_ik_sdist_leaves_out(bench, tmp_path):
