@@ -187,6 +187,22 @@ def start_ours(path: str, batches: list[int], threads: int, dtype: str, input_bi
                cpu_input_bits=input_bits)
 
 
+def per_token_bytes(llm) -> int:
+    """What one decode step at one sequence reads in our engine (weights as held, the top_k
+    experts, the KV cache at the middle of the benchmark's decode): the bandwidth view's bytes."""
+    from nanovllm.utils.efficiency import decode_bytes_per_token
+    runner = llm.model_runner
+    return decode_bytes_per_token(runner.model, runner.kv_token_bytes(), PROMPT_LEN + DECODE_STEPS // 2)
+
+
+def measured_read_bandwidth(threads: int) -> float:
+    """Bytes/s of one read of 256 MB with `threads` threads, in this process (the floor's denominator)."""
+    import torch
+    from nanovllm.utils.efficiency import read_bandwidth
+    torch.set_num_threads(threads)
+    return read_bandwidth(torch.device("cpu"))
+
+
 def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> float:
     """One figure of our engine (tok/s) on the shape of llamacpp_point's, after a warm-up at that
     shape; every prompt is fresh random tokens (no prefix hits). Its step timings go to raw."""
@@ -303,6 +319,14 @@ def table(name: str, results: dict, batches: list[int]) -> str:
                 if any(m is not None for m in medians):
                     lines.append(row(f"{LABELS[ours]} / {label(ref_key)}, median of the rounds' pairs", medians,
                                      "{:.2f}x"))
+    for ours, view in (results.get("floor", {}).items() if batches[0] == 1 else ()):
+        # every engine on the same file reads about the same bytes (the KV cache in 16 bits in each)
+        floor = view["read_bandwidth"] / view["bytes_per_token"]
+        engines = [k for k in (RATIOS[ours], fork_key("ik_llama.cpp", RATIOS[ours]), ours) if k in rows]
+        shares = ", ".join(f"{label(k)} {rows[k][0] / floor:.0%}" for k in engines if rows[k][0] is not None)
+        lines.append(f"\nBandwidth view, {LABELS[ours]}: {view['bytes_per_token'] / 1e6:.0f} MB read per token at one "
+                     f"sequence, read bandwidth {view['read_bandwidth'] / 1e9:.1f} GB/s in the same run: floor "
+                     f"{floor:.1f} tok/s; decode @{batches[0]} as a share of it: {shares}\n")
     return "\n".join(lines)
 
 
@@ -443,6 +467,9 @@ def main() -> None:
                 llm = start_ours(our_source, args.batches, args.threads, our_dtype, args.input_bits) if ours else None
                 if llm is not None:
                     keep_rss(results, ours, RSS_COLUMNS[0], rss_mib())
+                    # the bandwidth view: bytes per token and the read bandwidth, measured now, beside the figures
+                    results["floor"] = {**results.get("floor", {}), ours: {
+                        "bytes_per_token": per_token_bytes(llm), "read_bandwidth": measured_read_bandwidth(args.threads)}}
                 rng = random.Random(0)
                 try:
                     for point in points:

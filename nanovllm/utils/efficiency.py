@@ -46,6 +46,22 @@ def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
     return 2 * size_bytes / t
 
 
+def read_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
+                   synchronize: Callable[[], None] = lambda: None) -> float:
+    """Bytes/s of reading a large tensor once (a sum over it): the rate a one-sequence decode step,
+    which reads every weight once and writes little, can at best read its weights at."""
+    src = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    t = _best_time(lambda: src.sum(), synchronize)
+    return size_bytes / t
+
+
+def decode_bytes_per_token(model: nn.Module, kv_bytes_per_token: int, context: int) -> int:
+    """Bytes a one-sequence decode step reads: every matmul's weights as held (the LM head's
+    included), the top_k experts of each MoE layer, and the KV cache of `context` tokens."""
+    weight_bytes = sum(w.numel() * w.element_size() for w in matmul_weights(model))
+    return weight_bytes + expert_bytes(model)[1] + kv_bytes_per_token * context
+
+
 def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
     """Weights multiplied every step: every linear projection plus the LM head, in the form their
     methods read them (the oneDNN-packed copy where the platform packed them)."""

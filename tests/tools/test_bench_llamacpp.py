@@ -175,6 +175,8 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
         calls.append((llm.name, point))
         return float(next(rates))
     monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
+    monkeypatch.setattr(bench, "per_token_bytes", lambda llm: 100e6)  # the bandwidth view's inputs
+    monkeypatch.setattr(bench, "measured_read_bandwidth", lambda threads: 20e9)
     monkeypatch.setattr(bench, "start_ours", start_ours)
     monkeypatch.setattr(bench, "ours_point", ours_point)
     monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1,8",
@@ -263,6 +265,8 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
         def exit(self):
             pass
     monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
+    monkeypatch.setattr(bench, "per_token_bytes", lambda llm: 100e6)  # the bandwidth view's inputs
+    monkeypatch.setattr(bench, "measured_read_bandwidth", lambda threads: 20e9)
     monkeypatch.setattr(bench, "start_ours", lambda *a: Engine())
     monkeypatch.setattr(bench, "ours_point", lambda llm, point, rng, raw: 20.0)
     monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1,8",
@@ -299,6 +303,8 @@ def test_ik_llama_cpp_is_a_third_row_on_the_quantized_files(bench, monkeypatch, 
         def exit(self):
             pass
     monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
+    monkeypatch.setattr(bench, "per_token_bytes", lambda llm: 100e6)  # the bandwidth view's inputs
+    monkeypatch.setattr(bench, "measured_read_bandwidth", lambda threads: 20e9)
     monkeypatch.setattr(bench, "start_ours", lambda *a: Engine())
     monkeypatch.setattr(bench, "ours_point", lambda llm, point, rng, raw: calls.append(("ours", point)) or 30.0)
     monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1", "--rounds", "1",
@@ -313,6 +319,10 @@ def test_ik_llama_cpp_is_a_third_row_on_the_quantized_files(bench, monkeypatch, 
     assert "| ik_llama.cpp Q4_0 (-rtr) | 25.0 | 25.0 |" in out
     assert "| nano-vLLM Q4_0 / ik_llama.cpp Q4_0 (-rtr) | 1.20x | 1.20x |" in out
     assert "| nano-vLLM Q4_0 / llama.cpp Q4_0 | 1.50x | 1.50x |" in out
+    # 100 MB a token at 20 GB/s: a floor of 200 tok/s, of which each engine's one-sequence decode is a share
+    assert ("Bandwidth view, nano-vLLM Q4_0: 100 MB read per token at one sequence, read bandwidth 20.0 GB/s in "
+            "the same run: floor 200.0 tok/s; decode @1 as a share of it: llama.cpp Q4_0 10%, "
+            "ik_llama.cpp Q4_0 (-rtr) 12%, nano-vLLM Q4_0 15%") in out
 
 
 def test_ik_batched_bench_reruns_without_flash_attention(bench, monkeypatch, tmp_path, capsys):
@@ -367,3 +377,21 @@ def test_depths_hand_over_to_the_depth_script(bench, monkeypatch):
     assert Path(argv[0]).name == "bench_depth.py"
     assert argv[1:] == ["--llamacpp", "--forks", "llama.cpp,ik_llama.cpp", "--depths", "2048,8192", "--kv-cache-dtypes", "auto,int8",
                         "--file", "q8_0", "--isa", "avx2"]
+
+
+def test_decode_bytes_per_token_is_the_hand_count(tmp_path):
+    """The bandwidth view's bytes at one sequence: every linear matrix once as held (fp32 here), the
+    tied embedding once as the LM head, and the KV cache of the context (K and V, 16 bits)."""
+    from helpers import make_qwen3
+    from nanovllm import LLM
+    from nanovllm.utils.efficiency import decode_bytes_per_token
+    path = make_qwen3(str(tmp_path / "m"), tie_word_embeddings=True)
+    with LLM(path, dtype="float32", kv_cache_dtype="float16", cpu_kvcache_bytes=8 << 20) as llm:
+        c = llm.config.hf_config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        per_layer = (q + 2 * kv) * c.hidden_size + c.hidden_size * q + 3 * c.intermediate_size * c.hidden_size
+        weights = 4 * (c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size)
+        cache = c.num_hidden_layers * 2 * kv * 2  # K and V of one token, every layer, float16
+        runner = llm.model_runner
+        assert runner.kv_token_bytes() == cache
+        assert decode_bytes_per_token(runner.model, runner.kv_token_bytes(), 100) == weights + 100 * cache
