@@ -38,7 +38,7 @@ _GEMMA_LAYER_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # GPT-OSS files (llama.cpp's gpt-oss): the norm before the MLP is post_attention_norm, the router
 # ffn_gate_inp with a bias, each head's sink logit attn_sinks, the experts' biases stacked [E, rows];
-# every other layer slides (even ones, llama.cpp's set_swa_pattern(2)); its clamped SwiGLU's
+# every other layer slides (the even ones: swa_layer_types with a pattern of 2); its clamped SwiGLU's
 # constants are llama.cpp's (and the model card's), not in the file.
 _GPT_OSS_LAYER_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
                         "attn_sinks.weight": "self_attn.sinks",
@@ -70,6 +70,9 @@ _LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# The layer names of the architectures whose files name some tensors their own way.
+_ARCH_LAYER_NAMES = {**{a: {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} for a in GEMMA},
+                     "gpt-oss": {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
@@ -94,6 +97,12 @@ def release_gguf(path: str) -> None:
         _open_files.pop(key).close()
 
 
+def swa_layer_types(window: int | None, layers: int, pattern: int) -> list[str]:
+    """llama.cpp's set_swa_pattern: every `pattern`-th layer full attention, the others sliding
+    (all full without a window)."""
+    return ["full_attention" if not window or (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+
+
 def is_gguf_path(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and str(path).lower().endswith(".gguf")
 
@@ -103,8 +112,7 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER.fullmatch(name)
-    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in GEMMA else \
-        {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES} if arch == "gpt-oss" else _LAYER_NAMES
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
@@ -242,8 +250,7 @@ class GGUFFile:
         """A Gemma file's settings as llama.cpp reads them (its gemma2 / gemma3 graphs)."""
         rules, layers = GEMMA[a], kwargs["num_hidden_layers"]
         window = self.field(f"{a}.attention.sliding_window", None)
-        kinds = ["full_attention" if not window or (i + 1) % rules["pattern"] == 0 else "sliding_attention"
-                 for i in range(layers)]
+        kinds = swa_layer_types(window, layers, rules["pattern"])
         # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B models
         scalar = (kwargs["hidden_size"] // kwargs["num_attention_heads"] if layers == rules["large_layers"]
                   else kwargs["head_dim"])
@@ -263,8 +270,7 @@ class GGUFFile:
         out = dict(num_local_experts=int(self.field(f"{a}.expert_count")),
                    num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
                    sliding_window=window, attention_bias=True, **GPT_OSS_SWIGLU,
-                   layer_types=["sliding_attention" if window and i % 2 == 0 else "full_attention"
-                                for i in range(kwargs["num_hidden_layers"])])
+                   layer_types=swa_layer_types(window, kwargs["num_hidden_layers"], 2))
         if self.field(f"{a}.rope.scaling.type", None) == "yarn":
             out["rope_parameters"] = {
                 "rope_type": "yarn", "rope_theta": kwargs.pop("rope_theta"),

@@ -44,19 +44,18 @@ class GptOssMoE(SparseMoeBlock):
         self.shared_expert = self.shared_expert_gate = None
 
 
-def split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """One stacked expert tensor (dense, or MXFP4 rows made of a _blocks / _scales pair) as the
-    per-expert names of EXPERT_PARTS: experts.{e}.gate_proj / up_proj / down_proj .weight / .bias."""
+def split_experts(name: str, tensor: torch.Tensor, rows: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor (experts.gate_up_proj / down_proj, their _bias; rows: MXFP4 rows
+    [E, outputs, bytes] made of a _blocks / _scales pair, already output-major) as the per-expert
+    names of EXPERT_PARTS: experts.{e}.gate_proj / up_proj / down_proj .weight / .bias."""
     base, kind = name.rsplit(".", 1)
-    rows = kind.endswith("_rows")  # MXFP4: [E, rows, bytes], rows already the outputs
-    proj = kind.removesuffix("_rows").removesuffix("_bias")
+    proj = kind.removesuffix("_bias")
     suffix = "bias" if kind.endswith("_bias") else "weight"
     for e in range(tensor.shape[0]):
-        t = tensor[e]
+        outputs = tensor[e] if rows or suffix == "bias" else tensor[e].t()  # dense: [inputs, outputs]
         if proj == "down_proj":
-            yield f"{base}.{e}.down_proj.{suffix}", t if rows or suffix == "bias" else t.t()
+            yield f"{base}.{e}.down_proj.{suffix}", outputs
         else:  # gate and up interleaved: even outputs gate, odd up
-            outputs = t if rows or suffix == "bias" else t.t()
             yield f"{base}.{e}.gate_proj.{suffix}", outputs[0::2]
             yield f"{base}.{e}.up_proj.{suffix}", outputs[1::2]
 
@@ -91,7 +90,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
                         pending[name] = tensor
                         continue
                     blocks, scales = (tensor, pending.pop(other)) if name.endswith(BLOCKS) else (pending.pop(other), tensor)
-                    yield from split_experts(f"{stem}_rows", gguf_rows(blocks, scales, stem))
+                    yield from split_experts(stem, gguf_rows(blocks, scales, stem), rows=True)
                 else:
                     yield from split_experts(name, tensor)
             if pending:

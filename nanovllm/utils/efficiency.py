@@ -58,8 +58,12 @@ def read_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
 def decode_bytes_per_token(model: nn.Module, kv_bytes_per_token: int, context: int) -> int:
     """Bytes a one-sequence decode step reads: every matmul's weights as held (the LM head's
     included), the top_k experts of each MoE layer, and the KV cache of `context` tokens."""
-    weight_bytes = sum(w.numel() * w.element_size() for w in matmul_weights(model))
-    return weight_bytes + expert_bytes(model)[1] + kv_bytes_per_token * context
+    return matmul_weight_bytes(model) + expert_bytes(model)[1] + kv_bytes_per_token * context
+
+
+def matmul_weight_bytes(model: nn.Module) -> int:
+    """Bytes of matmul_weights(model)."""
+    return sum(w.numel() * w.element_size() for w in matmul_weights(model))
 
 
 def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
@@ -113,10 +117,9 @@ def measure_efficiency(llm, large_batch: int = 64, steps: int = 8) -> dict:
 
     peak = matmul_peak_flops(dtype, device, synchronize)
     bandwidth = copy_bandwidth(device, synchronize=synchronize)
-    weights = matmul_weights(runner.model)
     params = sum(layer.output_size * layer.input_size for layer in linear_layers(runner.model))
     params += active_expert_params(runner.model)
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    weight_bytes = matmul_weight_bytes(runner.model)
     batch = min(large_batch, llm.config.max_num_seqs)
     t_large = time_decode_steps(llm, batch, 32, steps)
     achieved = 2 * params * batch / t_large
