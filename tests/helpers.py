@@ -189,3 +189,19 @@ def random_weights(name: str, n: int, k: int, rng, unit_scales: bool = False, st
             field = blocks[:, offset:offset + 2].copy().view(np.float16)
             blocks[:, offset:offset + 2] = (field.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, k // size * nbytes)
+
+
+def gguf_writer(path: str, arch: str, config):
+    """A gguf.GGUFWriter for `arch` holding the metadata every decoder's file states, from an HF
+    config: layers, context, width, heads and KV heads, RMS eps, rope base, vocabulary size."""
+    import gguf
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_vocab_size(config.vocab_size)
+    return w

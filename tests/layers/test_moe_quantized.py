@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import check_tokens_close, hf_greedy
+from helpers import check_tokens_close, gguf_writer, hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.moe_ops import select_experts
@@ -47,16 +47,8 @@ def write_moe_gguf(hf_dir: str, path: str, arch: str, kind: str) -> str:
         experts, inter = config.num_local_experts, config.intermediate_size
     else:
         experts, inter = config.num_experts, config.moe_intermediate_size
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
+    w = gguf_writer(path, arch, config)
     w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    w.add_vocab_size(config.vocab_size)
     w.add_expert_count(experts)
     w.add_expert_used_count(config.num_experts_per_tok)
     w.add_expert_feed_forward_length(inter)

@@ -7,13 +7,12 @@ chunked prefills, prefix-cache hits, preemption and TP=2; a scale tensor that do
 blocks is named."""
 import json
 import os
-import random
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import check_tokens_close, hf_greedy
+from helpers import gguf_writer
 from nanovllm import LLM, SamplingParams
 
 gguf = pytest.importorskip("gguf")
@@ -85,26 +84,16 @@ def test_experts_held_as_mxfp4(checkpoint):
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=4)],
                          ids=["whole", "chunked"])
 def test_greedy_matches_transformers(checkpoint, engine):
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 20, 45)]
     from transformers import Mxfp4Config
+
+    from test_sliding_models import check_greedy_against_transformers
     # (dequantized by transformers' own reading of the blocks; its hub kernels are not for CPUs)
-    ref = hf_greedy(checkpoint, prompts, MAX_NEW, mask_eos=False, quantization_config=Mxfp4Config(dequantize=True))
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    with LLM(checkpoint, kvcache_block_size=16, dtype="float32", cpu_kvcache_bytes=8 << 20, **engine) as llm:
-        first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-        again = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix-cache hits
-    exact = check_tokens_close(first, ref)
-    assert exact >= len(prompts) - 1, f"only {exact}/{len(prompts)} prompts matched exactly"
-    assert again == first
+    check_greedy_against_transformers(checkpoint, engine, MAX_NEW, quantization_config=Mxfp4Config(dequantize=True))
 
 
 def test_tp2_matches_tp1_with_preemption(checkpoint):
-    from test_tp import run_mixed_workload
-    tokens1, _, preempted1, _, _ = run_mixed_workload(checkpoint, tp=1)
-    tokens2, _, preempted2, _, _ = run_mixed_workload(checkpoint, tp=2)
-    assert preempted1 > 0 and preempted2 > 0
-    assert tokens2 == tokens1
+    from test_sliding_models import check_tp2_equals_tp1
+    check_tp2_equals_tp1(checkpoint)
 
 
 def test_scales_that_do_not_pair_are_named(checkpoint, tmp_path):
@@ -128,24 +117,16 @@ def write_gguf(folder: str, path: str) -> str:
     config = AutoConfig.from_pretrained(folder)
     rope = config.rope_parameters
     tensors = safetensors_torch.load_file(os.path.join(folder, "model.safetensors"))
-    w = gguf.GGUFWriter(path, "gpt-oss")
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
+    w = gguf_writer(path, "gpt-oss", config)
     w.add_expert_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
     w.add_key_length(config.head_dim)
     w.add_value_length(config.head_dim)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_expert_count(config.num_local_experts)
     w.add_expert_used_count(config.num_experts_per_tok)
     w.add_sliding_window(config.sliding_window)
-    w.add_vocab_size(config.vocab_size)
 
     def f32(name):
         return tensors[name].float().numpy()

@@ -83,11 +83,17 @@ def test_checkpoint_is_as_named(checkpoint):
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=4)],
                          ids=["whole", "chunked"])
 def test_greedy_matches_transformers(checkpoint, engine):
-    _, path = checkpoint
+    check_greedy_against_transformers(checkpoint[1], engine)
+
+
+def check_greedy_against_transformers(path: str, engine: dict, max_new: int = MAX_NEW, **hf_load) -> None:
+    """Prompts of 1-45 tokens (past the window): transformers' greedy tokens (all but one prompt
+    exactly, the rest within check_tokens_close), and the same again from prefix-cache hits.
+    hf_load: more from_pretrained arguments for transformers."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 20, 45)]
-    ref = hf_greedy(path, prompts, MAX_NEW, mask_eos=False)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    ref = hf_greedy(path, prompts, max_new, mask_eos=False, **hf_load)
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     with LLM(path, kvcache_block_size=16, dtype="float32", cpu_kvcache_bytes=8 << 20, **engine) as llm:
         first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         again = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix-cache hits
@@ -135,8 +141,13 @@ def test_gemma2_final_logits_are_capped(tmp_path):
 @pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
 def test_tp2_matches_tp1_with_prefix_hits_chunks_and_preemption(name, tmp_path):
     """Each rank holds its heads' sinks and its slice of the attention; windows and norms alike."""
+    check_tp2_equals_tp1(make_checkpoint(name, str(tmp_path)))
+
+
+def check_tp2_equals_tp1(path: str) -> None:
+    """test_tp's mixed workload (prefix hits, chunked prefill, forced preemption) gives the same
+    tokens on two ranks as on one, preempting in both."""
     from test_tp import run_mixed_workload
-    path = make_checkpoint(name, str(tmp_path))
     tokens1, _, preempted1, _, _ = run_mixed_workload(path, tp=1)
     tokens2, _, preempted2, _, _ = run_mixed_workload(path, tp=2)
     assert preempted1 > 0 and preempted2 > 0

@@ -137,6 +137,18 @@ def test_rounds_keep_each_engines_best_figure(bench):
     assert "| nano-vLLM fp32 | 90.0 | 500.0 | 250.0 |" in bench.table("m", {"threads": 2, **results}, [1, 8])
 
 
+def stub_files(bench, monkeypatch, tmp_path) -> None:
+    """The model folder and the GGUF files as names in tmp_path (m-<format>.gguf): nothing converted;
+    the bandwidth view's inputs: 100 MB a token, a read bandwidth of 20 GB/s."""
+    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
+                        lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
+    monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
+                        lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
+    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+    monkeypatch.setattr(bench, "per_token_bytes", lambda llm: 100e6)
+    monkeypatch.setattr(bench, "measured_read_bandwidth", lambda threads: 20e9)
+
+
 def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys):
     """main() with both engines stubbed: for each weight width, every figure's --rounds measurements
     alternate llama.cpp and ours (ours on one engine per width, closed after), Q8_0 runs alone, and
@@ -146,11 +158,7 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
     builds = []
     monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
                         lambda cache, jobs, isa, fork="llama.cpp": builds.append(isa) or {"fake": tmp_path})
-    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
-                        lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
-    monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
-                        lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
-    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+    stub_files(bench, monkeypatch, tmp_path)
 
     def llamacpp_point(bins, gguf, point, threads, logs, raw, fork="llama.cpp"):
         calls.append((gguf.stem.split("-")[1], point))
@@ -175,8 +183,6 @@ def test_engines_alternate_figure_by_figure(bench, monkeypatch, tmp_path, capsys
         calls.append((llm.name, point))
         return float(next(rates))
     monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
-    monkeypatch.setattr(bench, "per_token_bytes", lambda llm: 100e6)  # the bandwidth view's inputs
-    monkeypatch.setattr(bench, "measured_read_bandwidth", lambda threads: 20e9)
     monkeypatch.setattr(bench, "start_ours", start_ours)
     monkeypatch.setattr(bench, "ours_point", ours_point)
     monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1,8",
@@ -247,11 +253,7 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
     """A llama.cpp run that fails (e.g. a kernel the VM traps) ends that format's figures only: the
     error is printed and saved, the other formats and our engine are still measured."""
     monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp", lambda cache, jobs, isa, fork="llama.cpp": {"fake": tmp_path})
-    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
-                        lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
-    monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
-                        lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
-    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+    stub_files(bench, monkeypatch, tmp_path)
     tried = []
 
     def llamacpp_point(bins, gguf, point, threads, logs, raw, fork="llama.cpp"):
@@ -265,8 +267,6 @@ def test_a_crashing_llamacpp_format_is_reported_and_the_rest_still_runs(bench, m
         def exit(self):
             pass
     monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
-    monkeypatch.setattr(bench, "per_token_bytes", lambda llm: 100e6)  # the bandwidth view's inputs
-    monkeypatch.setattr(bench, "measured_read_bandwidth", lambda threads: 20e9)
     monkeypatch.setattr(bench, "start_ours", lambda *a: Engine())
     monkeypatch.setattr(bench, "ours_point", lambda llm, point, rng, raw: 20.0)
     monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1,8",
@@ -289,11 +289,7 @@ def test_ik_llama_cpp_is_a_third_row_on_the_quantized_files(bench, monkeypatch, 
     calls, builds = [], []
     monkeypatch.setattr(bench.llamacpp_build, "build_llamacpp",
                         lambda cache, jobs, isa, fork="llama.cpp": builds.append(fork) or {"fake": tmp_path})
-    monkeypatch.setattr(bench.llamacpp_build, "convert_to_gguf",
-                        lambda cache, path, name, quant: tmp_path / f"m-{quant}.gguf")
-    monkeypatch.setattr(bench.llamacpp_build, "quantize_gguf",
-                        lambda cache, bins, source, preset: tmp_path / f"m-{preset}.gguf")
-    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path / "model"))
+    stub_files(bench, monkeypatch, tmp_path)
 
     def llamacpp_point(bins, gguf, point, threads, logs, raw, fork="llama.cpp"):
         calls.append((fork, gguf.stem.split("-")[1], point))
@@ -303,8 +299,6 @@ def test_ik_llama_cpp_is_a_third_row_on_the_quantized_files(bench, monkeypatch, 
         def exit(self):
             pass
     monkeypatch.setattr(bench, "llamacpp_point", llamacpp_point)
-    monkeypatch.setattr(bench, "per_token_bytes", lambda llm: 100e6)  # the bandwidth view's inputs
-    monkeypatch.setattr(bench, "measured_read_bandwidth", lambda threads: 20e9)
     monkeypatch.setattr(bench, "start_ours", lambda *a: Engine())
     monkeypatch.setattr(bench, "ours_point", lambda llm, point, rng, raw: calls.append(("ours", point)) or 30.0)
     monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py", "--models", "default", "--batches", "1", "--rounds", "1",
