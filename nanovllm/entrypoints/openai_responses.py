@@ -263,11 +263,13 @@ class ResponseStore:
         self.entries: OrderedDict[str, Stored] = OrderedDict()
         self.size = 0
 
-    def get(self, response_id: str) -> Stored:
+    def get(self, response_id: str, param: str = "response_id") -> Stored:
+        """The stored response; a 404 naming `param` (the path's response_id, or the request's
+        previous_response_id) where there is none."""
         stored = self.entries.get(response_id)
         if stored is None:
             raise ApiError(404, f"response {response_id!r} is not stored on this server (never made, not "
-                                "stored, deleted, or dropped from its bounded store)", param="previous_response_id",
+                                "stored, deleted, or dropped from its bounded store)", param=param,
                            code="not_found")
         self.entries.move_to_end(response_id)
         return stored
@@ -366,7 +368,8 @@ def add_responses_routes(app: FastAPI, service: ChatService, max_stored: int = 1
     async def create_response(body: ResponsesRequest, request: Request):
         service.check_model(body.model)
         tools = body.function_tools()
-        previous = store.get(body.previous_response_id).messages if body.previous_response_id else []
+        previous = (store.get(body.previous_response_id, "previous_response_id").messages
+                    if body.previous_response_id else [])
         conversation = Conversation(previous)
         chat = chat_request(body, tools, conversation)
         turn = await service.start_turn(chat, "resp", "max_output_tokens")

@@ -221,8 +221,12 @@ def test_bad_input_is_refused_before_anything_is_queued(oai, claude, url):
         with pytest.raises(openai.BadRequestError) as e:
             oai.responses.create(model=MODEL, **kwargs)
         assert words in e.value.body["message"] and e.value.body["type"] == "invalid_request_error", e.value.body
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as e:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_nothing")
+    assert e.value.body["param"] == "previous_response_id", e.value.body
+    with pytest.raises(openai.NotFoundError) as e:  # the path's id, named as the path names it
+        oai.responses.retrieve("resp_nothing")
+    assert e.value.body["param"] == "response_id", e.value.body
     bad_messages = [
         ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "'image' are not supported"),
         ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}],
