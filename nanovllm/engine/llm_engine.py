@@ -38,12 +38,20 @@ def startup_summary(config: Config, runner: ModelRunner, num_blocks: int) -> str
     if config.weight_dtype != config.torch_dtype:
         dtypes += f" activations, {str(config.weight_dtype).removeprefix('torch.')} weights"
     tp = f", {config.tensor_parallel_size} tensor-parallel ranks" if config.tensor_parallel_size > 1 else ""
-    tokens = num_blocks * config.kvcache_block_size
-    kv_mib = num_blocks * runner.kv_block_bytes() / 2**20
+    kv_bytes = num_blocks * runner.kv_block_bytes()
+    tokens = kv_bytes // runner.kv_token_bytes()  # of every layer (engine/kv_groups.py: sliding groups hold fewer)
+    kv_mib = kv_bytes / 2**20
+    groups, kinds, layers = runner.kv_groups, "", ""
+    if len(groups) > 1:  # engine/kv_groups.py
+        layers = f" tokens x {runner.kv_cache.shape[1]} layers"
+        windows = sorted({g.window for g in groups}, key=lambda w: w or 0)
+        kinds = "; block tables: " + ", ".join(
+            f"{sum(1 for g in groups if g.window == w)} of {'full' if w is None else f'window-{w}'} layers"
+            for w in windows)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return (f"model {os.path.basename(config.model.rstrip('/'))} ({arch}) on {config.device}{tp}, {dtypes}; "
             f"KV cache {tokens} tokens in {config.kv_format.name}, {runner.kv_token_bytes()} bytes per token "
-            f"({num_blocks} blocks of {config.kvcache_block_size}, {kv_mib:.0f} MiB per rank); "
+            f"({num_blocks} blocks of {config.kvcache_block_size}{layers}, {kv_mib:.0f} MiB per rank{kinds}); "
             f"peak RSS {peak_rss_mib:.0f} MiB")
 
 
@@ -73,7 +81,8 @@ class LLMEngine:
             logger.info("sampling defaults from generation_config %r: %s (requests that leave a field unset "
                         "take it; generation_config='vllm' for none)", config.generation_config,
                         ", ".join(f"{k}={v}" for k, v in config.sampling_defaults.items()))
-        self.scheduler = Scheduler(config, self.num_kvcache_blocks, self.kv_window())
+        runner = getattr(self.model_runner, "runner", self.model_runner)
+        self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups])
         self.speculator = None
         if config.speculative_config is not None:
             from nanovllm.spec_decode.build import build_speculator
@@ -109,17 +118,6 @@ class LLMEngine:
             raise ValueError(f"prompt token ids {out_of_vocab[:4]} are outside the vocabulary [0, {self.vocab_size})")
         return token_ids
 
-    def kv_window(self) -> int | None:
-        """The window every attention layer slides over, when all do (Mistral): the scheduler then
-        frees a sequence's blocks behind it. None with a full-attention layer, or a draft model
-        (whose own attention reads the target's block tables)."""
-        runner = getattr(self.model_runner, "runner", self.model_runner)
-        windows = {layer.sliding_window for layer in runner.attention_layers}
-        spec = self.config.speculative_config
-        if None in windows or (spec is not None and spec.method == "draft_model"):
-            return None
-        return max(windows)
-
     def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
         """Validate one request and wrap it as a Sequence; raises before touching any engine state."""
         if not isinstance(sampling_params, SamplingParams):
@@ -138,7 +136,7 @@ class LLMEngine:
         if bad_stops:
             raise ValueError(f"stop_token_ids {bad_stops[:4]} are outside the vocabulary [0, {self.vocab_size})")
         longest = min(len(token_ids) + (sampling_params.max_tokens or max_len), max_len)
-        blocks_needed = self.scheduler.block_manager.blocks_held_at_most(longest)
+        blocks_needed = self.scheduler.block_manager.blocks_held_at_most(len(token_ids), longest)
         if blocks_needed > self.num_kvcache_blocks:
             raise ValueError(f"request needs {blocks_needed} KV cache blocks ({longest} tokens) but the whole "
                              f"cache holds {self.num_kvcache_blocks}; lower max_tokens or give the cache more memory")

@@ -30,14 +30,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int, kv_window: int | None = None):
-        """kv_window: the window every layer attends over, when all slide (their blocks behind it are freed)."""
+    def __init__(self, config: Config, num_kvcache_blocks: int, kv_windows: list[int | None] | None = None):
+        """kv_windows: each KV group's sliding window, None for full attention (engine/kv_groups.py);
+        a sliding group's blocks behind its window are freed. Default: one full-attention group."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching, kv_window)
+                                          config.enable_prefix_caching, kv_windows)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0

@@ -18,7 +18,7 @@ class Sequence:
 
     num_computed_tokens counts the tokens whose K/V are already in the paged cache (prefix-cache
     hits and earlier prefill chunks included); num_cached_tokens counts the prefix-cache hits.
-    The BlockManager owns block_table and both counts (allocate sets them, deallocate clears them)
+    The BlockManager owns block_tables and both counts (allocate sets them, deallocate clears them)
     and all block arithmetic: a Sequence knows nothing of block sizes, so engines with different
     block sizes can share a process.
     """
@@ -35,9 +35,11 @@ class Sequence:
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
-        # Leading entries of block_table handed back because every layer's window has passed them
-        # (BlockManager.release_behind_window); their ids stay in the table, never read again.
+        # One block table per KV group (engine/kv_groups.py; one group unless the model's layers
+        # attend in several ways): [[]] until the BlockManager allocates.
+        self.block_tables: list[list[int]] = [[]]
+        # Leading entries of each sliding-window group's table handed back because the window has
+        # passed them (BlockManager.release_behind_window); their ids stay, never read again.
         self.num_released_blocks = 0
         self.sampling_params = sp
         # max_tokens None: bounded by max_model_len only (the scheduler checks that).
@@ -52,6 +54,15 @@ class Sequence:
         # never pickled); its state follows completion_token_ids, so preemption keeps it.
         self.grammar = None
         self.output_prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's block table (a full-attention group wherever the model has one)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables = [table]
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -100,10 +111,10 @@ class Sequence:
             tokens: int | list[int] = self.last_token
         else:  # prefill, chunked prefill, or recompute after preemption: the worker slices token_ids
             tokens = self.token_ids
-        return (self.num_tokens, self.num_computed_tokens, self.block_table, tokens)
+        return (self.num_tokens, self.num_computed_tokens, self.block_tables, tokens)
 
     def __setstate__(self, state: tuple) -> None:
-        self.num_tokens, self.num_computed_tokens, self.block_table, tokens = state
+        self.num_tokens, self.num_computed_tokens, self.block_tables, tokens = state
         if isinstance(tokens, int):
             self.token_ids, self.last_token = None, tokens
         else:

@@ -137,7 +137,7 @@ class FusedDecode(StepRunner):
                 *linears, pointer(a.attn.k_cache, a.attn.kv_format.storage),
                 pointer(a.attn.v_cache, a.attn.kv_format.storage), int(parts is not None),
                 ctypes.pointer(moe) if moe is not None else None, a.attn.sliding_window or 0,
-                pointer(a.attn.sinks)))
+                pointer(a.attn.sinks), a.attn.kv_group))
         eps = {layer.input_layernorm.eps for layer in layers} | {inner.norm.eps}
         if attn0.use_qk_norm:
             eps |= {layer.self_attn.q_norm.eps for layer in layers} | {layer.self_attn.k_norm.eps for layer in layers}
@@ -184,16 +184,21 @@ class FusedDecode(StepRunner):
 
     def run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """A decode step: the logits [num_seqs, vocab]."""
-        meta = context.attn_metadata
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        lens = meta.context_lens.to(torch.int32).contiguous()
-        slots = context.slot_mapping.to(torch.int64).contiguous()
         positions = self.checked_positions(positions)
         num_seqs = input_ids.shape[0]
-        # NOTE: the step points into tables, lens, slots and positions: they live until it returns.
-        step = DecodeStep(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), num_seqs,
-                          tables.shape[1], meta.max_seqlen_k, int(context.shared_rows))
-        k, desc, step_ref = self.kernels, ctypes.byref(self.desc), ctypes.byref(step)
+        # One step per KV group (engine/kv_groups.py): its block tables and slots.
+        # NOTE: the steps point into these tensors: they live until the step returns.
+        held, steps = [], []
+        for g in range(1 + len(context.more_groups)):
+            slot_mapping, meta = context.kv_inputs(g)
+            tables = meta.block_tables.to(torch.int32).contiguous()
+            lens = meta.context_lens.to(torch.int32).contiguous()
+            slots = slot_mapping.to(torch.int64).contiguous()
+            held += [tables, lens, slots]
+            steps.append(DecodeStep(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                                    num_seqs, tables.shape[1], meta.max_seqlen_k, int(context.shared_rows)))
+        steps = (DecodeStep * len(steps))(*steps)
+        k, desc, step_ref = self.kernels, ctypes.byref(self.desc), ctypes.byref(steps)
 
         def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
             attn = torch.empty(qkv.shape[0], layer.self_attn.q_size)
@@ -240,13 +245,15 @@ class FusedDecode(StepRunner):
         """A prefill step: run_layers with the rotary + KV store in C and the attention of the
         backend (SDPA over the new tokens, and over a cached prefix where there is one)."""
         embeds = self.embed(input_ids).contiguous()
-        slots = context.slot_mapping.to(torch.int64).contiguous()
+        groups = [context.kv_inputs(g) for g in range(1 + len(context.more_groups))]
+        slots = [slot_mapping.to(torch.int64).contiguous() for slot_mapping, _ in groups]
         positions = self.checked_positions(positions)
-        k, desc, meta = self.kernels, ctypes.byref(self.desc), context.attn_metadata
+        k, desc = self.kernels, ctypes.byref(self.desc)
 
         def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
             a = layer.self_attn
-            k.rope_store_layer(desc, i, qkv.data_ptr(), positions.data_ptr(), slots.data_ptr(), qkv.shape[0],
+            group, meta = a.attn.kv_group, groups[a.attn.kv_group][1]
+            k.rope_store_layer(desc, i, qkv.data_ptr(), positions.data_ptr(), slots[group].data_ptr(), qkv.shape[0],
                                torch.get_num_threads())
             q, key, value = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
             shape = (qkv.shape[0], -1, a.head_dim)

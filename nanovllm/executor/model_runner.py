@@ -10,6 +10,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.distributed.parallel import get_tp_size
 from nanovllm.executor.step_runner import StepRunner
+from nanovllm.engine.kv_groups import kv_groups, slots_per_block
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
@@ -75,6 +76,7 @@ class ModelRunner:
         if rank == 0:
             logger.info("attention backend: %s, device: %s, dtype: %s, compiled ops: %s, linear layers: %s",
                         self.backend.name, self.device, self.dtype, config.compile_ops, self.linear_methods)
+        self.kv_groups = kv_groups([layer.sliding_window for layer in self.attention_layers], self.split_kv_groups())
         self.num_kvcache_blocks = self.allocate_kv_cache()
         # What runs some steps in place of the eager forward (CUDA graphs; the CPU's C step), asked
         # in turn at every step (executor/step_runner.py).
@@ -82,13 +84,22 @@ class ModelRunner:
                                                                     self.device, rank)
 
     # ---- KV cache ---------------------------------------------------------------------------
+    def split_kv_groups(self) -> bool:
+        """Whether layers of different attention kinds get block tables of their own (engine/kv_groups.py):
+        not when a draft model reads the target's one table."""
+        spec = self.config.speculative_config
+        return spec is None or spec.method != "draft_model"
+
     def kv_token_bytes(self) -> int:
         """One cached token over every layer, K and V, in the cache's format (scales included)."""
         layer = self.attention_layers[0]
         return self.kv_format.token_bytes(len(self.attention_layers), layer.num_kv_heads, layer.head_dim)
 
     def kv_block_bytes(self) -> int:
-        return self.block_size * self.kv_token_bytes()
+        """One block: block_size tokens of as many layers as the largest KV group has."""
+        layer = self.attention_layers[0]
+        return self.block_size * self.kv_format.token_bytes(slots_per_block(self.kv_groups), layer.num_kv_heads,
+                                                            layer.head_dim)
 
     def kv_cache_budget_bytes(self) -> int:
         return self.platform.kv_cache_budget_bytes(self.config, self.device, self.warmup_model)
@@ -101,7 +112,7 @@ class ModelRunner:
         block_bytes = self.kv_block_bytes()
         budget = self.kv_cache_budget_bytes()
         num_blocks = max(budget, 0) // block_bytes
-        blocks_per_seq = -(-self.config.max_model_len // self.block_size)
+        blocks_per_seq = -(-self.config.max_model_len // self.block_size) * len(self.kv_groups)
         num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
         if self.config.runner == "pooling":
             num_blocks = min(num_blocks, 1)  # embeddings never store K/V; the structures want a block
@@ -114,14 +125,18 @@ class ModelRunner:
             raise ValueError(f"not even one KV cache block ({block_bytes} bytes) fits the memory budget "
                              f"({budget} bytes); raise gpu_memory_utilization / "
                              "cpu_kvcache_bytes or lower max_num_batched_tokens / max_num_seqs")
-        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, a head's row in the format]
+        # [2 (K, V), layers per block (all of them with one KV group), num_blocks, block_size,
+        #  num_kv_heads, a head's row in the format]; layer j of each group reads slot j.
         fmt = self.kv_format
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
+        shape = (2, slots_per_block(self.kv_groups), num_blocks, self.block_size, layer.num_kv_heads,
                  fmt.row_units(layer.head_dim))
         self.kv_cache = self.platform.allocate_kv_cache(shape, fmt.storage, self.device, self.config.kvcache_prefault)
-        for i, attn in enumerate(self.attention_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            attn.kv_format = fmt
+        for g, group in enumerate(self.kv_groups):
+            for slot, i in enumerate(group.layers):
+                attn = self.attention_layers[i]
+                attn.k_cache, attn.v_cache = self.kv_cache[0, slot], self.kv_cache[1, slot]
+                attn.kv_format = fmt
+                attn.kv_group = g
         return num_blocks
 
     @torch.inference_mode()
@@ -133,7 +148,7 @@ class ModelRunner:
         self.platform.reset_peak_memory_stats(self.device)
         seqs = [Sequence([0] * seq_len) for _ in range(num_seqs)]
         input_ids, positions, context, _ = self.prepare_prefill(seqs, [seq_len] * num_seqs)
-        context.slot_mapping = None  # nothing to store: the cache does not exist yet
+        context.drop_stores()  # nothing to store: the cache does not exist yet
         with forward_context(context):
             hidden_states = self.model(input_ids, positions)
         # Logits of the largest decode batch ([max_num_seqs, vocab]) are part of the peak too.
@@ -152,7 +167,7 @@ class ModelRunner:
         def run(prompts: list[list[int]]) -> None:
             seqs = [Sequence(list(p)) for p in prompts]
             input_ids, positions, context, _ = self.prepare_prefill(seqs, [len(p) for p in prompts])
-            context.slot_mapping = None  # nothing to store
+            context.drop_stores()
             with forward_context(context):
                 hidden_states = self.model(input_ids, positions)
             out.append(pool(hidden_states, [len(p) for p in prompts], pooling, normalize))
@@ -168,12 +183,12 @@ class ModelRunner:
         return torch.cat(out)
 
     # ---- step inputs ------------------------------------------------------------------------
-    def slots_of(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        """Cache slots of positions [start, end) of seq."""
+    def slots_of(self, seq: Sequence, start: int, end: int, group: int = 0) -> np.ndarray:
+        """Cache slots of positions [start, end) of seq in a KV group's blocks."""
         if not seq.block_table:
             return np.full(end - start, -1, dtype=np.int64)
         pos = np.arange(start, end)
-        table = np.asarray(seq.block_table, dtype=np.int64)
+        table = np.asarray(seq.block_tables[group], dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -184,18 +199,23 @@ class ModelRunner:
                         needs_prompt_logits: list[bool] | None = None):
         """(input_ids, positions, context, logits_indices) of a prefill step: logits_indices picks
         each sequence's last new token, and every new token of the rows that need prompt logits."""
-        input_ids, positions, slots, context_lens = [], [], [], []
+        input_ids, positions, context_lens = [], [], []
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_computed_tokens
             input_ids.extend(seq.uncomputed_token_ids(n))
             positions.append(np.arange(start, start + n))
-            slots.append(self.slots_of(seq, start, start + n))
             context_lens.append(start + n)
         logits_indices = logits_positions(num_new_tokens, needs_prompt_logits)
-        batch = AttentionBatch(is_prefill=True, num_new_tokens=list(num_new_tokens), context_lens=context_lens,
-                               block_tables=[seq.block_table for seq in seqs], to_device=self.to_device)
-        context = Context(is_prefill=True, slot_mapping=self.to_device(torch.from_numpy(np.concatenate(slots))),
-                          attn_metadata=self.backend.prepare(batch))
+        groups = []
+        for g in range(len(self.kv_groups)):
+            slots = [self.slots_of(seq, seq.num_computed_tokens, seq.num_computed_tokens + n, g)
+                     for seq, n in zip(seqs, num_new_tokens)]
+            tables = [seq.block_tables[g] if seq.block_table else [] for seq in seqs]
+            batch = AttentionBatch(is_prefill=True, num_new_tokens=list(num_new_tokens), context_lens=context_lens,
+                                   block_tables=tables, to_device=self.to_device)
+            groups.append((self.to_device(torch.from_numpy(np.concatenate(slots))), self.backend.prepare(batch)))
+        context = Context(is_prefill=True, slot_mapping=groups[0][0], attn_metadata=groups[0][1],
+                          more_groups=tuple(groups[1:]))
         input_ids = self.to_device(torch.tensor(input_ids, dtype=torch.int64))
         positions = self.to_device(torch.from_numpy(np.concatenate(positions)))
         return input_ids, positions, context, self.to_device(torch.tensor(logits_indices))
@@ -204,27 +224,34 @@ class ModelRunner:
         """(input_ids, positions, context) of a decode step: one new token per sequence, or with
         drafts (speculative verification) a row for its last token and one per proposal after it,
         all over the sequence's block table."""
-        input_ids, positions, tables = [], [], []
+        input_ids, positions = [], []
+        tables: list[list[list[int]]] = [[] for _ in self.kv_groups]
         for i, seq in enumerate(seqs):
             proposed = drafts[i] if drafts is not None else []
             start = len(seq) - 1
             input_ids += [seq.last_token, *proposed]
             positions += range(start, start + 1 + len(proposed))
-            tables += [seq.block_table] * (1 + len(proposed))
-        return self.prepare_rows(input_ids, positions, tables)
+            for g, table in enumerate(seq.block_tables):
+                tables[g] += [table] * (1 + len(proposed))
+        return self.prepare_rows(input_ids, positions, *tables)
 
-    def prepare_rows(self, input_ids: list[int], positions: list[int], tables: list[list[int]]):
+    def prepare_rows(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
+                     *more_tables: list[list[int]]):
         """(input_ids, positions, context) of decode rows: each its token at its position, attending
         to every cached position before it in its block table (rows may share one: then all rows'
-        K/V are stored before any row attends)."""
+        K/V are stored before any row attends); more_tables: the rows' tables of KV groups past the first."""
         positions = np.array(positions, dtype=np.int64)
-        slots = np.array([t[p // self.block_size] * self.block_size + p % self.block_size
-                          for t, p in zip(tables, positions)], dtype=np.int64)
-        batch = AttentionBatch(is_prefill=False, num_new_tokens=[1] * len(tables),
-                               context_lens=(positions + 1).tolist(), block_tables=tables, to_device=self.to_device)
+        groups = []
+        for group_tables in (tables, *more_tables):
+            slots = np.array([t[p // self.block_size] * self.block_size + p % self.block_size
+                              for t, p in zip(group_tables, positions)], dtype=np.int64)
+            batch = AttentionBatch(is_prefill=False, num_new_tokens=[1] * len(group_tables),
+                                   context_lens=(positions + 1).tolist(), block_tables=group_tables,
+                                   to_device=self.to_device)
+            groups.append((self.to_device(torch.from_numpy(slots)), self.backend.prepare(batch)))
         shared = len({id(t) for t in tables}) < len(tables)
-        context = Context(is_prefill=False, slot_mapping=self.to_device(torch.from_numpy(slots)),
-                          attn_metadata=self.backend.prepare(batch), shared_rows=shared)
+        context = Context(is_prefill=False, slot_mapping=groups[0][0], attn_metadata=groups[0][1], shared_rows=shared,
+                          more_groups=tuple(groups[1:]))
         input_ids = torch.tensor(input_ids, dtype=torch.int64)
         return self.to_device(input_ids), self.to_device(torch.from_numpy(positions)), context
 

@@ -164,6 +164,7 @@ int64_t decode_check_model(const DecoderModel *m) {
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecoderLayer *L = &m->layers[l];
         const int64_t H = m->hidden, QKV = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+        if (L->kv_group < 0) return l;
         if (!L->in_c) continue;
         if (!(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && L->qkv.k == H && linear_outputs(&L->qkv) == QKV &&
               L->o.k == m->num_heads * m->head_dim && linear_outputs(&L->o) == H))
@@ -186,7 +187,8 @@ int64_t decode_check_model(const DecoderModel *m) {
  * (resid = hidden when resid_started is 0, before the first layer). ids != NULL: hidden is the
  * embedding of ids (first_layer 0). On return hidden is the last layer's output and resid the
  * stream so far; with logits != NULL (end_layer == num_layers, head given) the final norm and the
- * LM head fill logits [num_seqs, vocab] instead. Every layer in the range must be in_c.
+ * LM head fill logits [num_seqs, vocab] instead. Every layer in the range must be in_c. s: the
+ * step of each KV group (a layer reads s[its kv_group]).
  * Returns 0; 1 when a buffer could not be allocated, 2 for a token id outside the vocabulary, 3
  * for a range or layer the description cannot run (nothing is computed then). */
 int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids, int64_t first_layer,
@@ -248,7 +250,7 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     add_rms_norm_row((l == first_layer ? first_in : hidden) + b * H, rs + b * H,
                                      l == first_layer && !started, L->input_norm, m->eps, H, xn + b * H);
                 linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
-                phase_rope_attention(m, L, qkv, s, &plan, attn, scratch, parts);
+                phase_rope_attention(m, L, qkv, s + L->kv_group, &plan, attn, scratch, parts);
                 linear_rows_for(&L->o, attn, Q, B, hidden, H);
                 for (int64_t b = 0; b < B; b++)
                     add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
@@ -309,7 +311,7 @@ int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, con
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = alloc_or_flag((size_t)decode_scratch_floats(&plan, m->num_heads / m->num_kv_heads), &failed);
-        phase_rope_attention(m, L, qkv, s, &plan, attn, scratch, parts);
+        phase_rope_attention(m, L, qkv, s + L->kv_group, &plan, attn, scratch, parts);
         free(scratch);
     }
     free(parts);

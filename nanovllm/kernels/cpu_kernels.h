@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 13
+#define NANOVLLM_ABI_VERSION 14
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -169,6 +169,7 @@ typedef struct {
     const MoeExperts *moe;               /* non-NULL: the MLP is this sparse MoE block (gate_up and down unused) */
     int64_t window;                      /* > 0: sliding-window attention over the last `window` tokens */
     const float *sinks;                  /* [num_heads] logits in each head's softmax denominator, or NULL */
+    int64_t kv_group;                    /* the KV group whose block tables it reads: its step is s[kv_group] */
 } DecoderLayer;
 
 typedef struct {
@@ -182,7 +183,9 @@ typedef struct {
     Linear head;             /* [vocab, hidden] (the embedding table itself when tied); data NULL: outside */
 } DecoderModel;
 
-/* One decode step's batch, as the torch decode path gets it. */
+/* One decode step's batch, as the torch decode path gets it: one per KV group (a model whose layers
+ * attend in several ways holds a block table per kind, engine/kv_groups.py), alike but for slots,
+ * block_tables and max_blocks. */
 typedef struct {
     const int64_t *positions, *slots;   /* slots: cache slot of each new token (< 0: not stored) */
     const int32_t *block_tables;        /* [num_seqs, max_blocks] */

@@ -117,7 +117,7 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts)),
-                ("window", c_int64), ("sinks", c_void_p)]
+                ("window", c_int64), ("sinks", c_void_p), ("kv_group", c_int64)]
 
 
 class DecoderModel(ctypes.Structure):
@@ -133,7 +133,7 @@ class DecodeStep(ctypes.Structure):
                 ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64)]
 
 
-ABI_VERSION = 13  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 14  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
 
 

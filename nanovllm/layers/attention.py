@@ -26,6 +26,7 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.kv_format: KVFormat | None = None
         self.backend: AttentionBackend | None = None
+        self.kv_group = 0  # whose block tables it reads (engine/kv_groups.py)
 
     def enable_sinks(self) -> None:
         """Attention sinks (GPT-OSS): a learned logit per head in the softmax's denominator only, a
@@ -41,9 +42,9 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         context = get_context()
-        if self.k_cache.numel() > 0 and context.slot_mapping is not None:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
-        metadata = context.attn_metadata
+        slot_mapping, metadata = context.kv_inputs(self.kv_group)
+        if self.k_cache.numel() > 0 and slot_mapping is not None:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, slot_mapping)
         options = dict(window=self.sliding_window, softcap=self.logit_softcap, sinks=self.sinks)
         if context.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, **options)

@@ -41,6 +41,9 @@ class DraftRunner(ModelRunner):
     def kv_cache_budget_bytes(self) -> int:
         return self.wanted_blocks * self.kv_block_bytes()
 
+    def split_kv_groups(self) -> bool:
+        return False  # its layers read the target's first block table, which holds every block
+
     def run_model(self, *args):
         with single_rank():
             return super().run_model(*args)

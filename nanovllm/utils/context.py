@@ -20,6 +20,20 @@ class Context:
     # Decode rows of one sequence (speculative verification: its last token and each proposal, one
     # row apiece, over one block table): a row attends to K/V other rows of the step store.
     shared_rows: bool = False
+    # KV groups past the first (engine/kv_groups.py: a model with layers of several attention kinds):
+    # each group's (slot_mapping, attn_metadata), over its own block tables.
+    more_groups: tuple[tuple[torch.Tensor | None, Any], ...] = ()
+
+    def drop_stores(self) -> None:
+        """Nothing of this forward is stored (the warm-up before the cache exists; embeddings)."""
+        self.slot_mapping = None
+        self.more_groups = tuple((None, metadata) for _, metadata in self.more_groups)
+
+    def kv_inputs(self, group: int) -> tuple[torch.Tensor | None, Any]:
+        """(slot_mapping, attn_metadata) of the layers of KV group `group`."""
+        if group == 0:
+            return self.slot_mapping, self.attn_metadata
+        return self.more_groups[group - 1]
 
 
 # NOTE: one context per thread: the server steps its engine in a background thread, and another

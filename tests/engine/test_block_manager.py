@@ -105,7 +105,7 @@ def test_freed_blocks_stay_findable_until_reused():
 def first_table_prefix(bm: BlockManager, tokens: list[int]) -> list[int]:
     h0 = compute_block_hash(tokens[:4], None)
     h1 = compute_block_hash(tokens[4:8], h0)
-    return [bm.hash_to_block_id[h0], bm.hash_to_block_id[h1]]
+    return [bm.hash_to_block_id[(0, h0)], bm.hash_to_block_id[(0, h1)]]
 
 
 def test_reused_block_loses_its_hash():
@@ -130,7 +130,7 @@ def test_hit_is_verified_against_token_ids():
     computed(bm, first)
     h = compute_block_hash([1, 2, 3, 4], None)
     # Simulate a hash collision: another block's content stored under that hash.
-    bm.blocks[bm.hash_to_block_id[h]].token_ids = (7, 7, 7, 7)
+    bm.blocks[bm.hash_to_block_id[(0, h)]].token_ids = (7, 7, 7, 7)
     probe = Sequence([1, 2, 3, 4, 6])
     bm.allocate(probe)
     assert probe.num_cached_tokens == 0

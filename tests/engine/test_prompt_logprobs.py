@@ -93,9 +93,9 @@ def test_cached_prefix_is_recomputed(model_dir, hf_logprobs):
         prompt = P1[:32] + [7, 8, 9]
         manager = llm.scheduler.block_manager
         plain = llm.make_sequence(prompt, SamplingParams(max_tokens=2))
-        assert len(manager._cached_prefix(plain)) == 2  # without prompt logprobs it would hit
+        assert manager._cached_prefix(plain)[0] == 2  # without prompt logprobs it would hit 2 blocks
         asking = llm.make_sequence(prompt, SamplingParams(max_tokens=2, prompt_logprobs=2))
-        assert manager._cached_prefix(asking) == []
+        assert manager._cached_prefix(asking)[0] == 0
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
                            use_tqdm=False)[0]
         check_against_hf(out["prompt_logprobs"], prompt, hf_logprobs(prompt), 2)

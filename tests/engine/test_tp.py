@@ -233,17 +233,21 @@ def spy_on_schedule(llm: LLM) -> list:
     return steps
 
 
-def run_mixed_workload(path: str, tp: int, kv: str = "float32",
-                       speculative_config: dict | None = None) -> tuple[list[list[int]], list, int, list[int], str]:
+def run_mixed_workload(path: str, tp: int, kv: str = "float32", speculative_config: dict | None = None,
+                       blocks: int = 10) -> tuple[list[list[int]], list, int, list[int], str]:
     """A prefix-warming request, then a batch with a prefix hit, a chunked prompt and preemption
-    (tests/spec_decode runs it with speculation on)."""
+    (tests/spec_decode runs it with speculation on), in a cache of `blocks` blocks of every layer."""
     shared = list(range(3, 3 + 2 * BLOCK))  # two full blocks
     batch = [shared + [100, 101], list(range(40, 80)), list(range(150, 162)), list(range(200, 220))]
     llm = LLM(path, tensor_parallel_size=tp, dtype="float32", kv_cache_dtype=kv, kvcache_block_size=BLOCK,
-              max_num_seqs=4, max_num_batched_tokens=32, cpu_kvcache_bytes=10 * kv_block_bytes(path, tp, kv),
+              max_num_seqs=4, max_num_batched_tokens=32, cpu_kvcache_bytes=blocks * kv_block_bytes(path, tp, kv),
               speculative_config=speculative_config)
     try:
-        assert llm.num_kvcache_blocks == 10  # the budget is per rank, and each rank holds 1/tp of a block
+        # The budget is per rank, and each rank holds 1/tp of a block; a block holds every layer, or
+        # with KV groups (engine/kv_groups.py: sliding and full layers) the largest group's.
+        runner = getattr(llm.model_runner, "runner", llm.model_runner)
+        layers = Config(path).hf_config.num_hidden_layers
+        assert llm.num_kvcache_blocks * runner.kv_cache.shape[1] == blocks * layers
         warm = llm.generate([shared + [99]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
         steps = spy_on_schedule(llm)
         out = llm.generate(batch, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)

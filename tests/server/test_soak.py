@@ -22,9 +22,9 @@ def block_manager_problems(llm) -> list[str]:
     if bm.num_free_blocks != bm.num_blocks:
         problems.append(f"{bm.num_blocks - bm.num_free_blocks} blocks not free")
     problems += [f"block {b.block_id} ref_count {b.ref_count}" for b in bm.blocks if b.ref_count != 0]
-    for h, block_id in bm.hash_to_block_id.items():
-        if bm.blocks[block_id].hash != h:
-            problems.append(f"hash {h} names block {block_id}, which holds {bm.blocks[block_id].hash}")
+    for (group, h), block_id in bm.hash_to_block_id.items():
+        if (bm.blocks[block_id].group, bm.blocks[block_id].hash) != (group, h):
+            problems.append(f"hash {h} of group {group} names block {block_id}, which holds {bm.blocks[block_id].hash}")
     if bm.seq_block_hashes:
         problems.append(f"{len(bm.seq_block_hashes)} sequences still listed")
     return problems
