@@ -59,6 +59,11 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"layer {layer_idx} is a sliding_attention layer, but sliding_window is {window!r} "
                          "(it must be a positive number of tokens)")
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and window > context:
+        raise ValueError(f"layer {layer_idx} is a sliding_attention layer, but sliding_window {window} is larger than "
+                         f"the model's context (max_position_embeddings {context}): such a window never slides; "
+                         "give a smaller one, or full_attention layers")
     return window
 
 

@@ -114,6 +114,11 @@ def test_bad_window_configs_are_named(tmp_path):
     config.sliding_window = 0
     with pytest.raises(ValueError, match="sliding_window is 0"):
         sliding_window_of(config, 0)
+    config.sliding_window = 513  # COMMON's max_position_embeddings is 512
+    with pytest.raises(ValueError, match="sliding_window 513 is larger than the model's context"):
+        sliding_window_of(config, 2)
+    config.sliding_window = 512
+    assert sliding_window_of(config, 2) == 512
     config.layer_types = ["full_attention"]
     with pytest.raises(ValueError, match="1 entries for 3 layers"):
         sliding_window_of(config, 0)
