@@ -74,6 +74,39 @@ def pack(values: torch.Tensor, scales: torch.Tensor, group: int, zeros: torch.Te
 
 
 @triton.jit
+def dequant_tile(q_ptr, s_ptr, z_ptr, m_ptr, g_ptr, rn, k, wmask, K, groups, group,
+                 BITS: tl.constexpr, FP8: tl.constexpr, HAS_G: tl.constexpr, HAS_MIN: tl.constexpr,
+                 FP4: tl.constexpr):
+    """The fp32 weights W[rn, k] ([BLOCK_N, BLOCK_K]; 0 where wmask is off) of one matrix in the
+    layout above (q_ptr, s_ptr, ...: that matrix's first row; the experts kernel offsets them)."""
+    if BITS == 4:
+        byte = tl.load(q_ptr + rn[:, None] * (K // 2) + k[None, :] // 2, mask=wmask, other=0).to(tl.int32)
+        u = (byte >> ((k[None, :] % 2) * 4)) & 0xF
+    else:
+        u = tl.load(q_ptr + rn[:, None] * K + k[None, :], mask=wmask, other=0).to(tl.int32)
+    if HAS_G:
+        g = tl.load(g_ptr + k, mask=k < K, other=0)
+    else:
+        g = k // group
+    s = tl.load(s_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
+    if FP8:
+        h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+        w = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * (s * 256.0)
+    elif FP4:  # E2M1: exponent 0 is 0.5 m (0, 0.5), else (1 + 0.5 m) 2^(exponent - 1)
+        e = (u >> 1) & 3
+        m = (u & 1).to(tl.float32)
+        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+        w = tl.where((u & 8) != 0, -mag, mag) * s
+    elif HAS_MIN:
+        mn = tl.load(m_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
+        w = u.to(tl.float32) * s + mn
+    else:
+        z = tl.load(z_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0)
+        w = (u - z).to(tl.float32) * s
+    return w
+
+
+@triton.jit
 def _weight_only_gemm(x_ptr, q_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr, M, N, K, groups, group, stride_xm, stride_ym,
                       BITS: tl.constexpr, FP8: tl.constexpr, HAS_G: tl.constexpr, HAS_MIN: tl.constexpr,
                       FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -88,33 +121,27 @@ def _weight_only_gemm(x_ptr, q_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr, M, N, K, 
         kmask = k < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
         wmask = (rn[:, None] < N) & kmask[None, :]
-        if BITS == 4:
-            byte = tl.load(q_ptr + rn[:, None] * (K // 2) + k[None, :] // 2, mask=wmask, other=0).to(tl.int32)
-            u = (byte >> ((k[None, :] % 2) * 4)) & 0xF
-        else:
-            u = tl.load(q_ptr + rn[:, None] * K + k[None, :], mask=wmask, other=0).to(tl.int32)
-        if HAS_G:
-            g = tl.load(g_ptr + k, mask=kmask, other=0)
-        else:
-            g = k // group
-        s = tl.load(s_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
-        if FP8:
-            h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
-            w = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * (s * 256.0)
-        elif FP4:  # E2M1: exponent 0 is 0.5 m (0, 0.5), else (1 + 0.5 m) 2^(exponent - 1)
-            e = (u >> 1) & 3
-            m = (u & 1).to(tl.float32)
-            mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-            w = tl.where((u & 8) != 0, -mag, mag) * s
-        elif HAS_MIN:
-            mn = tl.load(m_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
-            w = u.to(tl.float32) * s + mn
-        else:
-            z = tl.load(z_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0)
-            w = (u - z).to(tl.float32) * s
+        w = dequant_tile(q_ptr, s_ptr, z_ptr, m_ptr, g_ptr, rn, k, wmask, K, groups, group,
+                         BITS, FP8, HAS_G, HAS_MIN, FP4)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def stack_experts(parts: list[PackedWeight]) -> PackedWeight:
+    """One PackedWeight of the experts' matrices (each tensor with a leading expert dim), for the
+    experts kernel (kernels/fused_moe.py). ValueError where the experts were packed differently."""
+    first = parts[0]
+    kinds = {(p.bits, p.fp8, p.fp4, p.group, p.n, p.k, p.zeros is None, p.mins is None, p.g_idx is None) for p in parts}
+    if len(kinds) != 1 or first.g_idx is not None:
+        raise ValueError("the experts' matrices are not all packed alike (bits, group, zero points or mins)")
+
+    def stacked(t):
+        return None if t is None else torch.stack(t).contiguous()
+    return PackedWeight(stacked([p.q for p in parts]), stacked([p.scales for p in parts]),
+                        stacked([p.zeros for p in parts]) if first.zeros is not None else None, None, first.group,
+                        first.bits, first.fp8, first.n, first.k,
+                        stacked([p.mins for p in parts]) if first.mins is not None else None, first.fp4)
 
 
 def weight_only_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

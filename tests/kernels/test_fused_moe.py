@@ -66,3 +66,42 @@ def test_fused_experts_bf16_on_cuda():
     w2 = (torch.randn(64, 256, 384, generator=g) * 0.05).to(DEVICE, torch.bfloat16)
     expected = experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids).float(), expected, rtol=3e-2, atol=3e-2)
+
+
+def quantized_experts(w: torch.Tensor, type_name: str):
+    """(the experts packed as the GPU holds them, their dequantized fp32 values by gguf.quants):
+    quantize_rows writes each expert's rows (gguf.quants' quantizer; ours for Q4_K, which it lacks),
+    gguf_triton.hold unpacks them."""
+    gguf = pytest.importorskip("gguf")
+    from nanovllm.kernels.triton_weight_only import stack_experts
+    from nanovllm.layers.quantization.gguf_triton import hold
+    from nanovllm.layers.quantization.quantizers import quantize_rows
+    qtype = getattr(gguf.GGMLQuantizationType, type_name.upper())
+    raws = [quantize_rows(w[e], type_name).contiguous() for e in range(w.shape[0])]
+    values = torch.stack([torch.from_numpy(gguf.quants.dequantize(r.numpy(), qtype)).reshape(w.shape[1:]).float()
+                          for r in raws])
+    packed = stack_experts([hold(r.to(DEVICE), type_name, w.shape[2], torch.float32) for r in raws])
+    return packed, values.to(DEVICE)
+
+
+@pytest.mark.parametrize("type_name", ["mxfp4", "q4_0", "q8_0", "q4_k"])
+def test_block_format_experts_with_biases_and_gpt_oss_activation(type_name):
+    """Experts held as stored (MXFP4: GPT-OSS's) against the grouped torch loop over the values
+    gguf dequantizes, with GPT-OSS's biases and clamped SwiGLU."""
+    from nanovllm.layers.moe import ExpertActivation
+    from nanovllm.layers.quantization.moe_ops import activate
+    tokens, num_experts, top_k = 9, 4, 2
+    weights, ids, g = routing(tokens, num_experts, top_k, seed=5, unused=1)
+    hidden, inter = 256, 256  # whole blocks of 256 for the K-quant
+    x = torch.randn(tokens, hidden, generator=g)
+    w13, w13_values = quantized_experts(torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2, type_name)
+    w2, w2_values = quantized_experts(torch.randn(num_experts, hidden, inter, generator=g) * 0.2, type_name)
+    biases = (torch.randn(num_experts, 2 * inter, generator=g).to(DEVICE), torch.randn(num_experts, hidden, generator=g).to(DEVICE))
+    act = ExpertActivation("swigluoai", 1.702, 7.0)
+    x = x.to(DEVICE)
+    expected = experts_reference(x, w13_values, w2_values, weights, ids, biases, act)
+    got = fused_experts(x, w13, w2, weights, ids, biases, lambda gate, up: activate(gate, up, act))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+    # A wrong nibble order or scale would move the outputs far past that.
+    assert not torch.allclose(experts_reference(x, w13_values.flip(-1), w2_values, weights, ids, biases, act),
+                              expected, atol=1e-1)

@@ -108,3 +108,24 @@ def test_gguf_file_on_the_triton_kernel_matches_transformers(tmp_path, monkeypat
         assert all(m.triton_parts is not None for m in (layer.quant_method for layer in linear_layers(model_of(llm)))), names
         ours = our_logprobs(llm, prompt, 320)
     assert logprob_errors(ours, ref, prompt).mean() < (1e-4 if DEVICE == "cpu" else 2e-2)
+
+
+def test_gpt_oss_mxfp4_experts_on_the_triton_kernel_match_transformers(tmp_path, monkeypatch):
+    """GPT-OSS as OpenAI ships it, its experts held as MXFP4 codes and multiplied by the Triton
+    experts kernel (kernels/fused_moe.py, what a GPU runs; here under the interpreter) with their
+    biases and clamped SwiGLU: transformers' greedy tokens (reading the same blocks dequantized)."""
+    pytest.importorskip("gguf")
+    from transformers import Mxfp4Config
+    from test_gpt_oss_mxfp4 import make_mxfp4_checkpoint
+    from test_sliding_models import check_greedy_against_transformers
+    from nanovllm.layers.moe import FusedMoE
+    monkeypatch.setenv("NANOVLLM_TRITON_WEIGHT_ONLY", "1")
+    path = make_mxfp4_checkpoint(str(tmp_path / "gpt_oss"))
+    from nanovllm import LLM
+    with LLM(path, dtype="float32", enforce_eager=True, cpu_kvcache_bytes=1 << 20) as llm:
+        experts = [m for m in llm.model_runner.model.modules() if isinstance(m, FusedMoE)]
+        held = experts[0].quant_method.triton_experts
+        assert held is not None and held[0].fp4 and held[0].bits == 4 and held[0].group == 32
+        assert experts[0].w13_weight.numel() == 0  # the raw rows dropped: held once, as codes
+    check_greedy_against_transformers(path, dict(enforce_eager=True), 10,
+                                      quantization_config=Mxfp4Config(dequantize=True))

@@ -388,24 +388,6 @@ def test_bad_files_and_options(tmp_path):
             LLM(str(good), cpu_input_bits=bits)
 
 
-def test_quantized_experts_on_a_gpu_are_refused_at_the_boundary(tmp_path, monkeypatch):
-    """Dense layers in block formats run on a GPU through the Triton kernel (test_triton_weight_only.py);
-    a mixture of experts' block-format experts are CPU code only: on CUDA a GGUF MoE file or
-    quantization= on a MoE model is a ValueError naming the fix, before any weight is read (here a
-    GPU is pretended; nothing CUDA runs)."""
-    from test_moe import make_moe
-    from nanovllm.platforms.cuda import CudaPlatform
-    monkeypatch.setattr(CudaPlatform, "is_available", staticmethod(lambda: True))
-    folder = make_moe(str(tmp_path / "moe"), "mixtral")
-    with pytest.raises(ValueError, match="quantization='q4_0' with experts .* runs on the CPU kernels only"):
-        LLM(folder, device="cuda", quantization="q4_0")
-    from test_moe_quantized import write_moe_gguf
-    path = write_moe_gguf(folder, str(tmp_path / "moe.gguf"), "llama", "q8_0")
-    with pytest.raises(ValueError, match="a GGUF file with experts .* runs on the CPU kernels only for now; "
-                                         "pass device='cpu'"):
-        LLM(path, device="cuda")
-
-
 def test_unsupported_tensor_type(tmp_path):
     """A tensor type the kernels do not multiply (here IQ4_NL, written as raw blocks) is refused
     before anything is allocated, naming it and the supported list."""

@@ -17,13 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class BlockFormatConfig(QuantizationConfig):
-    """What both configs share: the C block kernels run mixtures of experts on a CPU only."""
-
-    def check_device(self, device: str, hf_config: Any) -> None:
-        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-        if device != "cpu" and experts:
-            raise ValueError(f"{self.describe()} with experts (a mixture-of-experts model) runs on the CPU kernels "
-                             "only for now; pass device='cpu' (or a dense HF folder on a GPU)")
+    """What both configs share (the MXFP4 checkpoint's too): the block formats' methods (gguf.py,
+    gguf_moe.py) on every device, the C kernels on a CPU and the Triton ones on a GPU."""
 
 
 class GGUFConfig(BlockFormatConfig):

@@ -12,7 +12,7 @@ from torch import nn
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
                                                LinearMethodBase, QuantizationConfig, register_dense_method)
-from nanovllm.layers.quantization.moe_ops import c_experts, experts_reference, select_experts
+from nanovllm.layers.quantization.moe_ops import activate, c_experts, experts_reference, select_experts
 
 # The C kernels' name of a dense weight's element type (kernels/cpu_kernels.c, weight_types).
 C_TYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -167,9 +167,10 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         if self.c_moe is not None and x.dtype == torch.float32:
             return cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x, router_logits)
         weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
-        if self.use_triton and layer.biases is None and layer.activation.name == "silu":
+        if self.use_triton:
             from nanovllm.kernels.fused_moe import fused_experts
-            return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids)
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases,
+                                 lambda gate, up: activate(gate, up, layer.activation))
         return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases, layer.activation)
 
     @property
