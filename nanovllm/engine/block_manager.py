@@ -60,8 +60,10 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: list[int | None] | None = None):
-        """windows: each KV group's sliding window (None: full attention); default one full group."""
+                 windows: list[int | None] | None = None, num_state_slots: int = 0):
+        """windows: each KV group's sliding window (None: full attention); default one full group.
+        num_state_slots: linear-attention state slots (layers/gated_deltanet.py), one per sequence
+        holding blocks; a sequence is admitted only with a free one."""
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -72,6 +74,8 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         # Parallel to each of seq's block tables: the hash of each full, registered block of the sequence.
         self.seq_block_hashes: dict[int, list[int]] = {}
+        self.num_state_slots = num_state_slots
+        self.free_state_slots: list[int] = list(range(num_state_slots))
 
     @property
     def num_groups(self) -> int:
@@ -165,6 +169,8 @@ class BlockManager:
         return total
 
     def can_allocate(self, seq: Sequence) -> bool:
+        if self.num_state_slots and not self.free_state_slots:
+            return False
         return self.num_blocks_to_allocate(seq) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
@@ -186,6 +192,9 @@ class BlockManager:
             # counted as released like those release_behind_window hands back.
             tables.append([table[0]] * first + table)
         seq.block_tables = tables
+        if self.num_state_slots:
+            # NOTE: the slot's old contents are never read: the sequence's first step starts from zero state.
+            seq.state_slot = self.free_state_slots.pop()
         # NOTE: every sliding group has the same window, hence the same leading count.
         seq.num_released_blocks = max(self.first_needed_block(g, n * self.block_size) if n else 0
                                       for g in range(self.num_groups))
@@ -201,6 +210,9 @@ class BlockManager:
             for block_id in reversed(table[first:]):
                 self._release(block_id)
         self.seq_block_hashes.pop(seq.seq_id, None)
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
         seq.block_tables = [[]]
         seq.num_released_blocks = 0
         seq.num_cached_tokens = 0

@@ -82,7 +82,11 @@ class LLMEngine:
                         "take it; generation_config='vllm' for none)", config.generation_config,
                         ", ".join(f"{k}={v}" for k, v in config.sampling_defaults.items()))
         runner = getattr(self.model_runner, "runner", self.model_runner)
-        self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups])
+        self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups],
+                                   runner.num_state_slots)
+        if runner.num_state_slots and config.enable_prefix_caching:
+            logger.info("prefix caching is off: this model's linear-attention layers keep a state per sequence, "
+                        "not per block")
         self.speculator = None
         if config.speculative_config is not None:
             from nanovllm.spec_decode.build import build_speculator

@@ -30,15 +30,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int, kv_windows: list[int | None] | None = None):
+    def __init__(self, config: Config, num_kvcache_blocks: int, kv_windows: list[int | None] | None = None,
+                 num_state_slots: int = 0):
         """kv_windows: each KV group's sliding window, None for full attention (engine/kv_groups.py);
-        a sliding group's blocks behind its window are freed. Default: one full-attention group."""
+        a sliding group's blocks behind its window are freed. Default: one full-attention group.
+        num_state_slots: the linear-attention state slots (0: the model has no such layer); prefix
+        caching is off with them (a hit would need the state at the hit's end)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching, kv_windows)
+                                          config.enable_prefix_caching and not num_state_slots, kv_windows,
+                                          num_state_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0

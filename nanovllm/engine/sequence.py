@@ -41,6 +41,8 @@ class Sequence:
         # Leading entries of each sliding-window group's table handed back because the window has
         # passed them (BlockManager.release_behind_window); their ids stay, never read again.
         self.num_released_blocks = 0
+        # The linear-attention state slot the BlockManager gives it while it holds blocks (None: none).
+        self.state_slot: int | None = None
         self.sampling_params = sp
         # max_tokens None: bounded by max_model_len only (the scheduler checks that).
         self.max_tokens = sp.max_tokens if sp.max_tokens is not None else sys.maxsize
@@ -111,10 +113,10 @@ class Sequence:
             tokens: int | list[int] = self.last_token
         else:  # prefill, chunked prefill, or recompute after preemption: the worker slices token_ids
             tokens = self.token_ids
-        return (self.num_tokens, self.num_computed_tokens, self.block_tables, tokens)
+        return (self.num_tokens, self.num_computed_tokens, self.block_tables, self.state_slot, tokens)
 
     def __setstate__(self, state: tuple) -> None:
-        self.num_tokens, self.num_computed_tokens, self.block_tables, tokens = state
+        self.num_tokens, self.num_computed_tokens, self.block_tables, self.state_slot, tokens = state
         if isinstance(tokens, int):
             self.token_ids, self.last_token = None, tokens
         else:

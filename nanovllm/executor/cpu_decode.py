@@ -118,6 +118,8 @@ class FusedDecode(StepRunner):
         if not all(isinstance(getattr(layer.mlp, "act_fn", SiluAndMul()), SiluAndMul) for layer in layers):
             raise ValueError("an MLP's activation is not SiLU (the C decode step's)")
         attn0 = layers[0].self_attn
+        if attn0.rotary_emb.rotary_dim != attn0.head_dim:
+            raise ValueError("partial rotary embedding (the C decode step rotates whole heads)")
         descs, in_c = [], []
         # NOTE: the structures below hold copies of these descriptions, whose chained parts (a
         # stacked layer's parts in other formats) live in the originals: kept for as long as self.

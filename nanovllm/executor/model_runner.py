@@ -14,6 +14,7 @@ from nanovllm.engine.kv_groups import kv_groups, slots_per_block
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.gated_deltanet import GatedDeltaNet, StateBatch
 from nanovllm.layers.backends import AttentionBatch, get_backend, pick_backend_name
 from nanovllm.sample.prompt_logprobs import logits_positions, split_prompt_logits
 from nanovllm.sample.sampler import SampledTokens, Sampler
@@ -65,6 +66,11 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(platform.random_sample, generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.state_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        if self.state_layers and config.speculative_config is not None:
+            raise ValueError("speculative decoding is not supported for models with linear-attention layers "
+                             "(a rejected proposal would have to roll their state back)")
+        self.num_state_slots = 0
         self.kv_format = config.kv_format
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype,
                                          self.kv_format)
@@ -111,6 +117,7 @@ class ModelRunner:
             raise ValueError(reason)
         block_bytes = self.kv_block_bytes()
         budget = self.kv_cache_budget_bytes()
+        budget -= self.allocate_state_cache(budget)
         num_blocks = max(budget, 0) // block_bytes
         blocks_per_seq = -(-self.config.max_model_len // self.block_size) * len(self.kv_groups)
         num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
@@ -138,6 +145,37 @@ class ModelRunner:
                 attn.kv_format = fmt
                 attn.kv_group = g
         return num_blocks
+
+    def allocate_state_cache(self, budget: int) -> int:
+        """The linear-attention layers' state slots (layers/gated_deltanet.py), one per sequence up to
+        max_num_seqs, at most half the budget; returns their bytes."""
+        if not self.state_layers:
+            return 0
+        per_slot = sum(layer.slot_bytes() for layer in self.state_layers)
+        slots = min(self.config.max_num_seqs, max(budget, 0) // 2 // per_slot)
+        if self.config.runner == "pooling":
+            slots = min(slots, 1)
+        if slots < 1:
+            raise ValueError(f"not even one linear-attention state slot ({per_slot} bytes) fits half the memory "
+                             f"budget ({budget} bytes); raise cpu_kvcache_bytes / gpu_memory_utilization")
+        if slots < self.config.max_num_seqs and self.rank == 0:
+            logger.info("linear-attention state for %d sequences at once (max_num_seqs %d): half the KV budget",
+                        slots, self.config.max_num_seqs)
+        for layer in self.state_layers:
+            layer.state = layer.new_state(slots, self.device)
+        self.num_state_slots = slots
+        return slots * per_slot
+
+    def state_batch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StateBatch | None:
+        """The linear-attention layers' view of a step (None without such layers; slots None for
+        sequences the scheduler did not admit: the warm-up's, embeddings', each run from zero state)."""
+        if not self.state_layers:
+            return None
+        fresh = [seq.num_computed_tokens == 0 for seq in seqs]
+        if any(seq.state_slot is None for seq in seqs):
+            return StateBatch(None, list(num_new_tokens), fresh)
+        slots = self.to_device(torch.tensor([seq.state_slot for seq in seqs], dtype=torch.int64))
+        return StateBatch(slots, list(num_new_tokens), fresh)
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
@@ -215,7 +253,7 @@ class ModelRunner:
                                    block_tables=tables, to_device=self.to_device)
             groups.append((self.to_device(torch.from_numpy(np.concatenate(slots))), self.backend.prepare(batch)))
         context = Context(is_prefill=True, slot_mapping=groups[0][0], attn_metadata=groups[0][1],
-                          more_groups=tuple(groups[1:]))
+                          more_groups=tuple(groups[1:]), state=self.state_batch(seqs, num_new_tokens))
         input_ids = self.to_device(torch.tensor(input_ids, dtype=torch.int64))
         positions = self.to_device(torch.from_numpy(np.concatenate(positions)))
         return input_ids, positions, context, self.to_device(torch.tensor(logits_indices))
@@ -233,7 +271,9 @@ class ModelRunner:
             positions += range(start, start + 1 + len(proposed))
             for g, table in enumerate(seq.block_tables):
                 tables[g] += [table] * (1 + len(proposed))
-        return self.prepare_rows(input_ids, positions, *tables)
+        input_ids, positions, context = self.prepare_rows(input_ids, positions, *tables)
+        context.state = self.state_batch(seqs, [1] * len(seqs))
+        return input_ids, positions, context
 
     def prepare_rows(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
                      *more_tables: list[list[int]]):

@@ -81,10 +81,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float,
                  rope_scaling: dict | None = None):
         super().__init__()
-        if rotary_dim != head_size:
-            raise ValueError(f"partial rotary embedding is not supported (rotary_dim={rotary_dim}, "
-                             f"head_dim={head_size})")
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, head_dim={head_size}]")
         self.head_size = head_size
+        # Partial rotary (Qwen3-Next, Qwen3.5: a quarter of each head): the first rotary_dim dims of
+        # each head are rotated, the rest pass through.
+        self.rotary_dim = rotary_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         rope_type, attention_factor = rope_type_of(rope_scaling), 1.0
         if rope_type == "llama3":
@@ -105,7 +107,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
+        if self.rotary_dim == self.head_size:
+            return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
+        r = self.rotary_dim
+        return tuple(torch.cat((apply_rotary_emb(x[..., :r], cos, sin), x[..., r:]), dim=-1) for x in (query, key))
 
 
 def rope_settings(hf_config, layer_type: str | None = None) -> tuple[float, dict | None]:

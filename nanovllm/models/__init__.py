@@ -12,6 +12,9 @@ _MODELS = {
     "GptOssForCausalLM": "nanovllm.models.gpt_oss:GptOssForCausalLM",
     "Gemma2ForCausalLM": "nanovllm.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "nanovllm.models.gemma:Gemma3ForCausalLM",
+    "Qwen3_5ForCausalLM": "nanovllm.models.qwen3_next:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "nanovllm.models.qwen3_next:Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM": "nanovllm.models.qwen3_next:Qwen3NextForCausalLM",
 }
 
 

@@ -23,6 +23,8 @@ class Context:
     # KV groups past the first (engine/kv_groups.py: a model with layers of several attention kinds):
     # each group's (slot_mapping, attn_metadata), over its own block tables.
     more_groups: tuple[tuple[torch.Tensor | None, Any], ...] = ()
+    # Linear-attention layers' state slots (layers/gated_deltanet.py, StateBatch); None: no such layer.
+    state: Any = None
 
     def drop_stores(self) -> None:
         """Nothing of this forward is stored (the warm-up before the cache exists; embeddings)."""

@@ -1,0 +1,195 @@
+"""Qwen3-Next and Qwen3.5 (text: Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): hybrids of Gated
+DeltaNet linear attention (layers/gated_deltanet.py; its state in a slot per sequence) and full
+attention (`layer_types`: three linear layers of every four by default), the full layers with an
+output gate (q_proj gives each head's query and gate), q/k norms and a partial rotary embedding (a
+quarter of each head); (1 + w) RMSNorms throughout; Qwen3-Next and Qwen3.5-MoE with the sparse MoE
+block and its shared expert. Qwen3-Next's checkpoints interleave q/k/v/z and b/a per key head
+(in_proj_qkvz, in_proj_ba): re-cut at load into Qwen3.5's separate projections."""
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nanovllm.distributed.parallel import get_tp_size
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.gated_deltanet import GatedDeltaNet
+from nanovllm.layers.layernorm import GemmaRMSNorm
+from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.quantization.base import QuantizationConfig
+from nanovllm.layers.rotary_embedding import get_rope, rope_settings
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.models.decoder import DecoderForCausalLM, gated_mlp, head_dim_of
+from nanovllm.models.qwen_moe import MoeMixin
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def hybrid_layer_types(config) -> list[str]:
+    """Each layer's kind from layer_types (or every full_attention_interval-th layer full, else 4)."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        interval = int(getattr(config, "full_attention_interval", 4) or 4)
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(config.num_hidden_layers)]
+    types = list(types)
+    if len(types) != config.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
+    for i, kind in enumerate(types):
+        if kind not in (LINEAR, FULL):
+            raise ValueError(f"layer_types[{i}] is {kind!r}, not a layer type this model runs ({LINEAR!r}, {FULL!r})")
+    return types
+
+
+def partial_rope(config):
+    """The full layers' rotary embedding over the first partial_rotary_factor of each head."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    head_dim = head_dim_of(config)
+    theta, scaling = rope_settings(config)
+    return get_rope(head_dim, int(head_dim * factor), config.max_position_embeddings, theta, scaling)
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated per channel by sigmoid(gate), the gate coming from
+    q_proj beside each head's query ([q_h | gate_h] per head: 2 x heads "heads" to the stacked
+    projection, so tensor parallelism keeps each pair on one rank)."""
+
+    def __init__(self, config, rotary_emb, quant_config: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        total_heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, 2 * total_heads, kv_heads, bias=bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = rotary_emb
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qg, k, v = self.qkv_proj(hidden_states).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.view(-1, self.num_heads, 2, self.head_dim)
+        q, gate = qg[:, :, 0], qg[:, :, 1]
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1, -1)
+        return self.o_proj(o * torch.sigmoid(gate.flatten(1, -1)))
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, kind: str, rotary_emb, quant_config, prefix: str, make_mlp):
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(config, quant_config, f"{prefix}.linear_attn")
+        else:
+            self.self_attn = GatedAttention(config, rotary_emb, quant_config, f"{prefix}.self_attn")
+        self.mlp = make_mlp(config, layer_idx, f"{prefix}.mlp", quant_config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.kind == LINEAR:
+            hidden_states = self.linear_attn(hidden_states)
+        else:
+            hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None, make_mlp, prefix: str = "model"):
+        super().__init__()
+        kinds = hybrid_layer_types(config)
+        rope = partial_rope(config)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config,
+                                                   f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(HybridLayer(config, i, kind, rope, quant_config, f"{prefix}.layers.{i}", make_mlp)
+                                    for i, kind in enumerate(kinds))
+        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    """Qwen3.5 (text), dense MLPs."""
+
+    packed_modules_mapping = {
+        **DecoderForCausalLM.packed_modules_mapping,
+        "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
+        "in_proj_a": ("in_proj", 3),
+    }
+    fused_decode = False  # the C decode step has no linear-attention layer
+
+    def __init__(self, config, quant_config: QuantizationConfig | None = None):
+        nn.Module.__init__(self)
+        if get_tp_size() > 1:
+            raise ValueError(f"{type(self).__name__}: tensor parallelism of the linear-attention layers is not "
+                             "supported yet; use tensor_parallel_size=1")
+        self.model = HybridModel(config, quant_config, self.make_mlp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def make_mlp(self, config, layer_idx, prefix, quant_config):
+        return gated_mlp(config, layer_idx, prefix, quant_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self.renamed(weights))
+
+    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Checkpoint names as this model's: the multimodal checkpoints' text under model.language_model;
+        the vision tower and an MTP head (left for a speculative proposer) skipped."""
+        for name, tensor in weights:
+            if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
+                continue
+            yield name.replace("model.language_model.", "model.", 1), tensor
+
+
+class Qwen3_5MoeForCausalLM(MoeMixin, Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE (text): the sparse block with a shared expert in every sparse layer; its router
+    always renormalizes the top-k (the config has no norm_topk_prob)."""
+
+    def shared_expert_size(self, config) -> int:
+        return int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+    def renormalize(self, config) -> bool:
+        return bool(getattr(config, "norm_topk_prob", True))
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's layers with the linear projections interleaved per key head."""
+
+    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        attn = next(m for m in self.modules() if isinstance(m, GatedDeltaNet))
+        nk, dk, dv = attn.num_k_heads, attn.dk, attn.dv
+        r = attn.num_v_heads // nk
+        for name, tensor in super().renamed(weights):
+            if name.endswith(".in_proj_qkvz.weight"):
+                q, k, v, z = tensor.unflatten(0, (nk, -1)).split([dk, dk, r * dv, r * dv], dim=1)
+                base = name[: -len("in_proj_qkvz.weight")]
+                yield base + "in_proj_qkv.weight", torch.cat([x.flatten(0, 1) for x in (q, k, v)])
+                yield base + "in_proj_z.weight", z.flatten(0, 1)
+            elif name.endswith(".in_proj_ba.weight"):
+                b, a = tensor.unflatten(0, (nk, -1)).split([r, r], dim=1)
+                base = name[: -len("in_proj_ba.weight")]
+                yield base + "in_proj_b.weight", b.flatten(0, 1)
+                yield base + "in_proj_a.weight", a.flatten(0, 1)
+            else:
+                yield name, tensor
