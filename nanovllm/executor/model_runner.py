@@ -155,6 +155,10 @@ class ModelRunner:
         slots = min(self.config.max_num_seqs, max(budget, 0) // 2 // per_slot)
         if self.config.runner == "pooling":
             slots = min(slots, 1)
+        if get_tp_size() > 1:  # rank 0's scheduler hands out the slots of every rank
+            count = torch.tensor([slots], dtype=torch.int64, device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            slots = int(count.item())
         if slots < 1:
             raise ValueError(f"not even one linear-attention state slot ({per_slot} bytes) fits half the memory "
                              f"budget ({budget} bytes); raise cpu_kvcache_bytes / gpu_memory_utilization")

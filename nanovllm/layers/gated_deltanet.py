@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.distributed.parallel import get_tp_rank, get_tp_size
 from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from nanovllm.utils.context import get_context
 
@@ -116,37 +117,63 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """A linear-attention layer. Checkpoint names (Qwen3.5): in_proj_qkv, in_proj_z, in_proj_b,
-    in_proj_a (one stacked in_proj here, shards 0-3), conv1d.weight [channels, 1, kernel],
-    A_log, dt_bias [value heads], norm.weight [dv], out_proj."""
+    """A linear-attention layer. Checkpoint names (Qwen3.5): in_proj_qkv (cut into its q, k and v
+    rows by the model's loader), in_proj_z, in_proj_b, in_proj_a: one stacked in_proj here, shards
+    0-5; conv1d.weight [channels, 1, kernel], A_log, dt_bias [value heads], norm.weight [dv],
+    out_proj. Tensor parallelism splits the heads: each rank its key heads' q and k, its value
+    heads' v, z, b, a, the matching conv channels and A_log / dt_bias, and out_proj's inputs."""
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        tp = get_tp_size()
+        total_k, total_v = config.linear_num_key_heads, config.linear_num_value_heads
+        if total_v % total_k:
+            raise ValueError(f"linear_num_value_heads ({total_v}) must be a multiple of "
+                             f"linear_num_key_heads ({total_k})")
+        if total_k % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide linear_num_key_heads ({total_k})")
+        self.num_k_heads, self.num_v_heads = total_k // tp, total_v // tp
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.kernel = config.linear_conv_kernel_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({self.num_k_heads})")
         if not 2 <= self.kernel <= 8:
             raise ValueError(f"linear_conv_kernel_dim is {self.kernel}; the causal convolution takes 2..8")
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"the linear attention's convolution activation is {act!r}; supported: silu")
-        self.key_dim, self.value_dim = self.num_k_heads * self.dk, self.num_v_heads * self.dv
+        self.key_dim, self.value_dim = self.num_k_heads * self.dk, self.num_v_heads * self.dv  # this rank's
         self.channels = 2 * self.key_dim + self.value_dim
+        key_total, value_total = total_k * self.dk, total_v * self.dv
         self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, [self.channels, self.value_dim, self.num_v_heads, self.num_v_heads], bias=False,
+            config.hidden_size, [key_total, key_total, value_total, value_total, total_v, total_v], bias=False,
             quant_config=quant_config, prefix=f"{prefix}.in_proj")
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.channels, 1, self.kernel), requires_grad=False)
+        self.conv1d.weight.weight_loader = self._load_conv
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        for param in (self.A_log, self.dt_bias):
+            param.weight_loader = self._load_per_value_head
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(self.value_dim, config.hidden_size, bias=False, quant_config=quant_config,
+        self.out_proj = RowParallelLinear(value_total, config.hidden_size, bias=False, quant_config=quant_config,
                                           prefix=f"{prefix}.out_proj")
         self.state: RecurrentState | None = None  # set by ModelRunner (allocate_state_cache)
+
+    def _rank_rows(self, loaded: torch.Tensor, sizes: list[int], what: str) -> torch.Tensor:
+        """This rank's rows of a tensor stacked from parts of the given whole sizes, each split evenly."""
+        if loaded.shape[0] != sum(sizes):
+            raise ValueError(f"{what} has {loaded.shape[0]} rows, {sum(sizes)} expected")
+        tp, rank = get_tp_size(), get_tp_rank()
+        return torch.cat([part.chunk(tp)[rank] for part in loaded.split(sizes)])
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        tp = get_tp_size()
+        rows = self._rank_rows(loaded, [self.key_dim * tp, self.key_dim * tp, self.value_dim * tp], "conv1d.weight")
+        if tuple(rows.shape) != tuple(param.shape):
+            raise ValueError(f"conv1d.weight has shape {tuple(loaded.shape)}; a kernel of {self.kernel} expected")
+        param.data.copy_(rows)
+
+    def _load_per_value_head(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(self._rank_rows(loaded, [self.num_v_heads * get_tp_size()], "A_log / dt_bias"))
 
     def new_state(self, slots: int, device) -> RecurrentState:
         return RecurrentState(slots, self.channels, self.kernel, self.num_v_heads, self.dk, self.dv, device)

@@ -132,16 +132,13 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     packed_modules_mapping = {
         **DecoderForCausalLM.packed_modules_mapping,
-        "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
-        "in_proj_a": ("in_proj", 3),
+        "in_proj_q": ("in_proj", 0), "in_proj_k": ("in_proj", 1), "in_proj_v": ("in_proj", 2),
+        "in_proj_z": ("in_proj", 3), "in_proj_b": ("in_proj", 4), "in_proj_a": ("in_proj", 5),
     }
     fused_decode = False  # the C decode step has no linear-attention layer
 
     def __init__(self, config, quant_config: QuantizationConfig | None = None):
         nn.Module.__init__(self)
-        if get_tp_size() > 1:
-            raise ValueError(f"{type(self).__name__}: tensor parallelism of the linear-attention layers is not "
-                             "supported yet; use tensor_parallel_size=1")
         self.model = HybridModel(config, quant_config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
         if getattr(config, "tie_word_embeddings", False):
@@ -155,7 +152,19 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Checkpoint names as this model's: the multimodal checkpoints' text under model.language_model;
-        the vision tower and an MTP head (left for a speculative proposer) skipped."""
+        the vision tower and an MTP head (left for a speculative proposer) skipped; in_proj_qkv cut
+        into its q, k and v rows (each split over the ranks on its own)."""
+        attn = next(m for m in self.modules() if isinstance(m, GatedDeltaNet))
+        key_total = attn.key_dim * get_tp_size()
+        for name, tensor in self.checkpoint_names(weights):
+            if name.endswith(".in_proj_qkv.weight"):
+                base = name[: -len("qkv.weight")]
+                for part, rows in zip("qkv", tensor.split([key_total, key_total, tensor.shape[0] - 2 * key_total])):
+                    yield f"{base}{part}.weight", rows
+            else:
+                yield name, tensor
+
+    def checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]):
         for name, tensor in weights:
             if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
                 continue
@@ -176,11 +185,11 @@ class Qwen3_5MoeForCausalLM(MoeMixin, Qwen3_5ForCausalLM):
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
     """Qwen3-Next: Qwen3.5-MoE's layers with the linear projections interleaved per key head."""
 
-    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
+    def checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]):
         attn = next(m for m in self.modules() if isinstance(m, GatedDeltaNet))
-        nk, dk, dv = attn.num_k_heads, attn.dk, attn.dv
-        r = attn.num_v_heads // nk
-        for name, tensor in super().renamed(weights):
+        nk, dk, dv = attn.num_k_heads * get_tp_size(), attn.dk, attn.dv
+        r = attn.num_v_heads // attn.num_k_heads
+        for name, tensor in super().checkpoint_names(weights):
             if name.endswith(".in_proj_qkvz.weight"):
                 q, k, v, z = tensor.unflatten(0, (nk, -1)).split([dk, dk, r * dv, r * dv], dim=1)
                 base = name[: -len("in_proj_qkvz.weight")]

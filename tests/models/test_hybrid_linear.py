@@ -78,6 +78,16 @@ def test_preemption_recomputes_the_state(checkpoint):
     assert got == want
 
 
+def test_tp2_matches_tp1(checkpoint):
+    """Two ranks, each with half the key and value heads of every linear layer (their conv channels,
+    A_log, dt_bias) and half the full layers' heads: the tokens of one rank, chunked and mixed."""
+    _, path = checkpoint
+    engine = dict(max_num_batched_tokens=40, max_num_seqs=2)
+    want, _ = generate(path, prompts(), **engine)
+    got, _ = generate(path, prompts(), tensor_parallel_size=2, **engine)
+    assert got == want
+
+
 def test_a_reused_slot_starts_from_zero(tmp_path):
     """One state slot: the second request takes the slot the first left full of its state, and
     still decodes as it does alone."""
