@@ -132,6 +132,12 @@ class GatedDeltaNet(nn.Module):
                              f"linear_num_key_heads ({total_k})")
         if total_k % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide linear_num_key_heads ({total_k})")
+        # The value heads' order: "grouped" (HF: each key head's value heads together) or "tiled"
+        # (llama.cpp's files: value head h uses key head h mod key heads), loader/gguf_hybrid.py.
+        self.tiled = getattr(config, "linear_value_head_order", "grouped") == "tiled" and total_v != total_k
+        if self.tiled and tp > 1:
+            raise ValueError("a GGUF file's linear layers (value heads tiled over the key heads) do not split "
+                             f"over tensor_parallel_size={tp}; use 1")
         self.num_k_heads, self.num_v_heads = total_k // tp, total_v // tp
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.kernel = config.linear_conv_kernel_dim
@@ -213,7 +219,10 @@ class GatedDeltaNet(nn.Module):
         repeat = self.num_v_heads // self.num_k_heads
         q = l2_normalized(q.unflatten(-1, (self.num_k_heads, self.dk))) * self.dk ** -0.5
         k = l2_normalized(k.unflatten(-1, (self.num_k_heads, self.dk)))
-        if repeat > 1:
+        if repeat > 1 and self.tiled:
+            tile = [1] * (q.dim() - 2) + [repeat, 1]
+            q, k = q.repeat(*tile), k.repeat(*tile)
+        elif repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
         return q, k, v.unflatten(-1, (self.num_v_heads, self.dv))
 

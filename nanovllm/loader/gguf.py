@@ -22,12 +22,14 @@ import torch
 from nanovllm.layers.quantization.block_formats import CONVERTED_FORMATS as CONVERTED
 from nanovllm.layers.quantization.block_formats import NATIVE_FORMATS as NATIVE_TYPES
 from nanovllm.layers.quantization.block_formats import block_shape
+from nanovllm.loader import gguf_hybrid
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+                 **gguf_hybrid.ARCHITECTURES}
 # Gemma files (llama.cpp's conventions): norms stored as 1 + w; the norm before the MLP is ffn_norm,
 # the ones after attention and the MLP have their own names; every `pattern`-th layer is full
 # attention, the others slide (llama.cpp's set_swa_pattern), with sliding layers' rope base 10000.
@@ -48,7 +50,7 @@ _GPT_OSS_LAYER_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.
 GPT_OSS_SWIGLU = dict(swiglu_alpha=1.702, swiglu_limit=7.0)
 # llama.cpp renormalizes the chosen experts' weights for qwen3moe and not for qwen2moe (its
 # build_moe_ffn's norm_w); the files carry no key for it.
-NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen35moe": True, "qwen3next": True}
 MIXTRAL = "MixtralForCausalLM"
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -72,7 +74,8 @@ _LAYER_NAMES = {
 }
 # The layer names of the architectures whose files name some tensors their own way.
 _ARCH_LAYER_NAMES = {**{a: {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} for a in GEMMA},
-                     "gpt-oss": {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES}}
+                     "gpt-oss": {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES},
+                     **{a: {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES} for a in gguf_hybrid.ARCHITECTURES}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
@@ -124,6 +127,7 @@ class TensorInfo:
     type_name: str           # lower-case GGUF type name, e.g. "q4_k"
     shape: tuple[int, ...]   # HuggingFace order: [rows, columns] for a matrix
     row_bytes: int           # bytes of one row as stored (0 for a vector)
+    rows: tuple[int, int] | None = None  # a slice of the stored tensor's rows (one file tensor, several HF ones)
 
 
 class GGUFFile:
@@ -172,7 +176,11 @@ class GGUFFile:
                 type_name = CONVERTED[type_name]
                 per_block, nbytes = block_shape(type_name)
                 row_bytes = shape[-1] // per_block * nbytes
-            self.tensors[name] = TensorInfo(t.name, type_name, shape, row_bytes)
+            info = TensorInfo(t.name, type_name, shape, row_bytes)
+            if self.arch in gguf_hybrid.ARCHITECTURES:
+                self.tensors.update(gguf_hybrid.split_rows(self, name, info))
+            else:
+                self.tensors[name] = info
         if unsupported:
             listed = ", ".join(f"{k} (e.g. {v})" for k, v in sorted(unsupported.items()))
             raise ValueError(f"{path!r} holds tensor types {listed} that nano-vLLM does not multiply; supported: "
@@ -237,6 +245,8 @@ class GGUFFile:
             kwargs.update(self.gemma_config(a, kwargs))
         if a == "gpt-oss":
             kwargs.update(self.gpt_oss_config(a, kwargs))
+        if a in gguf_hybrid.ARCHITECTURES:
+            kwargs.update(gguf_hybrid.hybrid_config(self, a, kwargs))
         if self.is_mixtral:  # llama.cpp's Mixtral: a llama file whose layers all hold experts
             kwargs["num_local_experts"] = kwargs.pop("num_experts")
             kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
@@ -303,7 +313,7 @@ class GGUFFile:
         if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
             raise ValueError(f"{self.path!r}: MoE router option {a}.expert_gating_func={gating} is not supported "
                              "(only 1, softmax)")
-        if a == "qwen2moe":
+        if a in ("qwen2moe", "qwen35moe", "qwen3next"):
             shared = self.tensors.get(f"model.layers.{sparse[0]}.mlp.shared_expert.gate_proj.weight")
             out["shared_expert_intermediate_size"] = int(self.field(
                 f"{a}.expert_shared_feed_forward_length", shared.shape[0] if shared is not None else 0))
@@ -320,13 +330,18 @@ class GGUFFile:
                         CONVERTED[kind].upper())
         for name, info in self.tensors.items():
             data = by_name[info.gguf_name].data
+            if info.rows is not None:
+                data = np.asarray(data)[info.rows[0]: info.rows[1]]
             rows = info.shape[:-1] if len(info.shape) >= 2 else info.shape
             if by_name[info.gguf_name].tensor_type.name.lower() == "q5_k":
                 data = q5_k_as_q5_1(np.asarray(data).reshape(-1, 176)).reshape(*rows, info.row_bytes)
-            if info.type_name == "f32":
+            hybrid = self.arch in gguf_hybrid.ARCHITECTURES
+            if info.type_name == "f32" or (hybrid and len(info.shape) < 2) or name.endswith("conv1d.weight"):
                 tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(info.shape))
                 if self.arch in GEMMA and name.endswith("norm.weight"):
                     tensor = tensor - 1.0  # llama.cpp stores Gemma's norms as 1 + w
+                if hybrid:
+                    tensor = gguf_hybrid.stored_as_hf(name, tensor)
             else:
                 # the reader gives F16 / BF16 data as 16-bit values: their bytes, as for the blocks
                 tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(*rows, info.row_bytes))

@@ -14,10 +14,10 @@ from nanovllm import LLM, SamplingParams
 VOCAB, MAX_NEW = 256, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
+             linear_key_head_dim=16, linear_value_head_dim=32, linear_conv_kernel_dim=4,
              max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, pad_token_id=0,
              tie_word_embeddings=False)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 
 
 def make_checkpoint(name: str, path: str) -> str:
@@ -66,14 +66,15 @@ def test_preemption_recomputes_the_state(checkpoint):
     tokens (their state slots freed and taken again from zero) give the same tokens."""
     _, path = checkpoint
     rng = random.Random(1)
-    batch = [[rng.randrange(3, VOCAB) for _ in range(40)] for _ in range(4)]
+    batch = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(4)]
     want, _ = generate(path, batch)
-    # 4 state slots (3 linear layers: conv inputs and delta state, fp32) and 13 blocks of 16 tokens of
-    # the one full layer (K and V, 2 heads of 32, fp32): 3 blocks each at admission, 4 each by the end
-    channels = 2 * 2 * 16 + 4 * 24
-    slot = 3 * 4 * (channels * 3 + 4 * 16 * 24)
+    # 4 state slots (3 linear layers: conv inputs and delta state, fp32; at most half the budget) and 33
+    # blocks of 16 tokens of the one full layer (K and V, 2 heads of 32, fp32): 8 blocks each at
+    # admission, 9 each by the end
+    channels = 2 * 2 * 16 + 4 * 32
+    slot = 3 * 4 * (channels * 3 + 4 * 16 * 32)
     got, preempted = generate(path, batch, max_num_seqs=4, kv_cache_dtype="float32",
-                              cpu_kvcache_bytes=4 * slot + 13 * (2 * 16 * 2 * 32 * 4))
+                              cpu_kvcache_bytes=4 * slot + 33 * (2 * 16 * 2 * 32 * 4))
     assert preempted > 0
     assert got == want
 
@@ -145,3 +146,123 @@ def test_bad_configs_are_named(tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="linear_conv_kernel_dim is 12"):
         LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20)
+
+
+def tiled(t: torch.Tensor, dim: int, k_heads: int, per_k: int, size: int) -> torch.Tensor:
+    """Value heads along dim from grouped by key head ([k][j]) to tiled ([j][k]), as llama.cpp's
+    converter stores them where a key head serves several value heads."""
+    shape = list(t.shape)
+    split = shape[:dim] + [k_heads, per_k, size] + shape[dim + 1:]
+    return t.reshape(split).transpose(dim, dim + 1).reshape(shape)
+
+
+def write_gguf(folder: str, path: str, arch: str, quantized: bool = False) -> str:
+    """The checkpoint as llama.cpp's converter writes a qwen35 / qwen35moe file: its names, norms as
+    1 + w, A = -exp(A_log), the conv kernel squeezed, the value heads tiled; matrices F32, or Q8_0
+    (gguf.quants) where quantized."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from helpers import gguf_writer
+    config = AutoConfig.from_pretrained(folder)
+    t = load_file(f"{folder}/model.safetensors")
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, r = config.linear_key_head_dim, config.linear_value_head_dim, nv // nk
+    w = gguf_writer(path, arch, config)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
+    w.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(dv * nv)
+    w.add_full_attention_interval(4)
+    w.add_array(f"{arch}.attention.recurrent_layers", [kind == "linear_attention" for kind in config.layer_types])
+    if arch == "qwen35moe":
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+    def add(name: str, x: torch.Tensor, matrix: bool = False):
+        x = x.float().contiguous()
+        if quantized and matrix and x.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(x.numpy()))
+    add("token_embd.weight", t["model.embed_tokens.weight"], True)
+    add("output_norm.weight", t["model.norm.weight"] + 1)
+    add("output.weight", t["lm_head.weight"], True)
+    for i, kind in enumerate(config.layer_types):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        add(f"{b}.attn_norm.weight", t[f"{p}.input_layernorm.weight"] + 1)
+        add(f"{b}.post_attention_norm.weight", t[f"{p}.post_attention_layernorm.weight"] + 1)
+        if kind == "full_attention":
+            for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+                add(f"{b}.{ours}.weight", t[f"{p}.self_attn.{theirs}.weight"], True)
+            add(f"{b}.attn_q_norm.weight", t[f"{p}.self_attn.q_norm.weight"] + 1)
+            add(f"{b}.attn_k_norm.weight", t[f"{p}.self_attn.k_norm.weight"] + 1)
+        else:
+            la = f"{p}.linear_attn"
+            qkv = t[f"{la}.in_proj_qkv.weight"]
+            add(f"{b}.attn_qkv.weight", torch.cat([qkv[:2 * nk * dk], tiled(qkv[2 * nk * dk:], 0, nk, r, dv)]), True)
+            add(f"{b}.attn_gate.weight", tiled(t[f"{la}.in_proj_z.weight"], 0, nk, r, dv), True)
+            add(f"{b}.ssm_beta.weight", tiled(t[f"{la}.in_proj_b.weight"], 0, nk, r, 1))
+            add(f"{b}.ssm_alpha.weight", tiled(t[f"{la}.in_proj_a.weight"], 0, nk, r, 1))
+            conv = t[f"{la}.conv1d.weight"].squeeze(1)
+            add(f"{b}.ssm_conv1d.weight", torch.cat([conv[:2 * nk * dk], tiled(conv[2 * nk * dk:], 0, nk, r, dv)]))
+            add(f"{b}.ssm_a", tiled(-t[f"{la}.A_log"].exp(), 0, nk, r, 1))
+            add(f"{b}.ssm_dt.bias", tiled(t[f"{la}.dt_bias"], 0, nk, r, 1))
+            add(f"{b}.ssm_norm.weight", t[f"{la}.norm.weight"])
+            add(f"{b}.ssm_out.weight", tiled(t[f"{la}.out_proj.weight"], 1, nk, r, dv), True)
+        if arch == "qwen35":
+            for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+                add(f"{b}.{ours}.weight", t[f"{p}.mlp.{theirs}.weight"], True)
+            continue
+        add(f"{b}.ffn_gate_inp.weight", t[f"{p}.mlp.gate.weight"])
+        for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+            add(f"{b}.{ours}_exps.weight", torch.stack([t[f"{p}.mlp.experts.{e}.{theirs}.weight"]
+                                                        for e in range(config.num_experts)]), True)
+            add(f"{b}.{ours}_shexp.weight", t[f"{p}.mlp.shared_expert.{theirs}.weight"], True)
+        add(f"{b}.ffn_gate_inp_shexp.weight", t[f"{p}.mlp.shared_expert_gate.weight"][0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name,arch", [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")])
+def test_gguf_file_runs_as_the_checkpoint(name, arch, tmp_path):
+    """The checkpoint written as llama.cpp's file of it: the layer kinds, the linear layers'
+    shapes and the partial rotary read from the metadata, the stored forms undone, the value heads
+    run in the file's tiled order: transformers' greedy tokens on the checkpoint (F32 file) and
+    the checkpoint's own tokens within vLLM's top-5 rule (Q8_0 matrices)."""
+    pytest.importorskip("gguf")
+    folder = make_checkpoint(name, str(tmp_path / name))
+    ref = hf_greedy(folder, prompts(), MAX_NEW, mask_eos=False)
+    ours, _ = generate(write_gguf(folder, str(tmp_path / "f32.gguf"), arch), prompts())
+    assert check_tokens_close(ours, ref) == len(ref)
+    # Q8_0 matrices, multiplied in blocks by the C kernels (14-bit inputs: their rounding negligible):
+    # transformers' greedy tokens on the checkpoint whose matrices are those blocks' values
+    import shutil
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+    rounded = str(tmp_path / "rounded")
+    shutil.copytree(folder, rounded)
+    tensors = load_file(f"{rounded}/model.safetensors")
+    for name, x in tensors.items():
+        if x.dim() == 2 and x.shape[1] % 32 == 0 and not name.endswith(("in_proj_b.weight", "in_proj_a.weight",
+                                                                      "mlp.gate.weight", "shared_expert_gate.weight")):
+            q = gguf.quants.quantize(x.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            tensors[name] = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)).reshape(x.shape)
+    save_file(tensors, f"{rounded}/model.safetensors", metadata={"format": "pt"})
+    path = write_gguf(folder, str(tmp_path / "q8.gguf"), arch, quantized=True)
+    quantized, _ = generate(path, prompts(), cpu_input_bits=14)
+    assert check_tokens_close(quantized, hf_greedy(rounded, prompts(), MAX_NEW, mask_eos=False)) == len(ref)

@@ -120,6 +120,8 @@ class GGUFLinearMethod(LinearMethodBase):
     def load_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         layer = self.layer_ref
         index = layer.shard_index(shard_id)
+        if self.types[index] == "f32" and loaded.dtype == torch.float32:
+            loaded = loaded.contiguous().view(torch.uint8)  # an F32 part beside block-format ones: its bytes
         part = layer.rank_part(param, loaded)
         expected = (self.sizes[index], row_bytes(self.types[index], self.k, layer.prefix))
         if tuple(part.shape) != expected or part.dtype != torch.uint8:
