@@ -28,6 +28,13 @@ QWEN3_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate
                        num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=64,
                        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Qwen3.5-0.8B's kind (24 layers, every fourth full attention with 8 query / 2 KV heads of 256 and a
+# quarter of each head rotated; the others Gated DeltaNet with 16 key and value heads of 128) with
+# the Qwen2 vocabulary the llama.cpp converter's tokenizer check knows.
+QWEN3_5_BENCH = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                     vocab_size=151936, max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True)
 RANDOM_MODELS = {"qwen3-moe": "a random Qwen3-MoE (24 layers, 64 experts, 8 active; 1.5B parameters, bf16)"}
 
 # GPT-OSS-20B's kind (24 layers of 32 experts, 4 active; sinks; windows of 128 on every other layer;
@@ -39,7 +46,7 @@ GPT_OSS_BENCH = dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers
                      tie_word_embeddings=False)
 
 
-def random_checkpoint(name: str, family: str, shape: dict) -> str:
+def random_checkpoint(name: str, family: str, shape: dict, config_class: str | None = None) -> str:
     """A random-weight bf16 checkpoint of transformers' {family}ForCausalLM, built once in the cache."""
     import transformers
     cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
@@ -47,7 +54,7 @@ def random_checkpoint(name: str, family: str, shape: dict) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     print(f"building a random {name}-shaped checkpoint in {path} (once)")
-    config = getattr(transformers, f"{family}Config")(**shape)
+    config = getattr(transformers, config_class or f"{family}Config")(**shape)
     config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(0)
     with torch.device("meta"):  # allocated directly in bf16 below, never in fp32
@@ -110,6 +117,10 @@ def random_qwen3_checkpoint() -> str:
 
 def random_qwen3_moe_checkpoint() -> str:
     return random_checkpoint("qwen3-moe", "Qwen3Moe", QWEN3_MOE_BENCH)
+
+
+def random_qwen3_5_checkpoint() -> str:
+    return random_checkpoint("qwen3.5-0.8b", "Qwen3_5", QWEN3_5_BENCH, config_class="Qwen3_5TextConfig")
 
 
 def build_parser() -> ArgumentParser:
