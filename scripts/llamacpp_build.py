@@ -239,10 +239,15 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
     if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         model_dir = str(with_qwen2_tokenizer(model_dir, llama, work_dir(cache) / f"{name}-with-vocab"))
     print(f"converting {model_dir} to {out.name} (once) ...", flush=True)
+    # The converter expects a Qwen3.5 / Qwen3-Next checkpoint's MTP head unless told there is none.
+    with open(Path(model_dir) / "config.json") as f:
+        config = json.load(f)
+    no_mtp = ["--no-mtp"] if any(a.startswith(("Qwen3_5", "Qwen3Next")) for a in config.get("architectures", [])) \
+        and not config.get("mtp_num_hidden_layers") else []
     # The converter puts its own (vendored) gguf-py first on sys.path.
     run_step(f"conversion of {name} to {outtype}",
              [sys.executable, str(llama / "convert_hf_to_gguf.py"), model_dir, "--outtype", outtype,
-              "--outfile", str(tmp)],
+              "--outfile", str(tmp), *no_mtp],
              work_dir(cache) / "logs" / f"convert-{name}-{outtype}.log")
     os.replace(tmp, out)
     return out

@@ -165,8 +165,11 @@ class ModelRunner:
         if slots < self.config.max_num_seqs and self.rank == 0:
             logger.info("linear-attention state for %d sequences at once (max_num_seqs %d): half the KV budget",
                         slots, self.config.max_num_seqs)
+        # The C decode step where the platform has the CPU's kernels (fp32 activations; the state is fp32).
+        kernels = self.platform.linear_kernels(self.model, self.dtype, self.config.weight_dtype).c_kernels
         for layer in self.state_layers:
             layer.state = layer.new_state(slots, self.device)
+            layer.c_kernels = kernels if self.dtype == torch.float32 else None
         self.num_state_slots = slots
         return slots * per_slot
 

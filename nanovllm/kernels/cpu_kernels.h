@@ -158,6 +158,11 @@ int64_t moe_scratch_floats(const MoeExperts *m, int64_t B);
 void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logits, const float *shared,
                const float *shared_gate, float *out, float *scratch);
 
+/* ---- Gated DeltaNet's decode step (cpu_deltanet.c) ---------------------------------------------- */
+int deltanet_decode(const float *mixed, int64_t B, int64_t C, const float *conv_w, int64_t K, float *conv_state,
+                    const int64_t *slots, const float *g, const float *beta, float *state, int64_t nk, int64_t nv,
+                    int64_t dk, int64_t dv, int64_t tiled, float *out, float *scratch, int num_threads);
+
 /* ---- the decode step's description (cpu_decode.c) ---------------------------------------------- */
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */

@@ -24,7 +24,7 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_decode.c", "cpu_quant.c",
-                                                      "cpu_moe.c")]
+                                                      "cpu_moe.c", "cpu_deltanet.c")]
 # The headers the sources include (cpu_kernels.h; the per-instruction-set bodies of cpu_quant.c).
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
@@ -183,6 +183,8 @@ class CpuKernels:
         self.decode_silu_mul = typed("decode_silu_mul", None, ptr, i64, i64, ptr, cint)
         self.moe_is_valid = typed("moe_is_valid", cint, ptr)
         self.moe_experts = typed("moe_experts_f32", cint, ptr, ptr, i64, ptr, ptr, cint)
+        self.deltanet_decode = typed("deltanet_decode", cint, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+                                     i64, i64, i64, i64, i64, ptr, ptr, cint)
 
     def weight_type(self, name: str) -> int:
         """The type code of a row of the C weight-type table."""

@@ -163,6 +163,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(value_total, config.hidden_size, bias=False, quant_config=quant_config,
                                           prefix=f"{prefix}.out_proj")
         self.state: RecurrentState | None = None  # set by ModelRunner (allocate_state_cache)
+        self.c_kernels = None  # the CPU's C kernels, where the platform has them (kernels/cpu_deltanet.c)
 
     def _rank_rows(self, loaded: torch.Tensor, sizes: list[int], what: str) -> torch.Tensor:
         """This rank's rows of a tensor stacked from parts of the given whole sizes, each split evenly."""
@@ -248,7 +249,9 @@ class GatedDeltaNet(nn.Module):
         return out.transpose(0, 1)  # [n, heads, dv]
 
     def run_decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each sequence, mixed [B, channels], all at once."""
+        """One token of each sequence, mixed [B, channels], all at once (in C where it can)."""
+        if self.c_kernels is not None:
+            return self.run_decode_c(mixed, g, beta, slots)
         history = self.state.conv.index_select(0, slots)  # [B, channels, kernel - 1]
         padded = torch.cat((history, mixed.float().unsqueeze(-1)), dim=-1)
         conv = F.silu((padded * self.conv_weight()).sum(-1))
@@ -257,4 +260,19 @@ class GatedDeltaNet(nn.Module):
         delta = self.state.delta.index_select(0, slots)
         out = delta_rule_step(delta, q, k, v, g, beta)
         self.state.delta.index_copy_(0, slots, delta)
+        return out
+
+    def run_decode_c(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        mixed = mixed.float().contiguous()
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        rows = mixed.shape[0]
+        out = torch.empty(rows, self.num_v_heads, self.dv)
+        scratch = torch.empty(rows, self.channels)
+        weight = self.conv_weight().contiguous()
+        self.c_kernels.deltanet_decode(
+            mixed.data_ptr(), rows, self.channels, weight.data_ptr(), self.kernel, self.state.conv.data_ptr(),
+            slots.data_ptr(), g.data_ptr(), beta.data_ptr(), self.state.delta.data_ptr(), self.num_k_heads,
+            self.num_v_heads, self.dk, self.dv, int(self.tiled), out.data_ptr(), scratch.data_ptr(),
+            torch.get_num_threads())
         return out

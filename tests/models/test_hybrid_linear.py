@@ -266,3 +266,40 @@ def test_gguf_file_runs_as_the_checkpoint(name, arch, tmp_path):
     path = write_gguf(folder, str(tmp_path / "q8.gguf"), arch, quantized=True)
     quantized, _ = generate(path, prompts(), cpu_input_bits=14)
     assert check_tokens_close(quantized, hf_greedy(rounded, prompts(), MAX_NEW, mask_eos=False)) == len(ref)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_c_decode_step_equals_torch(tiled):
+    """kernels/cpu_deltanet.c against the torch decode step (its reference): three sequences in
+    scattered slots of a nonzero state, value heads grouped or tiled over the key heads."""
+    import transformers
+
+    from nanovllm.kernels import cpu_kernels
+    from nanovllm.layers.gated_deltanet import GatedDeltaNet
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    config = transformers.Qwen3_5TextConfig(**SHAPE)
+    config.linear_value_head_order = "tiled" if tiled else "grouped"
+    g = torch.Generator().manual_seed(0)
+    layer = GatedDeltaNet(config)
+    layer.conv1d.weight.data.normal_(0, 0.3, generator=g)
+    layer.state = layer.new_state(6, "cpu")
+    layer.state.conv.normal_(0, 1, generator=g)
+    layer.state.delta.normal_(0, 1, generator=g)
+    rows = 3
+    mixed = torch.randn(rows, layer.channels, generator=g)
+    decay = -torch.rand(rows, layer.num_v_heads, generator=g)
+    beta = torch.rand(rows, layer.num_v_heads, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    conv, delta = layer.state.conv.clone(), layer.state.delta.clone()
+    want = layer.run_decode(mixed, decay, beta, slots)
+    want_conv, want_delta = layer.state.conv.clone(), layer.state.delta.clone()
+    layer.state.conv.copy_(conv)
+    layer.state.delta.copy_(delta)
+    layer.c_kernels = kernels
+    got = layer.run_decode(mixed, decay, beta, slots)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.state.conv, want_conv)
+    torch.testing.assert_close(layer.state.delta, want_delta, rtol=1e-4, atol=1e-4)
+    assert torch.equal(layer.state.delta[[1, 3, 5]], delta[[1, 3, 5]])  # other slots untouched

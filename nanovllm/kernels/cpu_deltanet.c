@@ -1,0 +1,90 @@
+/* Gated DeltaNet's decode step (layers/gated_deltanet.py): one token of each of B sequences through
+ * the causal convolution (with its state), the per-head L2 norms and the gated delta rule on each
+ * sequence's d_k x d_v state, read and written in place in its slot. The torch step did ~40 small
+ * ops per layer and copied every state out of its slot and back (1 MB a head group at Qwen3.5's
+ * sizes); here each state is read twice and written once:
+ *
+ *   pass 1: u = S^T k            (S decayed by exp(g) on the fly)
+ *           delta = beta (v - exp(g) u)
+ *   pass 2: S <- exp(g) S + k delta^T,  o = S^T q   (o from the updated rows as they are written)
+ */
+#include "cpu_kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+/* y [C] = silu(conv of the K - 1 stored inputs then x), the state shifted by x: conv_state [C, K-1]. */
+static void conv_channels(const float *x, const float *w, int64_t K, float *conv_state, int64_t first,
+                          int64_t end, float *y) {
+    for (int64_t c = first; c < end; c++) {
+        float *h = conv_state + c * (K - 1);
+        const float *wc = w + c * K;
+        float acc = x[c] * wc[K - 1];
+        for (int64_t j = 0; j < K - 1; j++) acc += h[j] * wc[j];
+        for (int64_t j = 0; j + 1 < K - 1; j++) h[j] = h[j + 1];
+        if (K > 1) h[K - 2] = x[c];
+        y[c] = acc / (1.0f + sexp(-acc));
+    }
+}
+
+static void l2_normalize(float *x, int64_t n, float scale) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float s = scale / sqrtf(sum + 1e-6f);
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+/* One value head: S [dk, dv] updated in place, o [dv]. */
+static void delta_head(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                       int64_t dk, int64_t dv, float *u, float *o) {
+    for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        const float ki = k[i];
+        const float *row = S + i * dv;
+        for (int64_t j = 0; j < dv; j++) u[j] += row[j] * ki;
+    }
+    for (int64_t j = 0; j < dv; j++) {
+        u[j] = beta * (v[j] - decay * u[j]);  /* now delta */
+        o[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < dk; i++) {
+        const float ki = k[i], qi = q[i];
+        float *row = S + i * dv;
+        for (int64_t j = 0; j < dv; j++) {
+            const float s = decay * row[j] + ki * u[j];
+            row[j] = s;
+            o[j] += s * qi;
+        }
+    }
+}
+
+/* mixed [B, C] (C = 2 nk dk + nv dv: q, k, v channels), conv_w [C, K], conv_state [slots, C, K-1],
+ * slots [B], g / beta [B, nv], state [slots, nv, dk, dv], out [B, nv, dv]. tiled: value head h uses
+ * key head h mod nk (llama.cpp's files), else h / (nv / nk). scratch: B * C floats. Returns 0. */
+int deltanet_decode(const float *mixed, int64_t B, int64_t C, const float *conv_w, int64_t K, float *conv_state,
+                    const int64_t *slots, const float *g, const float *beta, float *state, int64_t nk, int64_t nv,
+                    int64_t dk, int64_t dv, int64_t tiled, float *out, float *scratch, int num_threads) {
+    const int64_t key_dim = nk * dk, per_k = nv / nk;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            conv_channels(mixed + b * C, conv_w, K, conv_state + slots[b] * C * (K - 1), 0, C, scratch + b * C);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * 2 * nk; item++) {  /* each q and k head */
+            const int64_t b = item / (2 * nk), head = item % (2 * nk);
+            l2_normalize(scratch + b * C + head * dk, dk, head < nk ? q_scale : 1.0f);
+        }
+        float u[dv];
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * nv; item++) {
+            const int64_t b = item / nv, h = item % nv, kh = tiled ? h % nk : h / per_k;
+            const float *y = scratch + b * C;
+            delta_head(state + (slots[b] * nv + h) * dk * dv, y + kh * dk, y + key_dim + kh * dk,
+                       y + 2 * key_dim + h * dv, expf(g[b * nv + h]), beta[b * nv + h], dk, dv, u,
+                       out + (b * nv + h) * dv);
+        }
+    }
+    return 0;
+}
