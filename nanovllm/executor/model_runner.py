@@ -14,13 +14,13 @@ from nanovllm.engine.kv_groups import kv_groups, slots_per_block
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.gated_deltanet import GatedDeltaNet, StateBatch
 from nanovllm.layers.backends import AttentionBatch, get_backend, pick_backend_name
 from nanovllm.sample.prompt_logprobs import logits_positions, split_prompt_logits
 from nanovllm.sample.sampler import SampledTokens, Sampler
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.models import get_model_class
 from nanovllm.executor.compile import compile_fused_ops
+from nanovllm.executor.state_cache import StateCache
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.loader import load_model
 from nanovllm.spec_decode.verify import verify
@@ -66,11 +66,7 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(platform.random_sample, generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.state_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
-        if self.state_layers and config.speculative_config is not None:
-            raise ValueError("speculative decoding is not supported for models with linear-attention layers "
-                             "(a rejected proposal would have to roll their state back)")
-        self.num_state_slots = 0
+        self.state_cache = StateCache(self.model, config)  # linear-attention layers' state slots, if any
         self.kv_format = config.kv_format
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype,
                                          self.kv_format)
@@ -146,43 +142,23 @@ class ModelRunner:
                 attn.kv_group = g
         return num_blocks
 
+    @property
+    def state_layers(self) -> list:
+        return self.state_cache.layers
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.state_cache.num_slots
+
     def allocate_state_cache(self, budget: int) -> int:
-        """The linear-attention layers' state slots (layers/gated_deltanet.py), one per sequence up to
-        max_num_seqs, at most half the budget; returns their bytes."""
-        if not self.state_layers:
-            return 0
-        per_slot = sum(layer.slot_bytes() for layer in self.state_layers)
-        slots = min(self.config.max_num_seqs, max(budget, 0) // 2 // per_slot)
-        if self.config.runner == "pooling":
-            slots = min(slots, 1)
-        if get_tp_size() > 1:  # rank 0's scheduler hands out the slots of every rank
-            count = torch.tensor([slots], dtype=torch.int64, device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MIN)
-            slots = int(count.item())
-        if slots < 1:
-            raise ValueError(f"not even one linear-attention state slot ({per_slot} bytes) fits half the memory "
-                             f"budget ({budget} bytes); raise cpu_kvcache_bytes / gpu_memory_utilization")
-        if slots < self.config.max_num_seqs and self.rank == 0:
-            logger.info("linear-attention state for %d sequences at once (max_num_seqs %d): half the KV budget",
-                        slots, self.config.max_num_seqs)
+        """The state slots' bytes, taken from the budget before the KV cache's blocks."""
         # The C decode step where the platform has the CPU's kernels (fp32 activations; the state is fp32).
         kernels = self.platform.linear_kernels(self.model, self.dtype, self.config.weight_dtype).c_kernels
-        for layer in self.state_layers:
-            layer.state = layer.new_state(slots, self.device)
-            layer.c_kernels = kernels if self.dtype == torch.float32 else None
-        self.num_state_slots = slots
-        return slots * per_slot
+        return self.state_cache.allocate(budget, self.device, kernels if self.dtype == torch.float32 else None,
+                                         self.rank)
 
-    def state_batch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StateBatch | None:
-        """The linear-attention layers' view of a step (None without such layers; slots None for
-        sequences the scheduler did not admit: the warm-up's, embeddings', each run from zero state)."""
-        if not self.state_layers:
-            return None
-        fresh = [seq.num_computed_tokens == 0 for seq in seqs]
-        if any(seq.state_slot is None for seq in seqs):
-            return StateBatch(None, list(num_new_tokens), fresh)
-        slots = self.to_device(torch.tensor([seq.state_slot for seq in seqs], dtype=torch.int64))
-        return StateBatch(slots, list(num_new_tokens), fresh)
+    def state_batch(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        return self.state_cache.batch(seqs, num_new_tokens, self.to_device)
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
