@@ -12,6 +12,11 @@ weights all have views (and whose MLP is the gated one or a sparse MoE block,
 kernels/cpu_moe.c) as one C call; a layer without them runs its own modules between the C phases.
 Larger decode steps and prefill steps run every layer that way: the matmuls on the layers' own
 methods, norms, rotary + KV store, attention (decode) and SiLU in C.
+
+The hybrids (Qwen3.5, Qwen3-Next: models/qwen3_next.py) run their decode steps in the one call
+only: their gated attention (partial rotary, an output gate) and Gated DeltaNet layers (the
+delta rule on each sequence's state slot, kernels/cpu_deltanet.c) have no phases of their own
+between torch's matmuls, so their prefill steps and batches past the one call's rows run eager.
 """
 import ctypes
 import logging
@@ -24,10 +29,13 @@ from torch import nn
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
+from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, DeltaNetLayer, Linear, MoeExperts
+from nanovllm.layers.gated_deltanet import GatedDeltaNet
+from nanovllm.layers.layernorm import GemmaRMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.models.moe_block import SparseMoeBlock
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
+from nanovllm.models.qwen3_next import GatedAttention
 from nanovllm.utils.context import Context
 
 DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
@@ -70,11 +78,18 @@ def moe_description(kernels: cpu_kernels.CpuKernels, block: SparseMoeBlock) -> M
     return moe
 
 
+def linear_attention(layer: nn.Module) -> GatedDeltaNet | None:
+    """A hybrid's linear-attention module of the layer, or None (an attention layer)."""
+    return getattr(layer, "linear_attn", None)
+
+
 def layer_linears(kernels: cpu_kernels.CpuKernels, layer: nn.Module) -> tuple[list[Linear], MoeExperts | None] | None:
     """(qkv, o, gate_up, down; the MoE block's description, whose layers' gate_up and down are
-    empty) of a layer the one-call step can run whole, else None."""
-    a, mlp = layer.self_attn, layer.mlp
-    attention = [described(kernels, m, m.bias) for m in (a.qkv_proj, a.o_proj)]
+    empty) of a layer the one-call step can run whole, else None. (A linear-attention layer's
+    in_proj and out_proj stand as its qkv and o.)"""
+    lin, mlp = linear_attention(layer), layer.mlp
+    projections = (lin.in_proj, lin.out_proj) if lin is not None else (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+    attention = [described(kernels, m, m.bias) for m in projections]
     if isinstance(mlp, SparseMoeBlock):
         moe = moe_description(kernels, mlp)
         linears = attention + [Linear(), Linear()]
@@ -105,44 +120,63 @@ class FusedDecode(StepRunner):
     def __init__(self, model: DecoderForCausalLM, kernels: cpu_kernels.CpuKernels):
         self.kernels = kernels
         inner = model.model
-        # NOTE: the modules also keep alive every tensor whose address the structures hold.
+        # NOTE: the modules also keep alive every tensor whose address the structures hold (and
+        # self.kept the ones made here).
         self.modules = layers = list(inner.layers)
+        self.kept: list[torch.Tensor] = []
         self.final_norm = inner.norm
+        self.final_norm_weight = self.norm_weight(inner.norm)
         self.embed = inner.embed_tokens
         self.lm_head = model.lm_head
         self.compute_logits = model.compute_logits
-        if not all(isinstance(layer.self_attn, DecoderAttention) for layer in layers):
+        attention_layers = [layer for layer in layers if linear_attention(layer) is None]
+        if not attention_layers:
+            raise ValueError("no attention layer")
+        if not all(isinstance(layer.self_attn, (DecoderAttention, GatedAttention)) for layer in attention_layers):
             raise ValueError("a layer's attention is not the shared decoder attention")
-        if any(layer.self_attn.attn.logit_softcap is not None for layer in layers):
+        if any(layer.self_attn.attn.logit_softcap is not None for layer in attention_layers):
             raise ValueError("soft-capped attention (the C decode step's softmax has no cap)")
         if not all(isinstance(getattr(layer.mlp, "act_fn", SiluAndMul()), SiluAndMul) for layer in layers):
             raise ValueError("an MLP's activation is not SiLU (the C decode step's)")
-        attn0 = layers[0].self_attn
-        if attn0.rotary_emb.rotary_dim != attn0.head_dim:
-            raise ValueError("partial rotary embedding (the C decode step rotates whole heads)")
+        attn0 = attention_layers[0].self_attn
+        # The hybrids' layer kinds run in the one call only (no phases between torch's matmuls).
+        self.hybrid = any(isinstance(layer.self_attn, GatedAttention) for layer in attention_layers) \
+            or len(attention_layers) < len(layers)
         descs, in_c = [], []
         # NOTE: the structures below hold copies of these descriptions, whose chained parts (a
         # stacked layer's parts in other formats) live in the originals: kept for as long as self.
         self.linears: list[Linear] = []
         self.moes: list[MoeExperts] = []
+        self.deltanets: list[DeltaNetLayer] = []
+        eps = {inner.norm.eps}
         for layer in layers:
-            a = layer.self_attn
             parts = layer_linears(kernels, layer)
             linears, moe = parts or ([Linear()] * 4, None)
             self.linears += linears
             self.moes += [moe] if moe is not None else []
             in_c.append(parts is not None)
+            norms = [self.norm_weight(layer.input_layernorm), self.norm_weight(layer.post_attention_layernorm)]
+            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            lin = linear_attention(layer)
+            if lin is not None:
+                eps.add(lin.norm.eps)
+                self.deltanets.append(self.deltanet_description(lin))
+                descs.append(DecoderLayer(*norms, None, None, *linears, None, None, int(parts is not None),
+                                          ctypes.pointer(moe) if moe is not None else None, 0, None, 0, 0,
+                                          ctypes.pointer(self.deltanets[-1])))
+                continue
+            a = layer.self_attn
+            qk_norms = [None, None]
+            if getattr(a, "use_qk_norm", True):  # the gated attention always norms q and k
+                qk_norms = [self.norm_weight(a.q_norm), self.norm_weight(a.k_norm)]
+                eps |= {a.q_norm.eps, a.k_norm.eps}
             descs.append(DecoderLayer(
-                pointer(layer.input_layernorm.weight), pointer(layer.post_attention_layernorm.weight),
-                pointer(a.q_norm.weight) if a.use_qk_norm else None,
-                pointer(a.k_norm.weight) if a.use_qk_norm else None,
-                *linears, pointer(a.attn.k_cache, a.attn.kv_format.storage),
+                *norms, *qk_norms, *linears, pointer(a.attn.k_cache, a.attn.kv_format.storage),
                 pointer(a.attn.v_cache, a.attn.kv_format.storage), int(parts is not None),
                 ctypes.pointer(moe) if moe is not None else None, a.attn.sliding_window or 0,
-                pointer(a.attn.sinks), a.attn.kv_group))
-        eps = {layer.input_layernorm.eps for layer in layers} | {inner.norm.eps}
-        if attn0.use_qk_norm:
-            eps |= {layer.self_attn.q_norm.eps for layer in layers} | {layer.self_attn.k_norm.eps for layer in layers}
+                pointer(a.attn.sinks), a.attn.kv_group, int(isinstance(a, GatedAttention)), None))
+        if self.hybrid and not all(in_c):
+            raise ValueError("a hybrid model's layer has a matrix without a C view (its layers run in the one call only)")
         if len(eps) != 1:
             raise ValueError(f"the fused decode step takes one RMSNorm eps, the model has {sorted(eps)}")
         cos_sin = attn0.rotary_emb.cos_sin_cache
@@ -155,8 +189,8 @@ class FusedDecode(StepRunner):
         intermediate = max([d.down.k for d in descs if d.in_c] + [moe.shared_down.k for moe in self.moes], default=0)
         self.desc = DecoderModel(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads,
                                  attn0.head_dim, intermediate, attn0.attn.k_cache.shape[1],
-                                 attn0.attn.kv_format.c_type, eps.pop(),
-                                 attn0.attn.scale, pointer(cos_sin), pointer(inner.norm.weight), self.layers,
+                                 attn0.attn.kv_format.c_type, eps.pop(), attn0.attn.scale,
+                                 attn0.rotary_emb.rotary_dim, pointer(cos_sin), self.final_norm_weight, self.layers,
                                  embed or Linear(), head or Linear())
         bad = kernels.decode_check_model(ctypes.byref(self.desc))
         if bad >= 0:
@@ -172,7 +206,27 @@ class FusedDecode(StepRunner):
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = cpu_kernels.ALL_ROWS
 
+    def norm_weight(self, norm: nn.Module) -> int:
+        """The address of an RMSNorm's multiplier: its weight, or 1 + weight for Gemma's form (a copy
+        kept here)."""
+        if isinstance(norm, GemmaRMSNorm):
+            self.kept.append((1.0 + norm.weight.float()).contiguous())
+            return pointer(self.kept[-1])
+        return pointer(norm.weight)
+
+    def deltanet_description(self, lin: GatedDeltaNet) -> DeltaNetLayer:
+        if lin.state is None:
+            raise ValueError("a linear-attention layer has no state slots")
+        conv = lin.conv_weight().contiguous()
+        self.kept.append(conv)
+        return DeltaNetLayer(pointer(conv), pointer(lin.state.conv), pointer(lin.state.delta), pointer(lin.A_log),
+                             pointer(lin.dt_bias), pointer(lin.norm.weight), lin.num_k_heads, lin.num_v_heads,
+                             lin.dk, lin.dv, lin.kernel, int(lin.tiled))
+
     def can_run(self, num_tokens: int, context: Context) -> bool:
+        if self.hybrid:  # decode steps in the one call, each sequence with its state slot
+            return (not context.is_prefill and num_tokens <= self.max_rows and context.state is not None
+                    and context.state.slots is not None)
         if context.is_prefill:  # steps that store into the cache (the engine's; not the warm-up's)
             return context.slot_mapping is not None
         return context.attn_metadata.seqlens_k is not None
@@ -191,6 +245,10 @@ class FusedDecode(StepRunner):
         # One step per KV group (engine/kv_groups.py): its block tables and slots.
         # NOTE: the steps point into these tensors: they live until the step returns.
         held, steps = [], []
+        state_slots = None
+        if context.state is not None and context.state.slots is not None:
+            state_slots = context.state.slots.to(torch.int64).contiguous()
+            held.append(state_slots)
         for g in range(1 + len(context.more_groups)):
             slot_mapping, meta = context.kv_inputs(g)
             tables = meta.block_tables.to(torch.int32).contiguous()
@@ -198,7 +256,8 @@ class FusedDecode(StepRunner):
             slots = slot_mapping.to(torch.int64).contiguous()
             held += [tables, lens, slots]
             steps.append(DecodeStep(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                                    num_seqs, tables.shape[1], meta.max_seqlen_k, int(context.shared_rows)))
+                                    num_seqs, tables.shape[1], meta.max_seqlen_k, int(context.shared_rows),
+                                    None if state_slots is None else state_slots.data_ptr()))
         steps = (DecodeStep * len(steps))(*steps)
         k, desc, step_ref = self.kernels, ctypes.byref(self.desc), ctypes.byref(steps)
 
@@ -283,10 +342,10 @@ class FusedDecode(StepRunner):
         rows = hidden.shape[0]
         xn = torch.empty_like(hidden)
         k.decode_add_rms_norm(desc, hidden.data_ptr(), resid.data_ptr(), not started,
-                              layer.input_layernorm.weight.data_ptr(), rows, xn.data_ptr(), threads)
+                              self.layers[i].input_norm, rows, xn.data_ptr(), threads)
         hidden = a.o_proj(attend(i, layer, a.qkv_proj(xn).contiguous()).contiguous()).contiguous()
         k.decode_add_rms_norm(desc, hidden.data_ptr(), resid.data_ptr(), 0,
-                              layer.post_attention_layernorm.weight.data_ptr(), rows, xn.data_ptr(), threads)
+                              self.layers[i].post_norm, rows, xn.data_ptr(), threads)
         if not isinstance(mlp, GatedMLP):
             return mlp(xn).contiguous()
         gate_up = mlp.gate_up_proj(xn).contiguous()
@@ -306,7 +365,7 @@ class FusedDecode(StepRunner):
     def final_normed(self, hidden: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(hidden)
         self.kernels.decode_add_rms_norm(ctypes.byref(self.desc), hidden.data_ptr(), resid.data_ptr(), 0,
-                                         self.final_norm.weight.data_ptr(), hidden.shape[0], out.data_ptr(),
+                                         self.final_norm_weight, hidden.shape[0], out.data_ptr(),
                                          torch.get_num_threads())
         return out
 

@@ -1,7 +1,10 @@
 /* The decode step of a Llama-family decoder (Llama, Qwen2, Qwen3) in C: the embedding lookup;
  * for every layer, residual add + RMSNorm, the qkv projection, q/k RMSNorm (Qwen3), rotary
  * embedding, the KV-cache store, paged attention, the output projection, residual add + RMSNorm,
- * the gated MLP; then the final norm and the LM head. One token per sequence.
+ * the gated MLP; then the final norm and the LM head. One token per sequence. The hybrids
+ * (Qwen3.5, Qwen3-Next) add two layer kinds, one-call only: attention with an output gate and
+ * partial rotary (attn_gate), and Gated DeltaNet (linear: cpu_deltanet.c's phase in place of the
+ * attention, its state in each sequence's slot).
  *
  * The eager forward runs ~140 small torch ops per layer, whose dispatch costs more than the
  * weight traffic at one or a few sequences; decode_layers runs a range of layers in one OpenMP
@@ -36,15 +39,17 @@ static void add_rms_norm_row(const float *x, float *resid, int first, const floa
     for (int64_t i = 0; i < n; i++) y[i] = weight[i] * (resid[i] * inv);
 }
 
-/* In place: optional RMSNorm over the head (q/k norm), then neox-style rotation by cos/sin. */
-static void norm_rope_head(float *x, const float *norm, float eps, const float *cos_sin, int64_t head_dim) {
+/* In place: optional RMSNorm over the head (q/k norm), then neox-style rotation of its first
+ * rotary_dim values by cos/sin (the rest as they are: partial rotary). */
+static void norm_rope_head(float *x, const float *norm, float eps, const float *cos_sin, int64_t head_dim,
+                           int64_t rotary_dim) {
     if (norm != NULL) {
         float sq = 0.0f;
         for (int64_t d = 0; d < head_dim; d++) sq += x[d] * x[d];
         const float inv = 1.0f / sqrtf(sq / (float)head_dim + eps);
         for (int64_t d = 0; d < head_dim; d++) x[d] = norm[d] * (x[d] * inv);
     }
-    const int64_t half = head_dim / 2;
+    const int64_t half = rotary_dim / 2;
     const float *cos = cos_sin, *sin = cos_sin + half;
     for (int64_t d = 0; d < half; d++) {
         const float x1 = x[d], x2 = x[d + half];
@@ -73,11 +78,12 @@ static void rope_store_heads(const DecoderModel *m, const DecoderLayer *L, float
     const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads, group = NH / NKV;
     const int64_t Q = NH * D, KV = NKV * D;
     float *row = qkv + b * (Q + 2 * KV);
-    const float *cs = m->cos_sin + positions[b] * D;
-    for (int64_t h = kv_first * group; h < kv_end * group; h++) norm_rope_head(row + h * D, L->q_norm, m->eps, cs, D);
+    const int64_t R = m->rotary_dim;
+    const float *cs = m->cos_sin + positions[b] * R;
+    for (int64_t h = kv_first * group; h < kv_end * group; h++) norm_rope_head(row + h * D, L->q_norm, m->eps, cs, D, R);
     for (int64_t kh = kv_first; kh < kv_end; kh++) {
         float *k = row + Q + kh * D;
-        norm_rope_head(k, L->k_norm, m->eps, cs, D);
+        norm_rope_head(k, L->k_norm, m->eps, cs, D, R);
         if (slots[b] >= 0) {
             const int64_t at = (slots[b] * NKV + kh) * kv_row_bytes(m->kv_type, D);
             kv_store_row(m->kv_type, (uint8_t *)L->k_cache + at, k, D);
@@ -145,6 +151,31 @@ static void phase_silu_mul(const float *gu, int64_t B, int64_t I, float *act) {
     }
 }
 
+/* Gated attention (attn_gate): raw [B, NH (q_h | gate_h) | k | v] -> qkv [B, q | k | v] and gate [B, NH D]. */
+static void phase_split_gate(const float *raw, int64_t B, int64_t NH, int64_t NKV, int64_t D, float *qkv, float *gate) {
+    const int64_t Q = NH * D, KV = NKV * D;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        const float *r = raw + b * (2 * Q + 2 * KV);
+        float *out = qkv + b * (Q + 2 * KV), *g = gate + b * Q;
+        for (int64_t h = 0; h < NH; h++) {
+            memcpy(out + h * D, r + 2 * h * D, sizeof(float) * (size_t)D);
+            memcpy(g + h * D, r + (2 * h + 1) * D, sizeof(float) * (size_t)D);
+        }
+        memcpy(out + Q, r + 2 * Q, sizeof(float) * (size_t)(2 * KV));
+    }
+}
+
+/* attn [n] *= sigmoid(gate [n]), in 8-lane chunks. */
+static void phase_apply_gate(float *attn, const float *gate, int64_t n) {
+    const int64_t chunks = (n + VL - 1) / VL;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < chunks; j++) {
+        const int64_t end = (j + 1) * VL < n ? (j + 1) * VL : n;
+        for (int64_t i = j * VL; i < end; i++) attn[i] /= 1.0f + sexp(-gate[i]);
+    }
+}
+
 /* Per-thread attention buffers; NULL (and *failed set) when they cannot be allocated. */
 static float *alloc_or_flag(size_t floats, int *failed) {
     float *p = malloc(sizeof(float) * (floats > 0 ? floats : 1));
@@ -160,14 +191,30 @@ static float *alloc_or_flag(size_t floats, int *failed) {
  * the first layer with a bad matrix (num_layers: the embedding, the head or the KV format). Called
  * once, when the description is built. */
 int64_t decode_check_model(const DecoderModel *m) {
-    if (kv_row_bytes(m->kv_type, m->head_dim) == 0) return m->num_layers;
+    if (kv_row_bytes(m->kv_type, m->head_dim) == 0 || m->rotary_dim <= 0 || m->rotary_dim > m->head_dim ||
+        m->rotary_dim % 2)
+        return m->num_layers;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecoderLayer *L = &m->layers[l];
-        const int64_t H = m->hidden, QKV = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+        const DeltaNetLayer *X = L->linear;
+        const int64_t H = m->hidden, Q = m->num_heads * m->head_dim, KV = m->num_kv_heads * m->head_dim;
+        int64_t proj_out = (L->attn_gate ? 2 * Q : Q) + 2 * KV, o_in = Q;
         if (L->kv_group < 0) return l;
-        if (!L->in_c) continue;
-        if (!(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && L->qkv.k == H && linear_outputs(&L->qkv) == QKV &&
-              L->o.k == m->num_heads * m->head_dim && linear_outputs(&L->o) == H))
+        /* a gated or linear layer has no phases for run_layer: it runs in the one call only */
+        if (!L->in_c) {
+            if (L->attn_gate || X != NULL) return l;
+            continue;
+        }
+        if (X != NULL) {
+            if (X->conv_w == NULL || X->conv_state == NULL || X->state == NULL || X->A_log == NULL ||
+                X->dt_bias == NULL || X->norm == NULL || X->nk <= 0 || X->nv % X->nk || X->dk <= 0 || X->dv <= 0 ||
+                X->dv > 1024 || X->K < 2 || X->K > 8 || L->attn_gate)
+                return l;
+            proj_out = 2 * X->nk * X->dk + X->nv * X->dv + X->nv * X->dv + 2 * X->nv;
+            o_in = X->nv * X->dv;
+        }
+        if (!(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && L->qkv.k == H && linear_outputs(&L->qkv) == proj_out &&
+              L->o.k == o_in && linear_outputs(&L->o) == H))
             return l;
         if (L->moe != NULL ? !(moe_is_valid(L->moe) && L->moe->hidden == H && L->moe->router.data != NULL &&
                                (L->moe->shared_down.data == NULL || L->moe->shared_down.k <= m->intermediate))
@@ -199,8 +246,22 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
         (logits != NULL && (end_layer != m->num_layers || m->head.data == NULL)) ||
         (ids != NULL && (first_layer != 0 || m->embed.data == NULL)))
         return 3;
-    for (int64_t l = first_layer; l < end_layer; l++)
-        if (!m->layers[l].in_c) return 3;
+    /* Per row: the projections of gated and linear layers (proj), the linear layers' convolved
+     * channels (conv), the gated layers' gates (gate); the attention output, the widest of Q and the
+     * linear layers' values. */
+    int64_t P = 0, Cmax = 0, G = 0, A = Q;
+    for (int64_t l = first_layer; l < end_layer; l++) {
+        const DecoderLayer *L = &m->layers[l];
+        if (!L->in_c || (L->linear != NULL && s[L->kv_group].state_slots == NULL)) return 3;
+        if (L->linear != NULL || L->attn_gate) P = linear_outputs(&L->qkv) > P ? linear_outputs(&L->qkv) : P;
+        if (L->attn_gate) G = Q;
+        if (L->linear != NULL) {
+            const DeltaNetLayer *X = L->linear;
+            const int64_t C = 2 * X->nk * X->dk + X->nv * X->dv;
+            Cmax = C > Cmax ? C : Cmax;
+            A = X->nv * X->dv > A ? X->nv * X->dv : A;
+        }
+    }
     for (int64_t b = 0; ids != NULL && b < B; b++)
         if (ids[b] < 0 || ids[b] >= m->embed.n) return 2;
     /* The activations every thread writes a share of: qkv, attention output, gate|up; for sparse
@@ -215,11 +276,13 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
     const int64_t moe_total = experts > 0 ? B * (experts + H + 1) + moe_floats : 0;
     const DecodePlan plan = decode_plan(B, NKV, s->max_context, m->block_size, num_threads);
     const int64_t partial = decode_partial_floats(&plan, B, NH, D);
-    float *buf = malloc(sizeof(float) * (size_t)(B * (QKV + Q + 2 * I) + moe_total + partial));
+    const int64_t per_row = QKV + A + 2 * I + P + Cmax + G;
+    float *buf = malloc(sizeof(float) * (size_t)(B * per_row + moe_total + partial));
     if (buf == NULL) return 1;
-    float *qkv = buf, *attn = qkv + B * QKV, *gu = attn + B * Q;
-    float *router_logits = gu + B * 2 * I, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
-    float *moe_scratch = shared_gate + B, *parts = buf + B * (QKV + Q + 2 * I) + moe_total;
+    float *qkv = buf, *attn = qkv + B * QKV, *gu = attn + B * A, *proj = gu + B * 2 * I, *conv = proj + B * P;
+    float *gate = conv + B * Cmax;
+    float *router_logits = gate + B * G, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
+    float *moe_scratch = shared_gate + B, *parts = buf + B * per_row + moe_total;
     int failed = 0;
     const int64_t failures = kernel_failures();
 #pragma omp parallel num_threads(num_threads)
@@ -249,9 +312,23 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                 for (int64_t b = 0; b < B; b++)
                     add_rms_norm_row((l == first_layer ? first_in : hidden) + b * H, rs + b * H,
                                      l == first_layer && !started, L->input_norm, m->eps, H, xn + b * H);
-                linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
-                phase_rope_attention(m, L, qkv, s + L->kv_group, &plan, attn, scratch, parts);
-                linear_rows_for(&L->o, attn, Q, B, hidden, H);
+                if (L->linear != NULL) {  /* Gated DeltaNet: in_proj, conv + delta rule + gated norm, out_proj */
+                    const DeltaNetLayer *X = L->linear;
+                    const int64_t Pl = linear_outputs(&L->qkv);
+                    linear_rows_for(&L->qkv, xn, H, B, proj, Pl);
+                    phase_deltanet(X, proj, Pl, B, s[L->kv_group].state_slots, m->eps, attn, conv);
+                    linear_rows_for(&L->o, attn, X->nv * X->dv, B, hidden, H);
+                } else if (L->attn_gate) {  /* attention with an output gate */
+                    linear_rows_for(&L->qkv, xn, H, B, proj, 2 * Q + 2 * NKV * D);
+                    phase_split_gate(proj, B, NH, NKV, D, qkv, gate);
+                    phase_rope_attention(m, L, qkv, s + L->kv_group, &plan, attn, scratch, parts);
+                    phase_apply_gate(attn, gate, B * Q);
+                    linear_rows_for(&L->o, attn, Q, B, hidden, H);
+                } else {
+                    linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
+                    phase_rope_attention(m, L, qkv, s + L->kv_group, &plan, attn, scratch, parts);
+                    linear_rows_for(&L->o, attn, Q, B, hidden, H);
+                }
                 for (int64_t b = 0; b < B; b++)
                     add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
                 if (L->moe != NULL) {
@@ -298,11 +375,12 @@ void decode_add_rms_norm(const DecoderModel *m, const float *x, float *resid, in
 }
 
 /* Layer `layer`'s rotary + KV store + attention: qkv [num_seqs, q | k | v] (q and k rotated in
- * place) -> attn [num_seqs, num_heads * head_dim]. Returns 0, or 1 when a buffer could not be
- * allocated. */
+ * place) -> attn [num_seqs, num_heads * head_dim]. Returns 0, 1 when a buffer could not be
+ * allocated, 3 for a gated or linear layer (decode_layers runs those). */
 int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, const DecodeStep *s, float *attn,
                            int num_threads) {
     const DecoderLayer *L = &m->layers[layer];
+    if (L->attn_gate || L->linear != NULL) return 3;  /* those run in decode_layers only */
     const DecodePlan plan = decode_plan(s->num_seqs, m->num_kv_heads, s->max_context, m->block_size, num_threads);
     const int64_t partial = decode_partial_floats(&plan, s->num_seqs, m->num_heads, m->head_dim);
     float *parts = NULL;

@@ -58,6 +58,50 @@ static void delta_head(float *S, const float *q, const float *k, const float *v,
     }
 }
 
+/* o [dv] = rms-normed o times weight times silu(z) (GatedRMSNorm). */
+static void gated_norm(float *o, const float *z, const float *weight, float eps, int64_t dv) {
+    float sq = 0.0f;
+    for (int64_t j = 0; j < dv; j++) sq += o[j] * o[j];
+    const float inv = 1.0f / sqrtf(sq / (float)dv + eps);
+    for (int64_t j = 0; j < dv; j++) o[j] = weight[j] * (o[j] * inv) * (z[j] / (1.0f + sexp(-z[j])));
+}
+
+/* Conv channels per work item: a row's 6144 channels (Qwen3.5) in enough items to share among threads. */
+#define CONV_SPAN 256
+
+void phase_deltanet(const DeltaNetLayer *X, const float *proj, int64_t proj_stride, int64_t B, const int64_t *slots,
+                    float eps, float *out, float *scratch) {
+    const int64_t nk = X->nk, nv = X->nv, dk = X->dk, dv = X->dv, K = X->K;
+    const int64_t key_dim = nk * dk, C = 2 * key_dim + nv * dv, per_k = nv / nk;
+    const int64_t spans = (C + CONV_SPAN - 1) / CONV_SPAN;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * spans; item++) {
+        const int64_t b = item / spans, first = (item % spans) * CONV_SPAN;
+        conv_channels(proj + b * proj_stride, X->conv_w, K, X->conv_state + slots[b] * C * (K - 1), first,
+                      first + CONV_SPAN < C ? first + CONV_SPAN : C, scratch + b * C);
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * 2 * nk; item++) {  /* each q and k head */
+        const int64_t b = item / (2 * nk), head = item % (2 * nk);
+        l2_normalize(scratch + b * C + head * dk, dk, head < nk ? q_scale : 1.0f);
+    }
+    float u[dv];
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * nv; item++) {
+        const int64_t b = item / nv, h = item % nv, kh = X->tiled ? h % nk : h / per_k;
+        const float *y = scratch + b * C, *row = proj + b * proj_stride;
+        const float *z = row + C + h * dv, b_logit = row[C + nv * dv + h], a = row[C + nv * dv + nv + h] + X->dt_bias[h];
+        /* beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias), softplus linear past 20 as torch's */
+        const float beta = 1.0f / (1.0f + expf(-b_logit));
+        const float g = -expf(X->A_log[h]) * (a > 20.0f ? a : log1pf(expf(a)));
+        float *o = out + (b * nv + h) * dv;
+        delta_head(X->state + (slots[b] * nv + h) * dk * dv, y + kh * dk, y + key_dim + kh * dk, y + 2 * key_dim + h * dv,
+                   expf(g), beta, dk, dv, u, o);
+        gated_norm(o, z, X->norm, eps, dv);
+    }
+}
+
 /* mixed [B, C] (C = 2 nk dk + nv dv: q, k, v channels), conv_w [C, K], conv_state [slots, C, K-1],
  * slots [B], g / beta [B, nv], state [slots, nv, dk, dv], out [B, nv, dv]. tiled: value head h uses
  * key head h mod nk (llama.cpp's files), else h / (nv / nk). scratch: B * C floats. Returns 0. */

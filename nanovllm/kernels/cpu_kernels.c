@@ -370,6 +370,7 @@ int64_t nanovllm_struct_size(const char *name) {
     if (strcmp(name, "DecoderModel") == 0) return (int64_t)sizeof(DecoderModel);
     if (strcmp(name, "DecodeStep") == 0) return (int64_t)sizeof(DecodeStep);
     if (strcmp(name, "MoeExperts") == 0) return (int64_t)sizeof(MoeExperts);
+    if (strcmp(name, "DeltaNetLayer") == 0) return (int64_t)sizeof(DeltaNetLayer);
     return -1;
 }
 

@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 14
+#define NANOVLLM_ABI_VERSION 15
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -159,6 +159,23 @@ void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logi
                const float *shared_gate, float *out, float *scratch);
 
 /* ---- Gated DeltaNet's decode step (cpu_deltanet.c) ---------------------------------------------- */
+/* A linear-attention layer as the C decode step runs it (layers/gated_deltanet.py): its in_proj
+ * (the layer's qkv Linear) gives each row [q k v channels C | z (nv dv) | b (nv) | a (nv)], C =
+ * 2 nk dk + nv dv; its out_proj is the layer's o Linear. */
+typedef struct {
+    const float *conv_w;            /* [C, K] */
+    float *conv_state;              /* [slots, C, K - 1]: the last K - 1 inputs of each sequence */
+    float *state;                   /* [slots, nv, dk, dv]: each sequence's delta-rule state, fp32 */
+    const float *A_log, *dt_bias;   /* [nv] */
+    const float *norm;              /* [dv]: the gated RMSNorm's weight */
+    int64_t nk, nv, dk, dv, K;
+    int64_t tiled;                  /* 1: value head h uses key head h mod nk (llama.cpp's files), else h / (nv / nk) */
+} DeltaNetLayer;
+/* Orphaned worksharing loops: out [B, nv dv] = the gated-normed delta-rule outputs of proj [B,
+ * proj_stride] (one token of each sequence, state slot slots[b]), the states updated in place.
+ * scratch: B * C floats, shared. */
+void phase_deltanet(const DeltaNetLayer *X, const float *proj, int64_t proj_stride, int64_t B, const int64_t *slots,
+                    float eps, float *out, float *scratch);
 int deltanet_decode(const float *mixed, int64_t B, int64_t C, const float *conv_w, int64_t K, float *conv_state,
                     const int64_t *slots, const float *g, const float *beta, float *state, int64_t nk, int64_t nv,
                     int64_t dk, int64_t dv, int64_t tiled, float *out, float *scratch, int num_threads);
@@ -175,13 +192,19 @@ typedef struct {
     int64_t window;                      /* > 0: sliding-window attention over the last `window` tokens */
     const float *sinks;                  /* [num_heads] logits in each head's softmax denominator, or NULL */
     int64_t kv_group;                    /* the KV group whose block tables it reads: its step is s[kv_group] */
+    /* 1: gated attention (Qwen3.5 / Qwen3-Next): qkv's q rows are [q_h | gate_h] per head, and the
+     * attention output is multiplied by sigmoid(gate) before o. */
+    int64_t attn_gate;
+    /* non-NULL: a Gated DeltaNet layer (qkv its in_proj, o its out_proj; no KV cache, no norms of q/k) */
+    const DeltaNetLayer *linear;
 } DecoderLayer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
     int64_t kv_type;         /* the KV caches' format (KV_F32 ...) */
     float eps, scale;
-    const float *cos_sin;    /* [max_position, head_dim]: cos of the head_dim / 2 frequencies, then sin */
+    int64_t rotary_dim;      /* the first rotary_dim of each head are rotated (head_dim: all of it) */
+    const float *cos_sin;    /* [max_position, rotary_dim]: cos of the rotary_dim / 2 frequencies, then sin */
     const float *final_norm; /* [hidden] */
     const DecoderLayer *layers;
     Linear embed;            /* [vocab, hidden]; data NULL: the lookup runs outside */
@@ -200,6 +223,7 @@ typedef struct {
      * one row each): a row reads K/V that another row of the step stores, so every row is stored
      * before any attends. */
     int64_t store_first;
+    const int64_t *state_slots;         /* [num_seqs]: each sequence's linear-attention state slot (NULL: none) */
 } DecodeStep;
 
 /* ---- GCC vector types of VL lanes: one source serves AVX2 and AVX-512 (-march=native) ---------

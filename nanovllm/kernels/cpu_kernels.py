@@ -113,28 +113,36 @@ class MoeExperts(ctypes.Structure):
 MOE_ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 
 
+class DeltaNetLayer(ctypes.Structure):
+    _fields_ = [("conv_w", c_void_p), ("conv_state", c_void_p), ("state", c_void_p), ("A_log", c_void_p),
+                ("dt_bias", c_void_p), ("norm", c_void_p), ("nk", c_int64), ("nv", c_int64), ("dk", c_int64),
+                ("dv", c_int64), ("K", c_int64), ("tiled", c_int64)]
+
+
 class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts)),
-                ("window", c_int64), ("sinks", c_void_p), ("kv_group", c_int64)]
+                ("window", c_int64), ("sinks", c_void_p), ("kv_group", c_int64), ("attn_gate", c_int64),
+                ("linear", ctypes.POINTER(DeltaNetLayer))]
 
 
 class DecoderModel(ctypes.Structure):
     _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
                 ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("kv_type", c_int64),
                 ("eps", c_float),
-                ("scale", c_float), ("cos_sin", c_void_p), ("final_norm", c_void_p),
+                ("scale", c_float), ("rotary_dim", c_int64), ("cos_sin", c_void_p), ("final_norm", c_void_p),
                 ("layers", ctypes.POINTER(DecoderLayer)), ("embed", Linear), ("head", Linear)]
 
 
 class DecodeStep(ctypes.Structure):
     _fields_ = [("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p), ("context_lens", c_void_p),
-                ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64)]
+                ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64),
+                ("state_slots", c_void_p)]
 
 
-ABI_VERSION = 14  # cpu_kernels.h, NANOVLLM_ABI_VERSION
-STRUCTS = (Linear, MoeExperts, DecoderLayer, DecoderModel, DecodeStep)
+ABI_VERSION = 15  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep)
 
 
 def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:

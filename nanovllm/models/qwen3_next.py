@@ -135,7 +135,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "in_proj_q": ("in_proj", 0), "in_proj_k": ("in_proj", 1), "in_proj_v": ("in_proj", 2),
         "in_proj_z": ("in_proj", 3), "in_proj_b": ("in_proj", 4), "in_proj_a": ("in_proj", 5),
     }
-    fused_decode = False  # the C decode step has no linear-attention layer
 
     def __init__(self, config, quant_config: QuantizationConfig | None = None):
         nn.Module.__init__(self)

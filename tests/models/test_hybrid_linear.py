@@ -89,6 +89,38 @@ def test_tp2_matches_tp1(checkpoint):
     assert got == want
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_run_in_the_c_one_call(checkpoint, dtype, monkeypatch):
+    """The C decode step (executor/cpu_decode.py, kernels/cpu_deltanet.c) runs every layer of these
+    models in one call per step: gated attention with its partial rotary and output gate, Gated
+    DeltaNet on each sequence's state slot, (1 + w) norms, the MoE block. Its steps ran (a batch
+    past its rows lowered to 2 runs eager), and the tokens and log-probabilities equal the eager
+    forward's of the same engine."""
+    from nanovllm.executor.cpu_decode import FusedDecode
+    _, path = checkpoint
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    with LLM(path, dtype=dtype, kvcache_block_size=16, cpu_kvcache_bytes=8 << 20) as llm:
+        runner = llm.model_runner
+        fused = runner.step_runner(FusedDecode)
+        assert fused is not None and fused.hybrid and fused.one_call_layers == len(fused.modules)
+        fused.max_rows = 2
+        calls = []
+        real = fused.kernels.decode_layers
+        monkeypatch.setattr(fused.kernels, "decode_layers", lambda *args: calls.append(args[7]) or real(*args))
+        batches = [prompts()[2:3], prompts()[:2], prompts()]
+        with_c = [llm.generate(b, sp, use_tqdm=False) for b in batches]
+        assert len(calls) >= 2 * (MAX_NEW - 1)  # the first two batches' decode steps
+        runner.step_runners = []
+        eager = [llm.generate(b, sp, use_tqdm=False) for b in batches]
+    for c_outs, eager_outs in zip(with_c, eager):
+        for a, b in zip(c_outs, eager_outs):
+            assert a["token_ids"] == b["token_ids"]
+            for la, lb in zip(a["logprobs"], b["logprobs"]):
+                assert la.keys() == lb.keys()
+                for tok in la:
+                    assert la[tok] == pytest.approx(lb[tok], abs=3e-4)
+
+
 def test_a_reused_slot_starts_from_zero(tmp_path):
     """One state slot: the second request takes the slot the first left full of its state, and
     still decodes as it does alone."""
