@@ -125,8 +125,10 @@ class DecodeGraphs(StepRunner):
         return fits and pick_graph_batch_size(self.sizes, batch_size) is not None
 
     def can_run(self, num_tokens: int, context: Context) -> bool:
-        # NOTE: the graphs read one block table; a model with several KV groups decodes eagerly.
-        return not context.is_prefill and not context.more_groups and self.can_replay(num_tokens, context)
+        # NOTE: the graphs read one block table and no state slots: a model with several KV groups,
+        # or with linear-attention layers (context.state), decodes eagerly.
+        return (not context.is_prefill and not context.more_groups and context.state is None
+                and self.can_replay(num_tokens, context))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
             logits_indices: torch.Tensor | None) -> torch.Tensor | None:

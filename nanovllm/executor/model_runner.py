@@ -152,10 +152,12 @@ class ModelRunner:
 
     def allocate_state_cache(self, budget: int) -> int:
         """The state slots' bytes, taken from the budget before the KV cache's blocks."""
-        # The C decode step where the platform has the CPU's kernels (fp32 activations; the state is fp32).
-        kernels = self.platform.linear_kernels(self.model, self.dtype, self.config.weight_dtype).c_kernels
-        return self.state_cache.allocate(budget, self.device, kernels if self.dtype == torch.float32 else None,
-                                         self.rank)
+        # The C decode step where the platform has the CPU's kernels (fp32 activations; the state is
+        # fp32), the Triton one where it offers that (a GPU).
+        kernels = self.platform.linear_kernels(self.model, self.dtype, self.config.weight_dtype)
+        return self.state_cache.allocate(budget, self.device,
+                                         kernels.c_kernels if self.dtype == torch.float32 else None,
+                                         self.rank, triton=kernels.deltanet_triton)
 
     def state_batch(self, seqs: list[Sequence], num_new_tokens: list[int]):
         return self.state_cache.batch(seqs, num_new_tokens, self.to_device)

@@ -25,10 +25,10 @@ class StateCache:
         self.config = config
         self.num_slots = 0
 
-    def allocate(self, budget: int, device, c_kernels, rank: int) -> int:
+    def allocate(self, budget: int, device, c_kernels, rank: int, triton: bool = False) -> int:
         """One slot per sequence up to max_num_seqs, at most half the budget (the rest is the KV
         cache's); every rank the same count. c_kernels: the CPU's C kernels for the decode step, or
-        None. Returns the slots' bytes."""
+        None; triton: the decode step in Triton (kernels/triton_deltanet.py). Returns the slots' bytes."""
         if not self.layers:
             return 0
         per_slot = sum(layer.slot_bytes() for layer in self.layers)
@@ -48,6 +48,7 @@ class StateCache:
         for layer in self.layers:
             layer.state = layer.new_state(slots, device)
             layer.c_kernels = c_kernels
+            layer.use_triton = triton
         self.num_slots = slots
         return slots * per_slot
 

@@ -164,6 +164,7 @@ class GatedDeltaNet(nn.Module):
                                           prefix=f"{prefix}.out_proj")
         self.state: RecurrentState | None = None  # set by ModelRunner (allocate_state_cache)
         self.c_kernels = None  # the CPU's C kernels, where the platform has them (kernels/cpu_deltanet.c)
+        self.use_triton = False  # the decode step in Triton, where the platform offers it (a GPU)
 
     def _rank_rows(self, loaded: torch.Tensor, sizes: list[int], what: str) -> torch.Tensor:
         """This rank's rows of a tensor stacked from parts of the given whole sizes, each split evenly."""
@@ -257,6 +258,9 @@ class GatedDeltaNet(nn.Module):
         conv = F.silu((padded * self.conv_weight()).sum(-1))
         self.state.conv.index_copy_(0, slots, padded[..., 1:])
         q, k, v = self.split_heads(conv)
+        if self.use_triton:
+            from nanovllm.kernels.triton_deltanet import deltanet_decode_step
+            return deltanet_decode_step(self.state.delta, slots, q, k, v, g, beta)
         delta = self.state.delta.index_select(0, slots)
         out = delta_rule_step(delta, q, k, v, g, beta)
         self.state.delta.index_copy_(0, slots, delta)

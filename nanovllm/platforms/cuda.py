@@ -89,8 +89,9 @@ class CudaPlatform(Platform):
     def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
                        weight_dtype: torch.dtype | None = None) -> LinearKernels:
         """Block-format and pre-quantized weights through the Triton weight-only kernels, dense
-        experts through the Triton grouped kernel (the `cuda` extra)."""
-        return LinearKernels(triton_weight_only=True, fused_moe_triton=True)
+        experts through the Triton grouped kernel, linear-attention decode steps through the Triton
+        delta-rule step (the `cuda` extra)."""
+        return LinearKernels(triton_weight_only=True, fused_moe_triton=True, deltanet_triton=True)
 
     def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
         """gpu_memory_utilization of the device, less what is in use after warmup() and the

@@ -25,6 +25,7 @@ class LinearKernels:
     # or the Triton interpreter where NANOVLLM_TRITON_WEIGHT_ONLY=1 asks for them on a CPU).
     triton_weight_only: bool = False
     fused_moe_triton: bool = False        # dense experts run by the Triton grouped kernel (a GPU)
+    deltanet_triton: bool = False         # linear-attention decode steps in Triton (kernels/triton_deltanet.py; a GPU)
 
 
 @dataclass(frozen=True)
