@@ -29,7 +29,7 @@ from torch import nn
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, DeltaNetLayer, Linear, MoeExperts
+from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
 from nanovllm.layers.gated_deltanet import GatedDeltaNet
 from nanovllm.layers.layernorm import GemmaRMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
@@ -147,7 +147,6 @@ class FusedDecode(StepRunner):
         # stacked layer's parts in other formats) live in the originals: kept for as long as self.
         self.linears: list[Linear] = []
         self.moes: list[MoeExperts] = []
-        self.deltanets: list[DeltaNetLayer] = []
         eps = {inner.norm.eps}
         for layer in layers:
             parts = layer_linears(kernels, layer)
@@ -160,10 +159,11 @@ class FusedDecode(StepRunner):
             lin = linear_attention(layer)
             if lin is not None:
                 eps.add(lin.norm.eps)
-                self.deltanets.append(self.deltanet_description(lin))
+                if lin.c_desc is None:
+                    raise ValueError("a linear-attention layer has no C description (no state slots for the C kernels)")
                 descs.append(DecoderLayer(*norms, None, None, *linears, None, None, int(parts is not None),
                                           ctypes.pointer(moe) if moe is not None else None, 0, None, 0, 0,
-                                          ctypes.pointer(self.deltanets[-1])))
+                                          ctypes.pointer(lin.c_desc)))
                 continue
             a = layer.self_attn
             qk_norms = [None, None]
@@ -213,15 +213,6 @@ class FusedDecode(StepRunner):
             self.kept.append((1.0 + norm.weight.float()).contiguous())
             return pointer(self.kept[-1])
         return pointer(norm.weight)
-
-    def deltanet_description(self, lin: GatedDeltaNet) -> DeltaNetLayer:
-        if lin.state is None:
-            raise ValueError("a linear-attention layer has no state slots")
-        conv = lin.conv_weight().contiguous()
-        self.kept.append(conv)
-        return DeltaNetLayer(pointer(conv), pointer(lin.state.conv), pointer(lin.state.delta), pointer(lin.A_log),
-                             pointer(lin.dt_bias), pointer(lin.norm.weight), lin.num_k_heads, lin.num_v_heads,
-                             lin.dk, lin.dv, lin.kernel, int(lin.tiled))
 
     def can_run(self, num_tokens: int, context: Context) -> bool:
         if self.hybrid:  # decode steps in the one call, each sequence with its state slot

@@ -46,9 +46,7 @@ class StateCache:
             logger.info("linear-attention state for %d sequences at once (max_num_seqs %d): half the KV budget",
                         slots, self.config.max_num_seqs)
         for layer in self.layers:
-            layer.state = layer.new_state(slots, device)
-            layer.c_kernels = c_kernels
-            layer.use_triton = triton
+            layer.attach_state(layer.new_state(slots, device), c_kernels, triton)
         self.num_slots = slots
         return slots * per_slot
 

@@ -1,6 +1,7 @@
 /* Gated DeltaNet's decode step (layers/gated_deltanet.py): one token of each of B sequences through
- * the causal convolution (with its state), the per-head L2 norms and the gated delta rule on each
- * sequence's d_k x d_v state, read and written in place in its slot. The torch step did ~40 small
+ * the causal convolution (with its state), the per-head L2 norms, the gated delta rule on each
+ * sequence's d_k x d_v state, read and written in place in its slot, and the gated RMSNorm; a phase
+ * of the C one-call decode step (cpu_decode.c) and, as deltanet_decode, a call of its own. The torch step did ~40 small
  * ops per layer and copied every state out of its slot and back (1 MB a head group at Qwen3.5's
  * sizes); here each state is read twice and written once:
  *
@@ -102,33 +103,11 @@ void phase_deltanet(const DeltaNetLayer *X, const float *proj, int64_t proj_stri
     }
 }
 
-/* mixed [B, C] (C = 2 nk dk + nv dv: q, k, v channels), conv_w [C, K], conv_state [slots, C, K-1],
- * slots [B], g / beta [B, nv], state [slots, nv, dk, dv], out [B, nv, dv]. tiled: value head h uses
- * key head h mod nk (llama.cpp's files), else h / (nv / nk). scratch: B * C floats. Returns 0. */
-int deltanet_decode(const float *mixed, int64_t B, int64_t C, const float *conv_w, int64_t K, float *conv_state,
-                    const int64_t *slots, const float *g, const float *beta, float *state, int64_t nk, int64_t nv,
-                    int64_t dk, int64_t dv, int64_t tiled, float *out, float *scratch, int num_threads) {
-    const int64_t key_dim = nk * dk, per_k = nv / nk;
-    const float q_scale = 1.0f / sqrtf((float)dk);
+/* phase_deltanet as one call (the eager forward's decode steps: the layer's in_proj and out_proj
+ * in torch around it). Returns 0. */
+int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stride, int64_t B, const int64_t *slots,
+                    float eps, float *out, float *scratch, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++)
-            conv_channels(mixed + b * C, conv_w, K, conv_state + slots[b] * C * (K - 1), 0, C, scratch + b * C);
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * 2 * nk; item++) {  /* each q and k head */
-            const int64_t b = item / (2 * nk), head = item % (2 * nk);
-            l2_normalize(scratch + b * C + head * dk, dk, head < nk ? q_scale : 1.0f);
-        }
-        float u[dv];
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * nv; item++) {
-            const int64_t b = item / nv, h = item % nv, kh = tiled ? h % nk : h / per_k;
-            const float *y = scratch + b * C;
-            delta_head(state + (slots[b] * nv + h) * dk * dv, y + kh * dk, y + key_dim + kh * dk,
-                       y + 2 * key_dim + h * dv, expf(g[b * nv + h]), beta[b * nv + h], dk, dv, u,
-                       out + (b * nv + h) * dv);
-        }
-    }
+    phase_deltanet(X, proj, proj_stride, B, slots, eps, out, scratch);
     return 0;
 }

@@ -8,7 +8,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 15
+#define NANOVLLM_ABI_VERSION 16
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -176,9 +176,9 @@ typedef struct {
  * scratch: B * C floats, shared. */
 void phase_deltanet(const DeltaNetLayer *X, const float *proj, int64_t proj_stride, int64_t B, const int64_t *slots,
                     float eps, float *out, float *scratch);
-int deltanet_decode(const float *mixed, int64_t B, int64_t C, const float *conv_w, int64_t K, float *conv_state,
-                    const int64_t *slots, const float *g, const float *beta, float *state, int64_t nk, int64_t nv,
-                    int64_t dk, int64_t dv, int64_t tiled, float *out, float *scratch, int num_threads);
+/* phase_deltanet in a parallel region of its own. Returns 0. */
+int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stride, int64_t B, const int64_t *slots,
+                    float eps, float *out, float *scratch, int num_threads);
 
 /* ---- the decode step's description (cpu_decode.c) ---------------------------------------------- */
 typedef struct {

@@ -141,7 +141,7 @@ class DecodeStep(ctypes.Structure):
                 ("state_slots", c_void_p)]
 
 
-ABI_VERSION = 15  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 16  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep)
 
 
@@ -191,8 +191,7 @@ class CpuKernels:
         self.decode_silu_mul = typed("decode_silu_mul", None, ptr, i64, i64, ptr, cint)
         self.moe_is_valid = typed("moe_is_valid", cint, ptr)
         self.moe_experts = typed("moe_experts_f32", cint, ptr, ptr, i64, ptr, ptr, cint)
-        self.deltanet_decode = typed("deltanet_decode", cint, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                                     i64, i64, i64, i64, i64, ptr, ptr, cint)
+        self.deltanet_decode = typed("deltanet_decode", cint, ptr, ptr, i64, i64, ptr, c_float, ptr, ptr, cint)
 
     def weight_type(self, name: str) -> int:
         """The type code of a row of the C weight-type table."""

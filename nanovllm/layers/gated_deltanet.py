@@ -19,6 +19,7 @@ running sum of g and D[i, j] = exp(gamma_i - gamma_j),
 solved with one unit-lower-triangular solve per chunk; decode runs the one-token rule for the whole
 batch at once. Plain torch (fp32 state and arithmetic); tested against the one-token rule and
 against transformers' models (tests/models/test_hybrid_linear.py)."""
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -162,8 +163,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_total, config.hidden_size, bias=False, quant_config=quant_config,
                                           prefix=f"{prefix}.out_proj")
-        self.state: RecurrentState | None = None  # set by ModelRunner (allocate_state_cache)
+        self.state: RecurrentState | None = None  # set by attach_state (ModelRunner.allocate_state_cache)
         self.c_kernels = None  # the CPU's C kernels, where the platform has them (kernels/cpu_deltanet.c)
+        self.c_desc = None  # this layer as they read it (cpu_kernels.DeltaNetLayer), with c_kernels
+        self.c_conv: torch.Tensor | None = None  # the conv weight as c_desc points into it
         self.use_triton = False  # the decode step in Triton, where the platform offers it (a GPU)
 
     def _rank_rows(self, loaded: torch.Tensor, sizes: list[int], what: str) -> torch.Tensor:
@@ -186,15 +189,35 @@ class GatedDeltaNet(nn.Module):
     def new_state(self, slots: int, device) -> RecurrentState:
         return RecurrentState(slots, self.channels, self.kernel, self.num_v_heads, self.dk, self.dv, device)
 
+    def attach_state(self, state: RecurrentState, c_kernels=None, use_triton: bool = False) -> None:
+        """The state slots this layer's steps read, and the decode step's kernel: the CPU's C kernels
+        (c_kernels: the state, conv weight, A_log, dt_bias and norm described once for them, and for
+        the C one-call step, executor/cpu_decode.py), Triton (use_triton), else torch."""
+        self.state, self.c_kernels, self.use_triton, self.c_desc = state, c_kernels, use_triton, None
+        if c_kernels is None:
+            return
+        from nanovllm.kernels.cpu_kernels import DeltaNetLayer
+        self.c_conv = self.conv_weight().contiguous()  # NOTE: c_desc points into it
+        parts = (self.c_conv, state.conv, state.delta, self.A_log, self.dt_bias, self.norm.weight)
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in parts):
+            raise ValueError("the C kernels read a linear-attention layer's state and parameters as dense fp32")
+        self.c_desc = DeltaNetLayer(*(t.data_ptr() for t in parts), self.num_k_heads, self.num_v_heads, self.dk,
+                                    self.dv, self.kernel, int(self.tiled))
+
     def slot_bytes(self) -> int:
         return RecurrentState.slot_bytes(self.channels, self.kernel, self.num_v_heads, self.dk, self.dv)
 
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta) of the in_proj's b and a rows: the state's log decay and the update's weight."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()), b.float().sigmoid()
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mixed, z, b, a = self.in_proj(hidden_states).split(
-            [self.channels, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        proj = self.in_proj(hidden_states)
         batch = get_context().state
+        if batch is not None and not get_context().is_prefill and self.c_desc is not None:
+            return self.out_proj(self.run_decode_c(proj, batch.slots).to(hidden_states.dtype))
+        mixed, z, b, a = proj.split([self.channels, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        g, beta = self.gates(b, a)
         if batch is None:  # outside the engine's steps: the rows are one sequence
             out = self.run_sequence(mixed, g, beta, None, None)
         elif not get_context().is_prefill:
@@ -250,9 +273,8 @@ class GatedDeltaNet(nn.Module):
         return out.transpose(0, 1)  # [n, heads, dv]
 
     def run_decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each sequence, mixed [B, channels], all at once (in C where it can)."""
-        if self.c_kernels is not None:
-            return self.run_decode_c(mixed, g, beta, slots)
+        """One token of each sequence, mixed [B, channels], all at once (the rule in Triton where the
+        platform offers it, else torch; the reference of run_decode_c)."""
         history = self.state.conv.index_select(0, slots)  # [B, channels, kernel - 1]
         padded = torch.cat((history, mixed.float().unsqueeze(-1)), dim=-1)
         conv = F.silu((padded * self.conv_weight()).sum(-1))
@@ -266,17 +288,15 @@ class GatedDeltaNet(nn.Module):
         self.state.delta.index_copy_(0, slots, delta)
         return out
 
-    def run_decode_c(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        mixed = mixed.float().contiguous()
-        g, beta = g.float().contiguous(), beta.float().contiguous()
+    def run_decode_c(self, proj: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each sequence from its in_proj row proj [B, channels | z | b | a] through the
+        C kernels: the gated-normed outputs [B, value heads * dv] (fp32), the states updated."""
+        proj = proj.float().contiguous()
         slots = slots.to(torch.int64).contiguous()
-        rows = mixed.shape[0]
-        out = torch.empty(rows, self.num_v_heads, self.dv)
+        rows = proj.shape[0]
+        out = torch.empty(rows, self.value_dim)
         scratch = torch.empty(rows, self.channels)
-        weight = self.conv_weight().contiguous()
-        self.c_kernels.deltanet_decode(
-            mixed.data_ptr(), rows, self.channels, weight.data_ptr(), self.kernel, self.state.conv.data_ptr(),
-            slots.data_ptr(), g.data_ptr(), beta.data_ptr(), self.state.delta.data_ptr(), self.num_k_heads,
-            self.num_v_heads, self.dk, self.dv, int(self.tiled), out.data_ptr(), scratch.data_ptr(),
-            torch.get_num_threads())
+        self.c_kernels.deltanet_decode(ctypes.byref(self.c_desc), proj.data_ptr(), proj.shape[1], rows,
+                                       slots.data_ptr(), self.norm.eps, out.data_ptr(), scratch.data_ptr(),
+                                       torch.get_num_threads())
         return out

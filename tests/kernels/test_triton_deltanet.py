@@ -58,7 +58,7 @@ def test_engine_decodes_through_the_kernel(tmp_path):
         llm.model_runner.step_runners = []
         layers = llm.model_runner.state_layers
         for layer in layers:
-            layer.c_kernels = None
+            layer.attach_state(layer.state)  # no C kernels: the torch step
         want = [o["token_ids"] for o in llm.generate(batch, sp, use_tqdm=False)]
         calls = []
         import nanovllm.kernels.triton_deltanet as module
@@ -70,7 +70,7 @@ def test_engine_decodes_through_the_kernel(tmp_path):
         module.deltanet_decode_step = counted
         try:
             for layer in layers:
-                layer.use_triton = True
+                layer.attach_state(layer.state, use_triton=True)
             got = [o["token_ids"] for o in llm.generate(batch, sp, use_tqdm=False)]
         finally:
             module.deltanet_decode_step = real

@@ -303,7 +303,8 @@ def test_gguf_file_runs_as_the_checkpoint(name, arch, tmp_path):
 @pytest.mark.parametrize("tiled", [False, True])
 def test_c_decode_step_equals_torch(tiled):
     """kernels/cpu_deltanet.c against the torch decode step (its reference): three sequences in
-    scattered slots of a nonzero state, value heads grouped or tiled over the key heads."""
+    scattered slots of a nonzero state, value heads grouped or tiled over the key heads; the gates
+    from the in_proj row and the gated norm after the rule."""
     import transformers
 
     from nanovllm.kernels import cpu_kernels
@@ -315,22 +316,23 @@ def test_c_decode_step_equals_torch(tiled):
     config.linear_value_head_order = "tiled" if tiled else "grouped"
     g = torch.Generator().manual_seed(0)
     layer = GatedDeltaNet(config)
-    layer.conv1d.weight.data.normal_(0, 0.3, generator=g)
-    layer.state = layer.new_state(6, "cpu")
+    for param in (layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight):
+        param.data.normal_(0, 0.3, generator=g)
+    layer.attach_state(layer.new_state(6, "cpu"))
     layer.state.conv.normal_(0, 1, generator=g)
     layer.state.delta.normal_(0, 1, generator=g)
-    rows = 3
-    mixed = torch.randn(rows, layer.channels, generator=g)
-    decay = -torch.rand(rows, layer.num_v_heads, generator=g)
-    beta = torch.rand(rows, layer.num_v_heads, generator=g)
+    rows, nv = 3, layer.num_v_heads
+    proj = torch.randn(rows, layer.channels + layer.value_dim + 2 * nv, generator=g)
+    mixed, z, b, a = proj.split([layer.channels, layer.value_dim, nv, nv], dim=-1)
     slots = torch.tensor([4, 0, 2])
     conv, delta = layer.state.conv.clone(), layer.state.delta.clone()
-    want = layer.run_decode(mixed, decay, beta, slots)
+    out = layer.run_decode(mixed, *layer.gates(b, a), slots)
+    want = layer.norm(out, z.reshape(out.shape)).flatten(1)
     want_conv, want_delta = layer.state.conv.clone(), layer.state.delta.clone()
     layer.state.conv.copy_(conv)
     layer.state.delta.copy_(delta)
-    layer.c_kernels = kernels
-    got = layer.run_decode(mixed, decay, beta, slots)
+    layer.attach_state(layer.state, kernels)
+    got = layer.run_decode_c(proj, slots)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(layer.state.conv, want_conv)
     torch.testing.assert_close(layer.state.delta, want_delta, rtol=1e-4, atol=1e-4)
