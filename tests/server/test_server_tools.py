@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server_fixtures import MODEL as WORD_MODEL, httpx, openai, serve_engine, served  # noqa: F401
+from server_fixtures import MODEL as WORD_MODEL, httpx, openai, probe, serve_engine, served  # noqa: F401
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.openai_server import build_app
@@ -56,8 +56,14 @@ def tool_server(byte_model):
     llm = LLM(byte_model, **OPTIONS)
     apps = [lambda engine: build_app(engine, MODEL, chat=ChatSettings("hermes", enable_auto_tool_choice=True)),
             lambda engine: build_app(engine, MODEL)]  # no parser: vLLM's JSON-forced calls, auto refused
-    with serve_engine(llm, apps) as (_, (url, plain_url)):
-        yield llm, url, plain_url
+    with serve_engine(llm, apps) as (engine, (url, plain_url)):
+        yield llm, url, plain_url, engine
+
+
+def generate_on_engine(tool_server, prompts, params):
+    """The served engine's own outputs for prompts, generated on its thread between steps (a call
+    from the test's thread would race the serving loop's steps on the same engine)."""
+    return probe(tool_server[3], lambda llm: llm.generate(prompts, params, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +132,8 @@ def test_none_returns_plain_content(client, tool_server):
     assert not message.tool_calls
     tokenizer = llm.tokenizer
     prompt = tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    want = llm.generate([tokenizer.encode(prompt, add_special_tokens=False)],
-                        SamplingParams(temperature=0, max_tokens=8, stop=["<"]), use_tqdm=False)[0]["text"]
+    want = generate_on_engine(tool_server, [tokenizer.encode(prompt, add_special_tokens=False)],
+                              SamplingParams(temperature=0, max_tokens=8, stop=["<"]))[0]["text"]
     assert message.content == want
 
 
@@ -201,7 +207,7 @@ def test_chat_prompt_follows_the_template_fields(tool_server, client):
     tokenizer = llm.tokenizer
     prompt = tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"]
+    want = generate_on_engine(tool_server, [ids], SamplingParams(temperature=0, max_tokens=4))[0]["token_ids"]
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 4
     content = reply.choices[0].message.content
     assert content.startswith("it is")
@@ -225,7 +231,7 @@ def test_return_tokens_as_token_ids(tool_server, client):
                                                  "temperature": 0, "return_tokens_as_token_ids": True})
     tokens = r.json()["choices"][0]["logprobs"]["tokens"]
     assert [int(t.split(":")[1]) for t in tokens] == \
-        llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]["token_ids"]
+        generate_on_engine(tool_server, ["abc"], SamplingParams(temperature=0, max_tokens=3))[0]["token_ids"]
 
 
 def test_spaces_between_special_tokens(served):
