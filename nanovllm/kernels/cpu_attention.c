@@ -266,21 +266,50 @@ static inline vf reduce8(const vf a[8]) {
 }
 #endif
 
-/* Cached rows of an item are prefetched this many tokens ahead of their use: an item's rows are a
- * short stream (~100 tokens at the benchmark's contexts) that the hardware prefetcher alone picks
- * up late (docs/performance.md, "Figures from the C kernels' comments"). */
-#define PREFETCH_TOKENS 16
+/* Cached rows of an item are prefetched this many tokens ahead of their use, across block boundaries
+ * (the block table says where the rows ahead are), and a part at a time between the units of work
+ * (a query head's dot products, a KV head's values): the hardware prefetcher follows the 8 rows a
+ * chunk reads side by side poorly, and a burst of a whole chunk's lines (100+) stalls the core on
+ * its miss buffers. From memory (contexts past the last-level cache) this doubled the rate a core
+ * reads the cache at (docs/performance.md, item 48). */
+#define PREFETCH_TOKENS 32
 
-/* Prefetch the item's part (`bytes` from `first`) of rows [t, t + 8) of a block of n_t tokens. */
-static inline void prefetch_rows(const uint8_t *first, int64_t stride, int64_t t, int64_t n_t, int64_t bytes) {
-    const int64_t end = t + 8 < n_t ? t + 8 : n_t;
-    for (; t < end; t++)
-        for (int64_t f = 0; f < bytes; f += 64) __builtin_prefetch(first + t * stride + f, 0, 3);
+/* The item's part of the rows of (up to) 8 tokens: `bytes` at `first`, one token every `stride`. */
+typedef struct {
+    const uint8_t *first;
+    int64_t stride, lines_per_token, lines;
+} Ahead;
+
+/* The rows of the item's tokens [pos, pos + 8) counted from t_first (pos a multiple of 8, so they
+ * share a block), those before len; none past it. */
+static inline Ahead rows_ahead(const uint8_t *cache, const int32_t *table, int64_t t_first, int64_t pos, int64_t len,
+                               int64_t block_size, int64_t token_stride, int64_t offset, int64_t bytes) {
+    Ahead a = {NULL, token_stride, (bytes + 63) / 64, 0};
+    if (pos >= len) return a;
+    const int64_t at = t_first + pos;
+    a.first = cache + ((int64_t)table[at / block_size] * block_size + at % block_size) * token_stride + offset;
+    a.lines = (len - pos < 8 ? len - pos : 8) * a.lines_per_token;
+    return a;
 }
 
-/* Rows [0, PREFETCH_TOKENS) of a block, before its first chunk. */
-static inline void prefetch_block_start(const uint8_t *first, int64_t stride, int64_t n_t, int64_t bytes) {
-    for (int64_t t = 0; t < PREFETCH_TOKENS; t += 8) prefetch_rows(first, stride, t, n_t, bytes);
+/* Prefetch part `part` of `parts` of a's cache lines. */
+static inline void prefetch_part(const Ahead *a, int64_t part, int64_t parts) {
+    if (a->lines == 0) return;
+    const int64_t from = a->lines * part / parts, to = a->lines * (part + 1) / parts;
+    int64_t j = from / a->lines_per_token, f = from - j * a->lines_per_token;
+    for (int64_t i = from; i < to; i++) {
+        __builtin_prefetch(a->first + j * a->stride + 64 * f, 0, 3);
+        if (++f == a->lines_per_token) f = 0, j++;
+    }
+}
+
+/* The first PREFETCH_TOKENS tokens' rows of an item, before its first chunk. */
+static inline void prefetch_start(const uint8_t *cache, const int32_t *table, int64_t t_first, int64_t len,
+                                  int64_t block_size, int64_t token_stride, int64_t offset, int64_t bytes) {
+    for (int64_t pos = 0; pos < PREFETCH_TOKENS; pos += 8) {
+        const Ahead a = rows_ahead(cache, table, t_first, pos, len, block_size, token_stride, offset, bytes);
+        prefetch_part(&a, 0, 1);
+    }
 }
 
 /* q . k for one row k of n values. */
@@ -323,6 +352,94 @@ static inline __attribute__((always_inline)) void dot_8rows(const int type, cons
     for (; d < n; d++)
         for (int i = 0; i < 8; i++) s[i] += q[d] * kv_load1(type, k + i * stride, d);
     store_f32(out, s);
+}
+
+/* ---- grouped query heads, 16- and 32-bit caches ----------------------------------------------------
+ * Where G query heads share a KV head (GQA), each cached value is converted to fp32 once, in
+ * registers, and multiplied into all G heads' sums: the per-head paths (dot_8rows, and the value loop
+ * below) converted it once per query head, 3 instructions per multiply-add where these take 1.5-2.
+ * 8 accumulators either way: scores of 8 / G tokens x G heads, or output values of G heads x
+ * 8 / G vectors. (The 8-bit formats have their own grouped paths: the integer dot products, and
+ * converts_once.) */
+static inline int grouped_float(const int type, int64_t group, int64_t head_dim) {
+    return (type == KV_F32 || type == KV_F16 || type == KV_BF16) && (group == 2 || group == 4 || group == 8) &&
+           head_dim % (8 / group * VL) == 0;
+}
+
+/* out[g * out_stride + r] = q_g . k_r for the G query heads q_g = q + g * n and the 8 / G rows
+ * k_r = k + r * stride (bytes), n values each (a multiple of VL). */
+static inline __attribute__((always_inline)) void dot_group_t(const int type, const int G, const float *q,
+                                                              const uint8_t *k, int64_t stride, int64_t n,
+                                                              float *out, int64_t out_stride) {
+    const int T = 8 / G;
+    vf a[8];
+    for (int i = 0; i < 8; i++) a[i] = (vf){0};
+    for (int64_t d = 0; d < n; d += VL) {
+        vf x[8];
+        for (int r = 0; r < T; r++) x[r] = kv_load8(type, k + r * stride, d);
+        for (int g = 0; g < G; g++) {
+            const vf qv = load_f32(q + g * n + d);
+            for (int r = 0; r < T; r++) a[g * T + r] += qv * x[r];
+        }
+    }
+    const vf s = reduce8(a);
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < T; r++) out[g * out_stride + r] = s[g * T + r];
+}
+
+/* o_g[0, head_dim) += sum_i p_g[i] v_i for the G query heads of a KV head (o_g = o + g * head_dim,
+ * p_g = p + g * p_stride) over nt rows v_i = v + i * stride, head_dim a multiple of 8 / G vectors. */
+static inline __attribute__((always_inline)) void accumulate_group_t(const int type, const int G, const uint8_t *v,
+                                                                     int64_t stride, int64_t nt, const float *p,
+                                                                     int64_t p_stride, float *o, int64_t head_dim,
+                                                                     const Ahead *ahead, int64_t part, int64_t parts) {
+    const int C = 8 / G; /* vectors per head per pass over the rows */
+    const int64_t steps = head_dim / (C * VL);
+    for (int64_t d = 0; d < head_dim; d += C * VL) {
+        prefetch_part(ahead, part * steps + d / (C * VL), parts * steps);
+        vf acc[8];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) acc[g * C + c] = load_f32(o + g * head_dim + d + c * VL);
+        for (int64_t i = 0; i < nt; i++) {
+            vf x[8];
+            for (int c = 0; c < C; c++) x[c] = kv_load8(type, v + i * stride, d + c * VL);
+            for (int g = 0; g < G; g++) {
+                const float pw = p[g * p_stride + i];
+                const vf w = {pw, pw, pw, pw, pw, pw, pw, pw};
+                for (int c = 0; c < C; c++) acc[g * C + c] += w * x[c];
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) store_f32(o + g * head_dim + d + c * VL, acc[g * C + c]);
+    }
+}
+
+/* The grouped paths with G a constant: the scores of a KV head's group for 8 rows, and its values. */
+static inline __attribute__((always_inline)) void dot_group(const int type, int64_t group, const float *q,
+                                                            const uint8_t *k, int64_t stride, int64_t n, float *out,
+                                                            int64_t out_stride, const Ahead *ahead, int64_t part,
+                                                            int64_t parts) {
+    const int64_t T = 8 / group;
+    for (int64_t r = 0; r < 8; r += T) {
+        prefetch_part(ahead, part * group + r / T, parts * group);
+        const uint8_t *kr = k + r * stride;
+        switch (group) {
+        case 2: dot_group_t(type, 2, q, kr, stride, n, out + r, out_stride); break;
+        case 4: dot_group_t(type, 4, q, kr, stride, n, out + r, out_stride); break;
+        default: dot_group_t(type, 8, q, kr, stride, n, out + r, out_stride); break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void accumulate_group(const int type, int64_t group, const uint8_t *v,
+                                                                   int64_t stride, int64_t nt, const float *p,
+                                                                   int64_t p_stride, float *o, int64_t head_dim,
+                                                                   const Ahead *ahead, int64_t part, int64_t parts) {
+    switch (group) {
+    case 2: accumulate_group_t(type, 2, v, stride, nt, p, p_stride, o, head_dim, ahead, part, parts); break;
+    case 4: accumulate_group_t(type, 4, v, stride, nt, p, p_stride, o, head_dim, ahead, part, parts); break;
+    default: accumulate_group_t(type, 8, v, stride, nt, p, p_stride, o, head_dim, ahead, part, parts); break;
+    }
 }
 
 /* Rows of a KV head the grouped paths convert once to fp32 are at most this wide. */
@@ -434,8 +551,10 @@ static inline void dot_rows_q8(const int8_t *qq, const float *qd, const uint8_t 
  * once, for all G heads. */
 static inline __attribute__((always_inline)) void accumulate_q8_t(const int G, const uint8_t *v, int64_t stride,
                                                                   int64_t n, int64_t nb, const float *p,
-                                                                  int64_t p_stride, float *o, int64_t head_dim) {
+                                                                  int64_t p_stride, float *o, int64_t head_dim,
+                                                                  const Ahead *ahead, int64_t part, int64_t parts) {
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_part(ahead, part * nb + b, parts * nb);
         float w[Q8_MAX_GROUP][8];
         for (int64_t i = 0; i < n; i++) {
             const float dv = f16x1(v + i * stride + b * 34);
@@ -455,15 +574,17 @@ static inline __attribute__((always_inline)) void accumulate_q8_t(const int G, c
 
 /* accumulate_q8_t with G a constant for the usual group sizes; other groups a head at a time. */
 static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t n, int64_t nb,
-                                 const float *p, int64_t p_stride, float *o, int64_t head_dim) {
+                                 const float *p, int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead,
+                                 int64_t part, int64_t parts) {
     switch (group) {
-    case 1: accumulate_q8_t(1, v, stride, n, nb, p, p_stride, o, head_dim); return;
-    case 2: accumulate_q8_t(2, v, stride, n, nb, p, p_stride, o, head_dim); return;
-    case 4: accumulate_q8_t(4, v, stride, n, nb, p, p_stride, o, head_dim); return;
-    case 8: accumulate_q8_t(8, v, stride, n, nb, p, p_stride, o, head_dim); return;
+    case 1: accumulate_q8_t(1, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 2: accumulate_q8_t(2, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 4: accumulate_q8_t(4, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 8: accumulate_q8_t(8, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
     default:
         for (int64_t g = 0; g < group; g++)
-            accumulate_q8_t(1, v, stride, n, nb, p + g * p_stride, p_stride, o + g * head_dim, head_dim);
+            accumulate_q8_t(1, v, stride, n, nb, p + g * p_stride, p_stride, o + g * head_dim, head_dim, ahead,
+                            part * group + g, parts * group);
     }
 }
 
@@ -502,37 +623,53 @@ static inline __attribute__((always_inline)) void attend_item_t(
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
         const uint8_t *k_block = k_cache + (int64_t)table[(t_first + t0) / block_size] * block_size * token_stride;
-        const uint8_t *k_first = k_block + kv_first * row;
-        prefetch_block_start(k_first, token_stride, n_t, item_bytes);
+        if (t0 == 0) prefetch_start(k_cache, table, t_first, len, block_size, token_stride, kv_first * row, item_bytes);
         int64_t t = 0;
         if (q8) /* every row of the block, 8 at a time, the last chunk possibly shorter */
             for (; t < n_t; t += 8) {
-                prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
+                const Ahead ahead = rows_ahead(k_cache, table, t_first, t0 + t + PREFETCH_TOKENS, len, block_size,
+                                               token_stride, kv_first * row, item_bytes);
                 const int64_t n = n_t - t < 8 ? n_t - t : 8;
                 for (int64_t kh = kv_first; kh < kv_end; kh++) {
                     const uint8_t *rows = k_block + t * token_stride + kh * row;
                     float kd[8 * (KV_TILE_DIM / 32)];
                     q8_row_scales(rows, token_stride, nb, n, kd);
-                    for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++)
+                    for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++) {
+                        prefetch_part(&ahead, h, num_item_heads);
                         dot_rows_q8(qq + h * head_dim, qd + h * nb, rows, token_stride, nb, n, kd,
                                     scores + h * scores_stride + t0 + t);
+                    }
                 }
             }
         for (; t + 8 <= n_t; t += 8) {
-            prefetch_rows(k_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
+            const Ahead ahead = rows_ahead(k_cache, table, t_first, t0 + t + PREFETCH_TOKENS, len, block_size,
+                                           token_stride, kv_first * row, item_bytes);
+            if (grouped_float(type, group, head_dim)) {
+                for (int64_t kh = kv_first; kh < kv_end; kh++) {
+                    const int64_t h0 = (kh - kv_first) * group;
+                    dot_group(type, group, q_item + h0 * head_dim, k_block + t * token_stride + kh * row,
+                              token_stride, head_dim, scores + h0 * scores_stride + t0 + t, scores_stride, &ahead,
+                              kh - kv_first, kv_end - kv_first);
+                }
+                continue;
+            }
             if (!converts_once(type, group, head_dim)) {
-                for (int64_t h = 0; h < num_item_heads; h++)
+                for (int64_t h = 0; h < num_item_heads; h++) {
+                    prefetch_part(&ahead, h, num_item_heads);
                     dot_8rows(type, q_item + h * head_dim, k_block + t * token_stride + (kv_first + h / group) * row,
                               token_stride, head_dim, scores + h * scores_stride + t0 + t);
+                }
                 continue;
             }
             /* Grouped heads: the 8 rows of each KV head converted once, then read as fp32 from L1
              * by each of its query heads (converting them per query head cost more than the reading). */
             for (int64_t kh = kv_first; kh < kv_end; kh++) {
                 rows_to_f32(type, k_block + t * token_stride + kh * row, token_stride, 8, head_dim, tile);
-                for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++)
+                for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++) {
+                    prefetch_part(&ahead, h, num_item_heads);
                     dot_8rows(KV_F32, q_item + h * head_dim, (const uint8_t *)tile, 4 * head_dim, head_dim,
                               scores + h * scores_stride + t0 + t);
+                }
             }
         }
         for (; t < n_t; t++)
@@ -573,22 +710,32 @@ static inline __attribute__((always_inline)) void attend_item_t(
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n_t = len - t0 < block_size ? len - t0 : block_size;
         const uint8_t *v_block = v_cache + (int64_t)table[(t_first + t0) / block_size] * block_size * token_stride;
-        const uint8_t *v_first = v_block + kv_first * row;
-        prefetch_block_start(v_first, token_stride, n_t, item_bytes);
+        if (t0 == 0) prefetch_start(v_cache, table, t_first, len, block_size, token_stride, kv_first * row, item_bytes);
         for (int64_t t = 0; t < n_t; t += 8) {
             const int64_t nt = n_t - t < 8 ? n_t - t : 8;
-            prefetch_rows(v_first, token_stride, t + PREFETCH_TOKENS, n_t, item_bytes);
+            const Ahead ahead = rows_ahead(v_cache, table, t_first, t0 + t + PREFETCH_TOKENS, len, block_size,
+                                           token_stride, kv_first * row, item_bytes);
             if (q8) {
                 for (int64_t kh = kv_first; kh < kv_end; kh++) {
                     const int64_t h0 = (kh - kv_first) * group;
                     accumulate_q8(group, v_block + t * token_stride + kh * row, token_stride, nt, nb,
                                   scores + h0 * scores_stride + t0 + t, scores_stride, out_item + h0 * head_dim,
-                                  head_dim);
+                                  head_dim, &ahead, kh - kv_first, kv_end - kv_first);
+                }
+                continue;
+            }
+            if (grouped_float(type, group, head_dim)) {
+                for (int64_t kh = kv_first; kh < kv_end; kh++) {
+                    const int64_t h0 = (kh - kv_first) * group;
+                    accumulate_group(type, group, v_block + t * token_stride + kh * row, token_stride, nt,
+                                     scores + h0 * scores_stride + t0 + t, scores_stride, out_item + h0 * head_dim,
+                                     head_dim, &ahead, kh - kv_first, kv_end - kv_first);
                 }
                 continue;
             }
             const int converted = converts_once(type, group, head_dim);
             for (int64_t h = 0; h < num_item_heads; h++) {
+                prefetch_part(&ahead, h, num_item_heads);
                 const uint8_t *v = v_block + t * token_stride + (kv_first + h / group) * row;
                 const float *p = scores + h * scores_stride + t0 + t;
                 float *o = out_item + h * head_dim;
