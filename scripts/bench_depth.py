@@ -1,10 +1,11 @@
 """Decode behind long prompts, one sequence, per KV cache format: a random prompt of P tokens
 (prefill timed), then --decode steps (decode timed), for each depth P and kv_cache_dtype; and, with
 --attention, the decode attention kernel alone at the same depths (one layer's call, the model's
-head shape, blocks scattered over a cache four times the context).
+head shape, blocks scattered over a cache four times the context, the caches evicted before each
+call as a step's weights evict them; the median call).
 
     python scripts/bench_depth.py [--model M] [--quantization q4_0] [--depths 64,2048,8192]
-                                  [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32] [--attention]
+                                  [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32] [--attention | --attention-only]
                                   [--llamacpp [--forks llama.cpp,ik_llama.cpp] --file q4_0|q8_0 --isa native|avx2]
 
 Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
@@ -33,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-dtypes", default="float32,float16,bfloat16,int8")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed behind each prompt")
     p.add_argument("--attention", action="store_true", help="also time the decode attention kernel alone")
+    p.add_argument("--attention-only", action="store_true", help="only the decode attention kernel alone (no engine)")
     p.add_argument("--llamacpp", action="store_true",
                    help="also run llama.cpp (llama-batched-bench -npp P -ntg DECODE -npl 1, flash attention on) with "
                         "its nearest cache (-ctk/-ctv: f16 for auto / float16, q8_0 for int8), both engines on "
@@ -128,25 +130,32 @@ def attention_rows(args, heads: int, kv_heads: int, head_dim: int) -> None:
 
     from nanovllm.kernels import cpu_kernels
     from nanovllm.layers.backends.kv_formats import kv_format
+    from nanovllm.platforms import CpuPlatform
     kernels = cpu_kernels.load()
+
+    def cache_like(rows: torch.Tensor) -> torch.Tensor:  # in the engine's KV cache memory (huge pages)
+        return CpuPlatform().allocate_kv_cache(tuple(rows.shape), rows.dtype, torch.device("cpu")).copy_(rows)
+
     block = 16
     q = torch.randn(1, heads, head_dim)
+    evict = torch.empty(64 * 2**20 // 4)  # twice a last-level cache of 32 MiB
     for name in args.kv_cache_dtypes:
         fmt = kv_format("float16" if name == "auto" else name)
         for depth in args.depths:
             blocks = -(-depth // block)
             table = torch.randperm(4 * blocks)[:blocks].to(torch.int32)[None]
-            k = fmt.quantize(torch.randn(4 * blocks, block, kv_heads, head_dim))
-            v = fmt.quantize(torch.randn(4 * blocks, block, kv_heads, head_dim))
+            k, v = (cache_like(fmt.quantize(torch.randn(4 * blocks, block, kv_heads, head_dim))) for _ in "kv")
             lens = torch.tensor([depth], dtype=torch.int32)
             run = lambda: cpu_kernels.paged_decode_attention(kernels, q, k, v, fmt.c_type, table, lens, depth, 0.1)  # noqa: E731
             for _ in range(3):
                 run()
-            reps = max(5, 20000 // depth)
-            start = time.perf_counter()
-            for _ in range(reps):
+            times = []
+            for _ in range(max(9, 20000 // depth)):
+                evict.add_(1.0)  # as a decode step's weights do between two layers' attention: K/V from memory
+                start = time.perf_counter()
                 run()
-            ms = (time.perf_counter() - start) / reps * 1e3
+                times.append(time.perf_counter() - start)
+            ms = sorted(times)[len(times) // 2] * 1e3
             gbs = 2 * depth * kv_heads * fmt.row_bytes(head_dim) / (ms / 1e3) / 1e9
             print(f"| {name} | {depth} | {ms:.3f} ms | {gbs:.1f} GB/s |", flush=True)
 
@@ -166,12 +175,13 @@ def main() -> None:
         path = str(llamacpp_build.quantize_gguf(cache_root(), bins, source, args.file))
         args.quantization = "none"  # the file's own blocks, as llama.cpp reads them
     print(f"model {path}, {args.isa} build", flush=True)
-    print("| engine / kv_cache_dtype | prompt tokens | prefill tok/s | decode tok/s |\n|---|---|---|---|", flush=True)
-    engine_rows(args, path)
-    if args.llamacpp:
+    if not args.attention_only:
+        print("| engine / kv_cache_dtype | prompt tokens | prefill tok/s | decode tok/s |\n|---|---|---|---|", flush=True)
+        engine_rows(args, path)
+    if args.llamacpp and not args.attention_only:
         for fork in args.forks:
             llamacpp_rows(args, Path(path), fork)
-    if args.attention:
+    if args.attention or args.attention_only:
         from nanovllm.loader.checkpoint import Checkpoint
         hf = Checkpoint(path).hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
