@@ -267,7 +267,8 @@ def test_round_query_is_q8_0_with_an_fp32_scale():
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_int8_decode_in_other_builds(other_build_cache, march):
     """The int8 decode's integer dot products in the AVX2 build (what AVX2-only machines run) and the
-    plain C one give the formula's attention over the rounded query, as the native build does."""
+    plain C one give the formula's attention over the rounded query, as the native build does; and
+    so do the grouped paths (int8, float16, bfloat16) at every group size."""
     import os
     import subprocess
     import sys
@@ -276,6 +277,8 @@ def test_int8_decode_in_other_builds(other_build_cache, march):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "NANOVLLM_CPU_MARCH": march, "NANOVLLM_CACHE": str(other_build_cache)}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                          "tests/kernels/test_kv_formats.py", "-k", "(formula and int8) or (split_over and int8)"],
+                          "tests/kernels/test_kv_formats.py", "-k",
+                          # ("float16" selects bfloat16's cases too)
+                          "(formula and int8) or (split_over and int8) or (grouped and (int8 or float16))"],
                          env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0 and "17 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
