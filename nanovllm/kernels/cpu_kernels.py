@@ -23,8 +23,8 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_decode.c", "cpu_quant.c",
-                                                      "cpu_moe.c", "cpu_deltanet.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_kv_formats.c",
+                                                      "cpu_decode.c", "cpu_quant.c", "cpu_moe.c", "cpu_deltanet.c")]
 # The headers the sources include (cpu_kernels.h; the per-instruction-set bodies of cpu_quant.c).
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"

@@ -1,5 +1,5 @@
 """The KV cache's storage formats (layers/backends/kv_formats.py) and the attention over them
-(kernels/cpu_attention.c's decode and store, the torch backend's prefill), against independent references: gguf.quants' Q8_0 quantizer, torch's
+(kernels/cpu_attention.c's decode, cpu_kv_formats.c's store, the torch backend's prefill), against independent references: gguf.quants' Q8_0 quantizer, torch's
 own dtype conversions, and attention written out as the softmax formula over the dequantized rows."""
 import math
 

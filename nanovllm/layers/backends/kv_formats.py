@@ -13,7 +13,7 @@ as `row_units(head_dim)` elements of the format's storage dtype:
 Attention reads the rows in their stored format (the C kernels convert as they read; the torch code
 below dequantizes a gathered copy, the reference they are tested against, and the path without a C
 compiler); over int8 rows it multiplies a query rounded to 8 bits (KVFormat.round_query). The
-quantize / dequantize pair here is that reference; the C store (cpu_attention.c, kv_store_row)
+quantize / dequantize pair here is that reference; the C store (cpu_kv_formats.c, kv_store_row)
 writes the same bytes (tests/kernels/test_kv_formats.py).
 """
 from dataclasses import dataclass
