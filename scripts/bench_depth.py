@@ -5,7 +5,8 @@ head shape, blocks scattered over a cache four times the context, the caches evi
 call as a step's weights evict them; the median call).
 
     python scripts/bench_depth.py [--model M] [--quantization q4_0] [--depths 64,2048,8192]
-                                  [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32] [--attention | --attention-only]
+                                  [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32]
+                                  [--attention | --attention-only [--against CHECKOUT]]
                                   [--llamacpp [--forks llama.cpp,ik_llama.cpp] --file q4_0|q8_0 --isa native|avx2]
 
 Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
@@ -35,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=32, help="decode steps timed behind each prompt")
     p.add_argument("--attention", action="store_true", help="also time the decode attention kernel alone")
     p.add_argument("--attention-only", action="store_true", help="only the decode attention kernel alone (no engine)")
+    p.add_argument("--against", metavar="CHECKOUT",
+                   help="with --attention(-only): also time another checkout's kernels (e.g. a `git worktree` of an "
+                        "earlier commit), its calls and ours alternating")
     p.add_argument("--llamacpp", action="store_true",
                    help="also run llama.cpp (llama-batched-bench -npp P -ntg DECODE -npl 1, flash attention on) with "
                         "its nearest cache (-ctk/-ctv: f16 for auto / float16, q8_0 for int8), both engines on "
@@ -125,13 +129,28 @@ def llamacpp_rows(args, gguf: Path, fork: str = "llama.cpp") -> None:
         print(f"peak RSS of {fork} {kv}: {rss / 1024:.2f} GiB", flush=True)
 
 
+def other_kernels(checkout: str):
+    """The C kernels as another checkout of the project builds them (its sources, this machine's
+    flags), loaded beside ours: the same calls timed alternately, so the machine's drift falls on both."""
+    import ctypes
+    import subprocess
+
+    from nanovllm.kernels import cpu_kernels
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from nanovllm.kernels import cpu_kernels as c; "
+            "assert c.load() is not None; print(c.library_path())")
+    out = subprocess.run([sys.executable, "-c", code, checkout], capture_output=True, text=True, check=True)
+    return cpu_kernels.CpuKernels(ctypes.CDLL(out.stdout.strip().splitlines()[-1]))
+
+
 def attention_rows(args, heads: int, kv_heads: int, head_dim: int) -> None:
     import torch
 
     from nanovllm.kernels import cpu_kernels
     from nanovllm.layers.backends.kv_formats import kv_format
     from nanovllm.platforms import CpuPlatform
-    kernels = cpu_kernels.load()
+    builds = {"this checkout": cpu_kernels.load()}
+    if args.against:
+        builds[args.against] = other_kernels(args.against)
 
     def cache_like(rows: torch.Tensor) -> torch.Tensor:  # in the engine's KV cache memory (huge pages)
         return CpuPlatform().allocate_kv_cache(tuple(rows.shape), rows.dtype, torch.device("cpu")).copy_(rows)
@@ -146,18 +165,21 @@ def attention_rows(args, heads: int, kv_heads: int, head_dim: int) -> None:
             table = torch.randperm(4 * blocks)[:blocks].to(torch.int32)[None]
             k, v = (cache_like(fmt.quantize(torch.randn(4 * blocks, block, kv_heads, head_dim))) for _ in "kv")
             lens = torch.tensor([depth], dtype=torch.int32)
-            run = lambda: cpu_kernels.paged_decode_attention(kernels, q, k, v, fmt.c_type, table, lens, depth, 0.1)  # noqa: E731
-            for _ in range(3):
-                run()
-            times = []
+            times = {build: [] for build in builds}
+            for build, kernels in builds.items():
+                for _ in range(3):
+                    cpu_kernels.paged_decode_attention(kernels, q, k, v, fmt.c_type, table, lens, depth, 0.1)
             for _ in range(max(9, 20000 // depth)):
-                evict.add_(1.0)  # as a decode step's weights do between two layers' attention: K/V from memory
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            ms = sorted(times)[len(times) // 2] * 1e3
-            gbs = 2 * depth * kv_heads * fmt.row_bytes(head_dim) / (ms / 1e3) / 1e9
-            print(f"| {name} | {depth} | {ms:.3f} ms | {gbs:.1f} GB/s |", flush=True)
+                for build, kernels in builds.items():  # alternately, call by call
+                    evict.add_(1.0)  # as a decode step's weights do between two layers' attention: K/V from memory
+                    start = time.perf_counter()
+                    cpu_kernels.paged_decode_attention(kernels, q, k, v, fmt.c_type, table, lens, depth, 0.1)
+                    times[build].append(time.perf_counter() - start)
+            for build, samples in times.items():
+                ms = sorted(samples)[len(samples) // 2] * 1e3
+                gbs = 2 * depth * kv_heads * fmt.row_bytes(head_dim) / (ms / 1e3) / 1e9
+                label = f" ({build})" if args.against else ""
+                print(f"| {name}{label} | {depth} | {ms:.3f} ms | {gbs:.1f} GB/s |", flush=True)
 
 
 def main() -> None:

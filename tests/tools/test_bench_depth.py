@@ -26,6 +26,21 @@ def test_rows_per_format_and_depth(qwen3_gqa):
     assert "peak RSS after int8" in out.stdout
 
 
+def test_attention_only_against_another_checkout(qwen3_gqa):
+    """--attention-only runs no engine; --against times another checkout's kernels (here this one
+    again) beside ours, a row each per format and depth."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--model", qwen3_gqa,
+                          "--depths", "40", "--kv-cache-dtypes", "float16,int8", "--attention-only",
+                          "--against", str(ROOT)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| ours " not in out.stdout
+    kernel = re.findall(r"^\| (\S+) \((.+)\) \| (\d+) \| ([\d.]+) ms \|", out.stdout, re.M)
+    assert [(name, build, int(depth)) for name, build, depth, _ in kernel] == [
+        ("float16", "this checkout", 40), ("float16", str(ROOT), 40), ("int8", "this checkout", 40),
+        ("int8", str(ROOT), 40)]
+
+
 def test_an_unknown_format_is_refused():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--kv-cache-dtypes", "int4"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
