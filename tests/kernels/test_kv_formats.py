@@ -140,18 +140,10 @@ def test_decode_and_prefill_match_the_formula(kernels, name, head_dim):
         start += new[s]
 
 
-@pytest.mark.parametrize("name", ["float32", "float16", "int8"])
-def test_long_contexts_split_over_threads(kernels, name):
-    """Few sequences behind long contexts: the decode kernel splits each sequence's tokens in chunks
-    read by different threads and merges their partial softmaxes (decode_plan); contexts of
-    different lengths, the shorter one ending inside an earlier chunk than the longer, give the
-    formula's attention."""
-    fmt = KV_FORMATS[name]
-    torch.manual_seed(4)
-    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
-    lens = [3000, 1100]
-    tables = [list(range(0, 188)), list(range(300, 369))]
-    num_blocks = 400
+def decode_matches_formula_over_threads(kernels, fmt, heads, kv_heads, head_dim, block_size, lens, tables,
+                                        num_blocks, scale):
+    """Random K/V of each sequence stored through its block table, one query per sequence decoded
+    with one and two threads: the formula's attention over the stored values, every sequence."""
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, fmt.row_units(head_dim), dtype=fmt.storage)
     v_cache = torch.zeros_like(k_cache)
     stored = []
@@ -162,14 +154,26 @@ def test_long_contexts_split_over_threads(kernels, name):
         stored.append((fmt.dequantize(fmt.quantize(keys)), fmt.dequantize(fmt.quantize(values))))
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    q = torch.randn(2, heads, head_dim)
+    q = torch.randn(len(lens), heads, head_dim)
     for threads in (1, 2):
         with torch_threads(threads):
             out = cpu_kernels.paged_decode_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables,
-                                                     torch.tensor(lens, dtype=torch.int32), max(lens), 0.125)
-        for s in range(2):
-            ref = reference_attention(fmt.round_query(q[s: s + 1]), *stored[s], [lens[s] - 1], 0.125)
+                                                     torch.tensor(lens, dtype=torch.int32), max(lens), scale)
+        for s in range(len(lens)):
+            ref = reference_attention(fmt.round_query(q[s: s + 1]), *stored[s], [lens[s] - 1], scale)
             torch.testing.assert_close(out[s: s + 1].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "int8"])
+def test_long_contexts_split_over_threads(kernels, name):
+    """Few sequences behind long contexts: the decode kernel splits each sequence's tokens in chunks
+    read by different threads and merges their partial softmaxes (decode_plan); contexts of
+    different lengths, the shorter one ending inside an earlier chunk than the longer, give the
+    formula's attention."""
+    torch.manual_seed(4)
+    decode_matches_formula_over_threads(kernels, KV_FORMATS[name], heads=4, kv_heads=2, head_dim=64, block_size=16,
+                                        lens=[3000, 1100], tables=[list(range(0, 188)), list(range(300, 369))],
+                                        num_blocks=400, scale=0.125)
 
 
 @pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "int8"])
@@ -179,32 +183,13 @@ def test_grouped_heads_and_wide_rows(kernels, name, heads, kv_heads, head_dim):
     Qwen3.5's full layers, 2 at 128 as Qwen3's, 8, none, and an odd group of 3), over blocks scattered
     through the cache and contexts that end mid-block and mid-chunk (the rows ahead prefetched from the
     next block of the table), with one and two threads: the formula's attention over the stored values."""
-    fmt = KV_FORMATS[name]
     torch.manual_seed(heads * 31 + head_dim)
     block_size, lens = 16, [1203, 77, 40]
     blocks = [-(-n // block_size) for n in lens]
     order = torch.randperm(sum(blocks) + 5).tolist()
     tables = [order[sum(blocks[:s]): sum(blocks[: s + 1])] for s in range(3)]
-    num_blocks = len(order)
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, fmt.row_units(head_dim), dtype=fmt.storage)
-    v_cache = torch.zeros_like(k_cache)
-    stored = []
-    for n, table in zip(lens, tables):
-        keys, values = torch.randn(n, kv_heads, head_dim) * 2, torch.randn(n, kv_heads, head_dim)
-        paged_cache(fmt, keys, table, block_size, num_blocks, k_cache)
-        paged_cache(fmt, values, table, block_size, num_blocks, v_cache)
-        stored.append((fmt.dequantize(fmt.quantize(keys)), fmt.dequantize(fmt.quantize(values))))
-    width = max(map(len, tables))
-    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    q = torch.randn(3, heads, head_dim)
-    scale = head_dim ** -0.5
-    for threads in (1, 2):
-        with torch_threads(threads):
-            out = cpu_kernels.paged_decode_attention(kernels, q, k_cache, v_cache, fmt.c_type, block_tables,
-                                                     torch.tensor(lens, dtype=torch.int32), max(lens), scale)
-        for s in range(3):
-            ref = reference_attention(fmt.round_query(q[s: s + 1]), *stored[s], [lens[s] - 1], scale)
-            torch.testing.assert_close(out[s: s + 1].double(), ref, atol=2e-5, rtol=1e-4)
+    decode_matches_formula_over_threads(kernels, KV_FORMATS[name], heads, kv_heads, head_dim, block_size, lens,
+                                        tables, len(order), head_dim ** -0.5)
 
 
 class torch_threads:
