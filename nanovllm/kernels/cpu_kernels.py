@@ -24,7 +24,7 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_kv_formats.c",
-                                                      "cpu_decode.c", "cpu_quant.c", "cpu_moe.c", "cpu_deltanet.c")]
+                                                      "cpu_prefill_attention.c", "cpu_decode.c", "cpu_quant.c", "cpu_moe.c", "cpu_deltanet.c")]
 # The headers the sources include (cpu_kernels.h; the per-instruction-set bodies of cpu_quant.c).
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
@@ -174,6 +174,8 @@ class CpuKernels:
             return fn
         self.decode_attention = typed("paged_decode_attention", cint, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                       i64, i64, i64, i64, c_float, i64, c_float, ptr, cint)
+        self.prefill_attention_q8 = typed("paged_prefill_attention_q8", cint, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                                          ptr, i64, i64, i64, i64, c_float, cint)
         self.kv_row_bytes = typed("kv_row_bytes", i64, i64, i64)
         self.kv_store_rows = typed("kv_store_rows", cint, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, cint)
         self.linear = typed("linear_f32", cint, ptr, ptr, ptr, ptr, i64, cint)
@@ -322,6 +324,30 @@ def paged_decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.
         None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
     if failed:
         raise MemoryError("CPU attention kernel could not allocate its score buffers")
+    return out
+
+
+def paged_prefill_attention_q8(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, q_lens: list[int], k_lens: list[int],
+                               scale: float) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] fp32 (each sequence's q_lens[i] new tokens in turn) over
+    int8 (q8_0) caches holding all k_lens[i] tokens of each sequence, causal -> the attention output,
+    shaped like q (kernels/cpu_prefill_attention.c)."""
+    q = q.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    block_tables = block_tables.to(torch.int32).contiguous()
+    q_lens_t, k_lens_t = (torch.tensor(x, dtype=torch.int32) for x in (q_lens, k_lens))
+    out = torch.empty_like(q)
+    failed = kernels.prefill_attention_q8(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        q_lens_t.data_ptr(), k_lens_t.data_ptr(), len(q_lens), out.data_ptr(), num_heads, num_kv_heads, head_dim,
+        block_size, scale, torch.get_num_threads())
+    if failed == 2:
+        raise ValueError(f"the int8 prefill kernel takes head_dim a multiple of 32 up to 512, got {head_dim}")
+    if failed:
+        raise MemoryError("CPU prefill attention kernel could not allocate its buffers")
     return out
 
 

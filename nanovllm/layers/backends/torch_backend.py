@@ -128,9 +128,14 @@ class TorchBackend(AttentionBackend):
         copyable(k_cache).view(shape).index_copy_(0, slots, copyable(self.kv_format.quantize(k[keep])))
         copyable(v_cache).view(shape).index_copy_(0, slots, copyable(self.kv_format.quantize(v[keep])))
 
+    def prefill_in_c(self) -> bool:
+        """Whether prefill over this cache is the C int8 kernel (which reads every key from the cache,
+        so its metadata always carries the block tables)."""
+        return self.cpu_kernel is not None and self.kv_format.blocked
+
     def prepare(self, batch: AttentionBatch) -> TorchMetadata:
         if batch.is_prefill:
-            tables = batch.block_table_tensor() if batch.has_cached_prefix else None
+            tables = batch.block_table_tensor() if batch.has_cached_prefix or self.prefill_in_c() else None
             return TorchMetadata(seqlens_q=batch.num_new_tokens, seqlens_k=batch.context_lens, block_tables=tables,
                                  max_seqlen_k=max(batch.context_lens))
         return TorchMetadata(seqlens_k=batch.context_lens, block_tables=batch.block_table_tensor(),
@@ -149,9 +154,14 @@ class TorchBackend(AttentionBackend):
         nothing is cached before them (rounded to the cache's format first, which gives the values
         stored), else its blocks gathered; the queries as the format's decode takes them (round_query).
         torch's SDPA (flash attention on CPU) either way: it ran 2-3x faster than a C kernel reading the
-        paged cache in place (docs/performance.md item 42). A window narrower than the keys makes
+        paged cache in place in fp32 (docs/performance.md item 42). Over an int8 cache (and no window,
+        softcap or sinks) the C kernel with integer Q K^T does it instead (cpu_prefill_attention.c). A window narrower than the keys makes
         the mask explicit (and the keys before the first query's window are left out)."""
         has_cache = k_cache.numel() > 0
+        if (has_cache and self.prefill_in_c() and window is None and softcap is None and sinks is None
+                and q.dtype == torch.float32 and metadata.block_tables is not None):
+            return cpu_kernels.paged_prefill_attention_q8(self.cpu_kernel, q, k_cache, v_cache, metadata.block_tables,
+                                                          metadata.seqlens_q, metadata.seqlens_k, scale)
         rounded = has_cache and not self.stores_values(q.dtype)
         q = self.kv_format.round_query(q) if has_cache else q  # int8: as decode multiplies it
         out = torch.empty_like(q)
