@@ -25,7 +25,7 @@
 #include "cpu_kernels.h"
 #include "cpu_kv_formats.h"
 
-#define PF_KT 64       /* keys per tile */
+#define PF_KT 128      /* keys per tile */
 #define PF_ROWS 128    /* query rows (tokens x heads of a group) an item aims at */
 #define PF_MAX_DIM 512 /* head_dim limit (a multiple of 32) */
 
@@ -91,6 +91,27 @@ static inline void transpose8(__m256i r[8]) {
         r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
         r[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
     }
+}
+#endif
+
+#if KV_F16C
+/* acc + the 16-bit pair products of x and y summed per 32-bit lane (one instruction with VNNI). */
+static inline __m256i madd_add(__m256i acc, __m256i x, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, x, y);
+#else
+    /* in asm: GCC otherwise sums into a new register and moves it back, a third instruction */
+    __m256i t;
+    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(x), "x"(y));
+    return acc;
+#endif
+}
+
+/* The 16-bit pair at p broadcast to every 32-bit lane. */
+static inline __m256i pair_at(const int16_t *p) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return _mm256_set1_epi32(pair);
 }
 #endif
 
@@ -187,7 +208,7 @@ static inline __attribute__((always_inline)) void scores_t(const int NK, const i
 }
 
 /* Scores of 4 rows with the keys of `groups` key groups, two at a time. */
-static __attribute__((noinline)) void scores_rows4(const int16_t *q, const float *qd, int64_t D, int64_t nb,
+static void scores_rows4(const int16_t *q, const float *qd, int64_t D, int64_t nb,
                                                    const int16_t *k, const float *kd, int64_t groups, float *s,
                                                    int64_t s_stride) {
     int64_t g = 0;
@@ -198,7 +219,7 @@ static __attribute__((noinline)) void scores_rows4(const int16_t *q, const float
 
 /* Values [j0, j0 + n) of one KV head into the tile: v[jp][c][d][e] = value 8c + d of token 2jp + e
  * (0 past n), vd[b][j] the scale of block b of token j, vdmax[b] the largest of them. */
-static __attribute__((noinline)) void pack_values(const uint8_t *cache, const int32_t *table, int64_t j0, int64_t n,
+static void pack_values(const uint8_t *cache, const int32_t *table, int64_t j0, int64_t n,
                                                   int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t nb,
                                                   int16_t *v, float *vd, float *vdmax) {
     const int64_t D = nb * 32;
@@ -257,7 +278,7 @@ typedef int16_t vs16_u __attribute__((vector_size(2 * VL), aligned(2), may_alias
  * with ps[r][b] = (the row's largest e^(s - m) in the tile) * vdmax[b] / 32767, a bound on the
  * products, so that one pass makes them. P V over a block of values is then a sum of 16-bit
  * products (exact in int32) times ps. Rounding half up (the products are >= 0). */
-static __attribute__((noinline)) void softmax_tile(Scratch *w, int64_t rows, int64_t G, int64_t nt, int64_t pos0,
+static void softmax_tile(Scratch *w, int64_t rows, int64_t G, int64_t nt, int64_t pos0,
                                                    int64_t j0, int64_t n, int64_t nb) {
     vi lane;
     for (int e = 0; e < VL; e++) lane[e] = e;
@@ -304,7 +325,7 @@ static __attribute__((noinline)) void softmax_tile(Scratch *w, int64_t rows, int
 
 /* o[r] = o[r] * corr[r] + ps[r][b] * sum_j p[r][b][j] v[j] (b the block of the values), 4 rows by
  * 16 values at a time, the sums over token pairs in 16-bit multiply-adds. */
-static __attribute__((noinline)) void accumulate_tile(Scratch *w, int64_t rows, int64_t D, int64_t n) {
+static void accumulate_tile(Scratch *w, int64_t rows, int64_t D, int64_t n) {
     const int64_t nb = D / 32, pairs = (n + 1) / 2;
     for (int64_t r0 = 0; r0 < rows; r0 += 4)
         for (int64_t d = 0; d < D; d += 16) {
@@ -312,22 +333,20 @@ static __attribute__((noinline)) void accumulate_tile(Scratch *w, int64_t rows, 
 #if KV_F16C
             __m256i acc[4][2];
             for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+            const int16_t *p0 = w->p + (r0 * nb + b) * PF_KT, *p1 = p0 + nb * PF_KT, *p2 = p1 + nb * PF_KT,
+                          *p3 = p2 + nb * PF_KT;
             for (int64_t jp = 0; jp < pairs; jp++) {
                 const int16_t *vp = w->v + jp * D * 2 + d * 2;
                 const __m256i v0 = _mm256_loadu_si256((const __m256i *)vp);
                 const __m256i v1 = _mm256_loadu_si256((const __m256i *)(vp + 16));
-                for (int r = 0; r < 4; r++) {
-                    int32_t pair;
-                    memcpy(&pair, w->p + ((r0 + r) * nb + b) * PF_KT + 2 * jp, sizeof pair);
-                    const __m256i pp = _mm256_set1_epi32(pair);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    acc[r][0] = _mm256_dpwssd_epi32(acc[r][0], v0, pp);
-                    acc[r][1] = _mm256_dpwssd_epi32(acc[r][1], v1, pp);
-#else
-                    acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(v0, pp));
-                    acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(v1, pp));
-#endif
-                }
+                acc[0][0] = madd_add(acc[0][0], v0, pair_at(p0 + 2 * jp));
+                acc[0][1] = madd_add(acc[0][1], v1, pair_at(p0 + 2 * jp));
+                acc[1][0] = madd_add(acc[1][0], v0, pair_at(p1 + 2 * jp));
+                acc[1][1] = madd_add(acc[1][1], v1, pair_at(p1 + 2 * jp));
+                acc[2][0] = madd_add(acc[2][0], v0, pair_at(p2 + 2 * jp));
+                acc[2][1] = madd_add(acc[2][1], v1, pair_at(p2 + 2 * jp));
+                acc[3][0] = madd_add(acc[3][0], v0, pair_at(p3 + 2 * jp));
+                acc[3][1] = madd_add(acc[3][1], v1, pair_at(p3 + 2 * jp));
             }
             for (int r = 0; r < 4; r++) {
                 float *o = w->o + (r0 + r) * D + d;

@@ -623,8 +623,19 @@ void to_f32_e4m3(const Linear *m, int64_t r, float *out) {
  * those bytes, single groups win, and from 8 rows on the pairs' arithmetic does
  * (docs/performance.md item 36). */
 #define X16_MIN_ROWS 8
+/* Input rows per pass over the weights: their quantized bytes within ROW_BLOCK_BYTES (of L2), so that
+ * a long prefill reads them from L2 for every weight group, where all of 8192 rows' (8-25 MB) came
+ * from memory each time; the weights are read once per block instead (docs/performance.md, item 49). */
+#define ROW_BLOCK_BYTES (256 * 1024)
+#define ROW_BLOCK_MIN 128 /* up to here the rows stay one block (a short prompt: its weights read once) */
+static inline int64_t row_block(const QuantRows *q, int64_t rows, int failed) {
+    if (failed || rows <= ROW_BLOCK_MIN) return rows;
+    const int64_t per_row = q->k * (q->x16 != NULL ? 4 : 2) + 16 * (q->k / q->group);
+    const int64_t rb = ROW_BLOCK_BYTES / per_row / QROWS * QROWS;
+    return rb < 4 * QROWS ? 4 * QROWS : rb;
+}
 #define X8_PASS(NAME, W, grp, gb, b0, dot)                                                                   \
-    switch ((rows - b0 < QROWS ? rows - b0 : QROWS) + (one ? QROWS : 0)) {                                   \
+    switch ((end - b0 < QROWS ? end - b0 : QROWS) + (one ? QROWS : 0)) {                                     \
     case 1: NAME(grp, gb, &q, b0, 1, 2, dot); break;                                                         \
     case 2: NAME(grp, gb, &q, b0, 2, 2, dot); break;                                                         \
     case 3: NAME(grp, gb, &q, b0, 3, 2, dot); break;                                                         \
@@ -656,13 +667,16 @@ void to_f32_e4m3(const Linear *m, int64_t r, float *out) {
         const int pairs = W == 16 && rows >= X16_MIN_ROWS;                                                       \
         const int64_t groups = m->n / IL, units = pairs ? (groups + 1) / 2 : groups;                             \
         const int64_t gb = IL * m->row_bytes;                                                                    \
+        const int64_t rb = row_block(&q, rows, no_rows);                                                         \
+        for (int64_t r0 = 0; r0 < rows; r0 += rb) {                                                              \
+        const int64_t end = r0 + rb < rows ? r0 + rb : rows;                                                     \
         _Pragma("omp for schedule(static) nowait") for (int64_t u = 0; u < units; u++) {                         \
             if (no_rows) continue;                                                                               \
             const int64_t g = pairs ? 2 * u : u;                                                                 \
             const uint8_t *grp = group_of(m, g);                                                                 \
             const int wide = pairs && g + 1 < groups, width = wide ? 2 * IL : IL;                                \
-            for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
-                const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
+            for (int64_t b0 = r0; b0 < end; b0 += QROWS) {                                                       \
+                const int64_t nb = end - b0 < QROWS ? end - b0 : QROWS;                                          \
                 float dot[QROWS][2 * IL], dot8[QROWS][IL];                                                       \
                 if (wide) {                                                                                      \
                     X8_PASS(NAME##_dot16, W, grp, gb, b0, dot)                                                   \
@@ -674,6 +688,7 @@ void to_f32_e4m3(const Linear *m, int64_t r, float *out) {
                     for (int r = 0; r < width; r++)                                                              \
                         y[(b0 + b) * ldy + g * IL + r] = dot[b][r] + (m->bias != NULL ? m->bias[g * IL + r] : 0.0f); \
             }                                                                                                    \
+        }                                                                                                        \
         }                                                                                                        \
     }
 #define DEFINE_X8_LINEAR_ROWS(NAME, GROUP, X16, DOT_CALL) DEFINE_X8_LINEAR_ROWS_W(NAME, GROUP, X16, DOT_CALL, 8, (void)0)
@@ -736,20 +751,24 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
         /* no scratch for the quantized rows: this thread's share is skipped, the caller reports it */     \
         const int no_rows = quantize_rows(x, ldx, rows, m->k, GROUP, 0, input_mode(m), &q);                     \
         if (no_rows) note_kernel_failure();                                                                      \
+        const int64_t rb = row_block(&q, rows, no_rows);                                                         \
+        for (int64_t r0 = 0; r0 < rows; r0 += rb) {                                                              \
+        const int64_t end = r0 + rb < rows ? r0 + rb : rows;                                                     \
         _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < m->n; r++) {                          \
             if (no_rows) continue;                                                                               \
             const uint8_t *w = (const uint8_t *)m->data + r * m->row_bytes;                                      \
-            for (int64_t b0 = 0; b0 < rows; b0 += QROWS) {                                                       \
+            for (int64_t b0 = r0; b0 < end; b0 += QROWS) {                                                       \
                 float dot[QROWS];                                                                                \
-                switch (rows - b0 < QROWS ? rows - b0 : QROWS) {                                                 \
+                switch (end - b0 < QROWS ? end - b0 : QROWS) {                                                   \
                 case 1: NAME##_dot(w, &q, b0, 1, dot); break;                                                    \
                 case 2: NAME##_dot(w, &q, b0, 2, dot); break;                                                    \
                 case 3: NAME##_dot(w, &q, b0, 3, dot); break;                                                    \
                 default: NAME##_dot(w, &q, b0, 4, dot); break;                                                   \
                 }                                                                                                \
-                const int64_t nb = rows - b0 < QROWS ? rows - b0 : QROWS;                                        \
+                const int64_t nb = end - b0 < QROWS ? end - b0 : QROWS;                                          \
                 for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f); \
             }                                                                                                    \
+        }                                                                                                        \
         }                                                                                                        \
     }
 

@@ -136,7 +136,9 @@ def test_decode_and_prefill_match_the_formula(kernels, name, head_dim):
         positions = list(range(lens[s] - new[s], lens[s]))
         ref = reference_attention(fmt.round_query(q[start: start + new[s]]), stored_k[s], stored_v[s], positions,
                                   scale)
-        torch.testing.assert_close(out[start: start + new[s]].double(), ref, atol=2e-5, rtol=1e-4)
+        # int8: the C prefill kernel rounds probabilities to 16 bits (tests/kernels/test_prefill_attention.py)
+        atol = 1e-3 if fmt.blocked else 2e-5
+        torch.testing.assert_close(out[start: start + new[s]].double(), ref, atol=atol, rtol=1e-4)
         start += new[s]
 
 
@@ -231,9 +233,11 @@ def test_torch_path_matches_the_c_kernels(kernels, name):
         results.append((k_cache.view(torch.uint8).clone(), pre, dec))
     (kc, pre_c, dec_c), (kt, pre_t, dec_t) = results
     assert torch.equal(kc, kt)
-    torch.testing.assert_close(pre_c, pre_t, atol=1e-5, rtol=1e-4)
+    # int8: the C prefill kernel rounds probabilities to 16 bits (tests/kernels/test_prefill_attention.py)
+    atol = 1e-3 if fmt.blocked else 1e-5
+    torch.testing.assert_close(pre_c, pre_t, atol=atol, rtol=1e-4)
     torch.testing.assert_close(dec_c, dec_t, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(pre_c[-1:], dec_c, atol=1e-5, rtol=1e-4)  # the last row is the decode query's
+    torch.testing.assert_close(pre_c[-1:], dec_c, atol=atol, rtol=1e-4)  # the last row is the decode query's
 
 
 def test_round_query_is_q8_0_with_an_fp32_scale():
