@@ -2,8 +2,9 @@
  * formats' reading in cpu_kv_formats.h, their storing in cpu_kv_formats.c).
  *
  * paged_decode_attention: one query token per sequence (attend_item, which the C decode step calls
- *   too). Prefill stays torch's SDPA over the values as stored (layers/backends/torch_backend.py):
- *   a flash-style C kernel over the paged cache ran 2-3x slower (docs/performance.md item 42).
+ *   too). Prefill over int8 caches is cpu_prefill_attention.c (integer multiply-adds); over the other
+ *   formats it stays torch's SDPA over the values as stored (layers/backends/torch_backend.py): a
+ *   flash-style fp32 C kernel over the paged cache ran 2-3x slower (docs/performance.md item 42).
  *
  * Cached rows are converted to fp32 as they are read (8 values at a time, from registers: no fp32
  * copy of the cache is made); scores, softmax and outputs are fp32. The kernel is one function

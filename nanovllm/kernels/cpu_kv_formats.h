@@ -1,7 +1,8 @@
 /* The KV cache's storage formats (cpu_kernels.h, KV_*) as the attention reads them: 8 values (or
  * one) of a cached row as fp32, from registers (no fp32 copy of the cache is made). The formats'
  * bytes and their rounding (kv_store_row) are in cpu_kv_formats.c; the torch side of the same
- * formats is layers/backends/kv_formats.py. Included by cpu_attention.c only. */
+ * formats is layers/backends/kv_formats.py. Included by the attention kernels (cpu_attention.c,
+ * cpu_prefill_attention.c). */
 #ifndef NANOVLLM_CPU_KV_FORMATS_H
 #define NANOVLLM_CPU_KV_FORMATS_H
 

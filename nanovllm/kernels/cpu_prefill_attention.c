@@ -73,6 +73,22 @@ static void round_rows(const float *q, int64_t q_stride, int64_t nt, int64_t h0,
     }
 }
 
+/* ---- the instruction-set parts: AVX2 (with VNNI's one-instruction multiply-add), plain C ---------
+ * Each a whole function under a file-level guard: the key and value tiles' repacking (8 keys' rows
+ * into one block's interleaved pairs; two tokens' rows into interleaved pairs), the scores of 4 rows
+ * with 8 or 16 keys, and P V for 4 rows and 16 values. */
+#if KV_F16C && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* acc + the 16-bit pair products of x and y summed per 32-bit lane. */
+static inline __m256i madd_add(__m256i acc, __m256i x, __m256i y) { return _mm256_dpwssd_epi32(acc, x, y); }
+#elif KV_F16C
+static inline __m256i madd_add(__m256i acc, __m256i x, __m256i y) {
+    /* in asm: GCC otherwise sums into a new register and moves it back, a third instruction */
+    __m256i t;
+    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(x), "x"(y));
+    return acc;
+}
+#endif
+
 #if KV_F16C
 /* r[p] = lane p of every r[i] (an 8 x 8 transpose of 32-bit lanes). */
 static inline void transpose8(__m256i r[8]) {
@@ -92,20 +108,6 @@ static inline void transpose8(__m256i r[8]) {
         r[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
     }
 }
-#endif
-
-#if KV_F16C
-/* acc + the 16-bit pair products of x and y summed per 32-bit lane (one instruction with VNNI). */
-static inline __m256i madd_add(__m256i acc, __m256i x, __m256i y) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, x, y);
-#else
-    /* in asm: GCC otherwise sums into a new register and moves it back, a third instruction */
-    __m256i t;
-    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(x), "x"(y));
-    return acc;
-#endif
-}
 
 /* The 16-bit pair at p broadcast to every 32-bit lane. */
 static inline __m256i pair_at(const int16_t *p) {
@@ -113,45 +115,34 @@ static inline __m256i pair_at(const int16_t *p) {
     memcpy(&pair, p, sizeof pair);
     return _mm256_set1_epi32(pair);
 }
-#endif
 
-/* Keys [j0, j0 + n) of one KV head into the tile: k[g][b][p][i][e] = value 2p + e of block b of key
- * 8g + i (0 past n), kd[g][b][i] its block's scale. */
-static void pack_keys(const uint8_t *cache, const int32_t *table, int64_t j0, int64_t n, int64_t block_size,
-                      int64_t num_kv_heads, int64_t kvh, int64_t nb, int16_t *k, float *kd) {
-    for (int64_t g = 0; g < (n + 7) / 8; g++) {
-        const uint8_t *rows[8];
-        for (int i = 0; i < 8; i++)
-            rows[i] = g * 8 + i < n ? cache_row(cache, table, j0 + g * 8 + i, block_size, num_kv_heads, kvh, nb * 34)
-                                    : NULL;
-        for (int64_t b = 0; b < nb; b++) {
-            int16_t *dst = k + (g * nb + b) * 256;
-            float *kdb = kd + (g * nb + b) * 8;
-            for (int i = 0; i < 8; i++) kdb[i] = rows[i] != NULL ? f16x1(rows[i] + b * 34) : 0.0f;
-#if KV_F16C
-            __m256i lo[8], hi[8]; /* per key: pairs 0-7, pairs 8-15 */
-            for (int i = 0; i < 8; i++) {
-                if (rows[i] == NULL) {
-                    lo[i] = hi[i] = _mm256_setzero_si256();
-                    continue;
-                }
-                const uint8_t *x = rows[i] + b * 34 + 2;
-                lo[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x));
-                hi[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 16)));
-            }
-            transpose8(lo);
-            transpose8(hi);
-            for (int p = 0; p < 8; p++) {
-                _mm256_storeu_si256((__m256i *)(dst + p * 16), lo[p]);
-                _mm256_storeu_si256((__m256i *)(dst + (8 + p) * 16), hi[p]);
-            }
-#else
-            for (int p = 0; p < 16; p++)
-                for (int i = 0; i < 8; i++)
-                    for (int e = 0; e < 2; e++)
-                        dst[p * 16 + i * 2 + e] = rows[i] != NULL ? (int8_t)rows[i][b * 34 + 2 + 2 * p + e] : 0;
-#endif
+/* dst[p][i][e] = value 2p + e of block b of rows[i] (0 where rows[i] is NULL), p < 16, i < 8. */
+static inline void pack_key_block(const uint8_t *const rows[8], int64_t b, int16_t *dst) {
+    __m256i lo[8], hi[8]; /* per key: pairs 0-7, pairs 8-15 */
+    for (int i = 0; i < 8; i++) {
+        if (rows[i] == NULL) {
+            lo[i] = hi[i] = _mm256_setzero_si256();
+            continue;
         }
+        const uint8_t *x = rows[i] + b * 34 + 2;
+        lo[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x));
+        hi[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 16)));
+    }
+    transpose8(lo);
+    transpose8(hi);
+    for (int p = 0; p < 8; p++) {
+        _mm256_storeu_si256((__m256i *)(dst + p * 16), lo[p]);
+        _mm256_storeu_si256((__m256i *)(dst + (8 + p) * 16), hi[p]);
+    }
+}
+
+/* dst[d][e] = value d of block blk of row e (a, then b), d < 32. */
+static inline void pack_value_block(const uint8_t *a, const uint8_t *b, int64_t blk, int16_t *dst) {
+    for (int c = 0; c < 32; c += 16) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(a + blk * 34 + 2 + c));
+        const __m128i y = _mm_loadu_si128((const __m128i *)(b + blk * 34 + 2 + c));
+        _mm256_storeu_si256((__m256i *)(dst + c * 2), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y)));
+        _mm256_storeu_si256((__m256i *)(dst + (c + 8) * 2), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y)));
     }
 }
 
@@ -162,7 +153,6 @@ static void pack_keys(const uint8_t *cache, const int32_t *table, int64_t j0, in
 static inline __attribute__((always_inline)) void scores_t(const int NK, const int16_t *q, const float *qd, int64_t D,
                                                            int64_t nb, const int16_t *k, const float *kd, float *s,
                                                            int64_t s_stride) {
-#if KV_F16C
     for (int64_t b = 0; b < nb; b++) {
         __m256i a[4][2];
         for (int r = 0; r < 4; r++)
@@ -171,15 +161,8 @@ static inline __attribute__((always_inline)) void scores_t(const int NK, const i
             __m256i kv[2];
             for (int c = 0; c < NK; c++) kv[c] = _mm256_loadu_si256((const __m256i *)(k + c * nb * 256 + b * 256 + p * 16));
             for (int r = 0; r < 4; r++) {
-                int32_t pair;
-                memcpy(&pair, q + r * D + b * 32 + 2 * p, sizeof pair);
-                const __m256i qp = _mm256_set1_epi32(pair);
-                for (int c = 0; c < NK; c++)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    a[r][c] = _mm256_dpwssd_epi32(a[r][c], kv[c], qp);
-#else
-                    a[r][c] = _mm256_add_epi32(a[r][c], _mm256_madd_epi16(kv[c], qp));
-#endif
+                const __m256i qp = pair_at(q + r * D + b * 32 + 2 * p);
+                for (int c = 0; c < NK; c++) a[r][c] = madd_add(a[r][c], kv[c], qp);
             }
         }
         for (int c = 0; c < NK; c++) {
@@ -191,7 +174,50 @@ static inline __attribute__((always_inline)) void scores_t(const int NK, const i
             }
         }
     }
+}
+
+/* o[r][0, 16) = o[r] corr[r] + ps * sum_j p[r][j] v[j][0, 16) for 4 rows (o, p: row r at o + r * o_stride,
+ * p + r * p_stride; corr[r], ps[r * ps_stride]) over token pairs of v (v + jp * v_stride). */
+static inline void pv_rows4(float *o, int64_t o_stride, const int16_t *p, int64_t p_stride, const int16_t *v,
+                            int64_t v_stride, int64_t pairs, const float *corr, const float *ps, int64_t ps_stride) {
+    __m256i acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int16_t *p0 = p, *p1 = p0 + p_stride, *p2 = p1 + p_stride, *p3 = p2 + p_stride;
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(v + jp * v_stride));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(v + jp * v_stride + 16));
+        acc[0][0] = madd_add(acc[0][0], v0, pair_at(p0 + 2 * jp));
+        acc[0][1] = madd_add(acc[0][1], v1, pair_at(p0 + 2 * jp));
+        acc[1][0] = madd_add(acc[1][0], v0, pair_at(p1 + 2 * jp));
+        acc[1][1] = madd_add(acc[1][1], v1, pair_at(p1 + 2 * jp));
+        acc[2][0] = madd_add(acc[2][0], v0, pair_at(p2 + 2 * jp));
+        acc[2][1] = madd_add(acc[2][1], v1, pair_at(p2 + 2 * jp));
+        acc[3][0] = madd_add(acc[3][0], v0, pair_at(p3 + 2 * jp));
+        acc[3][1] = madd_add(acc[3][1], v1, pair_at(p3 + 2 * jp));
+    }
+    for (int r = 0; r < 4; r++) {
+        float *out = o + r * o_stride;
+        const vf c = (vf){0} + corr[r], sc = (vf){0} + ps[r * ps_stride];
+        store_f32(out, load_f32(out) * c + (vf)_mm256_cvtepi32_ps(acc[r][0]) * sc);
+        store_f32(out + 8, load_f32(out + 8) * c + (vf)_mm256_cvtepi32_ps(acc[r][1]) * sc);
+    }
+}
 #else
+static inline void pack_key_block(const uint8_t *const rows[8], int64_t b, int16_t *dst) {
+    for (int p = 0; p < 16; p++)
+        for (int i = 0; i < 8; i++)
+            for (int e = 0; e < 2; e++) dst[p * 16 + i * 2 + e] = rows[i] != NULL ? (int8_t)rows[i][b * 34 + 2 + 2 * p + e] : 0;
+}
+
+static inline void pack_value_block(const uint8_t *a, const uint8_t *b, int64_t blk, int16_t *dst) {
+    for (int d = 0; d < 32; d++) {
+        dst[d * 2] = (int8_t)a[blk * 34 + 2 + d];
+        dst[d * 2 + 1] = (int8_t)b[blk * 34 + 2 + d];
+    }
+}
+
+static inline void scores_t(const int NK, const int16_t *q, const float *qd, int64_t D, int64_t nb, const int16_t *k,
+                            const float *kd, float *s, int64_t s_stride) {
     for (int c = 0; c < NK; c++)
         for (int r = 0; r < 4; r++)
             for (int i = 0; i < 8; i++) {
@@ -204,7 +230,35 @@ static inline __attribute__((always_inline)) void scores_t(const int NK, const i
                 }
                 s[r * s_stride + c * 8 + i] = acc;
             }
+}
+
+static inline void pv_rows4(float *o, int64_t o_stride, const int16_t *p, int64_t p_stride, const int16_t *v,
+                            int64_t v_stride, int64_t pairs, const float *corr, const float *ps, int64_t ps_stride) {
+    for (int r = 0; r < 4; r++)
+        for (int x = 0; x < 16; x++) {
+            int32_t a = 0;
+            for (int64_t j = 0; j < 2 * pairs; j++) a += p[r * p_stride + j] * v[(j / 2) * v_stride + x * 2 + j % 2];
+            o[r * o_stride + x] = o[r * o_stride + x] * corr[r] + (float)a * ps[r * ps_stride];
+        }
+}
 #endif
+
+/* ---- the tiles ---------------------------------------------------------------------------------- */
+/* Keys [j0, j0 + n) of one KV head into the tile: k[g][b][p][i][e] = value 2p + e of block b of key
+ * 8g + i (0 past n), kd[g][b][i] its block's scale. */
+static void pack_keys(const uint8_t *cache, const int32_t *table, int64_t j0, int64_t n, int64_t block_size,
+                      int64_t num_kv_heads, int64_t kvh, int64_t nb, int16_t *k, float *kd) {
+    for (int64_t g = 0; g < (n + 7) / 8; g++) {
+        const uint8_t *rows[8];
+        for (int i = 0; i < 8; i++)
+            rows[i] = g * 8 + i < n ? cache_row(cache, table, j0 + g * 8 + i, block_size, num_kv_heads, kvh, nb * 34)
+                                    : NULL;
+        for (int64_t b = 0; b < nb; b++) {
+            float *kdb = kd + (g * nb + b) * 8;
+            for (int i = 0; i < 8; i++) kdb[i] = rows[i] != NULL ? f16x1(rows[i] + b * 34) : 0.0f;
+            pack_key_block(rows, b, k + (g * nb + b) * 256);
+        }
+    }
 }
 
 /* Scores of 4 rows with the keys of `groups` key groups, two at a time. */
@@ -219,9 +273,8 @@ static void scores_rows4(const int16_t *q, const float *qd, int64_t D, int64_t n
 
 /* Values [j0, j0 + n) of one KV head into the tile: v[jp][c][d][e] = value 8c + d of token 2jp + e
  * (0 past n), vd[b][j] the scale of block b of token j, vdmax[b] the largest of them. */
-static void pack_values(const uint8_t *cache, const int32_t *table, int64_t j0, int64_t n,
-                                                  int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t nb,
-                                                  int16_t *v, float *vd, float *vdmax) {
+static void pack_values(const uint8_t *cache, const int32_t *table, int64_t j0, int64_t n, int64_t block_size,
+                        int64_t num_kv_heads, int64_t kvh, int64_t nb, int16_t *v, float *vd, float *vdmax) {
     const int64_t D = nb * 32;
     static const uint8_t zeros[PF_MAX_DIM / 32 * 34];
     for (int64_t blk = 0; blk < nb; blk++) vdmax[blk] = 0.0f;
@@ -229,26 +282,12 @@ static void pack_values(const uint8_t *cache, const int32_t *table, int64_t j0, 
         const uint8_t *a = cache_row(cache, table, j0 + 2 * jp, block_size, num_kv_heads, kvh, nb * 34);
         const uint8_t *b = 2 * jp + 1 < n ? cache_row(cache, table, j0 + 2 * jp + 1, block_size, num_kv_heads, kvh,
                                                       nb * 34) : zeros;
-        int16_t *dst = v + jp * D * 2;
         for (int64_t blk = 0; blk < nb; blk++) {
             vd[blk * PF_KT + 2 * jp] = f16x1(a + blk * 34);
             vd[blk * PF_KT + 2 * jp + 1] = 2 * jp + 1 < n ? f16x1(b + blk * 34) : 0.0f;
             for (int e = 0; e < 2; e++)
                 vdmax[blk] = vd[blk * PF_KT + 2 * jp + e] > vdmax[blk] ? vd[blk * PF_KT + 2 * jp + e] : vdmax[blk];
-#if KV_F16C
-            for (int c = 0; c < 32; c += 16) {
-                const __m128i x = _mm_loadu_si128((const __m128i *)(a + blk * 34 + 2 + c));
-                const __m128i y = _mm_loadu_si128((const __m128i *)(b + blk * 34 + 2 + c));
-                _mm256_storeu_si256((__m256i *)(dst + (blk * 32 + c) * 2), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y)));
-                _mm256_storeu_si256((__m256i *)(dst + (blk * 32 + c + 8) * 2),
-                                    _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y)));
-            }
-#else
-            for (int d = 0; d < 32; d++) {
-                dst[(blk * 32 + d) * 2] = (int8_t)a[blk * 34 + 2 + d];
-                dst[(blk * 32 + d) * 2 + 1] = (int8_t)b[blk * 34 + 2 + d];
-            }
-#endif
+            pack_value_block(a, b, blk, v + jp * D * 2 + blk * 64);
         }
     }
 }
@@ -328,44 +367,9 @@ static void softmax_tile(Scratch *w, int64_t rows, int64_t G, int64_t nt, int64_
 static void accumulate_tile(Scratch *w, int64_t rows, int64_t D, int64_t n) {
     const int64_t nb = D / 32, pairs = (n + 1) / 2;
     for (int64_t r0 = 0; r0 < rows; r0 += 4)
-        for (int64_t d = 0; d < D; d += 16) {
-            const int64_t b = d / 32;
-#if KV_F16C
-            __m256i acc[4][2];
-            for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-            const int16_t *p0 = w->p + (r0 * nb + b) * PF_KT, *p1 = p0 + nb * PF_KT, *p2 = p1 + nb * PF_KT,
-                          *p3 = p2 + nb * PF_KT;
-            for (int64_t jp = 0; jp < pairs; jp++) {
-                const int16_t *vp = w->v + jp * D * 2 + d * 2;
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)vp);
-                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(vp + 16));
-                acc[0][0] = madd_add(acc[0][0], v0, pair_at(p0 + 2 * jp));
-                acc[0][1] = madd_add(acc[0][1], v1, pair_at(p0 + 2 * jp));
-                acc[1][0] = madd_add(acc[1][0], v0, pair_at(p1 + 2 * jp));
-                acc[1][1] = madd_add(acc[1][1], v1, pair_at(p1 + 2 * jp));
-                acc[2][0] = madd_add(acc[2][0], v0, pair_at(p2 + 2 * jp));
-                acc[2][1] = madd_add(acc[2][1], v1, pair_at(p2 + 2 * jp));
-                acc[3][0] = madd_add(acc[3][0], v0, pair_at(p3 + 2 * jp));
-                acc[3][1] = madd_add(acc[3][1], v1, pair_at(p3 + 2 * jp));
-            }
-            for (int r = 0; r < 4; r++) {
-                float *o = w->o + (r0 + r) * D + d;
-                const vf c = (vf){0} + w->corr[r0 + r], sc = (vf){0} + w->ps[(r0 + r) * nb + b];
-                store_f32(o, load_f32(o) * c + (vf)_mm256_cvtepi32_ps(acc[r][0]) * sc);
-                store_f32(o + 8, load_f32(o + 8) * c + (vf)_mm256_cvtepi32_ps(acc[r][1]) * sc);
-            }
-#else
-            for (int r = 0; r < 4; r++) {
-                const int16_t *p = w->p + ((r0 + r) * nb + b) * PF_KT;
-                float *o = w->o + (r0 + r) * D + d;
-                for (int x = 0; x < 16; x++) {
-                    int32_t a = 0;
-                    for (int64_t j = 0; j < 2 * pairs; j++) a += p[j] * w->v[(j / 2) * D * 2 + (d + x) * 2 + j % 2];
-                    o[x] = o[x] * w->corr[r0 + r] + (float)a * w->ps[(r0 + r) * nb + b];
-                }
-            }
-#endif
-        }
+        for (int64_t d = 0; d < D; d += 16)
+            pv_rows4(w->o + r0 * D + d, D, w->p + (r0 * nb + d / 32) * PF_KT, nb * PF_KT, w->v + d * 2, D * 2, pairs,
+                     w->corr + r0, w->ps + r0 * nb + d / 32, nb);
 }
 
 /* One item: tokens [t0, t0 + nt) of a sequence (q at its first), the G query heads of KV head kvh,

@@ -8,6 +8,7 @@ import torch
 
 from nanovllm.layers.backends import AttentionBackend, AttentionBatch
 from nanovllm.layers.backends.flash_backend import FlashBackend
+from nanovllm.layers.backends.kv_formats import kv_format
 from nanovllm.layers.backends.torch_backend import TorchBackend
 from nanovllm.layers.backends.triton_backend import TritonBackend
 
@@ -53,13 +54,25 @@ def test_every_metadata_tensor_comes_from_to_device(cls):
         assert tensors and all(any(t is r for r in returned) for t in tensors)
 
 
+def torch_backend(kv_format=None, cpu_kernel=None) -> TorchBackend:
+    backend = bare(TorchBackend)
+    backend.cpu_kernel = cpu_kernel
+    if kv_format is not None:
+        backend.kv_format = kv_format
+    return backend
+
+
 def test_torch_metadata_keeps_host_lists():
-    prefill = bare(TorchBackend).prepare(PREFILL)
+    prefill = torch_backend().prepare(PREFILL)
     assert prefill.seqlens_q == [4, 3, 1] and prefill.seqlens_k == [4, 8, 20]
     assert prefill.block_tables.tolist() == [[7, -1], [2, -1], [5, 9]]
-    fresh = bare(TorchBackend).prepare(AttentionBatch(True, [4, 2], [4, 2], [[1], [2]], host))
+    fresh_batch = AttentionBatch(True, [4, 2], [4, 2], [[1], [2]], host)
+    fresh = torch_backend().prepare(fresh_batch)
     assert fresh.block_tables is None  # no cached prefix: the fresh K/V are all it reads
-    decode = bare(TorchBackend).prepare(DECODE)
+    # the C int8 prefill reads every key from the cache, so its metadata always has the tables
+    int8 = torch_backend(kv_format("int8"), cpu_kernel=object())
+    assert int8.prefill_in_c() and int8.prepare(fresh_batch).block_tables.tolist() == [[1], [2]]
+    decode = torch_backend().prepare(DECODE)
     assert decode.seqlens_k == [6, 22, 7] and decode.max_seqlen_k == 22 and decode.decode_groups is None
 
 

@@ -152,8 +152,9 @@ def test_prompt_logprobs_read_the_stored_format(qwen3_gqa):
 
     whole = logprobs(kv_cache_dtype="int8")
     chunked = logprobs(kv_cache_dtype="int8", max_num_batched_tokens=20, max_num_seqs=1)
-    # Summation order apart (SDPA's causal kernel for the whole prompt, a masked one per chunk), equal;
-    # a chunk reading the prefix in another format than it was stored moves them by hundredths.
-    torch.testing.assert_close(chunked, whole, atol=3e-4, rtol=0)
+    # Equal but for the C prefill kernel's 16-bit probabilities, rounded per key tile (a chunk's tiles
+    # are not the whole prompt's: ~1e-4 apart, tests/kernels/test_prefill_attention.py); a chunk
+    # reading the prefix in another format than it was stored moves them by hundredths.
+    torch.testing.assert_close(chunked, whole, atol=2e-3, rtol=0)
     fp32 = logprobs(kv_cache_dtype="float32")
     assert (whole - fp32).abs().max() < 0.05 and not torch.equal(whole, fp32), (whole - fp32).abs().max()
