@@ -6,15 +6,17 @@
  * int8 rows the scores are integer dot products, as in decode (cpu_attention.c, q8_block_dot): the
  * query rounded to 8 bits per block of 32 (KVFormat.round_query), q . k per block summed exactly in
  * int32, times the two scales. Integer multiply-adds of 16-bit pairs (vpmaddwd: 16 products per
- * instruction, two per cycle on the cores measured) run at twice the rate of fp32 FMAs, so the half
- * of prefill attention that is Q K^T takes half the time; P V stays fp32.
+ * instruction, two per cycle on the cores measured) run at twice the rate of fp32 FMAs, so Q K^T
+ * takes half the time; P V too, with the probabilities (times the values' block scales) rounded to
+ * 16 bits per key tile against a per-row bound: the kernel's one approximation (~1e-4 on outputs of
+ * size 1, where the int8 values themselves are ~1e-2 from the unrounded ones).
  *
  * Work items: (sequence, KV head, tile of QT query tokens), the latest tiles (the most keys) first,
  * dynamically over OpenMP threads. An item holds the rows of its tokens for every query head of
  * its KV head's group (GQA: the keys are read and repacked once for all of them) and walks its keys
  * in tiles of KT (flash attention's online softmax, fp32): each tile's keys repacked to 16-bit
  * pairs interleaved over 8 keys (one vector = pair p of 8 keys, so a broadcast query pair times it
- * gives 8 keys' partial sums in 8 lanes: no horizontal sums), its values converted to fp32 once.
+ * gives 8 keys' partial sums in 8 lanes: no horizontal sums), its values to 16-bit token pairs.
  *
  * Layouts as in cpu_attention.c: q, out [num_tokens, num_heads, head_dim] fp32 (the sequences' new
  * tokens one after another), caches [num_blocks, block_size, num_kv_heads, head_dim / 32 * 34]. */
@@ -262,9 +264,8 @@ static void pack_keys(const uint8_t *cache, const int32_t *table, int64_t j0, in
 }
 
 /* Scores of 4 rows with the keys of `groups` key groups, two at a time. */
-static void scores_rows4(const int16_t *q, const float *qd, int64_t D, int64_t nb,
-                                                   const int16_t *k, const float *kd, int64_t groups, float *s,
-                                                   int64_t s_stride) {
+static void scores_rows4(const int16_t *q, const float *qd, int64_t D, int64_t nb, const int16_t *k, const float *kd,
+                         int64_t groups, float *s, int64_t s_stride) {
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2)
         scores_t(2, q, qd, D, nb, k + g * nb * 256, kd + g * nb * 8, s + g * 8, s_stride);
@@ -317,8 +318,8 @@ typedef int16_t vs16_u __attribute__((vector_size(2 * VL), aligned(2), may_alias
  * with ps[r][b] = (the row's largest e^(s - m) in the tile) * vdmax[b] / 32767, a bound on the
  * products, so that one pass makes them. P V over a block of values is then a sum of 16-bit
  * products (exact in int32) times ps. Rounding half up (the products are >= 0). */
-static void softmax_tile(Scratch *w, int64_t rows, int64_t G, int64_t nt, int64_t pos0,
-                                                   int64_t j0, int64_t n, int64_t nb) {
+static void softmax_tile(Scratch *w, int64_t rows, int64_t G, int64_t nt, int64_t pos0, int64_t j0, int64_t n,
+                         int64_t nb) {
     vi lane;
     for (int e = 0; e < VL; e++) lane[e] = e;
     const int64_t vecs = (n + VL - 1) / VL;
