@@ -247,19 +247,29 @@ static inline float hsum(vf v) {
 /* Lanes of a where mask is set (all ones), else of b. */
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
-/* e^x of each lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
- * (truncation error < 1e-8 relative there), 2^n through the exponent bits. Lanes are clamped to
- * [-87, 88], where 2^n stays a normal float: e^-87 ~ 1.6e-38 stands in for anything smaller (a
- * softmax numerator next to the max's 1), e^88 for anything larger (SiLU of x < -88 is then
- * x / 1.6e38, not -0). glibc's expf is scalar and took a tenth of the attention time. */
+/* The range reduction of e^x for lanes x already within [-87, 88]: x = n ln2 + r with n an integer
+ * (returned in *n as a float) and |r| <= ln2 / 2 (returned); e^x is then exp_scale(e^r, n). */
+static inline vf exp_reduce(vf x, vf *n) {
+    /* n = round(x / ln2): adding 1.5 * 2^23 leaves the integer part in the float's last place. */
+    *n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    /* r = x - n ln2, ln2 in two parts (Cody-Waite) so that n * hi is exact. */
+    return (x - *n * 0.693359375f) - *n * -2.12194440e-4f;
+}
+
+/* er 2^n, 2^n through the exponent bits (a normal float for n in [-126, 127]). */
+static inline vf exp_scale(vf er, vf n) { return er * (vf)((__builtin_convertvector(n, vi) + 127) << 23); }
+
+/* e^x of each lane: e^r by its degree-7 Taylor polynomial after exp_reduce (truncation error < 1e-8
+ * relative there). Lanes are clamped to [-87, 88], where 2^n stays a normal float: e^-87 ~ 1.6e-38
+ * stands in for anything smaller (a softmax numerator next to the max's 1), e^88 for anything larger
+ * (SiLU of x < -88 is then x / 1.6e38, not -0). glibc's expf is scalar and took a tenth of the
+ * attention time. */
 static inline vf vexp(vf x) {
     const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
     x = vselect(x < lo, lo, x);
     x = vselect(x > hi, hi, x);
-    /* n = round(x / ln2): adding 1.5 * 2^23 leaves the integer part in the float's last place. */
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    /* r = x - n ln2, ln2 in two parts (Cody-Waite) so that n * hi is exact. */
-    const vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vf n;
+    const vf r = exp_reduce(x, &n);
     vf p = (vf){0} + 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -268,7 +278,7 @@ static inline vf vexp(vf x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return exp_scale(p, n);
 }
 
 /* A bf16 value as the fp32 it is the top half of. */

@@ -45,6 +45,7 @@ typedef struct {
     int16_t *p;   /* [rows][nb][KT]: probabilities times the value scales, rounded to 16 bits */
     float *ps;    /* [rows][nb]: their scales */
     float vdmax[PF_MAX_DIM / 32]; /* per block, the value tile's largest scale */
+    void *base;   /* the one allocation all of the above point into */
 } Scratch;
 
 static inline const uint8_t *cache_row(const uint8_t *cache, const int32_t *table, int64_t j, int64_t block_size,
@@ -298,16 +299,15 @@ typedef int16_t vs16 __attribute__((vector_size(2 * VL)));
  * reduction with a degree-5 polynomial (relative error < 3e-6 where vexp's degree 7 gives 1e-8). */
 static inline vf exp_unit(vf x) {
     const vf lo = (vf){0} - 87.0f;
-    x = vselect(x < lo, lo, x);
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vf n;
+    const vf r = exp_reduce(vselect(x < lo, lo, x), &n);
     vf p = (vf){0} + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
     p = p * r + 1.0f / 6.0f;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return exp_scale(p, n);
 }
 
 typedef int16_t vs16_u __attribute__((vector_size(2 * VL), aligned(2), may_alias));
@@ -410,43 +410,38 @@ static int64_t tile_tokens(int64_t G) {
     return t < 8 ? 8 : t;
 }
 
+/* A thread's buffers, carved out of one allocation (each part 64-byte aligned). */
 static Scratch scratch_alloc(int64_t G, int64_t D) {
     const int64_t rows = (tile_tokens(G) * G + 3) / 4 * 4, nb = D / 32;
+    /* bytes of q, qd, o, m / l / corr, s, k, kd, v, vd, vdn, p, ps */
+    const size_t sizes[12] = {sizeof(int16_t) * rows * D, sizeof(float) * rows * nb, sizeof(float) * rows * D,
+                              sizeof(float) * 3 * rows, sizeof(float) * rows * PF_KT, sizeof(int16_t) * PF_KT * D,
+                              sizeof(float) * PF_KT * nb, sizeof(int16_t) * PF_KT * D, sizeof(float) * PF_KT * nb,
+                              sizeof(float) * PF_KT * nb, sizeof(int16_t) * rows * nb * PF_KT, sizeof(float) * rows * nb};
+    size_t offsets[12], total = 0;
+    for (int i = 0; i < 12; i++) {
+        offsets[i] = total;
+        total += (sizes[i] + 63) / 64 * 64;
+    }
     Scratch w;
-    w.q = malloc(sizeof(int16_t) * (size_t)(rows * D));
-    w.qd = malloc(sizeof(float) * (size_t)(rows * nb));
-    w.o = malloc(sizeof(float) * (size_t)(rows * D));
-    w.m = malloc(sizeof(float) * (size_t)(3 * rows));
-    w.l = w.m == NULL ? NULL : w.m + rows;
-    w.corr = w.m == NULL ? NULL : w.m + 2 * rows;
-    w.s = malloc(sizeof(float) * (size_t)(rows * PF_KT));
-    w.k = malloc(sizeof(int16_t) * (size_t)(PF_KT * D));
-    w.kd = malloc(sizeof(float) * (size_t)(PF_KT * nb));
-    w.v = malloc(sizeof(int16_t) * (size_t)(PF_KT * D));
-    w.vd = malloc(sizeof(float) * (size_t)(PF_KT * nb));
-    w.vdn = malloc(sizeof(float) * (size_t)(PF_KT * nb));
-    w.p = malloc(sizeof(int16_t) * (size_t)(rows * nb * PF_KT));
-    w.ps = malloc(sizeof(float) * (size_t)(rows * nb));
+    w.base = aligned_alloc(64, total);
+    char *b = w.base;
+    if (b == NULL) return w;
+    w.q = (int16_t *)(b + offsets[0]);
+    w.qd = (float *)(b + offsets[1]);
+    w.o = (float *)(b + offsets[2]);
+    w.m = (float *)(b + offsets[3]);
+    w.l = w.m + rows;
+    w.corr = w.m + 2 * rows;
+    w.s = (float *)(b + offsets[4]);
+    w.k = (int16_t *)(b + offsets[5]);
+    w.kd = (float *)(b + offsets[6]);
+    w.v = (int16_t *)(b + offsets[7]);
+    w.vd = (float *)(b + offsets[8]);
+    w.vdn = (float *)(b + offsets[9]);
+    w.p = (int16_t *)(b + offsets[10]);
+    w.ps = (float *)(b + offsets[11]);
     return w;
-}
-
-static int scratch_ok(const Scratch *w) {
-    return w->q && w->qd && w->o && w->m && w->s && w->k && w->kd && w->v && w->vd && w->vdn && w->p && w->ps;
-}
-
-static void scratch_free(Scratch *w) {
-    free(w->q);
-    free(w->qd);
-    free(w->o);
-    free(w->m);
-    free(w->s);
-    free(w->k);
-    free(w->kd);
-    free(w->v);
-    free(w->vd);
-    free(w->vdn);
-    free(w->p);
-    free(w->ps);
 }
 
 /* q_lens / k_lens [num_seqs]: each sequence's new tokens and all its tokens (k_len >= q_len, the new
@@ -465,7 +460,7 @@ int paged_prefill_attention_q8(const float *q, const uint8_t *k_cache, const uin
 #pragma omp parallel num_threads(num_threads)
     {
         Scratch w = scratch_alloc(G, head_dim);
-        const int ok = scratch_ok(&w);
+        const int ok = w.base != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -486,7 +481,7 @@ int paged_prefill_attention_q8(const float *q, const uint8_t *k_cache, const uin
             prefill_item(q + (q_start + t0) * stride, stride, k_cache, v_cache, block_tables + b * max_blocks, pos0,
                          nt, kvh, G, head_dim, num_kv_heads, block_size, scale, out + (q_start + t0) * stride, &w);
         }
-        scratch_free(&w);
+        free(w.base);
     }
     return failed;
 }
