@@ -32,7 +32,7 @@
 #define PF_MAX_DIM 512 /* head_dim limit (a multiple of 32) */
 
 typedef struct {
-    int16_t *q;   /* [rows][D]: the query rounded to int8 (as int16, the multiply-add's operand) */
+    int16_t *q;   /* [nb][rows][32]: the query rounded to int8 (as int16, the multiply-add's operand) */
     float *qd;    /* [rows][nb]: its block scales times the softmax scale */
     float *o;     /* [rows][D]: sum_j p_j v_j so far */
     float *m, *l, *corr; /* [rows]: running max, running sum, this tile's rescaling */
@@ -42,7 +42,7 @@ typedef struct {
     int16_t *v;   /* [KT / 2][D / 8][8 values][2 tokens]: the value tile, token pairs interleaved */
     float *vd;    /* [nb][KT]: the value tile's block scales */
     float *vdn;   /* [nb][KT]: the same times 32767 / vdmax[b] */
-    int16_t *p;   /* [rows][nb][KT]: probabilities times the value scales, rounded to 16 bits */
+    int16_t *p;   /* [nb][rows][KT]: probabilities times the value scales, rounded to 16 bits */
     float *ps;    /* [rows][nb]: their scales */
     float vdmax[PF_MAX_DIM / 32]; /* per block, the value tile's largest scale */
     void *base;   /* the one allocation all of the above point into */
@@ -54,15 +54,18 @@ static inline const uint8_t *cache_row(const uint8_t *cache, const int32_t *tabl
 }
 
 /* Rows r = t * G + g (t < nt tokens, g < G heads from h0) of q rounded per block of 32 exactly as
- * cpu_attention.c's round_query_q8 (d = max|x| / 127, q = round(x / d) to nearest even); rows up to
+ * cpu_attention.c's round_query_q8 (d = max|x| / 127, q = round(x / d) to nearest even), block-major
+ * (qq[b][r][32]: the inner loops find 4 rows' values at fixed offsets from one pointer); rows up to
  * padded are zero. */
 static void round_rows(const float *q, int64_t q_stride, int64_t nt, int64_t h0, int64_t G, int64_t D, float scale,
                        int64_t padded, int16_t *qq, float *qd) {
     const int64_t nb = D / 32;
     for (int64_t r = 0; r < padded; r++) {
         if (r >= nt * G) {
-            memset(qq + r * D, 0, sizeof(int16_t) * (size_t)D);
-            for (int64_t b = 0; b < nb; b++) qd[r * nb + b] = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                memset(qq + (b * padded + r) * 32, 0, sizeof(int16_t) * 32);
+                qd[r * nb + b] = 0.0f;
+            }
             continue;
         }
         const float *x = q + (r / G) * q_stride + (h0 + r % G) * D;
@@ -71,7 +74,7 @@ static void round_rows(const float *q, int64_t q_stride, int64_t nt, int64_t h0,
             for (int j = 0; j < 32; j++) amax = fabsf(x[b * 32 + j]) > amax ? fabsf(x[b * 32 + j]) : amax;
             const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
             qd[r * nb + b] = d * scale;
-            for (int j = 0; j < 32; j++) qq[r * D + b * 32 + j] = (int16_t)nearbyintf(x[b * 32 + j] * inv);
+            for (int j = 0; j < 32; j++) qq[(b * padded + r) * 32 + j] = (int16_t)nearbyintf(x[b * 32 + j] * inv);
         }
     }
 }
@@ -153,7 +156,7 @@ static inline void pack_value_block(const uint8_t *a, const uint8_t *b, int64_t 
  * (group c's k, kd at c * nb * 256, c * nb * 8). Per block, the int32 sums of 4 rows x 8 NK keys in
  * registers (two key vectors per broadcast query pair: 6 loads per 8 multiply-adds); scaled into s
  * after each block. */
-static inline __attribute__((always_inline)) void scores_t(const int NK, const int16_t *q, const float *qd, int64_t D,
+static inline __attribute__((always_inline)) void scores_t(const int NK, const int16_t *q, const float *qd, int64_t qb,
                                                            int64_t nb, const int16_t *k, const float *kd, float *s,
                                                            int64_t s_stride) {
     for (int64_t b = 0; b < nb; b++) {
@@ -164,7 +167,7 @@ static inline __attribute__((always_inline)) void scores_t(const int NK, const i
             __m256i kv[2];
             for (int c = 0; c < NK; c++) kv[c] = _mm256_loadu_si256((const __m256i *)(k + c * nb * 256 + b * 256 + p * 16));
             for (int r = 0; r < 4; r++) {
-                const __m256i qp = pair_at(q + r * D + b * 32 + 2 * p);
+                const __m256i qp = pair_at(q + b * qb + r * 32 + 2 * p);
                 for (int c = 0; c < NK; c++) a[r][c] = madd_add(a[r][c], kv[c], qp);
             }
         }
@@ -205,6 +208,62 @@ static inline void pv_rows4(float *o, int64_t o_stride, const int16_t *p, int64_
         store_f32(out + 8, load_f32(out + 8) * c + (vf)_mm256_cvtepi32_ps(acc[r][1]) * sc);
     }
 }
+
+/* The largest of s[0, seen), seen > 0. */
+static inline float row_max(const float *s, int64_t seen) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= seen; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    float m = mx[0];
+    for (int e = 1; e < 8; e++) m = mx[e] > m ? mx[e] : m;
+    for (; j < seen; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* e^x for x <= 0 (below -87 as e^-87), to the 16-bit rounding that follows: exp_reduce's range
+ * reduction with a degree-5 polynomial (relative error < 3e-6 where vexp's degree 7 gives 1e-8),
+ * 2^n added into the exponent bits (e^r is within [0.7, 1.42], n >= -126: a normal result). */
+static inline __m256 exp_unit8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(12582912.0f)),
+                                   _mm256_set1_ps(12582912.0f));
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 120.0f), r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+}
+
+/* e^(s_j - m) for the 8 keys from j (0 from seen on). */
+static inline __m256 probs8(const float *s, int64_t j, int64_t seen, __m256 m) {
+    if (j >= seen) return _mm256_setzero_ps();
+    const __m256 e = exp_unit8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    if (j + 8 <= seen) return e;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(seen - j)), lane)));
+}
+
+/* p[b * pb + j] = round(e^(s_j - m) vdn[b][j]) (to nearest) for j < seen, 0 for seen <= j < n
+ * rounded up to 16, every block b < nb; returns the sum of the e^(s_j - m). 16 keys a pass: two
+ * vectors' rounded products packed into one store. */
+static inline float row_probs(const float *s, int64_t seen, int64_t n, float m, const float *vdn, int64_t nb,
+                              int16_t *p, int64_t pb) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m256 e0 = probs8(s, j, seen, mv), e1 = probs8(s, j + 8, seen, mv);
+        sum = _mm256_add_ps(sum, _mm256_add_ps(e0, e1));
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i x0 = _mm256_cvtps_epi32(_mm256_mul_ps(e0, _mm256_loadu_ps(vdn + b * PF_KT + j)));
+            const __m256i x1 = _mm256_cvtps_epi32(_mm256_mul_ps(e1, _mm256_loadu_ps(vdn + b * PF_KT + j + 8)));
+            /* (packs interleaves the 128-bit halves: the permute puts keys back in order) */
+            _mm256_storeu_si256((__m256i *)(p + b * pb + j), _mm256_permute4x64_epi64(_mm256_packs_epi32(x0, x1), 0xD8));
+        }
+    }
+    return hsum((vf)sum);
+}
 #else
 static inline void pack_key_block(const uint8_t *const rows[8], int64_t b, int16_t *dst) {
     for (int p = 0; p < 16; p++)
@@ -219,7 +278,7 @@ static inline void pack_value_block(const uint8_t *a, const uint8_t *b, int64_t 
     }
 }
 
-static inline void scores_t(const int NK, const int16_t *q, const float *qd, int64_t D, int64_t nb, const int16_t *k,
+static inline void scores_t(const int NK, const int16_t *q, const float *qd, int64_t qb, int64_t nb, const int16_t *k,
                             const float *kd, float *s, int64_t s_stride) {
     for (int c = 0; c < NK; c++)
         for (int r = 0; r < 4; r++)
@@ -228,7 +287,7 @@ static inline void scores_t(const int NK, const int16_t *q, const float *qd, int
                 for (int64_t b = 0; b < nb; b++) {
                     int32_t a = 0;
                     for (int j = 0; j < 32; j++)
-                        a += q[r * D + b * 32 + j] * k[c * nb * 256 + b * 256 + (j / 2) * 16 + i * 2 + j % 2];
+                        a += q[b * qb + r * 32 + j] * k[c * nb * 256 + b * 256 + (j / 2) * 16 + i * 2 + j % 2];
                     acc += (float)a * (kd[c * nb * 8 + b * 8 + i] * qd[r * nb + b]);
                 }
                 s[r * s_stride + c * 8 + i] = acc;
@@ -243,6 +302,44 @@ static inline void pv_rows4(float *o, int64_t o_stride, const int16_t *p, int64_
             for (int64_t j = 0; j < 2 * pairs; j++) a += p[r * p_stride + j] * v[(j / 2) * v_stride + x * 2 + j % 2];
             o[r * o_stride + x] = o[r * o_stride + x] * corr[r] + (float)a * ps[r * ps_stride];
         }
+}
+/* e^x for x <= 0 (lanes below -87 as e^-87), to the 16-bit rounding that follows it: vexp's range
+ * reduction with a degree-5 polynomial (relative error < 3e-6 where vexp's degree 7 gives 1e-8). */
+static inline vf exp_unit(vf x) {
+    const vf lo = (vf){0} - 87.0f;
+    vf n;
+    const vf r = exp_reduce(vselect(x < lo, lo, x), &n);
+    vf p = (vf){0} + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return exp_scale(p, n);
+}
+
+static inline float row_max(const float *s, int64_t seen) {
+    float m = s[0];
+    for (int64_t j = 1; j < seen; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* (as the AVX2 part, VL keys at a time) */
+static inline float row_probs(const float *s, int64_t seen, int64_t n, float m, const float *vdn, int64_t nb,
+                              int16_t *p, int64_t pb) {
+    vi lane;
+    for (int e = 0; e < VL; e++) lane[e] = e;
+    vf sum = (vf){0};
+    for (int64_t i = 0; i < (n + 15) / 16 * 16 / VL; i++) {
+        const vf e = vselect(lane + (int32_t)(i * VL) < (vi){0} + (int32_t)seen, exp_unit(load_f32(s + i * VL) - m),
+                             (vf){0});
+        sum += e;
+        for (int64_t b = 0; b < nb; b++) {
+            const vf x = e * load_f32(vdn + b * PF_KT + i * VL);
+            for (int l = 0; l < VL; l++) p[b * pb + i * VL + l] = (int16_t)nearbyintf(x[l]);
+        }
+    }
+    return hsum(sum);
 }
 #endif
 
@@ -265,12 +362,12 @@ static void pack_keys(const uint8_t *cache, const int32_t *table, int64_t j0, in
 }
 
 /* Scores of 4 rows with the keys of `groups` key groups, two at a time. */
-static void scores_rows4(const int16_t *q, const float *qd, int64_t D, int64_t nb, const int16_t *k, const float *kd,
+static void scores_rows4(const int16_t *q, const float *qd, int64_t qb, int64_t nb, const int16_t *k, const float *kd,
                          int64_t groups, float *s, int64_t s_stride) {
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2)
-        scores_t(2, q, qd, D, nb, k + g * nb * 256, kd + g * nb * 8, s + g * 8, s_stride);
-    if (g < groups) scores_t(1, q, qd, D, nb, k + g * nb * 256, kd + g * nb * 8, s + g * 8, s_stride);
+        scores_t(2, q, qd, qb, nb, k + g * nb * 256, kd + g * nb * 8, s + g * 8, s_stride);
+    if (g < groups) scores_t(1, q, qd, qb, nb, k + g * nb * 256, kd + g * nb * 8, s + g * 8, s_stride);
 }
 
 /* Values [j0, j0 + n) of one KV head into the tile: v[jp][c][d][e] = value 8c + d of token 2jp + e
@@ -294,35 +391,14 @@ static void pack_values(const uint8_t *cache, const int32_t *table, int64_t j0, 
     }
 }
 
-typedef int16_t vs16 __attribute__((vector_size(2 * VL)));
-/* e^x for x <= 0 (lanes below -87 as e^-87), to the 16-bit rounding that follows it: vexp's range
- * reduction with a degree-5 polynomial (relative error < 3e-6 where vexp's degree 7 gives 1e-8). */
-static inline vf exp_unit(vf x) {
-    const vf lo = (vf){0} - 87.0f;
-    vf n;
-    const vf r = exp_reduce(vselect(x < lo, lo, x), &n);
-    vf p = (vf){0} + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return exp_scale(p, n);
-}
-
-typedef int16_t vs16_u __attribute__((vector_size(2 * VL), aligned(2), may_alias));
-
 /* Rows [0, rows) of the tile's scores -> probabilities (keys past a row's position get none; the
  * running max / sum move on and corr[r] is what the row's earlier output is scaled by), each times
- * the values' block scales and rounded to 16 bits: p[r][b][j] = round(e^(s_rj - m_r) vd[b][j] / ps[r][b])
+ * the values' block scales and rounded to 16 bits: p[b][r][j] = round(e^(s_rj - m_r) vd[b][j] / ps[r][b])
  * with ps[r][b] = (the row's largest e^(s - m) in the tile) * vdmax[b] / 32767, a bound on the
  * products, so that one pass makes them. P V over a block of values is then a sum of 16-bit
- * products (exact in int32) times ps. Rounding half up (the products are >= 0). */
+ * products (exact in int32) times ps. Rounding to nearest. */
 static void softmax_tile(Scratch *w, int64_t rows, int64_t G, int64_t nt, int64_t pos0, int64_t j0, int64_t n,
                          int64_t nb) {
-    vi lane;
-    for (int e = 0; e < VL; e++) lane[e] = e;
-    const int64_t vecs = (n + VL - 1) / VL;
     for (int64_t r = 0; r < rows; r++) {
         const float *s = w->s + r * PF_KT;
         const int64_t t = r / G < nt ? r / G : nt - 1; /* padded rows: as the last token */
@@ -330,46 +406,29 @@ static void softmax_tile(Scratch *w, int64_t rows, int64_t G, int64_t nt, int64_
         seen = seen < n ? seen : n;
         if (seen <= 0) {
             for (int64_t b = 0; b < nb; b++) {
-                memset(w->p + (r * nb + b) * PF_KT, 0, sizeof(int16_t) * PF_KT);
+                memset(w->p + (b * rows + r) * PF_KT, 0, sizeof(int16_t) * PF_KT);
                 w->ps[r * nb + b] = 0.0f;
             }
             w->corr[r] = 1.0f;
             continue;
         }
-        vf mx = (vf){0} - INFINITY;
-        for (int64_t i = 0; i < (seen + VL - 1) / VL; i++) {
-            const vf x = vselect(lane + (int32_t)(i * VL) < (vi){0} + (int32_t)seen, load_f32(s + i * VL), mx);
-            mx = vselect(x > mx, x, mx);
-        }
-        float m = mx[0];
-        for (int e = 1; e < VL; e++) m = mx[e] > m ? mx[e] : m;
+        const float m = row_max(s, seen);
         const float m_new = m > w->m[r] ? m : w->m[r], pmax = sexp(m - m_new);
         w->corr[r] = w->m[r] == -INFINITY ? 0.0f : sexp(w->m[r] - m_new);
         w->m[r] = m_new;
         for (int64_t b = 0; b < nb; b++) w->ps[r * nb + b] = pmax * w->vdmax[b] / 32767.0f;
         /* e^(s - m_new) vd / ps = e^(s - m) (vd 32767 / vdmax): the second factor is vdn */
-        vf sum = (vf){0};
-        for (int64_t i = 0; i < vecs; i++) {
-            const vf p = vselect(lane + (int32_t)(i * VL) < (vi){0} + (int32_t)seen, exp_unit(load_f32(s + i * VL) - m),
-                                 (vf){0});
-            sum += p;
-            for (int64_t b = 0; b < nb; b++) {
-                const vf x = p * load_f32(w->vdn + b * PF_KT + i * VL) + 0.5f;
-                *(vs16_u *)(w->p + (r * nb + b) * PF_KT + i * VL) =
-                    __builtin_convertvector(__builtin_convertvector(x, vi), vs16);
-            }
-        }
-        w->l[r] = w->l[r] * w->corr[r] + pmax * hsum(sum);
+        w->l[r] = w->l[r] * w->corr[r] + pmax * row_probs(s, seen, n, m, w->vdn, nb, w->p + r * PF_KT, rows * PF_KT);
     }
 }
 
-/* o[r] = o[r] * corr[r] + ps[r][b] * sum_j p[r][b][j] v[j] (b the block of the values), 4 rows by
+/* o[r] = o[r] * corr[r] + ps[r][b] * sum_j p[b][r][j] v[j] (b the block of the values), 4 rows by
  * 16 values at a time, the sums over token pairs in 16-bit multiply-adds. */
 static void accumulate_tile(Scratch *w, int64_t rows, int64_t D, int64_t n) {
     const int64_t nb = D / 32, pairs = (n + 1) / 2;
     for (int64_t r0 = 0; r0 < rows; r0 += 4)
         for (int64_t d = 0; d < D; d += 16)
-            pv_rows4(w->o + r0 * D + d, D, w->p + (r0 * nb + d / 32) * PF_KT, nb * PF_KT, w->v + d * 2, D * 2, pairs,
+            pv_rows4(w->o + r0 * D + d, D, w->p + (d / 32 * rows + r0) * PF_KT, PF_KT, w->v + d * 2, D * 2, pairs,
                      w->corr + r0, w->ps + r0 * nb + d / 32, nb);
 }
 
@@ -391,10 +450,10 @@ static void prefill_item(const float *q, int64_t q_stride, const uint8_t *k_cach
         pack_values(v_cache, table, j0, n, block_size, num_kv_heads, kvh, nb, w->v, w->vd, w->vdmax);
         for (int64_t b = 0; b < nb; b++) {
             const float f = w->vdmax[b] > 0.0f ? 32767.0f / w->vdmax[b] : 0.0f;
-            for (int64_t j = 0; j < (n + VL - 1) / VL * VL; j++) w->vdn[b * PF_KT + j] = j < n ? w->vd[b * PF_KT + j] * f : 0.0f;
+            for (int64_t j = 0; j < PF_KT; j++) w->vdn[b * PF_KT + j] = j < n ? w->vd[b * PF_KT + j] * f : 0.0f;
         }
         for (int64_t r0 = 0; r0 < rows; r0 += 4)
-            scores_rows4(w->q + r0 * D, w->qd + r0 * nb, D, nb, w->k, w->kd, (n + 7) / 8, w->s + r0 * PF_KT, PF_KT);
+            scores_rows4(w->q + r0 * 32, w->qd + r0 * nb, rows * 32, nb, w->k, w->kd, (n + 7) / 8, w->s + r0 * PF_KT, PF_KT);
         softmax_tile(w, rows, G, nt, pos0, j0, n, nb);
         accumulate_tile(w, rows, D, n);
     }
