@@ -39,7 +39,8 @@
 #else
 #define QUANT_VNNI 0
 #endif
-/* The interleaved Q8_0 kernel multiplies X itself (int16) rather than its two int8 planes */
+/* The interleaved Q8_0 kernel multiplies X itself (int16) rather than its two int8 planes, with its
+ * weights interleaved in pairs rather than in 4-value chunks (see the layouts below) */
 #define Q8_0_X16 (QUANT_SIMD && !QUANT_VNNI)
 /* 512-bit vpdpbusd: the interleaved 32-weight formats multiply two 8-row groups at once (one row per
  * 32-bit lane of a zmm register), half the instructions per product of the 256-bit kernel, for
@@ -345,7 +346,10 @@ static void to_f32_fmt32(Fmt32 f, const Linear *m, int64_t r, float *out) {
  * at byte 32 c + 4 r. One 32-byte load then holds chunk c of all 8 rows, and each 32-bit lane of an
  * integer dot with a broadcast input chunk accumulates one row's sum: the products of 8 rows come
  * out as one vector, with no horizontal sums, and the scales multiply 8 rows at a time.
- *   q8_0x8 (272 bytes): d[8], then 8 chunks of values 4c..4c+3
+ *   q8_0x8 (272 bytes): d[8], then 8 chunks of values 4c..4c+3; where Q8_0_X16 (AVX2 without VNNI,
+ *          whose kernel widens the values to int16 for vpmaddwd) 16 chunks of values 2c, 2c + 1 at
+ *          byte 16 c + 2 r instead: one chunk widened is then 8 rows' pairs, and a broadcast input
+ *          pair times it gives the 8 rows' sums in 8 lanes
  *   q4_0x8 (144): d[8], then 4 chunks of the stored nibble bytes 4c..4c+3 (low nibbles: values
  *          4c..4c+3, high: 16 + 4c..)                            q4_1x8 (160): d[8], m[8], nibbles
  *   q5_0x8 (176): d[8], fifth bits[8] (a 32-bit word per row, bit 8 t + c: value 4 c + t), nibbles
@@ -365,8 +369,9 @@ static void x8_block(Fmt32 f, int to_x8, uint8_t *plain, uint8_t *x8, int lane) 
     }
     uint8_t *values = x8 + fmt_scales_bytes(f);
     if (f == FMT_Q8_0) {
-        for (int c = 0; c < 8; c++) memcpy(to_x8 ? values + 32 * c + 4 * lane : plain + 2 + 4 * c,
-                                           to_x8 ? plain + 2 + 4 * c : values + 32 * c + 4 * lane, 4);
+        const int w = Q8_0_X16 ? 2 : 4; /* bytes a chunk takes of each row */
+        for (int c = 0; c < 32 / w; c++) memcpy(to_x8 ? values + IL * w * c + w * lane : plain + 2 + w * c,
+                                                to_x8 ? plain + 2 + w * c : values + IL * w * c + w * lane, (size_t)w);
         return;
     }
     const int five = f == FMT_Q5_0 || f == FMT_Q5_1;

@@ -356,37 +356,29 @@ static inline __attribute__((always_inline)) void dot_fmt32x8(Fmt32 f, const uin
         dot_units32x8(f, grp, q, b0, NB, P, out);
         return;
     }
-    /* Q8_0 without VNNI: the weights widened to int16 (once for all NB rows) and multiplied with X
-     * itself by vpmaddwd, 16 products per instruction (vpmaddubsw would saturate on Q8_0's range).
-     * Lane pairs of w03 hold rows 0-3 (values 4c..4c+1 and 4c+2..4c+3), of w47 rows 4-7;
-     * |sum| <= 32 x 128 x 16129 < 2^31. */
+    /* Q8_0 without VNNI: the weights in pairs (Q8_0_X16's layout: chunk c holds values 2c, 2c + 1 of
+     * the 8 rows), each chunk widened to int16 once for all NB rows and multiplied with X itself by
+     * vpmaddwd (vpmaddubsw would saturate on Q8_0's range): a broadcast input pair times it gives
+     * the 8 rows' partial sums in 8 lanes, no horizontal sums. |sum| <= 32 x 128 x 16129 < 2^31. */
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes, *values = blk + fmt_scales_bytes(f);
         for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64 * l, _MM_HINT_NTA); /* 272 B */
-        __m256i s03[QROWS], s47[QROWS];
-        for (int b = 0; b < NB; b++) s03[b] = s47[b] = _mm256_setzero_si256();
-        /* NOTE: fully unrolled, GCC computed all 8 chunks' products before summing any and kept them
-         * on the stack (the AVX2 build has 16 vector registers), much slower (docs/performance.md) */
+        __m256i s[QROWS];
+        for (int b = 0; b < NB; b++) s[b] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int c = 0; c < 8; c++) {
-            const __m256i w03 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c)));
-            const __m256i w47 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * c + 16)));
+        for (int c = 0; c < 16; c++) {
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 16 * c)));
             for (int b = 0; b < NB; b++) {
-                long long x4;
-                memcpy(&x4, in.x16[b] + i * 32 + 4 * c, sizeof x4);
-                const __m256i xv = _mm256_set1_epi64x(x4);
-                s03[b] = _mm256_add_epi32(s03[b], _mm256_madd_epi16(w03, xv));
-                s47[b] = _mm256_add_epi32(s47[b], _mm256_madd_epi16(w47, xv));
+                int32_t x2;
+                memcpy(&x2, in.x16[b] + i * 32 + 2 * c, sizeof x2);
+                s[b] = _mm256_add_epi32(s[b], _mm256_madd_epi16(w, _mm256_set1_epi32(x2)));
             }
         }
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        for (int b = 0; b < NB; b++) {
-            /* pair sums to rows: hadd gives rows 0 1 4 5 | 2 3 6 7, the permute puts them in order */
-            const __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s03[b], s47[b]), 0xD8);
-            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(sum), acc[b]);
-        }
+        for (int b = 0; b < NB; b++)
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), _mm256_cvtepi32_ps(s[b]), acc[b]);
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
 }
