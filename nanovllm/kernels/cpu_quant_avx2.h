@@ -529,9 +529,10 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
             for (int b = 0; b < NB; b++) th[b] = tl[b] = _mm256_setzero_si256();
             /* unit t of the 8 rows, then its products with every row's high plane and the low plane of
              * the rows whose group has one; int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most.
-             * NOTE: with all 8 units unpacked first (or this loop unrolled) GCC took every product
-             * before summing any and kept them on the stack: 2.4x slower at 128 rows */
-#pragma GCC unroll 1
+             * NOTE: with all 8 units unpacked first GCC took every product before summing any and
+             * kept them on the stack (2.4x slower at 128 rows); unrolled by 2 it did the same, by 4
+             * it does not, and 8 rows run as fast as 128 (docs/performance.md, item 50) */
+#pragma GCC unroll 4
             for (int t = 0; t < 8; t++) {
                 const __m256i w = _mm256_and_si256(_mm256_srli_epi16(load_i8(u8 + 32 * t), shift), m4);
                 for (int b = 0; b < NB; b++) {
