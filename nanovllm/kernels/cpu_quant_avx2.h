@@ -522,38 +522,57 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
         int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
         for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
-        for (int j = 0; j < 8; j++) {
-            const uint8_t *u8 = units + 32 * 8 * (j >> 1);
-            const int shift = 4 * (j & 1);
-            __m256i th[QROWS], tl[QROWS];
-            for (int b = 0; b < NB; b++) th[b] = tl[b] = _mm256_setzero_si256();
-            /* unit t of the 8 rows, then its products with every row's high plane and the low plane of
-             * the rows whose group has one; int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most.
-             * NOTE: with all 8 units unpacked first GCC took every product before summing any and
-             * kept them on the stack (2.4x slower at 128 rows); unrolled by 2 it did the same, by 4
-             * it does not, and 8 rows run as fast as 128 (docs/performance.md, item 50) */
+        int any_two = 0;
+        for (int b = 0; b < NB; b++) any_two |= two[b];
+        /* sub-blocks 2m and 2m + 1: the low and the high nibbles of the same 8 units */
+        for (int m = 0; m < 4; m++) {
+            const uint8_t *u8 = units + 32 * 8 * m;
+            __m256i th[2][QROWS], tl[2][QROWS];
+            for (int b = 0; b < NB; b++) th[0][b] = th[1][b] = tl[0][b] = tl[1][b] = _mm256_setzero_si256();
+            /* unit t of the 8 rows, then its products with every row's high plane; int16 pair sums:
+             * 8 x 2 x 15 x 127 = 30,480 at most. NOTE: with all 8 units unpacked first GCC took
+             * every product before summing any and kept them on the stack (2.4x slower at 128 rows);
+             * unrolled by 2 it did the same, by 4 it does not (docs/performance.md, item 50) */
 #pragma GCC unroll 4
             for (int t = 0; t < 8; t++) {
-                const __m256i w = _mm256_and_si256(_mm256_srli_epi16(load_i8(u8 + 32 * t), shift), m4);
+                const __m256i v = load_i8(u8 + 32 * t);
+                const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                 for (int b = 0; b < NB; b++) {
-                    th[b] = _mm256_add_epi16(th[b], _mm256_maddubs_epi16(w, bcast4(in.hi[b] + i * 256 + 32 * j + 4 * t)));
-                    if (two[b])
-                        tl[b] = _mm256_add_epi16(tl[b], _mm256_maddubs_epi16(w, bcast4(in.lo[b] + i * 256 + 32 * j + 4 * t)));
+                    const int8_t *xh = in.hi[b] + i * 256 + 64 * m + 4 * t;
+                    th[0][b] = _mm256_add_epi16(th[0][b], _mm256_maddubs_epi16(w0, bcast4(xh)));
+                    th[1][b] = _mm256_add_epi16(th[1][b], _mm256_maddubs_epi16(w1, bcast4(xh + 32)));
                 }
             }
-            const __m256i s32 = lanes_u8(sc + 8 * j);
-            const __m256i s16 = pairs16(s32);
-            for (int b = 0; b < NB; b++) {
-                sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[b], s16));
-                if (two[b]) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[b], s16));
+            /* the low plane of the rows whose group has one, in a pass of its own (the registers) */
+            if (any_two)
+#pragma GCC unroll 1
+                for (int t = 0; t < 8; t++) {
+                    const __m256i v = load_i8(u8 + 32 * t);
+                    const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int b = 0; b < NB; b++) {
+                        if (!two[b]) continue;
+                        const int8_t *xl = in.lo[b] + i * 256 + 64 * m + 4 * t;
+                        tl[0][b] = _mm256_add_epi16(tl[0][b], _mm256_maddubs_epi16(w0, bcast4(xl)));
+                        tl[1][b] = _mm256_add_epi16(tl[1][b], _mm256_maddubs_epi16(w1, bcast4(xl + 32)));
+                    }
+                }
+            for (int h = 0; h < 2; h++) {
+                const __m256i s16 = pairs16(lanes_u8(sc + 8 * (2 * m + h)));
+                for (int b = 0; b < NB; b++) {
+                    sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[h][b], s16));
+                    if (two[b]) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[h][b], s16));
+                }
             }
         }
+        /* the mins: sum over sub-blocks j of mn[j] (per row) times the input's sum over j's values,
+         * the mins converted once for all NB rows */
+        __m256 mnf[8];
+        for (int j = 0; j < 8; j++) mnf[j] = _mm256_cvtepi32_ps(lanes_u8(mn + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
             const int32_t *s16 = in.sums[b] + i * 16;
             __m256 msum = _mm256_setzero_ps();
-            for (int j = 0; j < 8; j++)
-                msum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_u8(mn + 8 * j)), _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+            for (int j = 0; j < 8; j++) msum = _mm256_fmadd_ps(mnf[j], _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
             const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
             acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
