@@ -30,7 +30,7 @@ from nanovllm.executor.cpu_descriptions import described, layer_linears, linear_
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.kernels.cpu_kernels import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
+from nanovllm.kernels.cpu_structs import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
 from nanovllm.layers.layernorm import GemmaRMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_kernels
-from nanovllm.kernels.cpu_kernels import Linear, MoeExperts
+from nanovllm.kernels.cpu_structs import Linear, MoeExperts
 from nanovllm.layers.gated_deltanet import GatedDeltaNet
 from nanovllm.models.decoder import GatedMLP
 from nanovllm.models.moe_block import SparseMoeBlock

@@ -196,7 +196,7 @@ class GatedDeltaNet(nn.Module):
         self.state, self.c_kernels, self.use_triton, self.c_desc = state, c_kernels, use_triton, None
         if c_kernels is None:
             return
-        from nanovllm.kernels.cpu_kernels import DeltaNetLayer
+        from nanovllm.kernels.cpu_structs import DeltaNetLayer
         self.c_conv = self.conv_weight().contiguous()  # NOTE: c_desc points into it
         parts = (self.c_conv, state.conv, state.delta, self.A_log, self.dt_bias, self.norm.weight)
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in parts):

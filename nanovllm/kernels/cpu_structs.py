@@ -1,0 +1,69 @@
+"""The structures the C kernels and Python both lay out (kernels/cpu_kernels.h), as ctypes
+structures, and the check that a loaded library speaks this ABI: its version and the size of every
+structure. cpu_kernels.py builds and loads the library; the executor fills these."""
+import ctypes
+
+c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+# ---- the C structures (cpu_kernels.h); load() checks their sizes against the library's ----------
+class Linear(ctypes.Structure):
+    _fields_ = [("data", c_void_p), ("bias", c_void_p), ("scales", c_void_p), ("n", c_int64), ("k", c_int64),
+                ("type", c_int64), ("row_bytes", c_int64), ("next", c_void_p), ("input_planes", c_int64)]
+
+
+class MoeExperts(ctypes.Structure):
+    _fields_ = [("gate_up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear)), ("num_experts", c_int64),
+                ("top_k", c_int64), ("renormalize", c_int64), ("hidden", c_int64), ("intermediate", c_int64),
+                ("router", Linear), ("shared_gate_up", Linear), ("shared_down", Linear), ("shared_gate", Linear),
+                ("activation", c_int64), ("alpha", c_float), ("limit", c_float)]
+
+# MoeExperts.activation (cpu_kernels.h): the experts' activation by the name layers/moe.py gives it.
+MOE_ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+
+
+class DeltaNetLayer(ctypes.Structure):
+    _fields_ = [("conv_w", c_void_p), ("conv_state", c_void_p), ("state", c_void_p), ("A_log", c_void_p),
+                ("dt_bias", c_void_p), ("norm", c_void_p), ("nk", c_int64), ("nv", c_int64), ("dk", c_int64),
+                ("dv", c_int64), ("K", c_int64), ("tiled", c_int64)]
+
+
+class DecoderLayer(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts)),
+                ("window", c_int64), ("sinks", c_void_p), ("kv_group", c_int64), ("attn_gate", c_int64),
+                ("linear", ctypes.POINTER(DeltaNetLayer))]
+
+
+class DecoderModel(ctypes.Structure):
+    _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
+                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("kv_type", c_int64),
+                ("eps", c_float),
+                ("scale", c_float), ("rotary_dim", c_int64), ("cos_sin", c_void_p), ("final_norm", c_void_p),
+                ("layers", ctypes.POINTER(DecoderLayer)), ("embed", Linear), ("head", Linear)]
+
+
+class DecodeStep(ctypes.Structure):
+    _fields_ = [("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p), ("context_lens", c_void_p),
+                ("num_seqs", c_int64), ("max_blocks", c_int64), ("max_context", c_int64), ("store_first", c_int64),
+                ("state_slots", c_void_p)]
+
+
+ABI_VERSION = 16  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep)
+
+
+def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:
+    """RuntimeError unless the library speaks this module's ABI: its version and the size of every
+    structure both sides lay out."""
+    lib.nanovllm_abi_version.restype = c_int64
+    lib.nanovllm_struct_size.restype = c_int64
+    lib.nanovllm_struct_size.argtypes = [ctypes.c_char_p]
+    version = lib.nanovllm_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"the C library has ABI version {version}, this module expects {ABI_VERSION}")
+    for struct in structs:
+        size = lib.nanovllm_struct_size(struct.__name__.encode())
+        if size != ctypes.sizeof(struct):
+            raise RuntimeError(f"struct {struct.__name__} is {size} bytes in C, {ctypes.sizeof(struct)} in ctypes")
