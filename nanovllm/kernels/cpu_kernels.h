@@ -259,6 +259,14 @@ static inline vf exp_reduce(vf x, vf *n) {
 /* er 2^n, 2^n through the exponent bits (a normal float for n in [-126, 127]). */
 static inline vf exp_scale(vf er, vf n) { return er * (vf)((__builtin_convertvector(n, vi) + 127) << 23); }
 
+/* e^r by its Taylor polynomial of the given degree (at most 7), by Horner's rule. */
+static inline vf exp_taylor(vf r, const int degree) {
+    static const float c[8] = {1.0f, 1.0f, 0.5f, 1.0f / 6.0f, 1.0f / 24.0f, 1.0f / 120.0f, 1.0f / 720.0f, 1.0f / 5040.0f};
+    vf p = (vf){0} + c[degree];
+    for (int k = degree - 1; k >= 0; k--) p = p * r + c[k];
+    return p;
+}
+
 /* e^x of each lane: e^r by its degree-7 Taylor polynomial after exp_reduce (truncation error < 1e-8
  * relative there). Lanes are clamped to [-87, 88], where 2^n stays a normal float: e^-87 ~ 1.6e-38
  * stands in for anything smaller (a softmax numerator next to the max's 1), e^88 for anything larger
@@ -270,15 +278,7 @@ static inline vf vexp(vf x) {
     x = vselect(x > hi, hi, x);
     vf n;
     const vf r = exp_reduce(x, &n);
-    vf p = (vf){0} + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return exp_scale(p, n);
+    return exp_scale(exp_taylor(r, 7), n);
 }
 
 /* A bf16 value as the fp32 it is the top half of. */

@@ -224,16 +224,10 @@ static inline float row_max(const float *s, int64_t seen) {
  * reduction with a degree-5 polynomial (relative error < 3e-6 where vexp's degree 7 gives 1e-8),
  * 2^n added into the exponent bits (e^r is within [0.7, 1.42], n >= -126: a normal result). */
 static inline __m256 exp_unit8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(12582912.0f)),
-                                   _mm256_set1_ps(12582912.0f));
-    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 120.0f), r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+    vf n;
+    const vf r = exp_reduce((vf)_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), &n);
+    const __m256 p = (__m256)exp_taylor(r, 5);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32((__m256)n), 23)));
 }
 
 /* e^(s_j - m) for the 8 keys from j (0 from seen on). */
@@ -309,13 +303,7 @@ static inline vf exp_unit(vf x) {
     const vf lo = (vf){0} - 87.0f;
     vf n;
     const vf r = exp_reduce(vselect(x < lo, lo, x), &n);
-    vf p = (vf){0} + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return exp_scale(p, n);
+    return exp_scale(exp_taylor(r, 5), n);
 }
 
 static inline float row_max(const float *s, int64_t seen) {
