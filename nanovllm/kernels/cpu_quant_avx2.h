@@ -501,14 +501,64 @@ static inline void q4k_scales_x8(const uint8_t *blk, uint8_t sc[64], uint8_t mn[
 }
 
 #if !QUANT_VNNI
+/* The rows b < NB whose super-block i takes the low plane's products (P == 2 and its group loud):
+ * their indices in order; returns how many. */
+static inline __attribute__((always_inline)) int loud_rows(const InputRows *in, int64_t i, const int NB, const int P, int loud[QROWS]) {
+    int n = 0;
+    for (int b = 0; b < NB; b++)
+        if (P == 2 && in->two[b][i]) loud[n++] = b;
+    return n;
+}
+
+/* A K-quant super-block's low-plane products for the loud rows only, their planes gathered into the
+ * first n slots (n a constant for each case, so the pass keeps its rows in registers without a test
+ * per row and unit), then put back into sl. PASS(x, n, sums) is the super-block's pass over planes x. */
+#define LOW_PLANE_PASS(PASS, in, loud, n, sl)                                                      \
+    do {                                                                                           \
+        const int8_t *lo_[QROWS];                                                                  \
+        __m256i s_[QROWS];                                                                         \
+        for (int c_ = 0; c_ < (n); c_++) lo_[c_] = (in).lo[(loud)[c_]], s_[c_] = _mm256_setzero_si256(); \
+        switch (n) {                                                                               \
+        case 1: PASS(lo_, 1, s_); break;                                                           \
+        case 2: PASS(lo_, 2, s_); break;                                                           \
+        case 3: PASS(lo_, 3, s_); break;                                                           \
+        default: PASS(lo_, 4, s_); break;                                                          \
+        }                                                                                          \
+        for (int c_ = 0; c_ < (n); c_++) (sl)[(loud)[c_]] = s_[c_];                                \
+    } while (0)
+
+/* sums[b] += the super-block's 8 sub-blocks of one input plane (x[b] + off), each scaled by its
+ * 6-bit scale in integers (vpmaddwd by the lane's scale). Sub-block j = 2m + h: nibble h of units
+ * 8m .. 8m + 7, one sub-block at a time, so that only the NB rows' int16 sums stay in registers
+ * beside the unit (both sub-blocks' 2 NB sums at once made GCC keep two on the stack, each unit's
+ * adds then waiting on a store and a load; docs/performance.md items 50 and 51). Int16 pair sums:
+ * 8 x 2 x 15 x 127 = 30,480 at most. */
+static inline __attribute__((always_inline)) void q4k_plane_x8(const uint8_t *units, const uint8_t sc[64], const int8_t *const x[QROWS],
+                                                              int64_t off, const int NB, __m256i sums[QROWS]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 8; j++) {
+        const int h = j & 1;
+        const uint8_t *u8 = units + 32 * 8 * (j >> 1);
+        __m256i t[QROWS];
+        for (int b = 0; b < NB; b++) t[b] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {
+            const __m256i v = load_i8(u8 + 32 * u);
+            const __m256i w = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+            for (int b = 0; b < NB; b++) t[b] = _mm256_add_epi16(t[b], _mm256_maddubs_epi16(w, bcast4(x[b] + off + 32 * j + 4 * u)));
+        }
+        const __m256i s16 = pairs16(lanes_u8(sc + 8 * j));
+        for (int b = 0; b < NB; b++) sums[b] = _mm256_add_epi32(sums[b], _mm256_madd_epi16(t[b], s16));
+    }
+}
+
 /* out[b][r] = row 8 g + r of the group . input row b0 + b, b < NB (Q4_K). Per super-block and row
- * the sub-block sums of the two planes are scaled in integers (vpmaddwd by the lane's scale) or, with
- * VNNI, in fp32; the mins come off as dmin (sum over sub-blocks of mn X-sums), from the input's sums. */
+ * the sub-block sums of the two planes are scaled in integers; the mins come off as dmin (sum over
+ * sub-blocks of mn X-sums), from the input's sums. */
 static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < supers; i++) {
@@ -520,50 +570,13 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         q4k_scales_x8(blk, sc, mn);
         __m256i sh[QROWS], sl[QROWS]; /* the two planes' scaled sums: |sh| <= 8 x 63 x 32 x 15 x 127 < 2^25 */
         for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
-        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
-        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
-        int any_two = 0;
-        for (int b = 0; b < NB; b++) any_two |= two[b];
-        /* sub-blocks 2m and 2m + 1: the low and the high nibbles of the same 8 units */
-        for (int m = 0; m < 4; m++) {
-            const uint8_t *u8 = units + 32 * 8 * m;
-            __m256i th[2][QROWS], tl[2][QROWS];
-            for (int b = 0; b < NB; b++) th[0][b] = th[1][b] = tl[0][b] = tl[1][b] = _mm256_setzero_si256();
-            /* unit t of the 8 rows, then its products with every row's high plane; int16 pair sums:
-             * 8 x 2 x 15 x 127 = 30,480 at most. NOTE: with all 8 units unpacked first GCC took
-             * every product before summing any and kept them on the stack (2.4x slower at 128 rows);
-             * unrolled by 2 it did the same, by 4 it does not (docs/performance.md, item 50) */
-#pragma GCC unroll 4
-            for (int t = 0; t < 8; t++) {
-                const __m256i v = load_i8(u8 + 32 * t);
-                const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                for (int b = 0; b < NB; b++) {
-                    const int8_t *xh = in.hi[b] + i * 256 + 64 * m + 4 * t;
-                    th[0][b] = _mm256_add_epi16(th[0][b], _mm256_maddubs_epi16(w0, bcast4(xh)));
-                    th[1][b] = _mm256_add_epi16(th[1][b], _mm256_maddubs_epi16(w1, bcast4(xh + 32)));
-                }
-            }
-            /* the low plane of the rows whose group has one, in a pass of its own (the registers) */
-            if (any_two)
-#pragma GCC unroll 1
-                for (int t = 0; t < 8; t++) {
-                    const __m256i v = load_i8(u8 + 32 * t);
-                    const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    for (int b = 0; b < NB; b++) {
-                        if (!two[b]) continue;
-                        const int8_t *xl = in.lo[b] + i * 256 + 64 * m + 4 * t;
-                        tl[0][b] = _mm256_add_epi16(tl[0][b], _mm256_maddubs_epi16(w0, bcast4(xl)));
-                        tl[1][b] = _mm256_add_epi16(tl[1][b], _mm256_maddubs_epi16(w1, bcast4(xl + 32)));
-                    }
-                }
-            for (int h = 0; h < 2; h++) {
-                const __m256i s16 = pairs16(lanes_u8(sc + 8 * (2 * m + h)));
-                for (int b = 0; b < NB; b++) {
-                    sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th[h][b], s16));
-                    if (two[b]) sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl[h][b], s16));
-                }
-            }
-        }
+        /* the high plane of every row, then the low plane of the loud rows only (a quiet row's is zeros) */
+        q4k_plane_x8(units, sc, in.hi, i * 256, NB, sh);
+        int loud[QROWS];
+        const int n_loud = loud_rows(&in, i, NB, P, loud);
+#define Q4K_LOW(x, n, sums) q4k_plane_x8(units, sc, x, i * 256, n, sums)
+        if (n_loud) LOW_PLANE_PASS(Q4K_LOW, in, loud, n_loud, sl);
+#undef Q4K_LOW
         /* the mins: sum over sub-blocks j of mn[j] (per row) times the input's sum over j's values,
          * the mins converted once for all NB rows */
         __m256 mnf[8];
@@ -581,12 +594,34 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
 }
 
-/* The same for Q6_K: values 0..63 (the -32 comes off as 32 (sum over sub-blocks of scale x X-sum)). */
+/* The same for Q6_K: values 0..63 (the -32 comes off as 32 (sum over sub-blocks of scale x X-sum)).
+ * sum[b] += sub-block j's products with input plane x[b] (16 values at x[b] + off), scaled by s16:
+ * int16 pair sums of two chunks, 2 x 2 x 63 x 127 = 32,004 at most. */
+static inline __attribute__((always_inline)) void q6k_sub_x8(const __m256i w[4], __m256i s16, const int8_t *const x[QROWS],
+                                                            int64_t off, const int NB, __m256i sum[QROWS]) {
+    for (int b = 0; b < NB; b++)
+        for (int c = 0; c < 4; c += 2) {
+            const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(x[b] + off + 4 * c)),
+                                               _mm256_maddubs_epi16(w[c + 1], bcast4(x[b] + off + 4 * c + 4)));
+            sum[b] = _mm256_add_epi32(sum[b], _mm256_madd_epi16(t, s16));
+        }
+}
+
+/* Sub-block j's 4 chunks of 8 rows x 4 values (values 16 j + 4 c + 0..3 of each row), unsigned 0..63
+ * (the high bits masked after the 16-bit shifts, so no bit crosses into the next byte). */
+static inline __attribute__((always_inline)) void q6k_units_x8(const uint8_t *sub_block, __m256i w[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i u0 = load_i8(sub_block), u1 = load_i8(sub_block + 32), h = load_i8(sub_block + 64);
+    w[0] = _mm256_or_si256(_mm256_and_si256(u0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+    w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+    w[2] = _mm256_or_si256(_mm256_and_si256(u1, m4), _mm256_and_si256(h, m30));
+    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+}
+
 static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < supers; i++) {
@@ -595,44 +630,30 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256i sh[QROWS], sl[QROWS]; /* |sh| <= 16 x 128 x 16 x 63 x 127 < 2^29 */
         for (int b = 0; b < NB; b++) sh[b] = sl[b] = _mm256_setzero_si256();
-        int two[QROWS]; /* the low plane's products are taken (its values are zero elsewhere) */
-        for (int b = 0; b < NB; b++) two[b] = P == 2 && in.two[b][i];
-        for (int j = 0; j < 16; j++) {
-            const uint8_t *sub_block = units + 96 * j;
-            const __m256i u0 = load_i8(sub_block), u1 = load_i8(sub_block + 32), h = load_i8(sub_block + 64);
-            /* the 4 chunks of sub-block j: values 16 j + 4 c + 0..3 of each row (the high bits masked
-             * after the 16-bit shifts, so no bit crosses into the next byte) */
-            __m256i w[4];
-            w[0] = _mm256_or_si256(_mm256_and_si256(u0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-            w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-            w[2] = _mm256_or_si256(_mm256_and_si256(u1, m4), _mm256_and_si256(h, m30));
-            w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-            const __m256i s32 = lanes_i8(scales + 8 * j);
-            const __m256i s16 = pairs16(s32);
-            for (int b = 0; b < NB; b++) {
-                const int8_t *xh = in.hi[b] + i * 256 + 16 * j, *xl = in.lo[b] + i * 256 + 16 * j;
-                /* int16 pair sums of two chunks: 2 x 2 x 63 x 127 = 32,004 at most */
-                for (int c = 0; c < 4; c += 2) {
-                    const __m256i th = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xh + 4 * c)),
-                                                        _mm256_maddubs_epi16(w[c + 1], bcast4(xh + 4 * c + 4)));
-                    sh[b] = _mm256_add_epi32(sh[b], _mm256_madd_epi16(th, s16));
-                    if (two[b]) {
-                        const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(w[c], bcast4(xl + 4 * c)),
-                                                            _mm256_maddubs_epi16(w[c + 1], bcast4(xl + 4 * c + 4)));
-                        sl[b] = _mm256_add_epi32(sl[b], _mm256_madd_epi16(tl, s16));
-                    }
-                }
-            }
+        /* the high plane of every row, then the low plane of the loud rows only (in a pass of its
+         * own: the registers, and no test per sub-block and row) */
+#define Q6K_PASS(x, n, sums)                                                              \
+        for (int j = 0; j < 16; j++) {                                                    \
+            __m256i w[4];                                                                 \
+            q6k_units_x8(units + 96 * j, w);                                              \
+            q6k_sub_x8(w, pairs16(lanes_i8(scales + 8 * j)), x, i * 256 + 16 * j, n, sums); \
         }
+        Q6K_PASS(in.hi, NB, sh)
+        int loud[QROWS];
+        const int n_loud = loud_rows(&in, i, NB, P, loud);
+        if (n_loud) LOW_PLANE_PASS(Q6K_PASS, in, loud, n_loud, sl);
+#undef Q6K_PASS
+        /* the offset: lane r's sum over sub-blocks j of scale[j][r] x the input's sum over j's 16
+         * values, the scales converted once for all NB rows */
+        __m256 scf[16];
+        for (int j = 0; j < 16; j++) scf[j] = _mm256_cvtepi32_ps(lanes_i8(scales + 8 * j));
         for (int b = 0; b < NB; b++) {
-            const float dx = in.d[b][i];
             const int32_t *s16 = in.sums[b] + i * 16;
             __m256 off = _mm256_setzero_ps();
-            for (int j = 0; j < 16; j++)
-                off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_i8(scales + 8 * j)), _mm256_set1_ps((float)s16[j]), off);
+            for (int j = 0; j < 16; j++) off = _mm256_fmadd_ps(scf[j], _mm256_set1_ps((float)s16[j]), off);
             __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
             s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
-            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), s, acc[b]);
         }
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
