@@ -578,7 +578,8 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         if (n_loud) LOW_PLANE_PASS(Q4K_LOW, in, loud, n_loud, sl);
 #undef Q4K_LOW
         /* the mins: sum over sub-blocks j of mn[j] (per row) times the input's sum over j's values,
-         * the mins converted once for all NB rows */
+         * the mins converted once for all NB rows (in integers from the planes' sums, as Q6_K's
+         * offsets below, measured level or 3-5% slower here: docs/performance.md item 51) */
         __m256 mnf[8];
         for (int j = 0; j < 8; j++) mnf[j] = _mm256_cvtepi32_ps(lanes_u8(mn + 8 * j));
         for (int b = 0; b < NB; b++) {
@@ -618,6 +619,18 @@ static inline __attribute__((always_inline)) void q6k_units_x8(const uint8_t *su
     w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
 }
 
+/* o[b] (lane r) += the sum over sub-blocks j of row r's scale[j][r] times input row b's plane sum over
+ * j's 16 values, in integers: vpmaddwd of scale pairs (2p, 2p + 1) by the plane's sums there
+ * (s[b] + off), |o| <= 16 x 128 x 16 x 127 < 2^22. */
+static inline __attribute__((always_inline)) void q6k_offsets_x8(const uint8_t *scales, const int16_t *const s[QROWS], int64_t off,
+                                                                const int NB, __m256i o[QROWS]) {
+    for (int p = 0; p < 8; p++) {
+        const __m256i pair = _mm256_or_si256(_mm256_and_si256(lanes_i8(scales + 16 * p), _mm256_set1_epi32(0xFFFF)),
+                                             _mm256_slli_epi32(lanes_i8(scales + 16 * p + 8), 16));
+        for (int b = 0; b < NB; b++) o[b] = _mm256_add_epi32(o[b], _mm256_madd_epi16(pair, bcast4((const int8_t *)(s[b] + off + 2 * p))));
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
     const int64_t supers = q->k / 256;
@@ -643,16 +656,14 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
         const int n_loud = loud_rows(&in, i, NB, P, loud);
         if (n_loud) LOW_PLANE_PASS(Q6K_PASS, in, loud, n_loud, sl);
 #undef Q6K_PASS
-        /* the offset: lane r's sum over sub-blocks j of scale[j][r] x the input's sum over j's 16
-         * values, the scales converted once for all NB rows */
-        __m256 scf[16];
-        for (int j = 0; j < 16; j++) scf[j] = _mm256_cvtepi32_ps(lanes_i8(scales + 8 * j));
+        /* the offset in integers, per plane (the low plane's for the loud rows only) */
+        __m256i oh[QROWS], ol[QROWS];
+        for (int b = 0; b < NB; b++) oh[b] = ol[b] = _mm256_setzero_si256();
+        q6k_offsets_x8(scales, in.hs, i * 16, NB, oh);
+        for (int c = 0; c < n_loud; c++) q6k_offsets_x8(scales, &in.ls[loud[c]], i * 16, 1, &ol[loud[c]]);
         for (int b = 0; b < NB; b++) {
-            const int32_t *s16 = in.sums[b] + i * 16;
-            __m256 off = _mm256_setzero_ps();
-            for (int j = 0; j < 16; j++) off = _mm256_fmadd_ps(scf[j], _mm256_set1_ps((float)s16[j]), off);
             __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
-            s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
+            s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), _mm256_cvtepi32_ps(planes(oh[b], ol[b])), s);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), s, acc[b]);
         }
     }
