@@ -529,13 +529,36 @@ static inline __attribute__((always_inline)) int loud_rows(const InputRows *in, 
 
 /* sums[b] += the super-block's 8 sub-blocks of one input plane (x[b] + off), each scaled by its
  * 6-bit scale in integers (vpmaddwd by the lane's scale). Sub-block j = 2m + h: nibble h of units
- * 8m .. 8m + 7, one sub-block at a time, so that only the NB rows' int16 sums stay in registers
- * beside the unit (both sub-blocks' 2 NB sums at once made GCC keep two on the stack, each unit's
- * adds then waiting on a store and a load; docs/performance.md items 50 and 51). Int16 pair sums:
- * 8 x 2 x 15 x 127 = 30,480 at most. */
+ * 8m .. 8m + 7. From 3 rows one sub-block at a time, so that only the NB rows' int16 sums stay in
+ * registers beside the unit (both sub-blocks' 2 NB sums at once made GCC keep two on the stack, each
+ * unit's adds then waiting on a store and a load; docs/performance.md items 50 and 51); at 1-2 rows
+ * both from one load of the unit, unrolled by 4 (one sub-block at a time, or unrolled by 8, was 5-10%
+ * slower at 2 rows). Int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most. */
 static inline __attribute__((always_inline)) void q4k_plane_x8(const uint8_t *units, const uint8_t sc[64], const int8_t *const x[QROWS],
                                                               int64_t off, const int NB, __m256i sums[QROWS]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if (NB <= 2) { /* few rows (decode): both sub-blocks from each load of a unit, 2 NB sums in registers */
+        for (int m = 0; m < 4; m++) {
+            const uint8_t *u8 = units + 32 * 8 * m;
+            __m256i t[2][QROWS];
+            for (int b = 0; b < NB; b++) t[0][b] = t[1][b] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int u = 0; u < 8; u++) {
+                const __m256i v = load_i8(u8 + 32 * u);
+                const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                for (int b = 0; b < NB; b++) {
+                    const int8_t *xb = x[b] + off + 64 * m + 4 * u;
+                    t[0][b] = _mm256_add_epi16(t[0][b], _mm256_maddubs_epi16(w0, bcast4(xb)));
+                    t[1][b] = _mm256_add_epi16(t[1][b], _mm256_maddubs_epi16(w1, bcast4(xb + 32)));
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256i s16 = pairs16(lanes_u8(sc + 8 * (2 * m + h)));
+                for (int b = 0; b < NB; b++) sums[b] = _mm256_add_epi32(sums[b], _mm256_madd_epi16(t[h][b], s16));
+            }
+        }
+        return;
+    }
     for (int j = 0; j < 8; j++) {
         const int h = j & 1;
         const uint8_t *u8 = units + 32 * 8 * (j >> 1);
