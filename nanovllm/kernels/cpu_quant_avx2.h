@@ -600,16 +600,17 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
 #define Q4K_LOW(x, n, sums) q4k_plane_x8(units, sc, x, i * 256, n, sums)
         if (n_loud) LOW_PLANE_PASS(Q4K_LOW, in, loud, n_loud, sl);
 #undef Q4K_LOW
-        /* the mins: sum over sub-blocks j of mn[j] (per row) times the input's sum over j's values,
-         * the mins converted once for all NB rows (in integers from the planes' sums, as Q6_K's
-         * offsets below, measured level or 3-5% slower here: docs/performance.md item 51) */
+        /* the mins: sum over sub-blocks j of mn[j] (per row) times the input's sum over j's values
+         * (fp32, kept by quantize_rows: a scalar conversion each here cost 5-10% of the kernel), the
+         * mins converted once for all NB rows (in integers from the planes' sums, as Q6_K's offsets
+         * below, measured level or 3-5% slower here: docs/performance.md item 51) */
         __m256 mnf[8];
         for (int j = 0; j < 8; j++) mnf[j] = _mm256_cvtepi32_ps(lanes_u8(mn + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const int32_t *s16 = in.sums[b] + i * 16;
-            __m256 msum = _mm256_setzero_ps();
-            for (int j = 0; j < 8; j++) msum = _mm256_fmadd_ps(mnf[j], _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+            const float *s32 = in.s32[b] + i * 8;
+            __m256 msum = _mm256_mul_ps(mnf[0], _mm256_broadcast_ss(s32));
+            for (int j = 1; j < 8; j++) msum = _mm256_fmadd_ps(mnf[j], _mm256_broadcast_ss(s32 + j), msum);
             const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
             acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
