@@ -95,7 +95,9 @@ typedef struct {
     /* [rows][k / 16]: the sums of each 16 consecutive hi and lo (group-256 formats, else NULL): what
      * Q6_K's offsets multiply in integers (|sum| <= 16 x 127) */
     const int16_t *hs, *ls;
-    const float *s32; /* [rows][k / 32]: the sums of each 32 consecutive X in fp32 (group-256 formats, else NULL) */
+    /* [rows][k / 32], [rows][k / 16]: the sums of each 32 and each 16 consecutive X in fp32 (group-256
+     * formats, else NULL): what Q4_K's mins and (VNNI builds) Q6_K's offsets multiply */
+    const float *s32, *s16f;
 } QuantRows;
 
 
@@ -195,7 +197,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     const int plane_sums = group == 256; /* (q->hs, q->ls) */
     const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + 3 * sizeof(float) * (size_t)groups +
                                         sizeof(int32_t) * (size_t)sixteens + (size_t)groups +
-                                        (plane_sums ? 2 * sizeof(int16_t) * (size_t)sixteens + sizeof(float) * (size_t)(k / 32)
+                                        (plane_sums ? 2 * sizeof(int16_t) * (size_t)sixteens + sizeof(float) * (size_t)(k / 32 + sixteens)
                                                     : 0)) + 64;
     const int shared = rows >= SHARED_ROWS && omp_in_parallel() && omp_get_num_threads() > 1;
     void *buffer;
@@ -233,8 +235,8 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     int8_t *hi = (int8_t *)(sums + rows * sixteens) + (with_x16 ? 2 * rows * k : 0), *lo = hi + rows * k;
     uint8_t *two = (uint8_t *)(lo + rows * k);
     float *dh = (float *)(((uintptr_t)(two + rows * groups) + 3) & ~(uintptr_t)3), *ds = dh + rows * groups;
-    float *s32 = plane_sums ? ds + rows * groups : NULL;
-    int16_t *hs = plane_sums ? (int16_t *)(s32 + rows * (k / 32)) : NULL, *ls = plane_sums ? hs + rows * sixteens : NULL;
+    float *s32 = plane_sums ? ds + rows * groups : NULL, *s16f = plane_sums ? s32 + rows * (k / 32) : NULL;
+    int16_t *hs = plane_sums ? (int16_t *)(s16f + rows * sixteens) : NULL, *ls = plane_sums ? hs + rows * sixteens : NULL;
     for (int64_t r = r0; r < r1; r++) {
         quantize_row(x + r * ldx, k, group, mode, hi + r * k, lo + r * k, with_x16 ? x16 + r * k : NULL,
                      d + r * groups, two + r * groups, sums + r * sixteens);
@@ -242,12 +244,13 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
         if (plane_sums) {
             plane_sums16(hi + r * k, lo + r * k, sixteens, hs + r * sixteens, ls + r * sixteens);
             for (int64_t j = 0; j < k / 32; j++) s32[r * (k / 32) + j] = (float)(sums[r * sixteens + 2 * j] + sums[r * sixteens + 2 * j + 1]);
+            for (int64_t j = 0; j < sixteens; j++) s16f[r * sixteens + j] = (float)sums[r * sixteens + j];
         }
     }
     if (shared) {
 #pragma omp barrier
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group, hs, ls, s32};
+    *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group, hs, ls, s32, s16f};
     return 0;
 }
 
@@ -332,7 +335,7 @@ typedef struct {
     const float *d[QROWS], *dh[QROWS], *ds[QROWS];
     const int32_t *sums[QROWS];
     const int16_t *x16[QROWS], *hs[QROWS], *ls[QROWS];
-    const float *s32[QROWS];
+    const float *s32[QROWS], *s16f[QROWS];
     const uint8_t *two[QROWS];
 } InputRows;
 
@@ -351,6 +354,7 @@ static inline __attribute__((always_inline)) InputRows input_rows(const QuantRow
         in.hs[b] = q->hs != NULL ? q->hs + (b0 + b) * sixteens : NULL;
         in.ls[b] = q->ls != NULL ? q->ls + (b0 + b) * sixteens : NULL;
         in.s32[b] = q->s32 != NULL ? q->s32 + (b0 + b) * (q->k / 32) : NULL;
+        in.s16f[b] = q->s16f != NULL ? q->s16f + (b0 + b) * sixteens : NULL;
     }
     return in;
 }

@@ -500,7 +500,6 @@ static inline void q4k_scales_x8(const uint8_t *blk, uint8_t sc[64], uint8_t mn[
     }
 }
 
-#if !QUANT_VNNI
 /* The rows b < NB whose super-block i takes the low plane's products (P == 2 and its group loud):
  * their indices in order; returns how many. */
 static inline __attribute__((always_inline)) int loud_rows(const InputRows *in, int64_t i, const int NB, const int P, int loud[QROWS]) {
@@ -578,8 +577,8 @@ static inline __attribute__((always_inline)) void q4k_plane_x8(const uint8_t *un
 /* out[b][r] = row 8 g + r of the group . input row b0 + b, b < NB (Q4_K). Per super-block and row
  * the sub-block sums of the two planes are scaled in integers; the mins come off as dmin (sum over
  * sub-blocks of mn X-sums), from the input's sums. */
-static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
-                                                            const int NB, const int P, float out[QROWS][IL]) {
+static inline __attribute__((always_inline)) void dot_q4_kx8_madd(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                                 const int NB, const int P, float out[QROWS][IL]) {
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
     __m256 acc[QROWS];
@@ -617,6 +616,12 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         }
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out[b], acc[b]);
+}
+
+#if !QUANT_VNNI
+static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
+                                                            const int NB, const int P, float out[QROWS][IL]) {
+    dot_q4_kx8_madd(grp, q, b0, NB, P, out);
 }
 
 /* The same for Q6_K: values 0..63 (the -32 comes off as 32 (sum over sub-blocks of scale x X-sum)).

@@ -39,6 +39,12 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
  * VNNI, in fp32; the mins come off as dmin (sum over sub-blocks of mn X-sums), from the input's sums. */
 static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
+    /* at 1-2 rows (decode) the vpmaddubsw kernel, its sub-blocks scaled in integers, is ~13% faster
+     * here than this one's conversion per sub-block and row (docs/performance.md item 51) */
+    if (NB <= 2) {
+        dot_q4_kx8_madd(grp, q, b0, NB, P, out);
+        return;
+    }
     const int64_t supers = q->k / 256;
     const InputRows in = input_rows(q, b0, NB);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -72,12 +78,13 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
             const __m256 sf = _mm256_cvtepi32_ps(s32);
             for (int b = 0; b < NB; b++) sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th[b], tl[b])), sub[b]);
         }
+        __m256 mnf[8];
+        for (int j = 0; j < 8; j++) mnf[j] = _mm256_cvtepi32_ps(lanes_u8(mn + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const int32_t *s16 = in.sums[b] + i * 16;
+            const float *s32 = in.s32[b] + i * 8; /* (fp32 sums: no scalar conversion per sub-block and row) */
             __m256 msum = _mm256_setzero_ps();
-            for (int j = 0; j < 8; j++)
-                msum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_u8(mn + 8 * j)), _mm256_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+            for (int j = 0; j < 8; j++) msum = _mm256_fmadd_ps(mnf[j], _mm256_broadcast_ss(s32 + j), msum);
             const __m256 s = sub[b];
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
             acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
@@ -124,12 +131,13 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
                 sub[b] = _mm256_fmadd_ps(sf, _mm256_cvtepi32_ps(planes(th, tl)), sub[b]);
             }
         }
+        __m256 scf[16];
+        for (int j = 0; j < 16; j++) scf[j] = _mm256_cvtepi32_ps(lanes_i8(scales + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const int32_t *s16 = in.sums[b] + i * 16;
+            const float *s16f = in.s16f[b] + i * 16;
             __m256 off = _mm256_setzero_ps();
-            for (int j = 0; j < 16; j++)
-                off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_i8(scales + 8 * j)), _mm256_set1_ps((float)s16[j]), off);
+            for (int j = 0; j < 16; j++) off = _mm256_fmadd_ps(scf[j], _mm256_broadcast_ss(s16f + j), off);
             __m256 s = sub[b];
             s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);

@@ -138,13 +138,13 @@ static inline __attribute__((always_inline)) void dot_q4_kx16(const uint8_t *grp
             for (int b = 0; b < NB; b++)
                 sub[b] = add_sub_block(sub[b], sf, w, 8, in.hi[b] + i * 256 + 32 * j, in.lo[b] + i * 256 + 32 * j, two[b]);
         }
+        __m512 mnf[8];
+        for (int j = 0; j < 8; j++) mnf[j] = _mm512_cvtepi32_ps(lanes_u8x16(ma + 8 * j, mb + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const int32_t *s16 = in.sums[b] + i * 16;
+            const float *s32 = in.s32[b] + i * 8; /* (fp32 sums: no scalar conversion per sub-block and row) */
             __m512 msum = _mm512_setzero_ps();
-            for (int j = 0; j < 8; j++)
-                msum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes_u8x16(ma + 8 * j, mb + 8 * j)),
-                                       _mm512_set1_ps((float)(s16[2 * j] + s16[2 * j + 1])), msum);
+            for (int j = 0; j < 8; j++) msum = _mm512_fmadd_ps(mnf[j], _mm512_set1_ps(s32[j]), msum);
             acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx)), sub[b], acc[b]);
             acc[b] = _mm512_fnmadd_ps(_mm512_mul_ps(dm16, _mm512_set1_ps(dx)), msum, acc[b]);
         }
@@ -179,12 +179,13 @@ static inline __attribute__((always_inline)) void dot_q6_kx16(const uint8_t *grp
             for (int b = 0; b < NB; b++)
                 sub[b] = add_sub_block(sub[b], sf, w, 4, in.hi[b] + i * 256 + 16 * j, in.lo[b] + i * 256 + 16 * j, two[b]);
         }
+        __m512 scf[16];
+        for (int j = 0; j < 16; j++) scf[j] = _mm512_cvtepi32_ps(lanes_i8x16(ba + 16 + 8 * j, bb + 16 + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const int32_t *s16 = in.sums[b] + i * 16;
+            const float *s16f = in.s16f[b] + i * 16;
             __m512 off = _mm512_setzero_ps();
-            for (int j = 0; j < 16; j++)
-                off = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes_i8x16(ba + 16 + 8 * j, bb + 16 + 8 * j)), _mm512_set1_ps((float)s16[j]), off);
+            for (int j = 0; j < 16; j++) off = _mm512_fmadd_ps(scf[j], _mm512_set1_ps(s16f[j]), off);
             acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx)), _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), off, sub[b]), acc[b]);
         }
     }
