@@ -315,8 +315,9 @@ static inline __attribute__((always_inline)) void dot_units32x8(Fmt32 f, const u
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = grp + i * bytes;
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_NTA);
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_NTA);
+        /* every line of the block PREFETCH_BYTES ahead (two lines were the 4-bit blocks' 144 bytes
+         * and left VNNI's 272-byte Q8_0 blocks half to the hardware: 15% slower at one row) */
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + PREFETCH_BYTES + l, _MM_HINT_NTA);
         const int8_t *x[QROWS];
         for (int b = 0; b < NB; b++) x[b] = in.hi[b] + 32 * i;
         __m256i sum[QROWS];
