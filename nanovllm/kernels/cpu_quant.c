@@ -92,11 +92,8 @@ typedef struct {
     const float *dh;       /* [rows][k / group]: 127 d, the high plane's scale */
     const float *ds;       /* [rows][k / group]: d (sum of the group's X), the group's sum as a value */
     int64_t k, group;
-    /* [rows][k / 16]: the sums of each 16 consecutive hi and lo (group-256 formats, else NULL): what
-     * Q6_K's offsets multiply in integers (|sum| <= 16 x 127) */
-    const int16_t *hs, *ls;
     /* [rows][k / 32], [rows][k / 16]: the sums of each 32 and each 16 consecutive X in fp32 (group-256
-     * formats, else NULL): what Q4_K's mins and (VNNI builds) Q6_K's offsets multiply */
+     * formats, else NULL): what Q4_K's mins and Q6_K's offsets multiply */
     const float *s32, *s16f;
 } QuantRows;
 
@@ -129,15 +126,6 @@ static void group_scales(int64_t r, int64_t groups, int64_t group, const float *
         for (int64_t j = 0; j < group / 16; j++) s += sums[r * (groups * group / 16) + g * (group / 16) + j];
         dh[r * groups + g] = 127.0f * d[r * groups + g];
         ds[r * groups + g] = d[r * groups + g] * (float)s;
-    }
-}
-
-/* hs[s], ls[s] = the sums of hi and lo over values 16 s .. 16 s + 15 of one row. */
-static void plane_sums16(const int8_t *hi, const int8_t *lo, int64_t sixteens, int16_t *hs, int16_t *ls) {
-    for (int64_t s = 0; s < sixteens; s++) {
-        int32_t h = 0, l = 0;
-        for (int i = 0; i < 16; i++) h += hi[16 * s + i], l += lo[16 * s + i];
-        hs[s] = (int16_t)h, ls[s] = (int16_t)l;
     }
 }
 
@@ -194,11 +182,10 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
                          int mode, QuantRows *q) {
     const int64_t groups = k / group, sixteens = k / 16;
     with_x16 = with_x16 && QUANT_SIMD;
-    const int plane_sums = group == 256; /* (q->hs, q->ls) */
+    const int k_sums = group == 256; /* (q->s32, q->s16f) */
     const size_t need = (size_t)rows * ((with_x16 ? 4 : 2) * (size_t)k + 3 * sizeof(float) * (size_t)groups +
                                         sizeof(int32_t) * (size_t)sixteens + (size_t)groups +
-                                        (plane_sums ? 2 * sizeof(int16_t) * (size_t)sixteens + sizeof(float) * (size_t)(k / 32 + sixteens)
-                                                    : 0)) + 64;
+                                        (k_sums ? sizeof(float) * (size_t)(k / 32 + sixteens) : 0)) + 64;
     const int shared = rows >= SHARED_ROWS && omp_in_parallel() && omp_get_num_threads() > 1;
     void *buffer;
     int64_t r0 = 0, r1 = rows; /* the rows this thread quantizes */
@@ -235,14 +222,12 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     int8_t *hi = (int8_t *)(sums + rows * sixteens) + (with_x16 ? 2 * rows * k : 0), *lo = hi + rows * k;
     uint8_t *two = (uint8_t *)(lo + rows * k);
     float *dh = (float *)(((uintptr_t)(two + rows * groups) + 3) & ~(uintptr_t)3), *ds = dh + rows * groups;
-    float *s32 = plane_sums ? ds + rows * groups : NULL, *s16f = plane_sums ? s32 + rows * (k / 32) : NULL;
-    int16_t *hs = plane_sums ? (int16_t *)(s16f + rows * sixteens) : NULL, *ls = plane_sums ? hs + rows * sixteens : NULL;
+    float *s32 = k_sums ? ds + rows * groups : NULL, *s16f = k_sums ? s32 + rows * (k / 32) : NULL;
     for (int64_t r = r0; r < r1; r++) {
         quantize_row(x + r * ldx, k, group, mode, hi + r * k, lo + r * k, with_x16 ? x16 + r * k : NULL,
                      d + r * groups, two + r * groups, sums + r * sixteens);
         group_scales(r, groups, group, d, sums, dh, ds);
-        if (plane_sums) {
-            plane_sums16(hi + r * k, lo + r * k, sixteens, hs + r * sixteens, ls + r * sixteens);
+        if (k_sums) {
             for (int64_t j = 0; j < k / 32; j++) s32[r * (k / 32) + j] = (float)(sums[r * sixteens + 2 * j] + sums[r * sixteens + 2 * j + 1]);
             for (int64_t j = 0; j < sixteens; j++) s16f[r * sixteens + j] = (float)sums[r * sixteens + j];
         }
@@ -250,7 +235,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     if (shared) {
 #pragma omp barrier
     }
-    *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group, hs, ls, s32, s16f};
+    *q = (QuantRows){hi, lo, d, sums, x16, two, dh, ds, k, group, s32, s16f};
     return 0;
 }
 
@@ -334,7 +319,7 @@ typedef struct {
     const int8_t *hi[QROWS], *lo[QROWS];
     const float *d[QROWS], *dh[QROWS], *ds[QROWS];
     const int32_t *sums[QROWS];
-    const int16_t *x16[QROWS], *hs[QROWS], *ls[QROWS];
+    const int16_t *x16[QROWS];
     const float *s32[QROWS], *s16f[QROWS];
     const uint8_t *two[QROWS];
 } InputRows;
@@ -351,8 +336,6 @@ static inline __attribute__((always_inline)) InputRows input_rows(const QuantRow
         in.two[b] = q->two + (b0 + b) * groups;
         in.dh[b] = q->dh + (b0 + b) * groups;
         in.ds[b] = q->ds + (b0 + b) * groups;
-        in.hs[b] = q->hs != NULL ? q->hs + (b0 + b) * sixteens : NULL;
-        in.ls[b] = q->ls != NULL ? q->ls + (b0 + b) * sixteens : NULL;
         in.s32[b] = q->s32 != NULL ? q->s32 + (b0 + b) * (q->k / 32) : NULL;
         in.s16f[b] = q->s16f != NULL ? q->s16f + (b0 + b) * sixteens : NULL;
     }

@@ -483,6 +483,14 @@ static inline __m256i lanes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_
 /* each 32-bit lane's low int16 in both halves (vpmaddwd then scales a lane's two pair sums alike) */
 static inline __m256i pairs16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
 
+/* lane r: the sum over j < n of w[j] (lane r) x s[j]: a K-quant super-block's mins or offsets (w,
+ * converted once per pass) against one input row's fp32 sums over its sub-blocks (s). */
+static inline __attribute__((always_inline)) __m256 weighted_sums(const __m256 *w, const float *s, const int n) {
+    __m256 acc = _mm256_mul_ps(w[0], _mm256_broadcast_ss(s));
+    for (int j = 1; j < n; j++) acc = _mm256_fmadd_ps(w[j], _mm256_broadcast_ss(s + j), acc);
+    return acc;
+}
+
 /* The 6-bit scales and mins of a q4_kx8 super-block's 8 rows, sub-block j's at sc[8 j .. 8 j + 8)
  * (q4k_scales, 8 rows at once). */
 static inline void q4k_scales_x8(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64]) {
@@ -602,15 +610,13 @@ static inline __attribute__((always_inline)) void dot_q4_kx8_madd(const uint8_t 
 #undef Q4K_LOW
         /* the mins: sum over sub-blocks j of mn[j] (per row) times the input's sum over j's values
          * (fp32, kept by quantize_rows: a scalar conversion each here cost 5-10% of the kernel), the
-         * mins converted once for all NB rows (in integers from the planes' sums, as Q6_K's offsets
-         * below, measured level or 3-5% slower here: docs/performance.md item 51) */
+         * mins converted once for all NB rows (in integers from the input planes' sums: level or 3-5%
+         * slower, docs/performance.md item 51) */
         __m256 mnf[8];
         for (int j = 0; j < 8; j++) mnf[j] = _mm256_cvtepi32_ps(lanes_u8(mn + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const float *s32 = in.s32[b] + i * 8;
-            __m256 msum = _mm256_mul_ps(mnf[0], _mm256_broadcast_ss(s32));
-            for (int j = 1; j < 8; j++) msum = _mm256_fmadd_ps(mnf[j], _mm256_broadcast_ss(s32 + j), msum);
+            const __m256 msum = weighted_sums(mnf, in.s32[b] + i * 8, 8);
             const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
             acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
@@ -649,18 +655,6 @@ static inline __attribute__((always_inline)) void q6k_units_x8(const uint8_t *su
     w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
 }
 
-/* o[b] (lane r) += the sum over sub-blocks j of row r's scale[j][r] times input row b's plane sum over
- * j's 16 values, in integers: vpmaddwd of scale pairs (2p, 2p + 1) by the plane's sums there
- * (s[b] + off), |o| <= 16 x 128 x 16 x 127 < 2^22. */
-static inline __attribute__((always_inline)) void q6k_offsets_x8(const uint8_t *scales, const int16_t *const s[QROWS], int64_t off,
-                                                                const int NB, __m256i o[QROWS]) {
-    for (int p = 0; p < 8; p++) {
-        const __m256i pair = _mm256_or_si256(_mm256_and_si256(lanes_i8(scales + 16 * p), _mm256_set1_epi32(0xFFFF)),
-                                             _mm256_slli_epi32(lanes_i8(scales + 16 * p + 8), 16));
-        for (int b = 0; b < NB; b++) o[b] = _mm256_add_epi32(o[b], _mm256_madd_epi16(pair, bcast4((const int8_t *)(s[b] + off + 2 * p))));
-    }
-}
-
 static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
     const int64_t supers = q->k / 256;
@@ -686,14 +680,15 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
         const int n_loud = loud_rows(&in, i, NB, P, loud);
         if (n_loud) LOW_PLANE_PASS(Q6K_PASS, in, loud, n_loud, sl);
 #undef Q6K_PASS
-        /* the offset in integers, per plane (the low plane's for the loud rows only) */
-        __m256i oh[QROWS], ol[QROWS];
-        for (int b = 0; b < NB; b++) oh[b] = ol[b] = _mm256_setzero_si256();
-        q6k_offsets_x8(scales, in.hs, i * 16, NB, oh);
-        for (int c = 0; c < n_loud; c++) q6k_offsets_x8(scales, &in.ls[loud[c]], i * 16, 1, &ol[loud[c]]);
+        /* the offset: lane r's sum over sub-blocks j of scale[j][r] x the input's sum there (fp32,
+         * kept by quantize_rows; a scalar conversion each had been 15% of the kernel), the scales
+         * converted once for all NB rows */
+        __m256 scf[16];
+        for (int j = 0; j < 16; j++) scf[j] = _mm256_cvtepi32_ps(lanes_i8(scales + 8 * j));
         for (int b = 0; b < NB; b++) {
+            const __m256 off = weighted_sums(scf, in.s16f[b] + i * 16, 16);
             __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(127.0f), _mm256_cvtepi32_ps(sh[b]), _mm256_cvtepi32_ps(sl[b]));
-            s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), _mm256_cvtepi32_ps(planes(oh[b], ol[b])), s);
+            s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(in.d[b][i])), s, acc[b]);
         }
     }

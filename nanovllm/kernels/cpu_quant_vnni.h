@@ -82,9 +82,7 @@ static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp,
         for (int j = 0; j < 8; j++) mnf[j] = _mm256_cvtepi32_ps(lanes_u8(mn + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const float *s32 = in.s32[b] + i * 8; /* (fp32 sums: no scalar conversion per sub-block and row) */
-            __m256 msum = _mm256_setzero_ps();
-            for (int j = 0; j < 8; j++) msum = _mm256_fmadd_ps(mnf[j], _mm256_broadcast_ss(s32 + j), msum);
+            const __m256 msum = weighted_sums(mnf, in.s32[b] + i * 8, 8); /* (fp32 sums: no scalar conversion per sub-block and row) */
             const __m256 s = sub[b];
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
             acc[b] = _mm256_fnmadd_ps(_mm256_mul_ps(dm8, _mm256_set1_ps(dx)), msum, acc[b]);
@@ -135,9 +133,7 @@ static inline __attribute__((always_inline)) void dot_q6_kx8(const uint8_t *grp,
         for (int j = 0; j < 16; j++) scf[j] = _mm256_cvtepi32_ps(lanes_i8(scales + 8 * j));
         for (int b = 0; b < NB; b++) {
             const float dx = in.d[b][i];
-            const float *s16f = in.s16f[b] + i * 16;
-            __m256 off = _mm256_setzero_ps();
-            for (int j = 0; j < 16; j++) off = _mm256_fmadd_ps(scf[j], _mm256_broadcast_ss(s16f + j), off);
+            const __m256 off = weighted_sums(scf, in.s16f[b] + i * 16, 16);
             __m256 s = sub[b];
             s = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), off, s);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx)), s, acc[b]);
