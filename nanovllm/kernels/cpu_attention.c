@@ -332,6 +332,67 @@ static inline void dot_rows_q8(const int8_t *qq, const float *qd, const uint8_t 
     for (int64_t i = 0; i < n; i++) out[i] = s[i];
 }
 
+#if KV_F16C
+/* The 8 rows' scales of each block (block b's in lane i of kdt[b]), rows k + i * stride. */
+static inline void q8_block_scales8(const uint8_t *k, int64_t stride, int64_t nb, vf *kdt) {
+    for (int64_t b = 0; b < nb; b++) {
+        uint16_t h[8];
+        for (int i = 0; i < 8; i++) memcpy(&h[i], k + i * stride + b * 34, sizeof h[i]);
+        kdt[b] = (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    }
+}
+
+/* The 8 sums of a[0..8)'s int32 lanes, one per lane (reduce8 in integers). */
+static inline __m256i reduce8_epi32(const __m256i a[8]) {
+    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* dot_rows_q8 for a whole chunk of 8 rows, block first: each block's 8 integer dot products reduced
+ * to one vector (a lane per row) before anything is converted, so that the conversion and the
+ * scales (kdt[b]: the 8 rows' scales of block b) cost one instruction per 8 rows, not one per row
+ * (qq, qd: G heads' rounded queries one after
+ * another, head_dim values apart; out: head g's 8 scores at out + g * out_stride). */
+static inline __attribute__((always_inline)) void dot_8rows_q8_t(const int G, const int8_t *qq, const float *qd,
+                                                                 const uint8_t *k, int64_t stride, int64_t nb,
+                                                                 const vf *kdt, float *out, int64_t out_stride,
+                                                                 const Ahead *ahead, int64_t part, int64_t parts) {
+    vf acc[Q8_MAX_GROUP];
+    for (int g = 0; g < G; g++) acc[g] = (vf){0};
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_part(ahead, part * nb + b, parts * nb);
+        for (int g = 0; g < G; g++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(qq + g * nb * 32 + b * 32));
+            __m256i p[8];
+            for (int i = 0; i < 8; i++) {
+                const __m256i kv = _mm256_loadu_si256((const __m256i *)(k + i * stride + b * 34 + 2));
+                p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(kv, kv), _mm256_sign_epi8(qv, kv)),
+                                         _mm256_set1_epi16(1));
+            }
+            const float s = qd[g * nb + b];
+            acc[g] += (vf)_mm256_cvtepi32_ps(reduce8_epi32(p)) * (kdt[b] * s);
+        }
+    }
+    for (int g = 0; g < G; g++) store_f32(out + g * out_stride, acc[g]);
+}
+
+/* dot_8rows_q8_t with G a constant, after the 8 rows' block scales (a vector per block). */
+static inline void dot_8rows_q8(int64_t group, const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride,
+                                int64_t nb, float *out, int64_t out_stride, const Ahead *ahead, int64_t part,
+                                int64_t parts) {
+    vf kdt[KV_TILE_DIM / 32];
+    q8_block_scales8(k, stride, nb, kdt);
+    switch (group) {
+    case 1: dot_8rows_q8_t(1, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    case 2: dot_8rows_q8_t(2, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    case 4: dot_8rows_q8_t(4, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    default: dot_8rows_q8_t(8, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    }
+}
+#endif
+
 /* o_g[0, head_dim) += sum_i p_g[i] v_i for the G query heads g of one KV head (o_g = o + g * head_dim,
  * p_g = p + g * p_stride) over n <= 8 q8_0 rows v_i = v + i * stride: each row's values converted
  * once, for all G heads. */
@@ -358,10 +419,55 @@ static inline __attribute__((always_inline)) void accumulate_q8_t(const int G, c
     }
 }
 
+#if KV_F16C
+/* accumulate_q8_t for a whole chunk of 8 rows: the rows' weights times their block scales as one
+ * vector per head and block, each weight broadcast once per block and half-block pass, and CH
+ * vectors of output per head per pass (G x CH accumulators: 8 registers, the converted rows and a
+ * weight beside them, so nothing spills on AVX2's 16). */
+static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const int G, const uint8_t *v,
+                                                                        int64_t stride, int64_t nb, const float *p,
+                                                                        int64_t p_stride, float *o, int64_t head_dim,
+                                                                        const Ahead *ahead, int64_t part,
+                                                                        int64_t parts) {
+    const int CH = G >= 8 ? 1 : G == 4 ? 2 : 4; /* vectors of 8 values per head per pass */
+    vf dvt[KV_TILE_DIM / 32];
+    q8_block_scales8(v, stride, nb, dvt);
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_part(ahead, part * nb + b, parts * nb);
+        float w[Q8_MAX_GROUP][8];
+        for (int g = 0; g < G; g++) store_f32(w[g], load_f32(p + g * p_stride) * dvt[b]);
+        for (int c0 = 0; c0 < 32; c0 += CH * VL) {
+            vf acc[8];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < CH; c++) acc[g * CH + c] = load_f32(o + g * head_dim + b * 32 + c0 + c * VL);
+            for (int i = 0; i < 8; i++) {
+                vf x[4];
+                for (int c = 0; c < CH; c++) x[c] = i8x8(v + i * stride + b * 34 + 2 + c0 + c * VL);
+                for (int g = 0; g < G; g++) {
+                    const vf wv = (vf){0} + w[g][i];
+                    for (int c = 0; c < CH; c++) acc[g * CH + c] += wv * x[c];
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < CH; c++) store_f32(o + g * head_dim + b * 32 + c0 + c * VL, acc[g * CH + c]);
+        }
+    }
+}
+#endif
+
 /* accumulate_q8_t with G a constant for the usual group sizes; other groups a head at a time. */
 static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t n, int64_t nb,
                                  const float *p, int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead,
                                  int64_t part, int64_t parts) {
+#if KV_F16C
+    if (n == 8) switch (group) {
+        case 1: accumulate_8rows_q8_t(1, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+        case 2: accumulate_8rows_q8_t(2, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+        case 4: accumulate_8rows_q8_t(4, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+        case 8: accumulate_8rows_q8_t(8, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+        default: break;
+        }
+#endif
     switch (group) {
     case 1: accumulate_q8_t(1, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
     case 2: accumulate_q8_t(2, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
@@ -418,6 +524,15 @@ static inline __attribute__((always_inline)) void attend_item_t(
                 const int64_t n = n_t - t < 8 ? n_t - t : 8;
                 for (int64_t kh = kv_first; kh < kv_end; kh++) {
                     const uint8_t *rows = k_block + t * token_stride + kh * row;
+#if KV_F16C
+                    if (n == 8 && (group == 1 || group == 2 || group == 4 || group == 8)) {
+                        const int64_t h0 = (kh - kv_first) * group;
+                        dot_8rows_q8(group, qq + h0 * head_dim, qd + h0 * nb, rows, token_stride, nb,
+                                     scores + h0 * scores_stride + t0 + t, scores_stride, &ahead, kh - kv_first,
+                                     kv_end - kv_first);
+                        continue;
+                    }
+#endif
                     float kd[8 * (KV_TILE_DIM / 32)];
                     q8_row_scales(rows, token_stride, nb, n, kd);
                     for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++) {
