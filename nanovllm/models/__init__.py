@@ -17,6 +17,14 @@ _MODELS = {
     "Qwen3NextForCausalLM": "nanovllm.models.qwen3_next:Qwen3NextForCausalLM",
 }
 
+# A target's multi-token-prediction head as a model of its own, for a speculative proposer to build
+# from the target's checkpoint (models/qwen3_next.py, MtpHeadMixin).
+_MTP_HEADS = {
+    "Qwen3_5ForCausalLM": "nanovllm.models.qwen3_next:Qwen3_5MTP",
+    "Qwen3_5MoeForCausalLM": "nanovllm.models.qwen3_next:Qwen3_5MoeMTP",
+    "Qwen3NextForCausalLM": "nanovllm.models.qwen3_next:Qwen3NextMTP",
+}
+
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
@@ -28,4 +36,14 @@ def get_model_class(hf_config):
         name = archs[0] if archs else "(none given in config.json)"
         raise ValueError(f"unsupported model architecture {name}; supported: {supported_architectures()}")
     module_name, cls_name = _MODELS[archs[0]].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def get_mtp_head_class(hf_config):
+    """The MTP head model of a target's architecture; ValueError for a family without one."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs or archs[0] not in _MTP_HEADS:
+        name = archs[0] if archs else "(none given in config.json)"
+        raise ValueError(f"architecture {name} has no MTP head model; heads exist for {sorted(_MTP_HEADS)}")
+    module_name, cls_name = _MTP_HEADS[archs[0]].split(":")
     return getattr(importlib.import_module(module_name), cls_name)

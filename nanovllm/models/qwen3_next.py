@@ -14,10 +14,11 @@ from nanovllm.distributed.parallel import get_tp_size
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.gated_deltanet import GatedDeltaNet
 from nanovllm.layers.layernorm import GemmaRMSNorm
-from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.loader.weights import load_weights
 from nanovllm.models.decoder import DecoderForCausalLM, gated_mlp, head_dim_of
 from nanovllm.models.qwen_moe import MoeMixin
 
@@ -151,7 +152,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Checkpoint names as this model's: the multimodal checkpoints' text under model.language_model;
-        the vision tower and an MTP head (left for a speculative proposer) skipped; in_proj_qkv cut
+        the vision tower and the MTP head (its own model: MtpHeadMixin) skipped; in_proj_qkv cut
         into its q, k and v rows (each split over the ranks on its own)."""
         attn = next(m for m in self.modules() if isinstance(m, GatedDeltaNet))
         key_total = attn.key_dim * get_tp_size()
@@ -201,3 +202,94 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
                 yield base + "in_proj_a.weight", a.flatten(0, 1)
             else:
                 yield name, tensor
+
+
+def mtp_layer_count(config) -> int:
+    """Layers of a checkpoint's multi-token-prediction head (Qwen3.5's mtp_num_hidden_layers, or
+    num_nextn_predict_layers as vLLM names it); 0 where it has none."""
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        n = getattr(config, key, None)
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{key} must be an int >= 0, got {n!r}")
+            return n
+    return 0
+
+
+class MultiTokenPredictor(nn.Module):
+    """The MTP head: from the target's final (normed) hidden state at position i and the token at
+    i + 1, the hidden state that predicts the token at i + 2: fc([norm_e(embed(t)) | norm_h(h)]), then
+    full-attention layers of the family's kind (gated attention; the MLP or MoE block of its layer
+    index, counted after the target's layers), then a final norm; the target's head gives the logits."""
+
+    def __init__(self, config, quant_config: QuantizationConfig | None, make_mlp, prefix: str = "model"):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        rope = partial_rope(config)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, quant_config, f"{prefix}.embed_tokens")
+        self.pre_fc_norm_embedding = GemmaRMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(hidden, eps=eps)
+        self.fc = ReplicatedLinear(2 * hidden, hidden, quant_config=quant_config, prefix=f"{prefix}.fc")
+        first = config.num_hidden_layers
+        self.layers = nn.ModuleList(HybridLayer(config, first + i, FULL, rope, quant_config, f"{prefix}.layers.{i}",
+                                                make_mlp) for i in range(mtp_layer_count(config)))
+        self.norm = GemmaRMSNorm(hidden, eps=eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+                step: int = 0) -> torch.Tensor:
+        """input_ids [n] (the tokens after those hidden_states [n, hidden] came from), positions [n]
+        (theirs); step: which of the head's layers (one per proposed token, cycling)."""
+        x = torch.cat([self.pre_fc_norm_embedding(self.embed_tokens(input_ids)),
+                       self.pre_fc_norm_hidden(hidden_states)], dim=-1)
+        x, residual = self.layers[step % len(self.layers)](positions, self.fc(x), None)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class MtpHeadMixin:
+    """A hybrid family's MTP head as a model of its own, for a speculative proposer to build beside
+    the target (spec_decode/proposer.py; vLLM's Qwen3NextMTP): it loads the checkpoint's `mtp.*`
+    tensors with the token embedding and the head, and skips the rest. The target skips `mtp.*`, so
+    its weights are held only where a proposer asks for them."""
+
+    def __init__(self, config, quant_config: QuantizationConfig | None = None):
+        nn.Module.__init__(self)
+        if mtp_layer_count(config) == 0:
+            raise ValueError("this checkpoint has no MTP head (mtp_num_hidden_layers is 0 or missing)")
+        self.model = MultiTokenPredictor(config, quant_config, self.make_mlp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self, self.head_names(weights), self.stacked_params())
+
+    @staticmethod
+    def head_names(weights: Iterable[tuple[str, torch.Tensor]]):
+        embed = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+        for name, tensor in weights:
+            for prefix in ("mtp.", "model.mtp."):
+                if name.startswith(prefix):
+                    yield "model." + name[len(prefix):], tensor
+                    break
+            else:
+                if name in embed:
+                    yield "model.embed_tokens.weight", tensor
+                elif name == "lm_head.weight":
+                    yield name, tensor
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+                step: int = 0) -> torch.Tensor:
+        return self.model(input_ids, positions, hidden_states, step)
+
+
+class Qwen3_5MTP(MtpHeadMixin, Qwen3_5ForCausalLM):
+    """Qwen3.5's MTP head (dense MLP)."""
+
+
+class Qwen3_5MoeMTP(MtpHeadMixin, Qwen3_5MoeForCausalLM):
+    """Qwen3.5-MoE's MTP head (its layer the sparse block with the shared expert)."""
+
+
+class Qwen3NextMTP(MtpHeadMixin, Qwen3NextForCausalLM):
+    """Qwen3-Next's MTP head: its attention projections are separate q/k/v as in its full layers."""

@@ -7,7 +7,8 @@ Also accepted: "disable_by_batch_size" (no proposals while this many sequences o
 one step; vLLM's name), "quantization" (the draft's weight format, as LLM(quantization=...): a
 q4_0 copy of the target drafting for its full-precision self), "max_model_len" (ignored: the draft
 follows the target's). EAGLE / MTP heads have their seat (spec_decode/proposer.py) but no proposer
-yet: asking for one is a clear error.
+yet: asking for one is a clear error. (The hybrids' MTP heads load as models of their own:
+models.get_mtp_head_class; running them needs the target's hidden states, which no step returns yet.)
 """
 from dataclasses import dataclass
 
