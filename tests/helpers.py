@@ -191,12 +191,13 @@ def random_weights(name: str, n: int, k: int, rng, unit_scales: bool = False, st
     return blocks.reshape(n, k // size * nbytes)
 
 
-def gguf_writer(path: str, arch: str, config):
+def gguf_writer(path: str, arch: str, config, layers: int | None = None):
     """A gguf.GGUFWriter for `arch` holding the metadata every decoder's file states, from an HF
-    config: layers, context, width, heads and KV heads, RMS eps, rope base, vocabulary size."""
+    config: layers (the config's, or `layers`), context, width, heads and KV heads, RMS eps, rope
+    base, vocabulary size."""
     import gguf
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(config.num_hidden_layers)
+    w.add_block_count(config.num_hidden_layers if layers is None else layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
     w.add_head_count(config.num_attention_heads)

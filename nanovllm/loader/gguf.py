@@ -154,11 +154,16 @@ class GGUFFile:
         self.converted: dict[str, list[str]] = {}  # file type -> the tensors converted at load
         unsupported, unknown = {}, []
         size = os.path.getsize(path)
+        hybrid = self.arch in gguf_hybrid.ARCHITECTURES
+        # a hybrid file's MTP head: its last layers (read back as the checkpoint's mtp.* tensors)
+        first_mtp = self.target_layers() if hybrid else None
         for t in self.reader.tensors:
             type_name = t.tensor_type.name.lower()
             if t.data_offset + t.n_bytes > size:
                 raise ValueError(f"{path!r}: tensor {t.name} lies past the end of the file (truncated?)")
             name = hf_name(t.name, self.arch)
+            if hybrid:
+                name = gguf_hybrid.mtp_name(t.name, name, first_mtp)
             if name is None:
                 if t.name != "rope_freqs.weight":
                     unknown.append(t.name)
@@ -177,7 +182,7 @@ class GGUFFile:
                 per_block, nbytes = block_shape(type_name)
                 row_bytes = shape[-1] // per_block * nbytes
             info = TensorInfo(t.name, type_name, shape, row_bytes)
-            if self.arch in gguf_hybrid.ARCHITECTURES:
+            if hybrid:
                 self.tensors.update(gguf_hybrid.split_rows(self, name, info))
             else:
                 self.tensors[name] = info
@@ -220,7 +225,7 @@ class GGUFFile:
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{a}.feed_forward_length", 0) or
                                   self.field(f"{a}.expert_feed_forward_length")),
-            num_hidden_layers=int(self.field(f"{a}.block_count")),
+            num_hidden_layers=self.target_layers(),
             num_attention_heads=heads,
             num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
             head_dim=int(self.field(f"{a}.attention.key_length", hidden // heads)),
@@ -255,6 +260,11 @@ class GGUFFile:
             for key in ("norm_topk_prob", "decoder_sparse_step"):
                 kwargs.pop(key)
         return PretrainedConfig(**kwargs)
+
+    def target_layers(self) -> int:
+        """The model's layers: block_count, less a hybrid file's MTP head's (gguf_hybrid.mtp_layers)."""
+        layers = int(self.field(f"{self.arch}.block_count"))
+        return layers - gguf_hybrid.mtp_layers(self, self.arch) if self.arch in gguf_hybrid.ARCHITECTURES else layers
 
     def gemma_config(self, a: str, kwargs: dict) -> dict:
         """A Gemma file's settings as llama.cpp reads them (its gemma2 / gemma3 graphs)."""

@@ -8,8 +8,14 @@ kernel]; Qwen3-Next's interleaved in_proj_qkvz cut into attn_qkv and attn_gate; 
 serves several value heads, the value heads reordered from grouped by key head to tiled (value head
 h uses key head h mod num_key_heads), in every tensor that has them. Rather than move quantized
 rows and columns back, the model is told the order (`linear_value_head_order: "tiled"`,
-layers/gated_deltanet.py)."""
+layers/gated_deltanet.py).
+
+The converter also writes a checkpoint's MTP head (`mtp.*`, unless `--no-mtp`) as layers after the
+target's: `{arch}.nextn_predict_layers` of the `block_count` layers are the head's, its decoder
+layer under the usual names and its fc and norms as `blk.N.nextn.*`. Those are read back as the
+checkpoint's `mtp.*` tensors (the target skips them; models/qwen3_next.py's MtpHeadMixin loads them)."""
 import dataclasses
+import re
 
 import torch
 
@@ -25,6 +31,33 @@ LAYER_NAMES = {
 }
 
 
+# The MTP head's own tensors (blk.N.nextn.*, N its first layer) and the checkpoint's names for them.
+MTP_NAMES = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+             "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def mtp_layers(file, a: str) -> int:
+    """How many of the file's layers are an MTP head's (the last ones)."""
+    n = int(file.field(f"{a}.nextn_predict_layers", 0) or 0)
+    if not 0 <= n < int(file.field(f"{a}.block_count")):
+        raise ValueError(f"{file.path!r}: {a}.nextn_predict_layers is {n}, beside {a}.block_count "
+                         f"{file.field(f'{a}.block_count')}")
+    return n
+
+
+def mtp_name(gguf_name: str, hf: str | None, first: int) -> str | None:
+    """The checkpoint name of a tensor of the MTP head's layers (those from `first`), else hf as given."""
+    match = _LAYER.fullmatch(gguf_name)
+    if match is None or int(match.group(1)) < first:
+        return hf
+    if match.group(2) in MTP_NAMES:
+        return "mtp." + MTP_NAMES[match.group(2)]
+    if hf is None:
+        return None
+    return f"mtp.layers.{int(match.group(1)) - first}." + hf.split(".", 3)[3]
+
+
 def hybrid_config(file, a: str, kwargs: dict) -> dict:
     """The linear layers' settings, the layer kinds and the partial rotary from a file's metadata."""
     layers = kwargs["num_hidden_layers"]
@@ -36,7 +69,7 @@ def hybrid_config(file, a: str, kwargs: dict) -> dict:
         interval = int(file.field(f"{a}.full_attention_interval", 4))
         kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
     rotary = int(file.field(f"{a}.rope.dimension_count", kwargs["head_dim"]))
-    out = dict(layer_types=kinds, linear_conv_kernel_dim=int(file.field(f"{a}.ssm.conv_kernel")),
+    out = dict(layer_types=kinds, mtp_num_hidden_layers=mtp_layers(file, a), linear_conv_kernel_dim=int(file.field(f"{a}.ssm.conv_kernel")),
                linear_key_head_dim=int(file.field(f"{a}.ssm.state_size")), linear_num_key_heads=k_heads,
                linear_num_value_heads=v_heads,
                linear_value_head_dim=int(file.field(f"{a}.ssm.inner_size")) // v_heads,
@@ -52,7 +85,8 @@ def stored_as_hf(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return torch.log(-tensor)  # stored as A = -exp(A_log)
     if name.endswith("conv1d.weight"):
         return tensor.unsqueeze(1)  # [channels, 1, kernel]
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    if (name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")) \
+            or name.startswith("mtp.pre_fc_norm_"):
         return tensor - 1.0  # stored as 1 + w
     return tensor
 

@@ -191,7 +191,7 @@ def tiled(t: torch.Tensor, dim: int, k_heads: int, per_k: int, size: int) -> tor
 def write_gguf(folder: str, path: str, arch: str, quantized: bool = False) -> str:
     """The checkpoint as llama.cpp's converter writes a qwen35 / qwen35moe file: its names, norms as
     1 + w, A = -exp(A_log), the conv kernel squeezed, the value heads tiled; matrices F32, or Q8_0
-    (gguf.quants) where quantized."""
+    (gguf.quants) where quantized; an MTP head (mtp.*) as one more layer, its fc and norms blk.N.nextn.*."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -202,7 +202,10 @@ def write_gguf(folder: str, path: str, arch: str, quantized: bool = False) -> st
     t = load_file(f"{folder}/model.safetensors")
     nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv, r = config.linear_key_head_dim, config.linear_value_head_dim, nv // nk
-    w = gguf_writer(path, arch, config)
+    mtp = "mtp.fc.weight" in t
+    w = gguf_writer(path, arch, config, config.num_hidden_layers + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(1)
     w.add_feed_forward_length(config.intermediate_size)
     w.add_key_length(config.head_dim)
     w.add_value_length(config.head_dim)
@@ -230,8 +233,8 @@ def write_gguf(folder: str, path: str, arch: str, quantized: bool = False) -> st
     add("token_embd.weight", t["model.embed_tokens.weight"], True)
     add("output_norm.weight", t["model.norm.weight"] + 1)
     add("output.weight", t["lm_head.weight"], True)
-    for i, kind in enumerate(config.layer_types):
-        p, b = f"model.layers.{i}", f"blk.{i}"
+
+    def add_layer(p: str, b: str, kind: str):
         add(f"{b}.attn_norm.weight", t[f"{p}.input_layernorm.weight"] + 1)
         add(f"{b}.post_attention_norm.weight", t[f"{p}.post_attention_layernorm.weight"] + 1)
         if kind == "full_attention":
@@ -255,13 +258,23 @@ def write_gguf(folder: str, path: str, arch: str, quantized: bool = False) -> st
         if arch == "qwen35":
             for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
                 add(f"{b}.{ours}.weight", t[f"{p}.mlp.{theirs}.weight"], True)
-            continue
+            return
         add(f"{b}.ffn_gate_inp.weight", t[f"{p}.mlp.gate.weight"])
         for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
             add(f"{b}.{ours}_exps.weight", torch.stack([t[f"{p}.mlp.experts.{e}.{theirs}.weight"]
                                                         for e in range(config.num_experts)]), True)
             add(f"{b}.{ours}_shexp.weight", t[f"{p}.mlp.shared_expert.{theirs}.weight"], True)
         add(f"{b}.ffn_gate_inp_shexp.weight", t[f"{p}.mlp.shared_expert_gate.weight"][0])
+
+    for i, kind in enumerate(config.layer_types):
+        add_layer(f"model.layers.{i}", f"blk.{i}", kind)
+    if mtp:
+        b = f"blk.{config.num_hidden_layers}"
+        add_layer("mtp.layers.0", b, "full_attention")
+        add(f"{b}.nextn.eh_proj.weight", t["mtp.fc.weight"], True)
+        for ours, theirs in (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"),
+                             ("shared_head_norm", "norm")):
+            add(f"{b}.nextn.{ours}.weight", t[f"mtp.{theirs}.weight"] + 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

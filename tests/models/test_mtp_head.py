@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import check_tokens_close, hf_greedy
 from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.layers.attention import Attention
 from nanovllm.loader.safetensors import safetensors_weights
@@ -16,7 +17,7 @@ from nanovllm.models import get_mtp_head_class
 from nanovllm.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeMTP, Qwen3_5MTP
 from nanovllm.utils.context import Context, forward_context
 
-from test_hybrid_linear import make_checkpoint
+from test_hybrid_linear import MAX_NEW, generate, make_checkpoint, prompts, write_gguf
 
 
 def add_mtp_head(path: str, family: str) -> tuple[dict, object]:
@@ -110,3 +111,29 @@ def test_the_target_skips_the_head_and_a_checkpoint_without_one_is_named(tmp_pat
     target = Qwen3_5ForCausalLM(transformers.AutoConfig.from_pretrained(path))
     target.load_weights(safetensors_weights(path))  # the mtp.* tensors are not the target's: no error
     assert not any(name.startswith("mtp") or ".fc." in name for name, _ in target.named_parameters())
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")])
+def test_a_gguf_file_with_the_head(tmp_path, family, arch):
+    """llama.cpp's converter writes the head as one more layer (nextn_predict_layers; its fc and norms
+    blk.N.nextn.*): the target runs as the checkpoint (transformers' greedy tokens), and the head
+    read from the file holds the checkpoint's head."""
+    pytest.importorskip("gguf")
+    from nanovllm.loader.gguf import GGUFFile
+    path = make_checkpoint(family, str(tmp_path / "ckpt"))
+    head, _ = add_mtp_head(path, family)
+    file = write_gguf(path, str(tmp_path / "f32.gguf"), arch)
+    ours, _ = generate(file, prompts())
+    assert check_tokens_close(ours, hf_greedy(path, prompts(), MAX_NEW, mask_eos=False)) == len(prompts())
+    gguf_file = GGUFFile(file)
+    config = gguf_file.hf_config()
+    assert config.num_hidden_layers == 4 and config.mtp_num_hidden_layers == 1
+    from_file = get_mtp_head_class(config)(config)
+    from_file.load_weights(gguf_file.weights())
+    import transformers
+    from_ckpt = get_mtp_head_class(transformers.AutoConfig.from_pretrained(path))(
+        transformers.AutoConfig.from_pretrained(path))
+    from_ckpt.load_weights(safetensors_weights(path))
+    want = dict(from_ckpt.named_parameters())
+    for name, param in from_file.named_parameters():
+        torch.testing.assert_close(param, want[name], rtol=0, atol=1e-6, msg=name)
