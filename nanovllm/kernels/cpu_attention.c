@@ -378,19 +378,6 @@ static inline __attribute__((always_inline)) void dot_8rows_q8_t(const int G, co
     for (int g = 0; g < G; g++) store_f32(out + g * out_stride, acc[g]);
 }
 
-/* dot_8rows_q8_t with G a constant, after the 8 rows' block scales (a vector per block). */
-static inline void dot_8rows_q8(int64_t group, const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride,
-                                int64_t nb, float *out, int64_t out_stride, const Ahead *ahead, int64_t part,
-                                int64_t parts) {
-    vf kdt[KV_TILE_DIM / 32];
-    q8_block_scales8(k, stride, nb, kdt);
-    switch (group) {
-    case 1: dot_8rows_q8_t(1, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
-    case 2: dot_8rows_q8_t(2, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
-    case 4: dot_8rows_q8_t(4, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
-    default: dot_8rows_q8_t(8, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
-    }
-}
 #endif
 
 /* o_g[0, head_dim) += sum_i p_g[i] v_i for the G query heads g of one KV head (o_g = o + g * head_dim,
@@ -453,21 +440,69 @@ static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const in
         }
     }
 }
+
+/* The group sizes the whole-chunk paths take (G a constant). */
+static inline int whole_chunks_q8(int64_t group) { return group == 1 || group == 2 || group == 4 || group == 8; }
+
+/* dot_8rows_q8_t with G a constant, after the 8 rows' block scales (a vector per block). */
+static inline void dot_8rows_q8(int64_t group, const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride,
+                                int64_t nb, float *out, int64_t out_stride, const Ahead *ahead, int64_t part,
+                                int64_t parts) {
+    vf kdt[KV_TILE_DIM / 32];
+    q8_block_scales8(k, stride, nb, kdt);
+    switch (group) {
+    case 1: dot_8rows_q8_t(1, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    case 2: dot_8rows_q8_t(2, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    case 4: dot_8rows_q8_t(4, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    default: dot_8rows_q8_t(8, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    }
+}
+static inline void accumulate_8rows_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t nb, const float *p,
+                                       int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead, int64_t part,
+                                       int64_t parts) {
+    switch (group) {
+    case 1: accumulate_8rows_q8_t(1, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 2: accumulate_8rows_q8_t(2, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 4: accumulate_8rows_q8_t(4, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    default: accumulate_8rows_q8_t(8, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    }
+}
+#else
+/* Without AVX2 + F16C a whole chunk takes the per-row paths: a head at a time for the scores, the
+ * group's heads together for the values. */
+static inline int whole_chunks_q8(int64_t group) { return group == 1 || group == 2 || group == 4 || group == 8; }
+
+static inline void dot_8rows_q8(int64_t group, const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride,
+                                int64_t nb, float *out, int64_t out_stride, const Ahead *ahead, int64_t part,
+                                int64_t parts) {
+    float kd[8 * (KV_TILE_DIM / 32)];
+    q8_row_scales(k, stride, nb, 8, kd);
+    for (int64_t g = 0; g < group; g++) {
+        prefetch_part(ahead, part * group + g, parts * group);
+        dot_rows_q8(qq + g * nb * 32, qd + g * nb, k, stride, nb, 8, kd, out + g * out_stride);
+    }
+}
+
+static inline void accumulate_8rows_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t nb, const float *p,
+                                       int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead, int64_t part,
+                                       int64_t parts) {
+    switch (group) {
+    case 1: accumulate_q8_t(1, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 2: accumulate_q8_t(2, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 4: accumulate_q8_t(4, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    default: accumulate_q8_t(8, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    }
+}
 #endif
 
 /* accumulate_q8_t with G a constant for the usual group sizes; other groups a head at a time. */
 static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t n, int64_t nb,
                                  const float *p, int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead,
                                  int64_t part, int64_t parts) {
-#if KV_F16C
-    if (n == 8) switch (group) {
-        case 1: accumulate_8rows_q8_t(1, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-        case 2: accumulate_8rows_q8_t(2, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-        case 4: accumulate_8rows_q8_t(4, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-        case 8: accumulate_8rows_q8_t(8, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-        default: break;
-        }
-#endif
+    if (n == 8 && whole_chunks_q8(group)) {
+        accumulate_8rows_q8(group, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts);
+        return;
+    }
     switch (group) {
     case 1: accumulate_q8_t(1, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
     case 2: accumulate_q8_t(2, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
@@ -524,15 +559,13 @@ static inline __attribute__((always_inline)) void attend_item_t(
                 const int64_t n = n_t - t < 8 ? n_t - t : 8;
                 for (int64_t kh = kv_first; kh < kv_end; kh++) {
                     const uint8_t *rows = k_block + t * token_stride + kh * row;
-#if KV_F16C
-                    if (n == 8 && (group == 1 || group == 2 || group == 4 || group == 8)) {
+                    if (n == 8 && whole_chunks_q8(group)) {
                         const int64_t h0 = (kh - kv_first) * group;
                         dot_8rows_q8(group, qq + h0 * head_dim, qd + h0 * nb, rows, token_stride, nb,
                                      scores + h0 * scores_stride + t0 + t, scores_stride, &ahead, kh - kv_first,
                                      kv_end - kv_first);
                         continue;
                     }
-#endif
                     float kd[8 * (KV_TILE_DIM / 32)];
                     q8_row_scales(rows, token_stride, nb, n, kd);
                     for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++) {
