@@ -444,65 +444,48 @@ static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const in
 /* The group sizes the whole-chunk paths take (G a constant). */
 static inline int whole_chunks_q8(int64_t group) { return group == 1 || group == 2 || group == 4 || group == 8; }
 
-/* dot_8rows_q8_t with G a constant, after the 8 rows' block scales (a vector per block). */
-static inline void dot_8rows_q8(int64_t group, const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride,
-                                int64_t nb, float *out, int64_t out_stride, const Ahead *ahead, int64_t part,
-                                int64_t parts) {
+/* The scores of n rows by dot_8rows_q8_t where they are a whole chunk of a group it takes; 0 (nothing
+ * done) otherwise. */
+static inline int dot_chunk_q8(int64_t group, const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride,
+                               int64_t nb, int64_t n, float *out, int64_t out_stride, const Ahead *ahead, int64_t part,
+                               int64_t parts) {
+    if (n != 8 || !whole_chunks_q8(group)) return 0;
     vf kdt[KV_TILE_DIM / 32];
     q8_block_scales8(k, stride, nb, kdt);
     switch (group) {
-    case 1: dot_8rows_q8_t(1, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
-    case 2: dot_8rows_q8_t(2, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
-    case 4: dot_8rows_q8_t(4, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
-    default: dot_8rows_q8_t(8, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); return;
+    case 1: dot_8rows_q8_t(1, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); break;
+    case 2: dot_8rows_q8_t(2, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); break;
+    case 4: dot_8rows_q8_t(4, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); break;
+    default: dot_8rows_q8_t(8, qq, qd, k, stride, nb, kdt, out, out_stride, ahead, part, parts); break;
     }
+    return 1;
 }
-static inline void accumulate_8rows_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t nb, const float *p,
-                                       int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead, int64_t part,
-                                       int64_t parts) {
+
+/* The values of n rows by accumulate_8rows_q8_t where they are a whole chunk of a group it takes; 0
+ * (nothing done) otherwise. */
+static inline int accumulate_chunk_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t n, int64_t nb,
+                                      const float *p, int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead,
+                                      int64_t part, int64_t parts) {
+    if (n != 8 || !whole_chunks_q8(group)) return 0;
     switch (group) {
-    case 1: accumulate_8rows_q8_t(1, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-    case 2: accumulate_8rows_q8_t(2, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-    case 4: accumulate_8rows_q8_t(4, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-    default: accumulate_8rows_q8_t(8, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
+    case 1: accumulate_8rows_q8_t(1, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); break;
+    case 2: accumulate_8rows_q8_t(2, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); break;
+    case 4: accumulate_8rows_q8_t(4, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); break;
+    default: accumulate_8rows_q8_t(8, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts); break;
     }
+    return 1;
 }
 #else
-/* Without AVX2 + F16C a whole chunk takes the per-row paths: a head at a time for the scores, the
- * group's heads together for the values. */
-static inline int whole_chunks_q8(int64_t group) { return group == 1 || group == 2 || group == 4 || group == 8; }
-
-static inline void dot_8rows_q8(int64_t group, const int8_t *qq, const float *qd, const uint8_t *k, int64_t stride,
-                                int64_t nb, float *out, int64_t out_stride, const Ahead *ahead, int64_t part,
-                                int64_t parts) {
-    float kd[8 * (KV_TILE_DIM / 32)];
-    q8_row_scales(k, stride, nb, 8, kd);
-    for (int64_t g = 0; g < group; g++) {
-        prefetch_part(ahead, part * group + g, parts * group);
-        dot_rows_q8(qq + g * nb * 32, qd + g * nb, k, stride, nb, 8, kd, out + g * out_stride);
-    }
-}
-
-static inline void accumulate_8rows_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t nb, const float *p,
-                                       int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead, int64_t part,
-                                       int64_t parts) {
-    switch (group) {
-    case 1: accumulate_q8_t(1, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-    case 2: accumulate_q8_t(2, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-    case 4: accumulate_q8_t(4, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-    default: accumulate_q8_t(8, v, stride, 8, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
-    }
-}
+/* Without AVX2 + F16C there are no whole-chunk paths: every chunk takes the per-row ones. */
+#define dot_chunk_q8(...) 0
+#define accumulate_chunk_q8(...) 0
 #endif
 
 /* accumulate_q8_t with G a constant for the usual group sizes; other groups a head at a time. */
 static inline void accumulate_q8(int64_t group, const uint8_t *v, int64_t stride, int64_t n, int64_t nb,
                                  const float *p, int64_t p_stride, float *o, int64_t head_dim, const Ahead *ahead,
                                  int64_t part, int64_t parts) {
-    if (n == 8 && whole_chunks_q8(group)) {
-        accumulate_8rows_q8(group, v, stride, nb, p, p_stride, o, head_dim, ahead, part, parts);
-        return;
-    }
+    if (accumulate_chunk_q8(group, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts)) return;
     switch (group) {
     case 1: accumulate_q8_t(1, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
     case 2: accumulate_q8_t(2, v, stride, n, nb, p, p_stride, o, head_dim, ahead, part, parts); return;
@@ -559,13 +542,11 @@ static inline __attribute__((always_inline)) void attend_item_t(
                 const int64_t n = n_t - t < 8 ? n_t - t : 8;
                 for (int64_t kh = kv_first; kh < kv_end; kh++) {
                     const uint8_t *rows = k_block + t * token_stride + kh * row;
-                    if (n == 8 && whole_chunks_q8(group)) {
-                        const int64_t h0 = (kh - kv_first) * group;
-                        dot_8rows_q8(group, qq + h0 * head_dim, qd + h0 * nb, rows, token_stride, nb,
+                    const int64_t h0 = (kh - kv_first) * group;
+                    if (dot_chunk_q8(group, qq + h0 * head_dim, qd + h0 * nb, rows, token_stride, nb, n,
                                      scores + h0 * scores_stride + t0 + t, scores_stride, &ahead, kh - kv_first,
-                                     kv_end - kv_first);
+                                     kv_end - kv_first))
                         continue;
-                    }
                     float kd[8 * (KV_TILE_DIM / 32)];
                     q8_row_scales(rows, token_stride, nb, n, kd);
                     for (int64_t h = (kh - kv_first) * group; h < (kh - kv_first + 1) * group; h++) {

@@ -34,7 +34,6 @@ LAYER_NAMES = {
 # The MTP head's own tensors (blk.N.nextn.*, N its first layer) and the checkpoint's names for them.
 MTP_NAMES = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
              "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
-_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def mtp_layers(file, a: str) -> int:
@@ -46,16 +45,16 @@ def mtp_layers(file, a: str) -> int:
     return n
 
 
-def mtp_name(gguf_name: str, hf: str | None, first: int) -> str | None:
-    """The checkpoint name of a tensor of the MTP head's layers (those from `first`), else hf as given."""
-    match = _LAYER.fullmatch(gguf_name)
-    if match is None or int(match.group(1)) < first:
+def mtp_name(layer: re.Match | None, hf: str | None, first: int) -> str | None:
+    """The checkpoint name of a tensor of the MTP head's layers (those from `first`; layer: its name's
+    match of blk.<index>.<rest>, None for a tensor outside the layers), else hf as given."""
+    if layer is None or int(layer.group(1)) < first:
         return hf
-    if match.group(2) in MTP_NAMES:
-        return "mtp." + MTP_NAMES[match.group(2)]
+    if layer.group(2) in MTP_NAMES:
+        return "mtp." + MTP_NAMES[layer.group(2)]
     if hf is None:
         return None
-    return f"mtp.layers.{int(match.group(1)) - first}." + hf.split(".", 3)[3]
+    return f"mtp.layers.{int(layer.group(1)) - first}." + hf.split(".", 3)[3]
 
 
 def hybrid_config(file, a: str, kwargs: dict) -> dict:
@@ -69,7 +68,8 @@ def hybrid_config(file, a: str, kwargs: dict) -> dict:
         interval = int(file.field(f"{a}.full_attention_interval", 4))
         kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
     rotary = int(file.field(f"{a}.rope.dimension_count", kwargs["head_dim"]))
-    out = dict(layer_types=kinds, mtp_num_hidden_layers=mtp_layers(file, a), linear_conv_kernel_dim=int(file.field(f"{a}.ssm.conv_kernel")),
+    out = dict(layer_types=kinds, mtp_num_hidden_layers=mtp_layers(file, a),
+               linear_conv_kernel_dim=int(file.field(f"{a}.ssm.conv_kernel")),
                linear_key_head_dim=int(file.field(f"{a}.ssm.state_size")), linear_num_key_heads=k_heads,
                linear_num_value_heads=v_heads,
                linear_value_head_dim=int(file.field(f"{a}.ssm.inner_size")) // v_heads,

@@ -30,20 +30,20 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(hf_config):
+def _load(registry: dict[str, str], hf_config, what: str):
+    """The class registry names for hf_config's architecture; ValueError naming what it has."""
     archs = getattr(hf_config, "architectures", None) or []
-    if not archs or archs[0] not in _MODELS:
+    if not archs or archs[0] not in registry:
         name = archs[0] if archs else "(none given in config.json)"
-        raise ValueError(f"unsupported model architecture {name}; supported: {supported_architectures()}")
-    module_name, cls_name = _MODELS[archs[0]].split(":")
+        raise ValueError(f"{what} {name}; supported: {sorted(registry)}")
+    module_name, cls_name = registry[archs[0]].split(":")
     return getattr(importlib.import_module(module_name), cls_name)
+
+
+def get_model_class(hf_config):
+    return _load(_MODELS, hf_config, "unsupported model architecture")
 
 
 def get_mtp_head_class(hf_config):
     """The MTP head model of a target's architecture; ValueError for a family without one."""
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs or archs[0] not in _MTP_HEADS:
-        name = archs[0] if archs else "(none given in config.json)"
-        raise ValueError(f"architecture {name} has no MTP head model; heads exist for {sorted(_MTP_HEADS)}")
-    module_name, cls_name = _MTP_HEADS[archs[0]].split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+    return _load(_MTP_HEADS, hf_config, "no MTP head model for architecture")
