@@ -333,6 +333,18 @@ static inline void dot_rows_q8(const int8_t *qq, const float *qd, const uint8_t 
 }
 
 #if KV_F16C
+/* 256-bit vpdpbusd (AVX512-VNNI + VL, or AVX-VNNI) for the int8 scores (dot_8rows_q8_t's second definition) */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define ATT_VNNI 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i att_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+static inline __m256i att_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+#else
+#define ATT_VNNI 0
+#endif
+
 /* The 8 rows' scales of each block (block b's in lane i of kdt[b]), rows k + i * stride. */
 static inline void q8_block_scales8(const uint8_t *k, int64_t stride, int64_t nb, vf *kdt) {
     for (int64_t b = 0; b < nb; b++) {
@@ -350,6 +362,7 @@ static inline __m256i reduce8_epi32(const __m256i a[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+#if !ATT_VNNI
 /* dot_rows_q8 for a whole chunk of 8 rows, block first: each block's 8 integer dot products reduced
  * to one vector (a lane per row) before anything is converted, so that the conversion and the
  * scales (kdt[b]: the 8 rows' scales of block b) cost one instruction per 8 rows, not one per row
@@ -378,6 +391,35 @@ static inline __attribute__((always_inline)) void dot_8rows_q8_t(const int G, co
     for (int g = 0; g < G; g++) store_f32(out + g * out_stride, acc[g]);
 }
 
+#else
+/* dot_8rows_q8_t with vpdpbusd, which multiplies unsigned bytes by signed ones without saturating:
+ * each row's block flipped to k + 128 once for all G heads, then one instruction per row and head
+ * (the AVX2 path's two sign flips, pair sums and widening are per row and head); the 128 * sum(q)
+ * that the flip adds is taken off by starting each row's sums at -128 * (q's 4-value sums), one
+ * vpdpbusd per head and block. */
+static inline __attribute__((always_inline)) void dot_8rows_q8_t(const int G, const int8_t *qq, const float *qd,
+                                                                 const uint8_t *k, int64_t stride, int64_t nb,
+                                                                 const vf *kdt, float *out, int64_t out_stride,
+                                                                 const Ahead *ahead, int64_t part, int64_t parts) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    vf acc[Q8_MAX_GROUP];
+    for (int g = 0; g < G; g++) acc[g] = (vf){0};
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_part(ahead, part * nb + b, parts * nb);
+        __m256i ku[8];
+        for (int i = 0; i < 8; i++)
+            ku[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(k + i * stride + b * 34 + 2)), flip);
+        for (int g = 0; g < G; g++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(qq + g * nb * 32 + b * 32));
+            const __m256i start = _mm256_sub_epi32(zero, att_dpbusd(zero, flip, qv));
+            __m256i p[8];
+            for (int i = 0; i < 8; i++) p[i] = att_dpbusd(start, ku[i], qv);
+            acc[g] += (vf)_mm256_cvtepi32_ps(reduce8_epi32(p)) * (kdt[b] * qd[g * nb + b]);
+        }
+    }
+    for (int g = 0; g < G; g++) store_f32(out + g * out_stride, acc[g]);
+}
+#endif
 #endif
 
 /* o_g[0, head_dim) += sum_i p_g[i] v_i for the G query heads g of one KV head (o_g = o + g * head_dim,
@@ -406,7 +448,7 @@ static inline __attribute__((always_inline)) void accumulate_q8_t(const int G, c
     }
 }
 
-#if KV_F16C
+#if KV_F16C && !defined(__AVX512F__)
 /* accumulate_q8_t for a whole chunk of 8 rows: the rows' weights times their block scales as one
  * vector per head and block, each weight broadcast once per block and half-block pass, and CH
  * vectors of output per head per pass (G x CH accumulators: 8 registers, the converted rows and a
@@ -441,6 +483,42 @@ static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const in
     }
 }
 
+#elif KV_F16C
+/* accumulate_8rows_q8_t with 16-lane registers (AVX-512): a block's 32 values of a row are two
+ * conversions, and the G heads' 2 G accumulators (16 registers at G = 8) stay in registers for the
+ * whole block beside them (of the 32): each row's weight is one broadcast per head, the output one
+ * load and store per block and head. */
+static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const int G, const uint8_t *v,
+                                                                        int64_t stride, int64_t nb, const float *p,
+                                                                        int64_t p_stride, float *o, int64_t head_dim,
+                                                                        const Ahead *ahead, int64_t part,
+                                                                        int64_t parts) {
+    vf dvt[KV_TILE_DIM / 32];
+    q8_block_scales8(v, stride, nb, dvt);
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_part(ahead, part * nb + b, parts * nb);
+        float w[Q8_MAX_GROUP][8];
+        for (int g = 0; g < G; g++) store_f32(w[g], load_f32(p + g * p_stride) * dvt[b]);
+        __m512 acc[2 * Q8_MAX_GROUP];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 2; c++) acc[2 * g + c] = _mm512_loadu_ps(o + g * head_dim + b * 32 + 16 * c);
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *x8 = v + i * stride + b * 34 + 2;
+            const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x8)));
+            const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x8 + 16))));
+            for (int g = 0; g < G; g++) {
+                const __m512 wv = _mm512_set1_ps(w[g][i]);
+                acc[2 * g] = _mm512_fmadd_ps(wv, x0, acc[2 * g]);
+                acc[2 * g + 1] = _mm512_fmadd_ps(wv, x1, acc[2 * g + 1]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 2; c++) _mm512_storeu_ps(o + g * head_dim + b * 32 + 16 * c, acc[2 * g + c]);
+    }
+}
+#endif
+
+#if KV_F16C
 /* The group sizes the whole-chunk paths take (G a constant). */
 static inline int whole_chunks_q8(int64_t group) { return group == 1 || group == 2 || group == 4 || group == 8; }
 
