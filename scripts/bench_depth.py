@@ -6,11 +6,13 @@ call as a step's weights evict them; the median call).
 
     python scripts/bench_depth.py [--model M] [--quantization q4_0] [--depths 64,2048,8192]
                                   [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32]
+                                  [--max-num-batched-tokens N]
                                   [--attention | --attention-only [--against CHECKOUT]]
                                   [--llamacpp [--forks llama.cpp,ik_llama.cpp] --file q4_0|q8_0 --isa native|avx2]
 
 Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
-cache mapped up front, kvcache_prefault); each depth runs once per format, so repeat the command to
+cache mapped up front, kvcache_prefault), prompts past its max_num_batched_tokens prefilled in chunks
+as a user's are (all of them timed as the prefill); each depth runs once per format, so repeat the command to
 see the machine's noise. Peak RSS is printed per format. Run without OMP_WAIT_POLICY=PASSIVE.
 """
 import argparse
@@ -34,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--depths", default="64,2048,8192", help="prompt lengths, comma-separated")
     p.add_argument("--kv-cache-dtypes", default="float32,float16,bfloat16,int8")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed behind each prompt")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prefill chunk (tokens per step); default: the engine's own (chunked prefill past it, as a "
+                        "user gets), 0: each prompt in one chunk")
     p.add_argument("--attention", action="store_true", help="also time the decode attention kernel alone")
     p.add_argument("--attention-only", action="store_true", help="only the decode attention kernel alone (no engine)")
     p.add_argument("--against", metavar="CHECKOUT",
@@ -67,21 +72,25 @@ def engine_rows(args, path: str) -> None:
     rng = random.Random(0)
     longest = max(args.depths) + args.decode + 16
     quantization = None if args.quantization == "none" else args.quantization
+    chunk = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens or longest}
     for name in args.kv_cache_dtypes:
         with LLM(path, quantization=quantization, kv_cache_dtype=name, max_model_len=longest, max_num_seqs=1,
-                 max_num_batched_tokens=longest, enable_prefix_caching=False, kvcache_prefault=True) as llm:
+                 enable_prefix_caching=False, kvcache_prefault=True, **chunk) as llm:
             vocab = llm.config.hf_config.vocab_size
             for depth in args.depths:
                 prompt = [rng.randrange(100, vocab - 100) for _ in range(depth)]
                 llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.decode + 1, ignore_eos=True))
-                start = time.perf_counter()
-                llm.step()  # the prefill (and the first token)
+                start, steps = time.perf_counter(), 1
+                while llm.step().num_output_tokens == 0:  # the prefill's chunks, the last one's token
+                    steps += 1
                 prefilled = time.perf_counter()
                 while not llm.is_finished():
                     llm.step()
                 done = time.perf_counter()
                 print(f"| ours {name} | {depth} | {depth / (prefilled - start):.1f} | {args.decode / (done - prefilled):.2f} |",
                       flush=True)
+                if steps > 1:
+                    print(f"(prefill of {depth} tokens in {steps} chunks)", flush=True)
         print(f"peak RSS after {name}: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
               flush=True)
 

@@ -26,6 +26,20 @@ def test_rows_per_format_and_depth(qwen3_gqa):
     assert "peak RSS after int8" in out.stdout
 
 
+def test_long_prompts_prefill_in_chunks(qwen3_gqa):
+    """--max-num-batched-tokens below a depth: that prompt is prefilled over several steps (as the
+    engine's default chunk does past 16384 tokens), all of them timed as its prefill."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--model", qwen3_gqa,
+                          "--quantization", "none", "--depths", "12,40", "--decode", "3", "--kv-cache-dtypes", "int8",
+                          "--max-num-batched-tokens", "16"], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^\| ours int8 \| (\d+) \|", out.stdout, re.M)
+    assert rows == ["12", "40"]
+    assert re.findall(r"^\(prefill of (\d+) tokens in (\d+) chunks\)$", out.stdout, re.M) == [("40", "3")]
+
+
 def test_attention_only_against_another_checkout(qwen3_gqa):
     """--attention-only runs no engine; --against times another checkout's kernels (here this one
     again) beside ours, a row each per format and depth."""
