@@ -150,6 +150,8 @@ def build_parser() -> ArgumentParser:
     ]:
         p.add_argument(flag, type=positive_int, default=cuda if on_cuda else cpu,
                        help=f"{help_} (default: {cuda} on CUDA, {cpu} on CPU)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="engine: most tokens in one step, the prefill chunk (default: the platform's, 8192 on CPU)")
     p.add_argument("--max-model-len", type=positive_int, default=4096,
                    help="engine: longest prompt + output (default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true", help="engine: no CUDA graphs")
@@ -247,6 +249,7 @@ def main() -> int:
         llm = LLM(path, device=args.device, dtype=args.dtype, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
                   tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
     except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
         return print_error("bench.py", e)

@@ -42,7 +42,8 @@ _ENGINE_OPTIONS = [
      "14-bit elsewhere), 14 (14-bit everywhere: as vLLM keeps W8A16 / W4A16 activations in 16 bits) or 8 "
      "(llama.cpp's int8 inputs: fastest, coarsest)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "most tokens in one step"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int,
+     "most tokens in one step, a long prompt's prefill chunk"),
     ("--max-model-len", "max_model_len", int, "longest prompt + completion"),
     ("--kvcache-block-size", "kvcache_block_size", int, "tokens per KV cache block (multiple of 16)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "share of GPU memory to use"),
@@ -77,6 +78,7 @@ _ALIASES = {"--tensor-parallel-size": "-tp"}
 # Defaults that Config leaves to the platform (None there), as --help states them.
 _PLATFORM_DEFAULTS = {
     "kvcache_block_size": "16 on CPU, 256 on CUDA",
+    "max_num_batched_tokens": "8192 on CPU, 16384 on CUDA",
     "cpu_kvcache_bytes": "a quarter of the available RAM, at most 8 GiB",
     "dist_init_addr": "none",
     "quantization": "none: the checkpoint's own format",

@@ -74,7 +74,7 @@ class Config:
     device: str = "auto"
     dtype: str | torch.dtype = "auto"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int | None = None  # tokens in one step, the prefill chunk (None: the platform's)
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_bytes: int | None = None
@@ -152,6 +152,8 @@ class Config:
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__} {self.seed!r}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = self.platform.default_max_num_batched_tokens
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
         if self.kvcache_block_size is None:

@@ -49,6 +49,11 @@ class CpuPlatform(Platform):
     device_name = "cpu"
     dist_backend = "gloo"
     default_block_size = 16  # small blocks share prefixes better
+    # vLLM's LLM-class default outside large GPUs: a long prompt's chunks keep their fp32 activations
+    # near the cores (at 32768 tokens, chunks of 16384 prefilled 7% slower than chunks of 4096 and
+    # peaked 1.5 GiB higher; one chunk of 32768, 3.7 GiB higher: docs/performance.md item 53), while
+    # bench.py's batches of short prompts ran alike at 2048-16384 (its early "tried and not kept")
+    default_max_num_batched_tokens = 8192
     has_decode_graphs = False
 
     @classmethod

@@ -34,6 +34,7 @@ class Platform:
     device_name: str          # the resolved Config.device
     dist_backend: str         # torch.distributed backend of tensor parallelism
     default_block_size: int   # kvcache_block_size when not given
+    default_max_num_batched_tokens: int  # max_num_batched_tokens (the prefill chunk) when not given
     has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs (step_runners)
 
     @classmethod

@@ -54,6 +54,10 @@ def test_cpu_platform_decisions(qwen3_gqa):
     assert p.to_device(t, torch.device("cpu")) is t  # no copy on the host
     config = Config(qwen3_gqa, device="cpu", cpu_kvcache_bytes=12345)
     assert (config.kvcache_block_size, config.compile_ops) == (16, False)
+    assert p.default_max_num_batched_tokens == config.max_num_batched_tokens == 8192  # the prefill chunk
+    assert Config(qwen3_gqa, device="cpu", max_num_batched_tokens=300).max_num_batched_tokens == 300
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Config(qwen3_gqa, device="cpu", max_num_batched_tokens=0)
     budget = p.kv_cache_budget_bytes(config, torch.device("cpu"), warmup=lambda: pytest.fail("no warm-up on CPU"))
     assert budget == 12345
 
@@ -158,6 +162,7 @@ def test_cpu_kv_cache_is_held_in_huge_pages():
 def test_cuda_platform_decisions(monkeypatch):
     p = CudaPlatform()
     assert (p.device_name, p.dist_backend, p.default_block_size, p.has_decode_graphs) == ("cuda", "nccl", 256, True)
+    assert p.default_max_num_batched_tokens == 16384
     assert p.device_of_rank(0) == torch.device("cuda", 0) and p.device_of_rank(3) == torch.device("cuda", 3)
     assert p.default_compile_ops(enforce_eager=False) is True
     assert p.default_compile_ops(enforce_eager=True) is False

@@ -247,8 +247,14 @@ def test_cpu_kernel_decode_matches_naive(num_heads, num_kv_heads, head_dim, bloc
         torch.testing.assert_close(out[i: i + 1], ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("query_block", [None, 2])
 @pytest.mark.parametrize("num_heads", [2, 4])
-def test_prefill_with_cached_prefix_matches_naive(num_heads):
+def test_prefill_with_cached_prefix_matches_naive(num_heads, query_block, monkeypatch):
+    """query_block 2: the queries over a cached prefix a block of 2 rows at a time (the last one
+    alone), each block's keys up to its own last query."""
+    from nanovllm.layers.backends import torch_backend
+    if query_block is not None:
+        monkeypatch.setattr(torch_backend, "PREFIX_QUERY_BLOCK", query_block)
     k_lens, q_lens = [10, 7, 13], [3, 7, 5]  # the second has no cached prefix
     k_cache, v_cache, tables, ks, vs = paged_setup(k_lens)
     qs = [torch.randn(n, num_heads, 8) for n in q_lens]

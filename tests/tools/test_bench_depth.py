@@ -28,7 +28,7 @@ def test_rows_per_format_and_depth(qwen3_gqa):
 
 def test_long_prompts_prefill_in_chunks(qwen3_gqa):
     """--max-num-batched-tokens below a depth: that prompt is prefilled over several steps (as the
-    engine's default chunk does past 16384 tokens), all of them timed as its prefill."""
+    engine's default chunk does past 8192 tokens on a CPU), all of them timed as its prefill."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_depth.py"), "--model", qwen3_gqa,
                           "--quantization", "none", "--depths", "12,40", "--decode", "3", "--kv-cache-dtypes", "int8",

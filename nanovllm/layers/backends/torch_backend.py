@@ -80,6 +80,27 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
     return out.squeeze(0).transpose(0, 1)
 
 
+# Queries per SDPA call over a cached prefix (a chunked prefill's later chunks): SDPA's is_causal
+# aligns the triangle top-left, so these calls take an explicit mask, and a chunk's [q_len, k_len]
+# one (a float copy inside SDPA) cost 2+ GB and a quarter of the speed at 16384 x 32768 tokens
+# (docs/performance.md item 53); per block of rows it is [rows, keys up to the block's last query].
+PREFIX_QUERY_BLOCK = 1024
+
+
+def causal_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Lq, H, D]: the queries at the last Lq of k / v's Lk positions, each seeing the keys up to its
+    own -> [Lq, H, D], PREFIX_QUERY_BLOCK rows at a time."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    out = torch.empty_like(q)
+    for r0 in range(0, q_len, PREFIX_QUERY_BLOCK):
+        r1 = min(q_len, r0 + PREFIX_QUERY_BLOCK)
+        keys = k_len - q_len + r1  # up to the block's last query
+        mask = causal_mask(r1 - r0, keys, q.device)
+        out[r0:r1] = sdpa(q[r0:r1], k[:keys], v[:keys], scale, mask, False, softcap, sinks)
+    return out
+
+
 @dataclass
 class TorchMetadata:
     """Prefill: seqlens_q / seqlens_k (new tokens, whole key range) per sequence; block_tables only
@@ -183,8 +204,7 @@ class TorchBackend(AttentionBackend):
             elif k_len == q_len or not has_cache:
                 oi = sdpa(qi, ki, vi, scale, None, q_len > 1, softcap, sinks)
             else:
-                oi = sdpa(qi, ki[first:], vi[first:], scale, causal_mask(q_len, k_len, q.device)[:, first:], False,
-                          softcap, sinks)
+                oi = causal_over_prefix(qi, ki[first:], vi[first:], scale, softcap, sinks)
             out[q_start: q_start + q_len] = oi
             q_start += q_len
         return out
