@@ -449,45 +449,59 @@ static inline __attribute__((always_inline)) void accumulate_q8_t(const int G, c
 }
 
 #if KV_F16C && !defined(__AVX512F__)
-/* accumulate_q8_t for a whole chunk of 8 rows: the rows' weights times their block scales as one
- * vector per head and block, each weight broadcast once per block and half-block pass, and CH
- * vectors of output per head per pass (G x CH accumulators: 8 registers, the converted rows and a
- * weight beside them, so nothing spills on AVX2's 16). */
-static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const int G, const uint8_t *v,
-                                                                        int64_t stride, int64_t nb, const float *p,
-                                                                        int64_t p_stride, float *o, int64_t head_dim,
-                                                                        const Ahead *ahead, int64_t part,
-                                                                        int64_t parts) {
+/* o_g[0, 32) += sum_i w[g][i] x_i for the 32 values x_i of one block of 8 rows (x_i at v + i * stride,
+ * o_g = o + g * head_dim): CH vectors of output per head per pass (G x CH accumulators: 8 registers,
+ * the converted rows and a weight beside them, so nothing spills on AVX2's 16), each weight
+ * broadcast once per half-block pass. */
+static inline __attribute__((always_inline)) void accumulate_block_8rows(const int G, const uint8_t *v, int64_t stride,
+                                                                         const float w[Q8_MAX_GROUP][8], float *o,
+                                                                         int64_t head_dim) {
     const int CH = G >= 8 ? 1 : G == 4 ? 2 : 4; /* vectors of 8 values per head per pass */
-    vf dvt[KV_TILE_DIM / 32];
-    q8_block_scales8(v, stride, nb, dvt);
-    for (int64_t b = 0; b < nb; b++) {
-        prefetch_part(ahead, part * nb + b, parts * nb);
-        float w[Q8_MAX_GROUP][8];
-        for (int g = 0; g < G; g++) store_f32(w[g], load_f32(p + g * p_stride) * dvt[b]);
-        for (int c0 = 0; c0 < 32; c0 += CH * VL) {
-            vf acc[8];
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < CH; c++) acc[g * CH + c] = load_f32(o + g * head_dim + b * 32 + c0 + c * VL);
-            for (int i = 0; i < 8; i++) {
-                vf x[4];
-                for (int c = 0; c < CH; c++) x[c] = i8x8(v + i * stride + b * 34 + 2 + c0 + c * VL);
-                for (int g = 0; g < G; g++) {
-                    const vf wv = (vf){0} + w[g][i];
-                    for (int c = 0; c < CH; c++) acc[g * CH + c] += wv * x[c];
-                }
+    for (int c0 = 0; c0 < 32; c0 += CH * VL) {
+        vf acc[8];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < CH; c++) acc[g * CH + c] = load_f32(o + g * head_dim + c0 + c * VL);
+        for (int i = 0; i < 8; i++) {
+            vf x[4];
+            for (int c = 0; c < CH; c++) x[c] = i8x8(v + i * stride + c0 + c * VL);
+            for (int g = 0; g < G; g++) {
+                const vf wv = (vf){0} + w[g][i];
+                for (int c = 0; c < CH; c++) acc[g * CH + c] += wv * x[c];
             }
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < CH; c++) store_f32(o + g * head_dim + b * 32 + c0 + c * VL, acc[g * CH + c]);
         }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < CH; c++) store_f32(o + g * head_dim + c0 + c * VL, acc[g * CH + c]);
     }
 }
 
 #elif KV_F16C
-/* accumulate_8rows_q8_t with 16-lane registers (AVX-512): a block's 32 values of a row are two
- * conversions, and the G heads' 2 G accumulators (16 registers at G = 8) stay in registers for the
- * whole block beside them (of the 32): each row's weight is one broadcast per head, the output one
- * load and store per block and head. */
+/* The same with 16-lane registers (AVX-512): a row's 32 values are two conversions, and the G heads'
+ * 2 G accumulators (16 registers at G = 8) stay in registers for the whole block beside them (of
+ * the 32): each row's weight is one broadcast per head, the output one load and store per head. */
+static inline __attribute__((always_inline)) void accumulate_block_8rows(const int G, const uint8_t *v, int64_t stride,
+                                                                         const float w[Q8_MAX_GROUP][8], float *o,
+                                                                         int64_t head_dim) {
+    __m512 acc[2 * Q8_MAX_GROUP];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 2; c++) acc[2 * g + c] = _mm512_loadu_ps(o + g * head_dim + 16 * c);
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *x8 = v + i * stride;
+        const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x8)));
+        const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x8 + 16))));
+        for (int g = 0; g < G; g++) {
+            const __m512 wv = _mm512_set1_ps(w[g][i]);
+            acc[2 * g] = _mm512_fmadd_ps(wv, x0, acc[2 * g]);
+            acc[2 * g + 1] = _mm512_fmadd_ps(wv, x1, acc[2 * g + 1]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 2; c++) _mm512_storeu_ps(o + g * head_dim + 16 * c, acc[2 * g + c]);
+}
+#endif
+
+#if KV_F16C
+/* accumulate_q8_t for a whole chunk of 8 rows: the rows' weights times their block scales as one
+ * vector per head and block, then each block's values by accumulate_block_8rows. */
 static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const int G, const uint8_t *v,
                                                                         int64_t stride, int64_t nb, const float *p,
                                                                         int64_t p_stride, float *o, int64_t head_dim,
@@ -499,26 +513,10 @@ static inline __attribute__((always_inline)) void accumulate_8rows_q8_t(const in
         prefetch_part(ahead, part * nb + b, parts * nb);
         float w[Q8_MAX_GROUP][8];
         for (int g = 0; g < G; g++) store_f32(w[g], load_f32(p + g * p_stride) * dvt[b]);
-        __m512 acc[2 * Q8_MAX_GROUP];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 2; c++) acc[2 * g + c] = _mm512_loadu_ps(o + g * head_dim + b * 32 + 16 * c);
-        for (int i = 0; i < 8; i++) {
-            const uint8_t *x8 = v + i * stride + b * 34 + 2;
-            const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x8)));
-            const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x8 + 16))));
-            for (int g = 0; g < G; g++) {
-                const __m512 wv = _mm512_set1_ps(w[g][i]);
-                acc[2 * g] = _mm512_fmadd_ps(wv, x0, acc[2 * g]);
-                acc[2 * g + 1] = _mm512_fmadd_ps(wv, x1, acc[2 * g + 1]);
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 2; c++) _mm512_storeu_ps(o + g * head_dim + b * 32 + 16 * c, acc[2 * g + c]);
+        accumulate_block_8rows(G, v + b * 34 + 2, stride, (const float(*)[8])w, o + b * 32, head_dim);
     }
 }
-#endif
 
-#if KV_F16C
 /* The group sizes the whole-chunk paths take (G a constant). */
 static inline int whole_chunks_q8(int64_t group) { return group == 1 || group == 2 || group == 4 || group == 8; }
 
