@@ -96,6 +96,7 @@ def gemma_config(file, a: str, kwargs: dict) -> dict:
                                   "sliding_attention": {"rope_type": "default", "rope_theta": rules["local_theta"]}}
     return out
 
+
 def gpt_oss_config(file, a: str, kwargs: dict) -> dict:
     """A gpt-oss file's settings: experts, alternating windows, YaRN as the HF config states it."""
     window = file.field(f"{a}.attention.sliding_window", None)
