@@ -8,12 +8,18 @@ call as a step's weights evict them; the median call).
                                   [--kv-cache-dtypes float32,float16,bfloat16,int8] [--decode 32]
                                   [--max-num-batched-tokens N]
                                   [--attention | --attention-only [--against CHECKOUT]]
-                                  [--llamacpp [--forks llama.cpp,ik_llama.cpp] --file q4_0|q8_0 --isa native|avx2]
+                                  [--llamacpp [--forks llama.cpp,ik_llama.cpp] --file q4_0|q8_0 --isa native|avx2
+                                   [--resumable]]
 
 Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
 cache mapped up front, kvcache_prefault), prompts past its max_num_batched_tokens prefilled in chunks
 as a user's are (all of them timed as the prefill); each depth runs once per format, so repeat the command to
 see the machine's noise. Peak RSS is printed per format. Run without OMP_WAIT_POLICY=PASSIVE.
+
+--resumable is for prefills longer than a sitting (llama.cpp over a q8_0 cache at 32768 tokens: ~3 hours
+of 2 cores): llama.cpp runs first, through scripts/llamacpp_depth.c (batched-bench's measurement, its
+prompt's cache saved every 512 tokens); stopped in its prefill, the same command goes on from the last
+save. Its prefill speed is then over the tokens of the last run only; decode is timed as always.
 """
 import argparse
 import os
@@ -53,6 +59,9 @@ def parse_args() -> argparse.Namespace:
                         "llama-batched-bench, same flags plus -rtr, its run-time repacking; built once from the "
                         "ik-llama-cpp-python sdist) (default: %(default)s)")
     p.add_argument("--file", default="q4_0", choices=["q8_0", "q4_0", "q4_k_m"], help="with --llamacpp (default: %(default)s)")
+    p.add_argument("--resumable", action="store_true",
+                   help="with --llamacpp: llama.cpp's prefill saved as it goes and resumed by the next run "
+                        "(scripts/llamacpp_depth.c); llama.cpp runs before ours")
     p.add_argument("--isa", default="native", choices=["native", "avx2"],
                    help="instruction sets of both engines (avx2: what AVX2-only machines run; default: %(default)s)")
     args = p.parse_args()
@@ -138,6 +147,54 @@ def llamacpp_rows(args, gguf: Path, fork: str = "llama.cpp") -> None:
         print(f"peak RSS of {fork} {kv}: {rss / 1024:.2f} GiB", flush=True)
 
 
+def depth_tool(bins: dict[str, Path], fork: str = "llama.cpp") -> Path:
+    """scripts/llamacpp_depth.c compiled against fork's build (its headers, its libllama), once per source."""
+    import hashlib
+
+    import llamacpp_build
+    from nanovllm.utils.cache import cache_root
+    source = ROOT / "scripts" / "llamacpp_depth.c"
+    lib = bins["llama-batched-bench"].parent
+    tool = lib / f"llamacpp-depth-{hashlib.sha256(source.read_bytes()).hexdigest()[:10]}"
+    if not tool.is_file():
+        llama = llamacpp_build.fetch_source(cache_root(), fork)
+        llamacpp_build.run_step(
+            "compile of llamacpp_depth.c",
+            [os.environ.get("CC", "cc"), "-O2", "-I", str(llama / "include"), "-I", str(llama / "ggml" / "include"),
+             str(source), "-L", str(lib), "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(tool)],
+            llamacpp_build.work_dir(cache_root(), fork) / "logs" / "compile-llamacpp-depth.log")
+    return tool
+
+
+def resumable_rows(args, gguf: Path, fork: str = "llama.cpp") -> None:
+    """llama.cpp at every depth through llamacpp_depth.c, its prompt's cache saved under depth-state/ as
+    it prefills and loaded by the next run of the same file, cache type and depth."""
+    import json
+
+    import llamacpp_build
+    from nanovllm.utils.cache import cache_root
+    bins = llamacpp_build.build_llamacpp(cache_root(), isa=args.isa, fork=fork)
+    tool = depth_tool(bins, fork)
+    work = llamacpp_build.work_dir(cache_root(), fork)
+    states = work / "depth-state"
+    states.mkdir(parents=True, exist_ok=True)
+    for name in args.kv_cache_dtypes:
+        kv = LLAMA_KV.get(name)
+        if kv not in ("f16", "q8_0"):
+            continue
+        for depth in args.depths:
+            stem = f"{gguf.stem}-{args.isa}-{kv}-{depth}"
+            out, log = work / "logs" / f"depth-{stem}.out", work / "logs" / f"depth-{stem}.log"
+            rss = llamacpp_build.run_step(
+                f"{fork} llamacpp_depth on {gguf.name} ({kv}, {depth} tokens; progress in {log})",
+                [str(tool), str(gguf), str(depth), str(args.decode), kv, str(os.cpu_count()),
+                 str(states / f"{stem}.state")], log, stdout=out)
+            row = json.loads(out.read_text().strip().splitlines()[-1])
+            resumed = f" (resumed at {row['resumed_from']})" if row["resumed_from"] else ""
+            print(f"| {fork} {kv} | {depth} | {row['speed_pp']:.1f}{resumed} | {row['speed_tg']:.2f} |", flush=True)
+            print(f"peak RSS of {fork} {kv}: {rss / 1024:.2f} GiB", flush=True)
+
+
 def other_kernels(checkout: str):
     """The C kernels as another checkout of the project builds them (its sources, this machine's
     flags), loaded beside ours: the same calls timed alternately, so the machine's drift falls on both."""
@@ -208,10 +265,13 @@ def main() -> None:
     print(f"model {path}, {args.isa} build", flush=True)
     if not args.attention_only:
         print("| engine / kv_cache_dtype | prompt tokens | prefill tok/s | decode tok/s |\n|---|---|---|---|", flush=True)
+        if args.llamacpp and args.resumable and "llama.cpp" in args.forks:
+            resumable_rows(args, Path(path))
         engine_rows(args, path)
     if args.llamacpp and not args.attention_only:
         for fork in args.forks:
-            llamacpp_rows(args, Path(path), fork)
+            if not (args.resumable and fork == "llama.cpp"):
+                llamacpp_rows(args, Path(path), fork)
     if args.attention or args.attention_only:
         from nanovllm.loader.checkpoint import Checkpoint
         hf = Checkpoint(path).hf_config

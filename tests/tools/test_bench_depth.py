@@ -78,3 +78,41 @@ def test_ik_table_rows_are_read():
     assert bench_depth.table_rows(IK_BATCHED_BENCH) == [
         {"pp": 512, "speed_pp": 156.51, "speed_tg": 37.28}, {"pp": 2048, "speed_pp": 137.43, "speed_tg": 26.58}]
     assert bench_depth.table_rows("| PP | TG |\nno table here") == []
+
+
+def test_resumable_rows_pass_a_state_per_file_type_and_depth(tmp_path, monkeypatch, capsys):
+    """--resumable: llamacpp_depth gets a state file named by the GGUF, the instruction set, the cache type
+    and the depth (so a stopped run is resumed only by the same measurement), and its JSON line becomes
+    the row, a resumed prefill marked as such; formats llama.cpp has no same-size cache for are skipped."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import argparse
+    import json
+
+    import bench_depth
+    import llamacpp_build
+    calls = []
+
+    def fake_run(step, cmd, log, stdout=None, cwd=None):
+        calls.append(cmd)
+        tool, gguf, depth, decode, kv, threads, state = cmd
+        stdout.parent.mkdir(parents=True, exist_ok=True)
+        stdout.write_text("noise\n" + json.dumps({"pp": int(depth), "resumed_from": 512 if kv == "q8_0" else 0,
+                                                  "speed_pp": 12.5, "speed_tg": 3.25}) + "\n")
+        return 2048.0
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(llamacpp_build, "build_llamacpp", lambda cache, isa, fork: {
+        "llama-batched-bench": tmp_path / "bin" / "llama-batched-bench"})
+    monkeypatch.setattr(bench_depth, "depth_tool", lambda bins, fork="llama.cpp": tmp_path / "bin" / "tool")
+    monkeypatch.setattr(llamacpp_build, "run_step", fake_run)
+    args = argparse.Namespace(kv_cache_dtypes=["auto", "float32", "int8"], depths=[2048, 32768], decode=16,
+                              isa="avx2")
+    bench_depth.resumable_rows(args, Path("/models/m-lq-q4_0.gguf"))
+    states = [Path(cmd[-1]).name for cmd in calls]
+    assert states == ["m-lq-q4_0-avx2-f16-2048.state", "m-lq-q4_0-avx2-f16-32768.state",
+                      "m-lq-q4_0-avx2-q8_0-2048.state", "m-lq-q4_0-avx2-q8_0-32768.state"]
+    assert [cmd[2:5] for cmd in calls] == [["2048", "16", "f16"], ["32768", "16", "f16"], ["2048", "16", "q8_0"],
+                                           ["32768", "16", "q8_0"]]
+    rows = re.findall(r"^\| llama\.cpp (\S+) \| (\d+) \| (.+) \| ([\d.]+) \|$", capsys.readouterr().out, re.M)
+    assert rows == [("f16", "2048", "12.5", "3.25"), ("f16", "32768", "12.5", "3.25"),
+                    ("q8_0", "2048", "12.5 (resumed at 512)", "3.25"), ("q8_0", "32768", "12.5 (resumed at 512)", "3.25")]
