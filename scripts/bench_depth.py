@@ -9,17 +9,19 @@ call as a step's weights evict them; the median call).
                                   [--max-num-batched-tokens N]
                                   [--attention | --attention-only [--against CHECKOUT]]
                                   [--llamacpp [--forks llama.cpp,ik_llama.cpp] --file q4_0|q8_0 --isa native|avx2
-                                   [--resumable]]
+                                   [--resumable [--llamacpp-depths D]]]
 
 Default model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint. One engine per format (a
 cache mapped up front, kvcache_prefault), prompts past its max_num_batched_tokens prefilled in chunks
 as a user's are (all of them timed as the prefill); each depth runs once per format, so repeat the command to
 see the machine's noise. Peak RSS is printed per format. Run without OMP_WAIT_POLICY=PASSIVE.
 
---resumable is for prefills longer than a sitting (llama.cpp over a q8_0 cache at 32768 tokens: ~3 hours
-of 2 cores): llama.cpp runs first, through scripts/llamacpp_depth.c (batched-bench's measurement, its
+--resumable is for prefills longer than a sitting (llama.cpp over a q8_0 cache at 32768 tokens: over
+5 hours of 2 cores here): llama.cpp runs first, through scripts/llamacpp_depth.c (batched-bench's measurement, its
 prompt's cache saved every 512 tokens); stopped in its prefill, the same command goes on from the last
-save. Its prefill speed is then over the tokens of the last run only; decode is timed as always.
+save. Its prefill speed is then over the tokens of the last run only; decode is timed as always. A save
+of the first D tokens of a longer prompt is a D-token prompt's (the same random tokens from the start):
+copied to D's name, it gives llama.cpp's decode at D (--llamacpp-depths D) while the longer one goes on.
 """
 import argparse
 import os
@@ -62,10 +64,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resumable", action="store_true",
                    help="with --llamacpp: llama.cpp's prefill saved as it goes and resumed by the next run "
                         "(scripts/llamacpp_depth.c); llama.cpp runs before ours")
+    p.add_argument("--llamacpp-depths", default=None,
+                   help="with --resumable: llama.cpp's depths when not --depths (e.g. the deepest its saved "
+                        "prefill has reached, beside ours at the full depth)")
     p.add_argument("--isa", default="native", choices=["native", "avx2"],
                    help="instruction sets of both engines (avx2: what AVX2-only machines run; default: %(default)s)")
     args = p.parse_args()
     args.depths = [int(d) for d in args.depths.split(",")]
+    args.llamacpp_depths = [int(d) for d in args.llamacpp_depths.split(",")] if args.llamacpp_depths else args.depths
+    if args.llamacpp_depths != args.depths and not args.resumable:
+        p.error("--llamacpp-depths goes with --resumable")
     args.kv_cache_dtypes = args.kv_cache_dtypes.split(",")
     args.forks = args.forks.split(",")
     if any(f not in ("llama.cpp", "ik_llama.cpp") for f in args.forks):
@@ -182,7 +190,7 @@ def resumable_rows(args, gguf: Path, fork: str = "llama.cpp") -> None:
         kv = LLAMA_KV.get(name)
         if kv not in ("f16", "q8_0"):
             continue
-        for depth in args.depths:
+        for depth in args.llamacpp_depths:
             stem = f"{gguf.stem}-{args.isa}-{kv}-{depth}"
             out, log = work / "logs" / f"depth-{stem}.out", work / "logs" / f"depth-{stem}.log"
             rss = llamacpp_build.run_step(

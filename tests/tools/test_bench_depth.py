@@ -105,8 +105,8 @@ def test_resumable_rows_pass_a_state_per_file_type_and_depth(tmp_path, monkeypat
         "llama-batched-bench": tmp_path / "bin" / "llama-batched-bench"})
     monkeypatch.setattr(bench_depth, "depth_tool", lambda bins, fork="llama.cpp": tmp_path / "bin" / "tool")
     monkeypatch.setattr(llamacpp_build, "run_step", fake_run)
-    args = argparse.Namespace(kv_cache_dtypes=["auto", "float32", "int8"], depths=[2048, 32768], decode=16,
-                              isa="avx2")
+    args = argparse.Namespace(kv_cache_dtypes=["auto", "float32", "int8"], depths=[64], llamacpp_depths=[2048, 32768],
+                              decode=16, isa="avx2")
     bench_depth.resumable_rows(args, Path("/models/m-lq-q4_0.gguf"))
     states = [Path(cmd[-1]).name for cmd in calls]
     assert states == ["m-lq-q4_0-avx2-f16-2048.state", "m-lq-q4_0-avx2-f16-32768.state",
