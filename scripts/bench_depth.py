@@ -198,8 +198,12 @@ def resumable_rows(args, gguf: Path, fork: str = "llama.cpp") -> None:
                 [str(tool), str(gguf), str(depth), str(args.decode), kv, str(os.cpu_count()),
                  str(states / f"{stem}.state")], log, stdout=out)
             row = json.loads(out.read_text().strip().splitlines()[-1])
-            resumed = f" (resumed at {row['resumed_from']})" if row["resumed_from"] else ""
-            print(f"| {fork} {kv} | {depth} | {row['speed_pp']:.1f}{resumed} | {row['speed_tg']:.2f} |", flush=True)
+            prefill = f"{row['speed_pp']:.1f}"
+            if row["resumed_from"] >= depth:
+                prefill = "- (the whole prompt from a save)"
+            elif row["resumed_from"]:
+                prefill += f" (resumed at {row['resumed_from']})"
+            print(f"| {fork} {kv} | {depth} | {prefill} | {row['speed_tg']:.2f} |", flush=True)
             print(f"peak RSS of {fork} {kv}: {rss / 1024:.2f} GiB", flush=True)
 
 

@@ -83,7 +83,7 @@ def test_ik_table_rows_are_read():
 def test_resumable_rows_pass_a_state_per_file_type_and_depth(tmp_path, monkeypatch, capsys):
     """--resumable: llamacpp_depth gets a state file named by the GGUF, the instruction set, the cache type
     and the depth (so a stopped run is resumed only by the same measurement), and its JSON line becomes
-    the row, a resumed prefill marked as such; formats llama.cpp has no same-size cache for are skipped."""
+    the row, a resumed prefill marked as such (and none timed where the save held the whole prompt); formats llama.cpp has no same-size cache for are skipped."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import argparse
     import json
@@ -96,7 +96,7 @@ def test_resumable_rows_pass_a_state_per_file_type_and_depth(tmp_path, monkeypat
         calls.append(cmd)
         tool, gguf, depth, decode, kv, threads, state = cmd
         stdout.parent.mkdir(parents=True, exist_ok=True)
-        stdout.write_text("noise\n" + json.dumps({"pp": int(depth), "resumed_from": 512 if kv == "q8_0" else 0,
+        stdout.write_text("noise\n" + json.dumps({"pp": int(depth), "resumed_from": 512 if kv == "q8_0" else int(depth),
                                                   "speed_pp": 12.5, "speed_tg": 3.25}) + "\n")
         return 2048.0
 
@@ -114,5 +114,6 @@ def test_resumable_rows_pass_a_state_per_file_type_and_depth(tmp_path, monkeypat
     assert [cmd[2:5] for cmd in calls] == [["2048", "16", "f16"], ["32768", "16", "f16"], ["2048", "16", "q8_0"],
                                            ["32768", "16", "q8_0"]]
     rows = re.findall(r"^\| llama\.cpp (\S+) \| (\d+) \| (.+) \| ([\d.]+) \|$", capsys.readouterr().out, re.M)
-    assert rows == [("f16", "2048", "12.5", "3.25"), ("f16", "32768", "12.5", "3.25"),
+    assert rows == [("f16", "2048", "- (the whole prompt from a save)", "3.25"),
+                    ("f16", "32768", "- (the whole prompt from a save)", "3.25"),
                     ("q8_0", "2048", "12.5 (resumed at 512)", "3.25"), ("q8_0", "32768", "12.5 (resumed at 512)", "3.25")]
