@@ -112,7 +112,7 @@ int main(int argc, char **argv) {
     }
     int resumed = done;
 
-    struct llama_batch batch = llama_batch_init(step > 1 ? step : 1, 0, 1);
+    struct llama_batch batch = llama_batch_init(step, 0, 1);
     char *aside = malloc(strlen(state) + 8);
     sprintf(aside, "%s.part", state);
     double prefill_us = 0;
