@@ -243,14 +243,20 @@ def run_hf(path: str, dtype: torch.dtype, device: str, prompts, max_tokens, batc
 def main() -> int:
     args = parse_args()
     from nanovllm import LLM
+    from nanovllm.engine_args import EngineArgs
+    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
+                   kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
+    try:
+        EngineArgs(args.model, **options)  # every flag's value, before a random checkpoint is written
+    except (ValueError, TypeError) as e:
+        return print_error("bench.py", e)
     path = random_qwen3_moe_checkpoint() if args.model == "qwen3-moe" else args.model or random_qwen3_checkpoint()
     print(f"bench.py: loading {path}", flush=True)
     try:
-        llm = LLM(path, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
+        llm = LLM(path, **options)
     except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
         return print_error("bench.py", e)
     cfg = llm.config

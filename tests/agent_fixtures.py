@@ -1,46 +1,31 @@
-"""Pieces of the agent-API tests: Qwen3's own chat template (from llama.cpp's copy, in the
-llama-cpp-python sdist), a tiny Qwen3 whose greedy reply is known by construction (a bigram
+"""Pieces of the agent-API tests: Qwen3's own chat template (llama.cpp's copy, from the
+llama-cpp-python sdist, kept in tests/data), a tiny Qwen3 whose greedy reply is known by construction (a bigram
 model: each token's successor is written into its weights), and `nanovllm serve` as a subprocess."""
-import glob
+import hashlib
 import os
 import socket
 import subprocess
 import sys
-import tarfile
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from nanovllm.utils.cache import cache_root
-
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-TEMPLATE_MEMBER = "vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja"
+# Qwen3-0.6B's chat template as llama.cpp ships it, kept in tests/data (its provenance in
+# tests/data/README.md) so that nothing is downloaded at test time.
+TEMPLATE = Path(__file__).parent / "data" / "Qwen-Qwen3-0.6B.jinja"
+TEMPLATE_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"
 # Qwen3's added tokens (its tokenizer has them; the template writes them as text).
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
 def qwen3_chat_template() -> str:
-    """Qwen3-0.6B's chat template as llama.cpp ships it: from a llama.cpp source already unpacked
-    in the nanovllm cache (scripts/llamacpp_build.py), else from the sdist, downloaded once."""
-    cached = cache_root() / "templates" / "Qwen-Qwen3-0.6B.jinja"
-    if not cached.exists():
-        found = glob.glob(str(cache_root() / "llama.cpp-*" / "src" / TEMPLATE_MEMBER))
-        if found:
-            text = Path(found[0]).read_text()
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                subprocess.run([sys.executable, "-m", "pip", "download", LLAMA_CPP_PYTHON, "--no-deps",
-                                "--no-binary", ":all:", "-d", tmp, "-q"], check=True, timeout=600)
-                (sdist,) = glob.glob(os.path.join(tmp, "*.tar.gz"))
-                with tarfile.open(sdist) as tar:
-                    member = next(m for m in tar.getmembers() if m.name.endswith(TEMPLATE_MEMBER))
-                    text = tar.extractfile(member).read().decode()
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(text)
-    return cached.read_text()
+    """Qwen3-0.6B's chat template, checked against the sdist member's sha256."""
+    data = TEMPLATE.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    assert digest == TEMPLATE_SHA256, f"{TEMPLATE} is not the file tests/data/README.md names (sha256 {digest})"
+    return data.decode()
 
 
 def make_scripted_qwen3(path: str, script: list[str], template: str):

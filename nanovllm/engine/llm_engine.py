@@ -51,8 +51,31 @@ def startup_summary(config: Config, runner: ModelRunner, num_blocks: int) -> str
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return (f"model {os.path.basename(config.model.rstrip('/'))} ({arch}) on {config.device}{tp}, {dtypes}; "
             f"KV cache {tokens} tokens in {config.kv_format.name}, {runner.kv_token_bytes()} bytes per token "
-            f"({num_blocks} blocks of {config.kvcache_block_size}{layers}, {kv_mib:.0f} MiB per rank{kinds}); "
+            f"({num_blocks} blocks of {config.kvcache_block_size}{layers}{kinds}), {kv_mib:.0f} MiB per rank "
+            f"{config.platform.kv_cache_holding(config.kvcache_prefault)}; "
             f"peak RSS {peak_rss_mib:.0f} MiB")
+
+
+def sampling_defaults_line(config: Config) -> str:
+    """Where the sampling defaults come from and what they mean for a request: a sampled default
+    (a model card's temperature) makes the same question come back differently."""
+    from nanovllm.utils.default_model import GENERATION_DIRNAME
+    source = config.generation_config
+    if source == "auto":
+        source = "the model's generation config"
+    elif os.path.basename(source.rstrip("/")) == GENERATION_DIRNAME:
+        source = "the default model's card"
+    else:
+        source = f"generation_config {source!r}"
+    if config.override_generation_config:
+        source += " and override_generation_config"
+    fields = ", ".join(f"{k}={v}" for k, v in config.sampling_defaults.items())
+    line = f"sampling defaults from {source}: {fields}: requests that leave a field unset take it"
+    if config.sampling_defaults.get("temperature", 1.0) > 0:
+        line += "; send temperature=0 for a deterministic (greedy) answer"
+    if config.max_tokens_ceiling is not None:
+        line += f"; no request gets more than {config.max_tokens_ceiling} tokens"
+    return line + " (generation_config='vllm' / --generation-config vllm: none)"
 
 
 def _as_prompt_list(prompts):
@@ -78,9 +101,7 @@ class LLMEngine:
         logger.info("%s", startup_summary(config, getattr(self.model_runner, "runner", self.model_runner),
                                           self.num_kvcache_blocks))
         if config.sampling_defaults:
-            logger.info("sampling defaults from generation_config %r: %s (requests that leave a field unset "
-                        "take it; generation_config='vllm' for none)", config.generation_config,
-                        ", ".join(f"{k}={v}" for k, v in config.sampling_defaults.items()))
+            logger.info("%s", sampling_defaults_line(config))
         runner = getattr(self.model_runner, "runner", self.model_runner)
         self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups],
                                    runner.num_state_slots)

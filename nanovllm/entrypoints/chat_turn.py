@@ -74,7 +74,8 @@ class ChatService:
         with as_bad_request():
             body.check_supported()
             check_request(body, 1, self.limits)
-            params = body.sampling_params(self.engine.llm.config.sampling_defaults)
+            config = self.engine.llm.config
+            params = body.sampling_params(config.sampling_defaults, config.max_tokens_ceiling)
             tool_choice = tool_choice_of(body, self.chat)
             params = with_forced_call(params, body, tool_choice, self.chat)
             conversation = body.conversation()
@@ -82,8 +83,9 @@ class ChatService:
             self.tools_warning.request_brings_tools()
         prompt_ids = await chat_prompt_ids(self.engine, conversation, body, template_tools(body),
                                            body.add_special_tokens, self.chat.trust_request_chat_template)
-        check_context_length([len(prompt_ids)], params.max_tokens, self.engine.llm.config.max_model_len,
-                             "messages", max_tokens_param)
+        config = self.engine.llm.config
+        check_context_length([len(prompt_ids)], body.checked_max_tokens(config.sampling_defaults,
+                             config.max_tokens_ceiling), config.max_model_len, "messages", max_tokens_param)
         params = await self._constrain_after_thinking(params, prompt_ids)
         return PreparedChat(params, tool_choice, conversation, prompt_ids)
 

@@ -110,7 +110,7 @@ def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
     """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
     engine, limits = service.engine, service.limits
     max_model_len = engine.llm.config.max_model_len
-    sampling_defaults = engine.llm.config.sampling_defaults  # the model's, for fields a request leaves unset
+    config = engine.llm.config  # its sampling_defaults for fields a request leaves unset, its max_tokens_ceiling
 
     @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
@@ -120,9 +120,10 @@ def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
             body.check_supported()
             prompts = body.prompts()
             check_request(body, len(prompts), limits)
-            params = body.sampling_params(sampling_defaults)
+            params = body.sampling_params(config.sampling_defaults, config.max_tokens_ceiling)
         prompt_ids = await prompt_token_ids(engine, prompts)
-        check_context_length([len(ids) for ids in prompt_ids], params.max_tokens, max_model_len)
+        check_context_length([len(ids) for ids in prompt_ids],
+                             body.checked_max_tokens(config.sampling_defaults, config.max_tokens_ceiling), max_model_len)
         echoed = await echo_texts(engine, prompts, prompt_ids) if body.echo else None
         gen = service.generation("cmpl", params.n, params.logprobs, arrival,
                                  num_prompt_logprobs=params.prompt_logprobs, echo_texts=echoed,

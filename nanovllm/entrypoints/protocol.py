@@ -21,6 +21,16 @@ SAMPLING_FIELDS = (
 )
 
 
+def resolve_max_tokens(asked: int | None, defaults: dict | None, ceiling: int | None) -> int | None:
+    """A request's max_tokens: what it asked for, else the server's default (the generation config's
+    max_new_tokens; None: as many as fit in max_model_len, OpenAI's and vLLM's default), never more
+    than the ceiling (--override-generation-config's max_new_tokens, as vLLM caps it)."""
+    value = asked if asked is not None else (defaults or {}).get("max_tokens")
+    if ceiling is not None and (value is None or value > ceiling):
+        return ceiling
+    return value
+
+
 # OpenAI's and vLLM's cap on logprobs / top_logprobs.
 MAX_LOGPROBS = 20
 
@@ -129,6 +139,17 @@ class _SamplingRequest(SGLangSamplingFields):
             kwargs["structured_outputs"] = structured
         return {**kwargs, **self.sglang_sampling_kwargs()}
 
+    def asked_max_tokens(self, defaults: dict | None = None) -> int | None:
+        """The completion length the client asked for (each request kind says where it asks)."""
+        raise NotImplementedError
+
+    def checked_max_tokens(self, defaults: dict | None, ceiling: int | None) -> int | None:
+        """The completion length a prompt must leave room for (limits.check_context_length): the
+        client's own ask, within the ceiling. A server default is not held against the prompt: the
+        engine stops a completion at max_model_len."""
+        asked = self.asked_max_tokens(defaults)
+        return asked if asked is None or ceiling is None else min(asked, ceiling)
+
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint from whichever of the three ways the client used (one at most)."""
         given: dict[str, StructuredOutputsParams] = {}
@@ -174,6 +195,13 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}) or be unset, got {self.best_of}")
 
+    def asked_max_tokens(self, defaults: dict | None = None) -> int | None:
+        """The completion length the client asked for: max_tokens; unset, OpenAI's 16 where the
+        server has no default of its own (None: the server's; null: as many as fit)."""
+        if "max_tokens" in self.model_fields_set or "max_tokens" in (defaults or {}):
+            return self.max_tokens if "max_tokens" in self.model_fields_set else None
+        return 16
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string, token ids, or a list of either)."""
         p = self.prompt
@@ -183,10 +211,9 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt is empty")
         return list(p)
 
-    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None, max_tokens_ceiling: int | None = None) -> SamplingParams:
         kwargs = self.sampling_kwargs(defaults)
-        if self.max_tokens is not None:
-            kwargs["max_tokens"] = self.max_tokens
+        kwargs["max_tokens"] = resolve_max_tokens(self.asked_max_tokens(defaults), defaults, max_tokens_ceiling)
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
         if self.prompt_logprobs is not None:
@@ -233,14 +260,16 @@ class ChatCompletionRequest(ChatTemplateOptions, _SamplingRequest, SGLangChatFie
         super().check_supported()
         self.check_template_options()
 
+    def asked_max_tokens(self, defaults: dict | None = None) -> int | None:
+        """The completion length the client asked for (None: the server's default, else as many as fit)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def conversation(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
 
-    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None, max_tokens_ceiling: int | None = None) -> SamplingParams:
         kwargs = self.sampling_kwargs(defaults)
-        # Unset: as many as fit in max_model_len (OpenAI's chat default).
-        kwargs["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
+        kwargs["max_tokens"] = resolve_max_tokens(self.asked_max_tokens(), defaults, max_tokens_ceiling)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.logprobs:

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ def cflags() -> list[str]:
 
 _kernels = None
 _tried = False
+_compile_seconds = 0.0
 
 
 def library_path() -> Path:
@@ -86,7 +88,15 @@ def build_once(path: Path) -> None:
             return
         logger.warning("compiling the CPU C kernels for this machine, once (about 10-30 s); later starts load "
                        "them from %s", path.parent)
+        global _compile_seconds
+        start = time.perf_counter()
         build(path)
+        _compile_seconds = time.perf_counter() - start
+
+
+def compile_seconds() -> float:
+    """How long this process spent compiling the kernels (0.0 where it loaded a cached build)."""
+    return _compile_seconds
 
 
 # The one-call decode step's batch limit where some layer's weights are read by torch (a layer or

@@ -60,8 +60,10 @@ def load_hf_config(model: str):
 
 
 # Sampling defaults a model states (vLLM applies them to requests that leave the field unset): the
-# generation_config.json fields, and a GGUF file's general.sampling.* metadata, by SamplingParams' names.
-GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json fields (-> SamplingParams' names; vLLM reads max_new_tokens as the default
+# max_tokens), and a GGUF file's general.sampling.* metadata.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                       "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
                       "general.sampling.penalty_repeat": "repetition_penalty"}
@@ -89,7 +91,7 @@ def generation_config_defaults(folder: str) -> dict | None:
     data = read_generation_config(folder)
     if data is None:
         return None
-    return {name: data[name] for name in GENERATION_CONFIG_FIELDS if data.get(name) is not None}
+    return {field: data[name] for name, field in GENERATION_CONFIG_FIELDS.items() if data.get(name) is not None}
 
 
 class Checkpoint:

@@ -91,6 +91,12 @@ class CpuPlatform(Platform):
         share = min(int(available_ram_bytes() * KV_RAM_SHARE), KV_MAX_BYTES)
         return max(1, share // tensor_parallel_size)
 
+    def kv_cache_holding(self, prefault: bool) -> str:
+        # Without kvcache_prefault the pages are mapped as tokens first land in them: the process's
+        # RSS grows with the tokens cached, not with the reservation.
+        touched = "every page touched at start-up (kvcache_prefault)" if prefault else "reserved, pages touched as used"
+        return f"{touched}; cpu_kvcache_bytes (--cpu-kvcache-bytes) bounds it"
+
     def device_of_rank(self, rank: int) -> torch.device:
         return torch.device("cpu")
 

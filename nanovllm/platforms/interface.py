@@ -81,6 +81,10 @@ class Platform:
         """Config.cpu_kvcache_bytes (per rank) when not given; None where the budget is measured."""
         return None
 
+    def kv_cache_holding(self, prefault: bool) -> str:
+        """How the KV cache's bytes are held, and the setting that bounds them (the start-up line)."""
+        return "allocated; gpu_memory_utilization (--gpu-memory-utilization) bounds it"
+
     def replica_env(self, index: int, num_replicas: int, tensor_parallel_size: int) -> dict[str, str]:
         """Environment variables that give data-parallel replica `index` (of `num_replicas` engines
         on this host, each with tensor_parallel_size ranks) devices of its own; ValueError when the

@@ -98,3 +98,56 @@ def test_the_default_model_gets_its_cards_settings(tmp_path):
     assert json.loads((Path(folder) / "generation_config.json").read_text()) == CARD_SAMPLING == \
         {"temperature": 0.2, "top_p": 0.9}
     assert default_generation_config(tmp_path) == folder  # written once, found again
+
+
+def test_override_generation_config_wins_and_sets_a_ceiling(greedy_model, qwen3_gqa):
+    config = Config(greedy_model, override_generation_config={"top_k": 9, "max_new_tokens": 7})
+    assert config.sampling_defaults == {"temperature": 0.0, "top_k": 9, "max_tokens": 7}  # over the model's
+    assert config.max_tokens_ceiling == 7
+    config = Config(greedy_model, generation_config="vllm", override_generation_config={"temperature": 0.5})
+    assert config.sampling_defaults == {"temperature": 0.5} and config.max_tokens_ceiling is None
+    hot = with_generation_config(qwen3_gqa, Path(greedy_model).parent / "m_max", {"max_new_tokens": 11})
+    config = Config(hot)  # generation_config.json's max_new_tokens: a default, not a ceiling (as vLLM)
+    assert config.sampling_defaults == {"max_tokens": 11} and config.max_tokens_ceiling is None
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"temprature": 0}, "unknown key(s) ['temprature']"),
+    ({"max_new_tokens": 0}, "max_tokens must be >= 1"),
+    ([1], "must be a dict"),
+])
+def test_bad_overrides_are_named_without_the_model(override, words):
+    from nanovllm.engine_args import EngineArgs
+    with pytest.raises((ValueError, TypeError), match="override_generation_config") as e:
+        EngineArgs(None, override_generation_config=override)  # no model needed to check it
+    assert words in str(e.value)
+
+
+def test_the_server_default_and_ceiling_of_max_tokens(qwen3_gqa, tmp_path):
+    """Without an override, a chat or Responses request that sets no limit runs to max_model_len (as
+    OpenAI and vLLM); --override-generation-config's max_new_tokens is the default and the ceiling,
+    while a smaller ask is kept."""
+    from server_fixtures import MODEL, openai, serve_engine  # noqa: F401 (skips without the server extra)
+    from nanovllm.entrypoints.openai_server import build_app
+
+    engine = dict(ENGINE, max_model_len=64)
+    messages = [{"role": "user", "content": "hi"}]
+    extra = {"temperature": 0}  # greedy: the tiny model's answer to "hi" holds no EOS before the context's end
+
+    def lengths(llm):
+        with serve_engine(llm, [lambda engine: build_app(engine, MODEL)]) as (_, (url,)):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            chat = [client.chat.completions.create(model=MODEL, messages=messages, extra_body=extra, **asked)
+                    for asked in ({}, {"max_tokens": 40}, {"max_completion_tokens": 3})]
+            resp = client.responses.create(model=MODEL, input="hi", temperature=0)
+            completion = client.completions.create(model=MODEL, prompt="hi", extra_body=extra)
+            prompt = chat[0].usage.prompt_tokens
+        return prompt, [c.usage.completion_tokens for c in chat], resp.usage.output_tokens, \
+            completion.usage.completion_tokens
+
+    prompt, chat, responses, completion = lengths(LLM(qwen3_gqa, **engine))
+    assert chat == [64 - prompt, 40, 3] and responses == 64 - prompt  # no limit: the context's end
+    assert completion == 16  # /v1/completions keeps OpenAI's default
+    override = {"max_new_tokens": 5, "temperature": 0}
+    _, chat, responses, completion = lengths(LLM(qwen3_gqa, override_generation_config=override, **engine))
+    assert chat == [5, 5, 3] and responses == 5 and completion == 5

@@ -65,7 +65,33 @@ def test_start_up_says_what_a_user_wants_to_know(qwen3_gqa, caplog):
     # kv_cache_dtype auto on a CPU: float16; 2 layers x (K, V) x 2 KV heads x 32 dims x 2 bytes per token
     token_bytes = 2 * 2 * 2 * 32 * 2
     assert blocks == (1 << 22) // (16 * token_bytes)
-    assert (f"KV cache {blocks * 16} tokens in float16, {token_bytes} bytes per token ({blocks} blocks of 16, "
-            f"{blocks * 16 * token_bytes / 2**20:.0f} MiB") in summary[0]
+    assert (f"KV cache {blocks * 16} tokens in float16, {token_bytes} bytes per token ({blocks} blocks of 16), "
+            f"{blocks * 16 * token_bytes / 2**20:.0f} MiB per rank reserved, pages touched as used; "
+            "cpu_kvcache_bytes (--cpu-kvcache-bytes) bounds it; ") in summary[0]
     assert re.search(r"peak RSS \d+ MiB$", summary[0])
     assert not any("decode steps in C" in line for line in lines)
+
+
+def test_start_up_says_where_sampled_defaults_come_from(qwen3_gqa, tmp_path, caplog):
+    """A model card's sampled defaults make the same question come back differently: the start-up
+    line names their source, how to get the greedy answer, and how to turn them off."""
+    import json
+    import logging
+    from nanovllm import LLM
+    from nanovllm.utils.default_model import default_generation_config
+    card = default_generation_config(tmp_path)
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        with LLM(qwen3_gqa, generation_config=card, max_model_len=64, cpu_kvcache_bytes=1 << 22):
+            pass
+        with LLM(qwen3_gqa, generation_config=card, override_generation_config={"temperature": 0, "max_new_tokens": 9},
+                 max_model_len=64, cpu_kvcache_bytes=1 << 22):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sampling defaults")]
+    fields = json.loads((tmp_path / card.rsplit("/", 1)[-1] / "generation_config.json").read_text())
+    assert lines == [
+        f"sampling defaults from the default model's card: temperature={fields['temperature']}, "
+        f"top_p={fields['top_p']}: requests that leave a field unset take it; send temperature=0 for a "
+        "deterministic (greedy) answer (generation_config='vllm' / --generation-config vllm: none)",
+        f"sampling defaults from the default model's card and override_generation_config: temperature=0, "
+        f"top_p={fields['top_p']}, max_tokens=9: requests that leave a field unset take it; no request gets more "
+        "than 9 tokens (generation_config='vllm' / --generation-config vllm: none)"]

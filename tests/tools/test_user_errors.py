@@ -196,6 +196,61 @@ def test_serve_taken_port_fails_before_the_model_loads(qwen3_gqa, tmp_path):
     assert f"port {port}" in line and "already in use" in line and "--port" in line
 
 
+# Flag values that need no model, each refused before the model is looked for, fetched or loaded
+# (a bad --kv-cache-dtype used to come after the default model's download and load).
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-cache-dtype", "int4"], "kv_cache_dtype must be one of"),
+    (["--dtype", "float8"], "dtype must be 'auto' or one of"),
+    (["--device", "tpu"], "device must be one of"),
+    (["--quantization", "q3_x"], "quantization 'q3_x' is not supported"),
+    (["--attention-backend", "magic"], "attention_backend must be one of"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+    (["--kvcache-block-size", "20"], "kvcache_block_size must be a multiple of 16, got 20"),
+    (["--cpu-input-bits", "4"], "cpu_input_bits must be 'auto', 8 or 14, got 4"),
+    (["--runner", "train"], "runner must be"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["--generation-config", "/no/such/folder"], "is not a folder holding a generation_config.json"),
+    (["--override-generation-config", '{"temprature": 0}'], "unknown key(s) ['temprature']"),
+    (["--override-generation-config", '{"max_new_tokens": 0}'], "max_tokens must be >= 1"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
+    (["--nnodes", "2", "-tp", "2"], "dist_init_addr"),
+])
+def test_serve_checks_every_flag_before_any_model_work(flags, words, capsys, monkeypatch):
+    from nanovllm import cli
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("the model was looked for before the flags were checked")
+    monkeypatch.setattr(cli, "model_path", no_model_work)
+    monkeypatch.setattr("nanovllm.LLM", no_model_work)
+    for argv in (["serve", *flags], ["serve", "some/folder", *flags], ["serve", *flags, "-dp", "2"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("nanovllm serve: error:") and words in err[0], (argv, err)
+
+
+def test_example_and_bench_check_engine_flags_before_the_model(tmp_path, capsys, monkeypatch):
+    bad = '{"method": "ngram", "num_speculative_tokens": 0}'
+    line = one_error_line(run("example.py", "--speculative-config", bad, cache=tmp_path))
+    assert line == "example.py: error: speculative_config.num_speculative_tokens must be in [1, 16], got 0"
+    assert list(tmp_path.iterdir()) == []  # the default model was not fetched
+    bench = load_script("bench.py")
+
+    def no_checkpoint():
+        raise AssertionError("the random checkpoint was written before the flags were checked")
+    monkeypatch.setattr(bench, "random_qwen3_checkpoint", no_checkpoint)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--speculative-config", bad])
+    assert bench.main() == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "bench.py: error: speculative_config.num_speculative_tokens must be in [1, 16], got 0"]
+
+
+def test_example_names_the_first_runs_one_time_work(monkeypatch):
+    example = load_script("example.py")
+    assert example.load_times(0.01, 0.0, 2.04) == "load 2.0 s"
+    assert example.load_times(20.0, 11.5, 33.1) == \
+        "load 1.6 s (+ once: fetching the model 20.0 s, compiling the C kernels 11.5 s)"
+
+
 def test_check_port():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

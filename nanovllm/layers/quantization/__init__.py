@@ -62,6 +62,18 @@ def prequantized_methods() -> list[str]:
     return sorted(name for name, cls in _REGISTRY.items() if issubclass(cls, PrequantizedConfig))
 
 
+def check_quantization_name(quantization) -> None:
+    """The model-free part of the `quantization=` check: None, a format to quantize a dense
+    checkpoint into, or a pre-quantized checkpoint's own method (_check_argument matches it to
+    the checkpoint)."""
+    if quantization is not None and not isinstance(quantization, str):
+        raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__} {quantization!r}")
+    if quantization is not None and quantization not in ONLINE_FORMATS and quantization not in prequantized_methods():
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of {list(ONLINE_FORMATS)} "
+                         f"to quantize a dense checkpoint at load, or {prequantized_methods()} naming a "
+                         "pre-quantized checkpoint's own format (or leave it unset)")
+
+
 def _check_argument(quantization: str | None, method: str | None, is_gguf: bool) -> None:
     """ValueError unless `quantization=` can apply to a checkpoint of config.json's method."""
     if quantization is not None and not isinstance(quantization, str):
@@ -148,7 +160,7 @@ def describe_linear_methods(model: nn.Module) -> str:
 
 __all__ = [
     "CWeightView", "EmbeddingMethodBase", "FusedMoEMethodBase", "GGUFConfig", "LinearKernels", "LinearMethodBase",
-    "ONLINE_FORMATS", "OnlineQuantConfig", "QuantizationConfig", "QuantizeMethodBase", "UnquantizedConfig",
+    "ONLINE_FORMATS", "OnlineQuantConfig", "check_quantization_name", "QuantizationConfig", "QuantizeMethodBase", "UnquantizedConfig",
     "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod",
     "describe_linear_methods", "linear_layers", "prequantized_methods", "process_weights_after_loading",
     "quant_config_for_model", "quant_method_of", "quantization_methods", "quantized_layers",
