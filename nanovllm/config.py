@@ -42,8 +42,6 @@ class Config(EngineArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # every value that needs no model
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a checkpoint folder or a .gguf file, got {self.model!r}")
         from nanovllm.loader.checkpoint import Checkpoint
         self.checkpoint = Checkpoint(self.model)  # ValueError for a missing or malformed checkpoint
         self.hf_config = self.checkpoint.hf_config

@@ -159,3 +159,22 @@ def test_each_c_function_holds_one_instruction_set():
 def test_the_conditional_finder_finds_one():
     text = "static int f(int x) {\n#if A\n    return 1;\n#else\n    return 2;\n#endif\n}\n#if A\nint g(void) { return 0; }\n#endif\n"
     assert functions_with_a_conditional_inside(text) == ["f"]
+
+
+def downloads_in(text: str) -> list[str]:
+    """The pip downloads and installs a test source starts (pip's argv in a subprocess call)."""
+    return re.findall(r"""["']pip["'],\s*["'](?:download|install)["']""", text)
+
+
+def test_no_test_downloads_at_test_time():
+    """Everything a test needs is installed by .ci/run or kept in tests/data: a download inside the
+    suite (an sdist fetched for one template file) depends on the network and on how pip builds it."""
+    found = {str(p.relative_to(ROOT)): downloads_in(p.read_text()) for p in (ROOT / "tests").rglob("*.py")
+             if p.name != "test_structure.py"}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def test_the_download_finder_finds_one():
+    assert downloads_in('subprocess.run([sys.executable, "-m", "pip", "download", PKG])') != []
+    assert downloads_in("['pip', 'install', 'foo']") != []
+    assert downloads_in("the pip cache") == []

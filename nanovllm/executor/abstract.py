@@ -1,0 +1,64 @@
+"""Executor: the contract between LLMEngine and whatever runs the model (vLLM's executor/abstract.py).
+ModelRunner is the single-process executor; distributed/tp_runner.py's TensorParallelRunner runs
+rank 0's ModelRunner with workers beside it. Each answers every call, so the engine, the scheduler
+and the speculator never ask which one they hold."""
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanovllm.engine.kv_groups import KVGroup
+    from nanovllm.engine.scheduler import SchedulerOutput
+    from nanovllm.sample.sampler import SampledTokens
+
+
+class Executor(ABC):
+    """What the engine calls on the model side, once the KV cache exists."""
+
+    num_kvcache_blocks: int  # blocks of the paged KV cache (every rank holds as many)
+    # Whether this process can time a forward on its own (spec_decode/cost.py measures the steps'
+    # cost through prepare_rows / run_model): not under tensor parallelism, whose forwards need every rank.
+    can_time_steps: bool
+
+    # ---- what the cache holds (the scheduler's block tables, the start-up line) -----------------
+    @property
+    @abstractmethod
+    def kv_groups(self) -> "list[KVGroup]":
+        """The layers' KV groups (engine/kv_groups.py): one block table each."""
+
+    @property
+    @abstractmethod
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots of linear-attention layers (0 without such layers)."""
+
+    @abstractmethod
+    def kv_token_bytes(self) -> int:
+        """One cached token over every layer, K and V, in the cache's format."""
+
+    @abstractmethod
+    def kv_block_bytes(self) -> int:
+        """One block of the cache."""
+
+    @property
+    @abstractmethod
+    def num_kv_slots(self) -> int:
+        """Layers one block holds (every layer with one KV group; the largest group's otherwise)."""
+
+    # ---- steps ----------------------------------------------------------------------------------
+    @abstractmethod
+    def run(self, out: "SchedulerOutput") -> "SampledTokens | None":
+        """One step over every rank; the sampled tokens (rank 0)."""
+
+    @abstractmethod
+    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> "torch.Tensor":
+        """The prompts' pooled final hidden states; ValueError where this executor cannot embed."""
+
+    # ---- health and end -------------------------------------------------------------------------
+    @abstractmethod
+    def broken_reason(self) -> str | None:
+        """Why no further step can run, or None while every rank is well."""
+
+    @abstractmethod
+    def exit(self) -> None:
+        """Free the cache and end any worker; idempotent."""
