@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.executor.abstract import Executor
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.sample.sampler import SampledTokens
@@ -189,10 +190,13 @@ def join(config: Config, store: dist.TCPStore) -> None:
                            f"nodes 1..{config.nnodes - 1} ({e})") from e
 
 
-class TensorParallelRunner:
-    """Rank 0's ModelRunner plus its workers; LLMEngine uses it like a ModelRunner."""
+class TensorParallelRunner(Executor):
+    """The tensor-parallel Executor: rank 0's ModelRunner plus its workers, each call run on every rank."""
+
+    can_time_steps = False  # a forward needs every rank: no process times one alone
 
     def __init__(self, config: Config):
+        self.runner: ModelRunner | None = None
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process "
                                "(another tensor-parallel engine?); exit() it before creating a new one")
@@ -243,6 +247,23 @@ class TensorParallelRunner:
     def run(self, out: SchedulerOutput) -> SampledTokens | None:
         return self.call("run", out)
 
+    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> torch.Tensor:
+        raise ValueError("embed() runs with tensor_parallel_size=1")
+
+    @property
+    def kv_groups(self) -> list:
+        return self.runner.kv_groups  # rank 0's: every rank holds the same layers' groups
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.runner.num_state_slots
+
+    def kv_token_bytes(self) -> int:
+        return self.runner.kv_token_bytes()
+
+    def kv_block_bytes(self) -> int:
+        return self.runner.kv_block_bytes()
+
     def broken_reason(self) -> str | None:
         """Why no further call can run: a worker (or another node's rank) died, or a failed call left
         the ranks apart; None while every rank is well."""
@@ -263,7 +284,7 @@ class TensorParallelRunner:
 
     def exit(self) -> None:
         """End the workers, destroy the process group and unlink the shared memory. Idempotent."""
-        if getattr(self, "runner", None) is not None:
+        if self.runner is not None:
             self.runner.exit()
             self.runner = None
         self.pool.shutdown()

@@ -8,6 +8,8 @@ from contextlib import closing
 from typing import NamedTuple
 
 from nanovllm.config import CONFIG_FIELDS, Config
+from nanovllm.engine.kv_groups import slots_per_block
+from nanovllm.executor.abstract import Executor
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.outputs.output_processor import OutputProcessor
 from nanovllm.outputs.parallel_sampling import PendingSiblings, child_params
@@ -30,7 +32,7 @@ class StepOutput(NamedTuple):
     deltas: list[StreamDelta]  # each streamed request's new tokens and text (add_request_group(stream=True))
 
 
-def startup_summary(config: Config, runner: ModelRunner, num_blocks: int) -> str:
+def startup_summary(config: Config, runner: Executor, num_blocks: int) -> str:
     """What a user wants to know once the engine is up: the model, where and in which dtypes it
     runs, the memory taken, how many tokens the KV cache holds."""
     arch = (getattr(config.hf_config, "architectures", None) or ["?"])[0]
@@ -43,7 +45,7 @@ def startup_summary(config: Config, runner: ModelRunner, num_blocks: int) -> str
     kv_mib = kv_bytes / 2**20
     groups, kinds, layers = runner.kv_groups, "", ""
     if len(groups) > 1:  # engine/kv_groups.py
-        layers = f" tokens x {runner.kv_cache.shape[1]} layers"
+        layers = f" tokens x {slots_per_block(groups)} layers"
         windows = sorted({g.window for g in groups}, key=lambda w: w or 0)
         kinds = "; block tables: " + ", ".join(
             f"{sum(1 for g in groups if g.window == w)} of {'full' if w is None else f'window-{w}'} layers"
@@ -90,6 +92,8 @@ class LLMEngine:
         unknown = sorted(set(kwargs) - CONFIG_FIELDS)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {unknown}; known: {sorted(CONFIG_FIELDS - {'model'})}")
+        self.model_runner: Executor | None = None
+        self.speculator = None
         self.config = config = Config(model, **kwargs)
         self.tokenizer = config.checkpoint.load_tokenizer()
         if config.tensor_parallel_size > 1:
@@ -97,18 +101,16 @@ class LLMEngine:
             self.model_runner = TensorParallelRunner(config)
         else:
             self.model_runner = ModelRunner(config)
-        self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-        logger.info("%s", startup_summary(config, getattr(self.model_runner, "runner", self.model_runner),
-                                          self.num_kvcache_blocks))
+        runner = self.model_runner
+        self.num_kvcache_blocks = runner.num_kvcache_blocks
+        logger.info("%s", startup_summary(config, runner, self.num_kvcache_blocks))
         if config.sampling_defaults:
             logger.info("%s", sampling_defaults_line(config))
-        runner = getattr(self.model_runner, "runner", self.model_runner)
         self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups],
                                    runner.num_state_slots)
         if runner.num_state_slots and config.enable_prefix_caching:
             logger.info("prefix caching is off: this model's linear-attention layers keep a state per sequence, "
                         "not per block")
-        self.speculator = None
         if config.speculative_config is not None:
             from nanovllm.spec_decode.build import build_speculator
             self.speculator = build_speculator(config, self.tokenizer, self.model_runner, self.num_kvcache_blocks)
@@ -274,10 +276,9 @@ class LLMEngine:
     def broken_reason(self) -> str | None:
         """Why this engine can run no further step (a tensor-parallel worker died, a failed step left
         the ranks apart, it exited), or None while it can. Cheap: the server asks every second."""
-        runner = getattr(self, "model_runner", None)
-        if runner is None:
+        if self.model_runner is None:
             return "the engine has exited"
-        return runner.broken_reason()
+        return self.model_runner.broken_reason()
 
     def output_of(self, seq: Sequence) -> dict:
         """text, token_ids, finish_reason ("stop" / "length" / "abort"), stop_reason (the stop
@@ -302,8 +303,6 @@ class LLMEngine:
                 raise ValueError(f"a prompt of {len(tokens)} tokens is longer than max_model_len "
                                  f"({self.config.max_model_len})")
             token_lists.append(tokens)
-        if not hasattr(self.model_runner, "embed"):
-            raise ValueError("embed() runs with tensor_parallel_size=1")
         method = pooling or self.config.checkpoint.pooling
         return self.model_runner.embed(token_lists, method, normalize).tolist()
 
@@ -382,10 +381,9 @@ class LLMEngine:
                     self.abort_request(seq)
 
     def exit(self) -> None:
-        if getattr(self, "speculator", None) is not None:
+        if self.speculator is not None:
             self.speculator.exit()
             self.speculator = None
-        runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            runner.exit()
+        if self.model_runner is not None:
+            self.model_runner.exit()
             self.model_runner = None

@@ -22,15 +22,8 @@ class Executor(ABC):
     can_time_steps: bool
 
     # ---- what the cache holds (the scheduler's block tables, the start-up line) -----------------
-    @property
-    @abstractmethod
-    def kv_groups(self) -> "list[KVGroup]":
-        """The layers' KV groups (engine/kv_groups.py): one block table each."""
-
-    @property
-    @abstractmethod
-    def num_state_slots(self) -> int:
-        """Recurrent-state slots of linear-attention layers (0 without such layers)."""
+    kv_groups: "list[KVGroup]"  # the layers' KV groups (engine/kv_groups.py): one block table each
+    num_state_slots: int  # recurrent-state slots of linear-attention layers (0 without such layers)
 
     @abstractmethod
     def kv_token_bytes(self) -> int:
@@ -39,11 +32,6 @@ class Executor(ABC):
     @abstractmethod
     def kv_block_bytes(self) -> int:
         """One block of the cache."""
-
-    @property
-    @abstractmethod
-    def num_kv_slots(self) -> int:
-        """Layers one block holds (every layer with one KV group; the largest group's otherwise)."""
 
     # ---- steps ----------------------------------------------------------------------------------
     @abstractmethod

@@ -1,5 +1,6 @@
 """ModelRunner: loads the model, allocates the paged KV cache, builds each step's input tensors,
-runs the forward pass and samples. LLMEngine calls run() once per step."""
+runs the forward pass and samples. The single-process Executor (LLMEngine calls run() once per
+step), and each rank's runner under tensor parallelism."""
 import logging
 from contextlib import contextmanager
 
@@ -9,6 +10,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.distributed.parallel import get_tp_size
+from nanovllm.executor.abstract import Executor
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.engine.kv_groups import kv_groups, slots_per_block
 from nanovllm.engine.scheduler import SchedulerOutput
@@ -38,7 +40,9 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-class ModelRunner:
+class ModelRunner(Executor):
+    can_time_steps = True  # its forwards need no other process
+
     def __init__(self, config: Config, rank: int = 0):
         if dist.is_initialized() and get_tp_size() != config.tensor_parallel_size:
             # The layers shard themselves by the process group's size, whoever started it.

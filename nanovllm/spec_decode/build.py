@@ -4,6 +4,7 @@ times of the target's runner (and the draft's) measured while their caches hold 
 import logging
 
 from nanovllm.config import Config
+from nanovllm.executor.abstract import Executor
 from nanovllm.spec_decode.cost import measure_step_times
 from nanovllm.spec_decode.ngram import NgramProposer
 from nanovllm.spec_decode.proposer import Proposer
@@ -12,14 +13,14 @@ from nanovllm.spec_decode.speculator import Speculator
 logger = logging.getLogger(__name__)
 
 
-def build_speculator(config: Config, tokenizer, model_runner, num_kvcache_blocks: int) -> Speculator:
+def build_speculator(config: Config, tokenizer, model_runner: Executor, num_kvcache_blocks: int) -> Speculator:
     spec = config.speculative_config
     proposer: Proposer
     # The most rows a verification step has (every sequence that may get proposals, each with k).
     most_seqs = min(config.max_num_seqs, spec.disable_by_batch_size - 1)
     max_rows = min(most_seqs * (1 + spec.num_speculative_tokens), num_kvcache_blocks)
     # The tensor-parallel runner has no single-process forward to time: lengths by the rules alone.
-    target_times = measure_step_times(model_runner, max_rows) if hasattr(model_runner, "prepare_rows") else None
+    target_times = measure_step_times(model_runner, max_rows) if model_runner.can_time_steps else None
     draft_times = None
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)

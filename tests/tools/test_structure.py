@@ -178,3 +178,26 @@ def test_the_download_finder_finds_one():
     assert downloads_in('subprocess.run([sys.executable, "-m", "pip", "download", PKG])') != []
     assert downloads_in("['pip', 'install', 'foo']") != []
     assert downloads_in("the pip cache") == []
+
+
+def runner_probes(text: str) -> list[str]:
+    """getattr / hasattr calls that ask what kind of runner (executor) an object is."""
+    return re.findall(r"(?:getattr|hasattr)\(\s*[\w.]*(?:runner|executor)\b[^)]*\)|"
+                      r"(?:getattr|hasattr)\(\s*self,\s*[\"'](?:model_runner|runner|executor)[\"']", text)
+
+
+def test_no_probe_of_a_runner():
+    """The engine, the scheduler and the speculator call the Executor contract
+    (executor/abstract.py), which the single-process and tensor-parallel runners both answer."""
+    found = {str(p.relative_to(ROOT)): runner_probes(p.read_text()) for p in PACKAGE.rglob("*.py")}
+    # NOTE: dispatch by the method name a call channel carries is not a probe.
+    allowed = {"getattr(self.runner, method)", "getattr(runner, method)"}
+    assert {name: [h for h in hits if h not in allowed] for name, hits in found.items()
+            if set(hits) - allowed} == {}
+
+
+def test_the_probe_finder_finds_one():
+    assert runner_probes('runner = getattr(self.model_runner, "runner", self.model_runner)') != []
+    assert runner_probes('if hasattr(model_runner, "prepare_rows"):') != []
+    assert runner_probes('runner = getattr(self, "model_runner", None)') != []
+    assert runner_probes("getattr(config, 'x')") == []
