@@ -265,7 +265,7 @@ def main() -> int:
         llm.exit()
         return print_error("bench.py", f"--max-input-len + --max-output-len ({longest}) exceeds this model's "
                            f"max_model_len ({cfg.max_model_len})")
-    prompts, max_tokens = make_requests(args, llm.vocab_size)
+    prompts, max_tokens = make_requests(args, llm.llm_engine.vocab_size)
     total = sum(max_tokens)
     results = {"device": cfg.device, "dtype": str(cfg.torch_dtype).split(".")[-1],
                "weight_dtype": str(cfg.weight_dtype).split(".")[-1], "kv_cache_dtype": cfg.kv_format.name,
@@ -283,13 +283,13 @@ def main() -> int:
           f"({args.num_seqs} requests, {cfg.device}, {results['dtype']}"
           + ("" if results["weight_dtype"] == results["dtype"] else f", {results['weight_dtype']} weights")
           + f", {results['kv_cache_dtype']} KV cache)")
-    if llm.speculator is not None:
-        results["speculation"] = llm.speculator.metrics.as_dict()
-        print(llm.speculator.metrics.summary())
+    if llm.llm_engine.speculator is not None:
+        results["speculation"] = llm.llm_engine.speculator.metrics.as_dict()
+        print(llm.llm_engine.speculator.metrics.summary())
     if args.efficiency:
         from nanovllm.utils.efficiency import measure_efficiency
         results["efficiency"] = measure_efficiency(llm)
-    device = llm.model_runner.device
+    device = llm.llm_engine.model_runner.device
     llm.exit()  # (its tensor-parallel workers end here, and count in the peak below)
     del llm
     results["peak_rss_gib"] = peak_rss_gib()

@@ -90,8 +90,8 @@ def main() -> int:
         f"{cfg.torch_dtype} activations, {cfg.weight_dtype} weights"
     print(f"\n{dtype}, {load_times(fetched - start, cpu_kernels.compile_seconds(), loaded - start)}, "
           f"generate {num_tokens} tokens in {done - loaded:.1f} s")
-    if llm.speculator is not None:
-        print(llm.speculator.metrics.summary())
+    if llm.llm_engine.speculator is not None:
+        print(llm.llm_engine.speculator.metrics.summary())
     llm.exit()
     return 0
 

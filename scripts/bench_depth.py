@@ -96,13 +96,13 @@ def engine_rows(args, path: str) -> None:
             vocab = llm.config.hf_config.vocab_size
             for depth in args.depths:
                 prompt = [rng.randrange(100, vocab - 100) for _ in range(depth)]
-                llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.decode + 1, ignore_eos=True))
+                llm.llm_engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.decode + 1, ignore_eos=True))
                 start, steps = time.perf_counter(), 1
-                while llm.step().num_output_tokens == 0:  # the prefill's chunks, the last one's token
+                while llm.llm_engine.step().num_output_tokens == 0:  # the prefill's chunks, the last one's token
                     steps += 1
                 prefilled = time.perf_counter()
-                while not llm.is_finished():
-                    llm.step()
+                while not llm.llm_engine.is_finished():
+                    llm.llm_engine.step()
                 done = time.perf_counter()
                 print(f"| ours {name} | {depth} | {depth / (prefilled - start):.1f} | {args.decode / (done - prefilled):.2f} |",
                       flush=True)

@@ -156,11 +156,11 @@ def time_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     from nanovllm import SamplingParams
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
     for prompt in prompts:
-        llm.add_request(prompt, params)
+        llm.llm_engine.add_request(prompt, params)
     t = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
-    while not llm.is_finished():
+    while not llm.llm_engine.is_finished():
         start = time.perf_counter()
-        num_tokens = llm.step().num_tokens  # > 0: a prefill step, < 0: a decode step of that many rows
+        num_tokens = llm.llm_engine.step().num_tokens  # > 0: a prefill step, < 0: a decode step of that many rows
         elapsed = time.perf_counter() - start
         phase = "prefill" if num_tokens > 0 else "decode"
         t[f"{phase}_s"] += elapsed
@@ -193,7 +193,7 @@ def per_token_bytes(llm) -> int:
     """What one decode step at one sequence reads in our engine (weights as held, the top_k
     experts, the KV cache at the middle of the benchmark's decode): the bandwidth view's bytes."""
     from nanovllm.utils.efficiency import decode_bytes_per_token
-    runner = llm.model_runner
+    runner = llm.llm_engine.model_runner
     return decode_bytes_per_token(runner.model, runner.kv_token_bytes(), PROMPT_LEN + DECODE_STEPS // 2)
 
 
@@ -211,7 +211,7 @@ def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> fl
     kind, n = point
 
     def prompts(count: int, length: int) -> list[list[int]]:
-        return [[rng.randrange(llm.vocab_size) for _ in range(length)] for _ in range(count)]
+        return [[rng.randrange(llm.llm_engine.vocab_size) for _ in range(length)] for _ in range(count)]
     if kind == "prefill":
         time_batch(llm, prompts(1, n), max_tokens=1)  # warm-up
         runs = [time_batch(llm, prompts(1, n), max_tokens=1) for _ in range(PREFILL_REPS)]

@@ -52,20 +52,20 @@ def run(path: str, depth: int, new: int) -> dict:
              max_num_batched_tokens=2048) as llm:
         top = min(40000, llm.config.hf_config.vocab_size)
         prompt = [int(x) for x in torch.randint(10, top, (depth,), generator=torch.Generator().manual_seed(1))]
-        bm = llm.scheduler.block_manager
+        bm = llm.llm_engine.scheduler.block_manager
         llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         held = []
-        step = llm.step
+        step = llm.llm_engine.step
 
         def spy():
             out = step()
             held.append(bm.num_blocks - bm.num_free_blocks)
             return out
-        llm.step = spy
+        llm.llm_engine.step = spy
         t0 = time.perf_counter()
         llm.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True), use_tqdm=False)
         seconds = time.perf_counter() - t0
-        block_bytes = llm.model_runner.kv_block_bytes()
+        block_bytes = llm.llm_engine.model_runner.kv_block_bytes()
         return dict(windows=bm.windows, decode_tok_s=round(new / seconds, 1), blocks_held_max=max(held),
                     block_size=bm.block_size, block_bytes=block_bytes,
                     kv_mib_held_max=round(max(held) * block_bytes / 2**20, 1))

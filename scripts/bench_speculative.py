@@ -105,7 +105,7 @@ def run_ours(target: str, draft: str, prompts: dict[str, list[list[int]]], args)
         results[method] = {"rss_added_gib": current_rss_gib() - before}
 
     def spec_counts(llm) -> dict | None:
-        return llm.speculator.metrics.as_dict() if llm.speculator else None
+        return llm.llm_engine.speculator.metrics.as_dict() if llm.llm_engine.speculator else None
 
     for name, ps in prompts.items():
         rows = {method: results[method].setdefault(name, {}) for method in methods}
@@ -158,8 +158,8 @@ def run_ours(target: str, draft: str, prompts: dict[str, list[list[int]]], args)
             print(f"ours {method:6} {name:20} " + " ".join(
                 f"{k}={v:.3f}" for k, v in rows[method].items() if isinstance(v, float)), flush=True)
     for method, llm in engines.items():
-        if llm.speculator:
-            print(f"  {method}: " + llm.speculator.metrics.summary(), flush=True)
+        if llm.llm_engine.speculator:
+            print(f"  {method}: " + llm.llm_engine.speculator.metrics.summary(), flush=True)
         llm.exit()
     return results
 

@@ -42,7 +42,7 @@ def run_case(path: str, name: str, args, **engine_kwargs) -> dict:
               **engine_kwargs)
     init_s = time.perf_counter() - t
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, llm.vocab_size) for _ in range(rng.randint(16, args.max_input_len))]
+    prompts = [[rng.randrange(3, llm.llm_engine.vocab_size) for _ in range(rng.randint(16, args.max_input_len))]
                for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, max_tokens=rng.randint(16, args.max_output_len), ignore_eos=True)
               for _ in range(args.num_seqs)]
@@ -53,7 +53,7 @@ def run_case(path: str, name: str, args, **engine_kwargs) -> dict:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     out_tokens = sum(len(o["token_ids"]) for o in outputs)
-    row = dict(name=name, backend=llm.model_runner.backend.name, blocks=llm.num_kvcache_blocks, init_s=init_s,
+    row = dict(name=name, backend=llm.llm_engine.model_runner.backend.name, blocks=llm.llm_engine.num_kvcache_blocks, init_s=init_s,
                seconds=elapsed, out_tokens=out_tokens, tok_s=out_tokens / elapsed,
                in_tokens=sum(map(len, prompts)))
     llm.exit()

@@ -99,7 +99,7 @@ def probe(engine: AsyncEngine, fn):
 
 
 def num_free_blocks(engine: AsyncEngine) -> tuple[int, int]:
-    return probe(engine, lambda llm: (llm.scheduler.block_manager.num_free_blocks, llm.num_kvcache_blocks))
+    return probe(engine, lambda llm: (llm.llm_engine.scheduler.block_manager.num_free_blocks, llm.llm_engine.num_kvcache_blocks))
 
 
 def wait_all_blocks_free(engine: AsyncEngine, timeout: float = 20.0) -> None:
@@ -111,7 +111,7 @@ def wait_all_blocks_free(engine: AsyncEngine, timeout: float = 20.0) -> None:
             break
         time.sleep(0.02)
     assert (free, total) == (total, total)
-    assert probe(engine, lambda llm: llm.is_finished())
+    assert probe(engine, lambda llm: llm.llm_engine.is_finished())
 
 
 def prompt_of(i: int) -> str:

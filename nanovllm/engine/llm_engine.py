@@ -1,19 +1,16 @@
-"""LLMEngine: add_request / step / generate / generate_stream. Owns the tokenizer, the Scheduler
-and the ModelRunner."""
+"""LLMEngine: add_request / step / abort_request (vLLM's engine). Owns the tokenizer, the request
+checks (Processor), the Scheduler and the Executor; LLM (llm.py) drives it offline, the async
+engine (entrypoints/async_engine.py) for the server."""
 import logging
-import os
-import resource
-from collections.abc import Iterator
-from contextlib import closing
 from typing import NamedTuple
 
 from nanovllm.config import CONFIG_FIELDS, Config
-from nanovllm.engine.kv_groups import slots_per_block
+from nanovllm.engine.processor import Processor
+from nanovllm.engine.startup_log import sampling_defaults_line, startup_summary
 from nanovllm.executor.abstract import Executor
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.outputs.output_processor import OutputProcessor
 from nanovllm.outputs.parallel_sampling import PendingSiblings, child_params
-from nanovllm.outputs.progress import GenerateProgress
 from nanovllm.outputs.streaming import StreamDelta
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -30,61 +27,6 @@ class StepOutput(NamedTuple):
     num_tokens: int            # tokens computed: positive for prefill, minus the batch size for decode
     num_output_tokens: int     # tokens sampled (rows past their prompt)
     deltas: list[StreamDelta]  # each streamed request's new tokens and text (add_request_group(stream=True))
-
-
-def startup_summary(config: Config, runner: Executor, num_blocks: int) -> str:
-    """What a user wants to know once the engine is up: the model, where and in which dtypes it
-    runs, the memory taken, how many tokens the KV cache holds."""
-    arch = (getattr(config.hf_config, "architectures", None) or ["?"])[0]
-    dtypes = str(config.torch_dtype).removeprefix("torch.")
-    if config.weight_dtype != config.torch_dtype:
-        dtypes += f" activations, {str(config.weight_dtype).removeprefix('torch.')} weights"
-    tp = f", {config.tensor_parallel_size} tensor-parallel ranks" if config.tensor_parallel_size > 1 else ""
-    kv_bytes = num_blocks * runner.kv_block_bytes()
-    tokens = kv_bytes // runner.kv_token_bytes()  # of every layer (engine/kv_groups.py: sliding groups hold fewer)
-    kv_mib = kv_bytes / 2**20
-    groups, kinds, layers = runner.kv_groups, "", ""
-    if len(groups) > 1:  # engine/kv_groups.py
-        layers = f" tokens x {slots_per_block(groups)} layers"
-        windows = sorted({g.window for g in groups}, key=lambda w: w or 0)
-        kinds = "; block tables: " + ", ".join(
-            f"{sum(1 for g in groups if g.window == w)} of {'full' if w is None else f'window-{w}'} layers"
-            for w in windows)
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return (f"model {os.path.basename(config.model.rstrip('/'))} ({arch}) on {config.device}{tp}, {dtypes}; "
-            f"KV cache {tokens} tokens in {config.kv_format.name}, {runner.kv_token_bytes()} bytes per token "
-            f"({num_blocks} blocks of {config.kvcache_block_size}{layers}{kinds}), {kv_mib:.0f} MiB per rank "
-            f"{config.platform.kv_cache_holding(config.kvcache_prefault)}; "
-            f"peak RSS {peak_rss_mib:.0f} MiB")
-
-
-def sampling_defaults_line(config: Config) -> str:
-    """Where the sampling defaults come from and what they mean for a request: a sampled default
-    (a model card's temperature) makes the same question come back differently."""
-    from nanovllm.utils.default_model import GENERATION_DIRNAME
-    source = config.generation_config
-    if source == "auto":
-        source = "the model's generation config"
-    elif os.path.basename(source.rstrip("/")) == GENERATION_DIRNAME:
-        source = "the default model's card"
-    else:
-        source = f"generation_config {source!r}"
-    if config.override_generation_config:
-        source += " and override_generation_config"
-    fields = ", ".join(f"{k}={v}" for k, v in config.sampling_defaults.items())
-    line = f"sampling defaults from {source}: {fields}: requests that leave a field unset take it"
-    if config.sampling_defaults.get("temperature", 1.0) > 0:
-        line += "; send temperature=0 for a deterministic (greedy) answer"
-    if config.max_tokens_ceiling is not None:
-        line += f"; no request gets more than {config.max_tokens_ceiling} tokens"
-    return line + " (generation_config='vllm' / --generation-config vllm: none)"
-
-
-def _as_prompt_list(prompts):
-    """One prompt (a string or a list of token ids) as a list of one; anything else as given."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return prompts
 
 
 class LLMEngine:
@@ -117,60 +59,12 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = structured_outputs.GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_ids)
+        self.processor = Processor(config, self.tokenizer, self.grammars, self.num_kvcache_blocks,
+                                   self.scheduler.block_manager.blocks_held_at_most)
         self.pending_siblings = PendingSiblings()
         self._step_request_ids: set | None = set()
 
     # ---- requests ---------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is an empty string")
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("prompt is an empty list of token ids")
-            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
-            if bad:
-                raise TypeError(f"prompt token ids must be ints, got {bad[:4]!r}")
-            return list(prompt)
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
-    def checked_token_ids(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids, each checked to be in the vocabulary."""
-        token_ids = self.tokenize(prompt)
-        out_of_vocab = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if out_of_vocab:
-            raise ValueError(f"prompt token ids {out_of_vocab[:4]} are outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
-
-    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
-        """Validate one request and wrap it as a Sequence; raises before touching any engine state."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if self.config.runner == "pooling":
-            raise ValueError("this engine runs the pooling runner (runner='pooling', `--runner pooling`): it "
-                             "embeds (LLM.embed, /v1/embeddings) and does not generate")
-        token_ids = self.checked_token_ids(prompt)
-        max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {max_len} "
-                             "(the prompt plus at least one new token must fit)")
-        if sampling_params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
-        bad_stops = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids {bad_stops[:4]} are outside the vocabulary [0, {self.vocab_size})")
-        longest = min(len(token_ids) + (sampling_params.max_tokens or max_len), max_len)
-        blocks_needed = self.scheduler.block_manager.blocks_held_at_most(len(token_ids), longest)
-        if blocks_needed > self.num_kvcache_blocks:
-            raise ValueError(f"request needs {blocks_needed} KV cache blocks ({longest} tokens) but the whole "
-                             f"cache holds {self.num_kvcache_blocks}; lower max_tokens or give the cache more memory")
-        if sampling_params.structured_outputs is not None:
-            self.grammars.compile(sampling_params.structured_outputs)  # a bad spec fails here, unqueued
-        return Sequence(token_ids, sampling_params)
-
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
         if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
             raise ValueError(f"sampling_params.n={sampling_params.n} makes several sequences; "
@@ -186,7 +80,8 @@ class LLMEngine:
         return seqs
 
     def make_group(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[Sequence]:
-        first = self.make_sequence(prompt, sampling_params)
+        """One prompt's sampling_params.n sequences, checked (Processor) but not queued."""
+        first = self.processor.make_sequence(prompt, sampling_params)
         params = child_params(sampling_params)
         first.sampling_params = params[0]
         seqs = [first] + [Sequence(first.prompt_token_ids, p) for p in params[1:]]
@@ -291,18 +186,12 @@ class LLMEngine:
         outputs = [dict(self.output_of(seq), index=i) for i, seq in enumerate(seqs)]
         return dict(outputs[0], outputs=outputs)
 
-    def embed(self, prompts: list[str] | list[list[int]] | str, pooling: str | None = None,
+    def embed(self, prompts: list[str] | list[list[int]], pooling: str | None = None,
               normalize: bool = True) -> list[list[float]]:
         """One embedding per prompt: its final hidden states pooled (pooling: "last", "mean" or
         "cls"; None: what the checkpoint says, else the last token) and L2-normalised. Every prompt
         is checked first (as generate() checks them); nothing enters the KV cache."""
-        token_lists = []
-        for prompt in _as_prompt_list(prompts):
-            tokens = self.checked_token_ids(prompt)
-            if len(tokens) > self.config.max_model_len:
-                raise ValueError(f"a prompt of {len(tokens)} tokens is longer than max_model_len "
-                                 f"({self.config.max_model_len})")
-            token_lists.append(tokens)
+        token_lists = self.processor.embedding_prompts(prompts)
         method = pooling or self.config.checkpoint.pooling
         return self.model_runner.embed(token_lists, method, normalize).tolist()
 
@@ -310,75 +199,6 @@ class LLMEngine:
         """SamplingParams with the model's sampling defaults (Config.generation_config), what
         generate() uses when given none (vLLM's name)."""
         return SamplingParams(**self.config.sampling_defaults)
-
-    def _normalize(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
-        """One prompt or a list of them, and one SamplingParams or one per prompt -> two lists."""
-        prompts = _as_prompt_list(prompts)
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        else:
-            sampling_params = [sampling_params] * len(prompts)
-        return list(prompts), list(sampling_params)
-
-    def generate(self, prompts: list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Every prompt's output (group_output), in prompt order."""
-        groups = self._make_groups(prompts, sampling_params)
-        progress = GenerateProgress([seq for group in groups for seq in group], enabled=use_tqdm)
-        try:
-            with closing(self._run(groups, stream=False)) as steps:
-                for step in steps:
-                    progress.update(step.finished, step.num_tokens, step.num_output_tokens)
-        finally:
-            progress.close()
-        return [self.group_output(group) for group in groups]
-
-    def generate_stream(self, prompts: list[str] | list[list[int]],
-                        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                        ) -> Iterator[StreamDelta]:
-        """Like generate(), but yields each request's new tokens and text as they are produced.
-
-        A delta's request_id is its prompt's position in `prompts`, its index the completion's
-        number among that prompt's n. Closing the iterator early (break, or garbage collection)
-        aborts the unfinished requests and frees their KV blocks.
-        """
-        groups = self._make_groups(prompts, sampling_params)
-        with closing(self._run(groups, stream=True)) as steps:  # closing this closes _run at once
-            for step in steps:
-                yield from step.deltas
-
-    def _make_groups(self, prompts, sampling_params) -> list[list[Sequence]]:
-        prompts, sampling_params = self._normalize(prompts, sampling_params)
-        # Validate everything before queueing anything, so one bad prompt leaves the engine untouched.
-        return [self.make_group(p, sp) for p, sp in zip(prompts, sampling_params)]
-
-    def _run(self, groups: list[list[Sequence]], stream: bool) -> Iterator[StepOutput]:
-        """Queue the groups (request_id: their position), then step until all of them finished,
-        yielding every step. NOTE: the one abort path: leaving early (an exception, break, close,
-        garbage collection) aborts the unfinished sequences and frees their KV blocks."""
-        seqs = [seq for group in groups for seq in group]
-        for i, group in enumerate(groups):
-            self.queue_group(group, request_id=i, stream=stream)
-        pending = {seq.seq_id for seq in seqs}
-        try:
-            while pending:
-                step = self.step()
-                pending.difference_update(seq.seq_id for seq in step.finished)
-                if pending and step.num_tokens == 0:  # nothing ran: were the rest aborted by hand?
-                    pending = {seq.seq_id for seq in seqs if not seq.is_finished}
-                    if pending and self.is_finished():
-                        raise RuntimeError("engine stopped with requests still pending")
-                yield step
-        finally:
-            for seq in seqs:
-                if not seq.is_finished:
-                    self.abort_request(seq)
 
     def exit(self) -> None:
         if self.speculator is not None:

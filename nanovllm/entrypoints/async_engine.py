@@ -152,7 +152,7 @@ class AsyncEngine:
 
     def _run_once(self) -> None:
         self._drain_inbox()
-        if self.llm.is_finished():
+        if self.llm.llm_engine.is_finished():
             # NOTE: idle, it still looks every HEALTH_CHECK_S: a worker that dies between requests
             # turns /health to 503 without waiting for the next request to find out.
             if not self._wakeup.wait(HEALTH_CHECK_S):
@@ -160,7 +160,7 @@ class AsyncEngine:
             self._wakeup.clear()
             return
         try:
-            step = self.llm.step()
+            step = self.llm.llm_engine.step()
         except Exception as e:  # fail this step's requests; keep serving everyone else, if it can
             self.num_failed_steps += 1
             self._failed_in_a_row += 1
@@ -179,7 +179,7 @@ class AsyncEngine:
             self._wakeup.clear()
 
     def _check_alive(self) -> None:
-        reason = self.llm.broken_reason()
+        reason = self.llm.llm_engine.broken_reason()
         if reason is not None:
             self._die(reason)
 
@@ -218,7 +218,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 prompt = self.llm.apply_chat_template(prompt)
-            req.seqs = self.llm.add_request_group(prompt, sampling_params, req.request_id, stream=True)
+            req.seqs = self.llm.llm_engine.add_request_group(prompt, sampling_params, req.request_id, stream=True)
         except Exception as e:  # validation errors go back to the caller, not to the loop
             _resolve(accepted, error=e)
             return
@@ -231,7 +231,7 @@ class AsyncEngine:
             return
         unfinished = [seq for seq in req.seqs if not seq.is_finished]
         for seq in unfinished:
-            self.llm.abort_request(seq)
+            self.llm.llm_engine.abort_request(seq)
         self.num_aborted += bool(unfinished)
 
     def _fail_step(self, error: Exception) -> None:

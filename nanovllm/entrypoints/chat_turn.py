@@ -116,7 +116,7 @@ class ChatService:
 async def submit(gen: Generation, prompts: list, params: SamplingParams) -> None:
     """Queue gen's prompts, their grammar compiled first beside the engine's steps (then found cached)."""
     if params.structured_outputs is not None:
-        await prepared(gen.engine, lambda llm: llm.grammars.compile(params.structured_outputs))
+        await prepared(gen.engine, lambda llm: llm.llm_engine.grammars.compile(params.structured_outputs))
     try:
         await gen.submit(prompts, params)
     except (ValueError, TypeError) as e:

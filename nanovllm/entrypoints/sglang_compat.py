@@ -73,7 +73,7 @@ def server_info(engine: "AsyncEngine", served_model_name: str, version: str) -> 
         "max_running_requests": config.max_num_seqs,
         "chunked_prefill_size": config.max_num_batched_tokens,
         "page_size": config.kvcache_block_size,
-        "max_total_num_tokens": engine.llm.num_kvcache_blocks * config.kvcache_block_size,
+        "max_total_num_tokens": engine.llm.llm_engine.num_kvcache_blocks * config.kvcache_block_size,
         "disable_radix_cache": not config.enable_prefix_caching,
         "device": config.device,
         "internal_states": [],

@@ -69,9 +69,9 @@ def _tokenize(llm, body: TokenizeRequest) -> dict:
 
 def _detokenize(llm, body: DetokenizeRequest) -> dict:
     tokenizer = _tokenizer_of(llm)
-    bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
+    bad = [t for t in body.tokens if not 0 <= t < llm.llm_engine.vocab_size]
     if bad:
-        raise ValueError(f"tokens {bad[:4]} are outside the vocabulary [0, {llm.vocab_size})")
+        raise ValueError(f"tokens {bad[:4]} are outside the vocabulary [0, {llm.llm_engine.vocab_size})")
     return {"prompt": tokenizer.decode(body.tokens)}
 
 

@@ -95,21 +95,21 @@ def active_expert_params(model: nn.Module) -> int:
 def time_decode_steps(llm, batch: int, prompt_len: int, steps: int) -> float:
     """Seconds per decode step with `batch` running sequences (prefill excluded)."""
     params = SamplingParams(temperature=0.6, max_tokens=steps + 4, ignore_eos=True)
-    seqs = [llm.add_request([(7 * i + j) % 1000 + 1 for j in range(prompt_len)], params) for i in range(batch)]
-    while llm.scheduler.waiting:
-        llm.step()
-    llm.step()  # first decode step: warm
+    seqs = [llm.llm_engine.add_request([(7 * i + j) % 1000 + 1 for j in range(prompt_len)], params) for i in range(batch)]
+    while llm.llm_engine.scheduler.waiting:
+        llm.llm_engine.step()
+    llm.llm_engine.step()  # first decode step: warm
     start = time.perf_counter()
     for _ in range(steps):
-        llm.step()
+        llm.llm_engine.step()
     elapsed = (time.perf_counter() - start) / steps
     for seq in seqs:
-        llm.abort_request(seq)
+        llm.llm_engine.abort_request(seq)
     return elapsed
 
 
 def measure_efficiency(llm, large_batch: int = 64, steps: int = 8) -> dict:
-    runner = llm.model_runner
+    runner = llm.llm_engine.model_runner
     dtype, device = runner.dtype, runner.device
 
     def synchronize() -> None:

@@ -123,7 +123,7 @@ def test_registered_backend_is_accepted_and_runs(registry, qwen3_gqa):
     for name in ("counting", "torch"):
         with LLM(qwen3_gqa, device="cpu", attention_backend=name, kvcache_block_size=16, max_model_len=64,
                  cpu_kvcache_bytes=1 << 20) as llm:
-            backend = llm.model_runner.backend
+            backend = llm.llm_engine.model_runner.backend
             outputs[name] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
             if name == "counting":
                 assert type(backend) is CountingBackend

@@ -98,13 +98,13 @@ def test_bad_prompts_leave_engine_usable(llm, prompt, exc, match):
     expected = llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"]
     with pytest.raises(exc, match=match):
         llm.generate([good, prompt], GREEDY, use_tqdm=False)
-    assert llm.scheduler.is_finished()  # nothing of the failed call was queued
+    assert llm.llm_engine.scheduler.is_finished()  # nothing of the failed call was queued
     assert llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
 
 
 def test_request_larger_than_whole_cache(llm):
     # The cache holds 6 blocks of 16 tokens; 60 prompt tokens + 40 new tokens need 7.
-    assert llm.num_kvcache_blocks == 6
+    assert llm.llm_engine.num_kvcache_blocks == 6
     with pytest.raises(ValueError, match="needs 7 KV cache blocks .* whole cache holds 6"):
         with LLM(llm.config.model, kvcache_block_size=16, max_model_len=128,
                  cpu_kvcache_bytes=6 * 16384, kv_cache_dtype="float32") as small:

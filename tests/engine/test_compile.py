@@ -5,7 +5,7 @@ Compiling costs tens of seconds on a cold CPU, so this file holds a single test.
 import pytest
 import torch
 
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm import LLM
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
@@ -21,18 +21,18 @@ def test_compiled_fused_ops_equal_eager(tmp_path):
     # 27 prefill tokens: no size coincides with a model dim (dynamo would specialize on it).
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 40))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    eager = LLMEngine(path, device="cpu", dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=1 << 22)
+    eager = LLM(path, device="cpu", dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=1 << 22)
     assert eager.config.compile_ops is False  # off by default on CPU
-    compiled = LLMEngine(path, device="cpu", dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=1 << 22, compile_ops=True)
+    compiled = LLM(path, device="cpu", dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=1 << 22, compile_ops=True)
 
     # Hand count: per layer input/post-attention norms, q/k norms, SiLU-and-mul; the final norm;
     # one RoPE shared by all layers.
-    wrapped = [m for m in compiled.model_runner.model.modules() if getattr(m, "_compiled_call_impl", None)]
+    wrapped = [m for m in compiled.llm_engine.model_runner.model.modules() if getattr(m, "_compiled_call_impl", None)]
     assert len(wrapped) == 2 * 5 + 1 + 1
     assert {type(m) for m in wrapped} == {RMSNorm, SiluAndMul, RotaryEmbedding}
 
     # Same hidden states for one prefill batch (the model run directly, no cache involved).
-    runner_e, runner_c = eager.model_runner, compiled.model_runner
+    runner_e, runner_c = eager.llm_engine.model_runner, compiled.llm_engine.model_runner
     seqs = [Sequence(p) for p in prompts]
     input_ids, positions, context, _ = runner_e.prepare_prefill(seqs, [len(p) for p in prompts])
     context.slot_mapping = None

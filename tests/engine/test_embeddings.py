@@ -47,7 +47,7 @@ def test_batches_and_the_kv_cache_untouched(llm):
     together = llm.embed(PROMPTS)
     alone = [llm.embed([p])[0] for p in PROMPTS]
     assert np.allclose(together, alone, atol=1e-5)
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
 def test_the_checkpoint_says_how_to_pool(qwen3_gqa, tmp_path):
@@ -102,7 +102,7 @@ def test_pooling_runner_embeds_and_refuses_generation(llm, qwen3_gqa):
     from server_fixtures import openai
 
     with LLM(qwen3_gqa, runner="pooling", **ENGINE) as pooling:
-        assert pooling.num_kvcache_blocks == 1
+        assert pooling.llm_engine.num_kvcache_blocks == 1
         assert np.allclose(pooling.embed(PROMPTS), llm.embed(PROMPTS), atol=1e-5)
         with pytest.raises(ValueError, match="pooling runner"):
             pooling.generate([[5, 6]], use_tqdm=False)

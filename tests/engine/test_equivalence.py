@@ -16,12 +16,12 @@ def prompts_with_shared_prefix() -> list[list[int]]:
 def generate(path: str, prompts, **engine_kwargs):
     with LLM(path, kvcache_block_size=16, **engine_kwargs) as llm:
         first = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        bm = llm.scheduler.block_manager
-        assert bm.num_free_blocks == llm.num_kvcache_blocks, "blocks leaked after generate"
+        bm = llm.llm_engine.scheduler.block_manager
+        assert bm.num_free_blocks == llm.llm_engine.num_kvcache_blocks, "blocks leaked after generate"
         # Second call: every shared-prefix block is now cached (SHARED[:32] entirely so).
         second = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert bm.num_free_blocks == llm.num_kvcache_blocks, "blocks leaked after the cached call"
-        return first, second, llm.scheduler.num_preemptions
+        assert bm.num_free_blocks == llm.llm_engine.num_kvcache_blocks, "blocks leaked after the cached call"
+        return first, second, llm.llm_engine.scheduler.num_preemptions
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +40,11 @@ def test_prefix_cache_on_equals_off(qwen3_gqa, plain):
 def test_prefix_cache_hits_are_counted(qwen3_gqa):
     with LLM(qwen3_gqa, kvcache_block_size=16) as llm:
         llm.generate([SHARED + [7]], GREEDY, use_tqdm=False)
-        seq = llm.add_request(SHARED[:32], GREEDY)  # fully cached prompt
-        out = llm.scheduler.schedule()
+        seq = llm.llm_engine.add_request(SHARED[:32], GREEDY)  # fully cached prompt
+        out = llm.llm_engine.scheduler.schedule()
         # One block hit; the last (cached) block is recomputed so the step has query tokens.
         assert seq.num_cached_tokens == 16 and out.num_new_tokens == [16]
-        llm.abort_request(seq)
+        llm.llm_engine.abort_request(seq)
 
 
 def test_chunked_prefill_equals_whole(qwen3_gqa, plain):

@@ -20,7 +20,7 @@ def llm(qwen3_gqa):
 
 def fail_on_call(monkeypatch, llm, n: int) -> None:
     """The model runner's n-th run from now raises."""
-    real_run, calls = llm.model_runner.run, [0]
+    real_run, calls = llm.llm_engine.model_runner.run, [0]
 
     def run(out):
         calls[0] += 1
@@ -28,7 +28,7 @@ def fail_on_call(monkeypatch, llm, n: int) -> None:
             raise RuntimeError("broken step")
         return real_run(out)
 
-    monkeypatch.setattr(llm.model_runner, "run", run)
+    monkeypatch.setattr(llm.llm_engine.model_runner, "run", run)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -41,28 +41,28 @@ def test_a_failing_step_aborts_the_call_and_frees_its_blocks(llm, monkeypatch, s
             list(llm.generate_stream(PROMPTS, params))
         else:
             llm.generate(PROMPTS, params, use_tqdm=False)
-    assert llm.is_finished() and not llm.output_processor.states
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert llm.llm_engine.is_finished() and not llm.llm_engine.output_processor.states
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     monkeypatch.undo()
     assert llm.generate(PROMPTS, params, use_tqdm=False) == ref  # nothing left behind
 
 
 def test_a_failed_step_names_its_requests(llm, monkeypatch):
-    first = llm.add_request_group([5, 6, 7], SamplingParams(max_tokens=3), request_id="a")
-    llm.step()  # prefill "a" alone
-    second = llm.add_request_group([8, 9], SamplingParams(max_tokens=3), request_id="b")
+    first = llm.llm_engine.add_request_group([5, 6, 7], SamplingParams(max_tokens=3), request_id="a")
+    llm.llm_engine.step()  # prefill "a" alone
+    second = llm.llm_engine.add_request_group([8, 9], SamplingParams(max_tokens=3), request_id="b")
     fail_on_call(monkeypatch, llm, 1)
     with pytest.raises(RuntimeError) as failed:
-        llm.step()  # the prefill of "b" (prefill goes first)
+        llm.llm_engine.step()  # the prefill of "b" (prefill goes first)
     assert failed.value.step_request_ids == {"b"}
-    monkeypatch.setattr(llm.scheduler, "schedule", lambda: 1 / 0)
+    monkeypatch.setattr(llm.llm_engine.scheduler, "schedule", lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError) as failed:
-        llm.step()
+        llm.llm_engine.step()
     assert not hasattr(failed.value, "step_request_ids")  # failed before choosing: unknown
     monkeypatch.undo()
     for seq in first + second:
-        llm.abort_request(seq)
-    assert llm.is_finished()
+        llm.llm_engine.abort_request(seq)
+    assert llm.llm_engine.is_finished()
 
 
 def run_with_bar(llm, monkeypatch, use_tqdm: bool, max_tokens: int) -> tuple[str, float]:

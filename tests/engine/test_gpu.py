@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm import LLM
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.backends import AttentionBatch, available_backends, get_backend
 from nanovllm.sampling_params import SamplingParams
@@ -81,22 +81,22 @@ def test_graph_replay_matches_eager_and_hf(model_path, monkeypatch):
     # decode batch step by step through several buckets.
     prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + i)] for i in range(17)]
     params = [SamplingParams(temperature=0, max_tokens=2 + i % 9, ignore_eos=True) for i in range(17)]
-    graphed = LLMEngine(model_path, dtype="float32", max_num_seqs=20)
-    assert graphed.model_runner.step_runner(DecodeGraphs).sizes == [1, 2, 4, 8, 16, 20]
-    replayed, replay = [], graphed.model_runner.step_runner(DecodeGraphs).replay
+    graphed = LLM(model_path, dtype="float32", max_num_seqs=20)
+    assert graphed.llm_engine.model_runner.step_runner(DecodeGraphs).sizes == [1, 2, 4, 8, 16, 20]
+    replayed, replay = [], graphed.llm_engine.model_runner.step_runner(DecodeGraphs).replay
 
     def counting_replay(input_ids, positions, context):
         replayed.append(input_ids.shape[0])
         return replay(input_ids, positions, context)
 
-    monkeypatch.setattr(graphed.model_runner.step_runner(DecodeGraphs), "replay", counting_replay)
+    monkeypatch.setattr(graphed.llm_engine.model_runner.step_runner(DecodeGraphs), "replay", counting_replay)
     out_graph = [o["token_ids"] for o in graphed.generate(prompts, params, use_tqdm=False)]
     graphed.exit()
-    assert graphed.model_runner is None
+    assert graphed.llm_engine.model_runner is None
     assert 17 in replayed and 1 in replayed and len(set(replayed)) >= 5
 
-    eager = LLMEngine(model_path, dtype="float32", max_num_seqs=20, enforce_eager=True)
-    assert eager.model_runner.step_runner(DecodeGraphs) is None
+    eager = LLM(model_path, dtype="float32", max_num_seqs=20, enforce_eager=True)
+    assert eager.llm_engine.model_runner.step_runner(DecodeGraphs) is None
     out_eager = [o["token_ids"] for o in eager.generate(prompts, params, use_tqdm=False)]
     eager.exit()
     assert out_graph == out_eager
@@ -114,8 +114,8 @@ def test_moe_graph_replay_matches_eager_and_hf(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = []
     for eager in (False, True):
-        engine = LLMEngine(path, dtype="float32", max_num_seqs=8, enforce_eager=eager)
-        assert (engine.model_runner.step_runner(DecodeGraphs) is None) == eager
+        engine = LLM(path, dtype="float32", max_num_seqs=8, enforce_eager=eager)
+        assert (engine.llm_engine.model_runner.step_runner(DecodeGraphs) is None) == eager
         outs.append([o["token_ids"] for o in engine.generate(prompts, params, use_tqdm=False)])
         engine.exit()
     assert outs[0] == outs[1]
@@ -124,9 +124,9 @@ def test_moe_graph_replay_matches_eager_and_hf(tmp_path):
 
 
 # ---- bf16 parity with HF (vLLM's top-5 rule) -------------------------------------------------
-def engine_top5(engine: LLMEngine, token_ids: list[int]) -> list[int]:
+def engine_top5(engine: LLM, token_ids: list[int]) -> list[int]:
     """The engine's 5 most likely next tokens after token_ids (one eager prefill, no cache)."""
-    runner = engine.model_runner
+    runner = engine.llm_engine.model_runner
     input_ids, positions, context, logits_indices = runner.prepare_prefill([Sequence(token_ids)], [len(token_ids)])
     logits = runner.run_model(input_ids, positions, context, logits_indices)
     return logits[0].float().topk(5).indices.tolist()
@@ -140,10 +140,10 @@ def cuda_backends() -> list[str]:
 @pytest.mark.parametrize("backend, kv_cache_dtype", [(b, "auto") for b in cuda_backends()] + [
     ("auto", "fp8_e4m3"), ("auto", "fp8_e5m2")])  # fp8: the Triton store and kernels, under CUDA graphs
 def test_bf16_parity_with_hf_top5(model_path, backend, kv_cache_dtype):
-    engine = LLMEngine(model_path, dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    engine = LLM(model_path, dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
     if kv_cache_dtype != "auto":
-        assert engine.model_runner.backend.name == "triton"
-        assert engine.model_runner.kv_cache.dtype == engine.config.kv_format.storage
+        assert engine.llm_engine.model_runner.backend.name == "triton"
+        assert engine.llm_engine.model_runner.kv_cache.dtype == engine.config.kv_format.storage
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ours = [o["token_ids"] for o in engine.generate(PROMPTS, params, use_tqdm=False)]
     hf = hf_greedy(model_path, PROMPTS, max_new_tokens=12)
@@ -162,11 +162,11 @@ def test_kv_cache_fills_gpu_memory_utilization(model_path):
     path = make_qwen3(model_path + "_long", max_position_embeddings=1 << 20)
     total = torch.cuda.mem_get_info()[1]
     util = min(0.2, 16 * 2**30 / total)  # at most 16 GiB: the cap below is 32 GiB
-    engine = LLMEngine(path, dtype="bfloat16", gpu_memory_utilization=util, enforce_eager=True,
+    engine = LLM(path, dtype="bfloat16", gpu_memory_utilization=util, enforce_eager=True,
                        max_model_len=1 << 20, max_num_seqs=64, max_num_batched_tokens=4096)
-    runner = engine.model_runner
+    runner = engine.llm_engine.model_runner
     cache_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    assert cache_bytes == engine.num_kvcache_blocks * runner.kv_block_bytes()
+    assert cache_bytes == engine.llm_engine.num_kvcache_blocks * runner.kv_block_bytes()
     assert cache_bytes < 64 * (1 << 20) * runner.kv_block_bytes() // runner.block_size  # not capped
     free, _ = torch.cuda.mem_get_info()
     used = total - free
@@ -178,4 +178,4 @@ def test_kv_cache_fills_gpu_memory_utilization(model_path):
 
 def test_no_kv_block_fits_is_a_clear_error(model_path):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        LLMEngine(model_path, dtype="bfloat16", gpu_memory_utilization=1e-4, enforce_eager=True)
+        LLM(model_path, dtype="bfloat16", gpu_memory_utilization=1e-4, enforce_eager=True)

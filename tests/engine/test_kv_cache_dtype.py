@@ -23,24 +23,24 @@ def test_budget_and_storage_follow_the_format(qwen3_gqa, name):
     budget = 40 * 16 * 2 * 2 * 2 * 128  # 40 fp32 blocks of 16 tokens
     with LLM(qwen3_gqa, kv_cache_dtype=name, cpu_kvcache_bytes=budget, kvcache_block_size=16) as llm:
         token_bytes = 2 * 2 * 2 * ROW_BYTES[name]  # layers x (K, V) x KV heads x row
-        assert llm.model_runner.kv_token_bytes() == token_bytes
-        assert llm.num_kvcache_blocks == budget // (16 * token_bytes)
-        cache = llm.model_runner.kv_cache
+        assert llm.llm_engine.model_runner.kv_token_bytes() == token_bytes
+        assert llm.llm_engine.num_kvcache_blocks == budget // (16 * token_bytes)
+        cache = llm.llm_engine.model_runner.kv_cache
         assert cache.dtype == STORAGE[name]
-        assert cache.numel() * cache.element_size() == llm.num_kvcache_blocks * 16 * token_bytes
+        assert cache.numel() * cache.element_size() == llm.llm_engine.num_kvcache_blocks * 16 * token_bytes
 
 
 def layer0_rows(llm, prompt):
     """The cached K and V rows of layer 0 for prompt's tokens, as stored (bytes)."""
-    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
-    llm.step()  # the prefill
-    attn = llm.model_runner.attention_layers[0]
+    seq = llm.llm_engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+    llm.llm_engine.step()  # the prefill
+    attn = llm.llm_engine.model_runner.attention_layers[0]
     block_size = attn.k_cache.shape[1]
     slots = torch.tensor([seq.block_table[t // block_size] * block_size + t % block_size for t in range(len(prompt))])
     rows = [(c if c.element_size() > 1 else c.view(torch.uint8)).view(-1, *c.shape[2:]).index_select(0, slots)
             for c in (attn.k_cache, attn.v_cache)]
-    while not llm.is_finished():
-        llm.step()
+    while not llm.llm_engine.is_finished():
+        llm.llm_engine.step()
     return rows, seq
 
 
@@ -81,7 +81,7 @@ def run(path, prompts, **kwargs):
     with LLM(path, kvcache_block_size=16, **kwargs) as llm:
         first = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         second = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]  # prefix-cache hits
-        return first, second, llm.scheduler.num_preemptions
+        return first, second, llm.llm_engine.scheduler.num_preemptions
 
 
 @pytest.mark.parametrize("name", ["int8", "bfloat16"])
@@ -128,7 +128,7 @@ def test_long_prompts_decode_as_transformers(long_qwen3, name):
     prompts = [[3 + (i * 37 + j * 11) % 250 for j in range(n)] for i, n in enumerate((1100, 1500))]
     ref = hf_greedy(long_qwen3, prompts, 8)
     with LLM(long_qwen3, kv_cache_dtype=name, max_model_len=1600) as llm:
-        assert llm.model_runner.step_runners, "the C decode step runs"
+        assert llm.llm_engine.model_runner.step_runners, "the C decode step runs"
         singles = [llm.generate([p], GREEDY, use_tqdm=False)[0]["token_ids"][:8] for p in prompts]
         pair = [o["token_ids"][:8] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert singles == pair

@@ -94,15 +94,15 @@ def test_two_nodes_match_tp1_over_a_broadcast_and_exit_together(qwen3_gqa):
         llm = LLM(qwen3_gqa, tensor_parallel_size=2, nnodes=2, node_rank=0, dist_init_addr=addr,
                   dist_timeout_s=120, **ENGINE)
         try:
-            assert isinstance(llm.model_runner.pool.channel, BroadcastChannel)
-            assert llm.model_runner.pool.workers == []  # node 0's only rank is this process
-            steps, schedule = [], llm.scheduler.schedule
+            assert isinstance(llm.llm_engine.model_runner.pool.channel, BroadcastChannel)
+            assert llm.llm_engine.model_runner.pool.workers == []  # node 0's only rank is this process
+            steps, schedule = [], llm.llm_engine.scheduler.schedule
 
             def spy():
                 out = schedule()
                 steps.append([(s.num_computed_tokens, n, len(s)) for s, n in zip(out.seqs, out.num_new_tokens)])
                 return out
-            llm.scheduler.schedule = spy
+            llm.llm_engine.scheduler.schedule = spy
             got = generate(llm, PROMPTS, 12)
             node1_pids = descendants(node1.pid)
             assert len(node1_pids) >= 1  # rank 1 (spawn may add its resource tracker)

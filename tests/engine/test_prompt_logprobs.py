@@ -91,10 +91,10 @@ def test_cached_prefix_is_recomputed(model_dir, hf_logprobs):
     try:
         llm.generate([P1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         prompt = P1[:32] + [7, 8, 9]
-        manager = llm.scheduler.block_manager
-        plain = llm.make_sequence(prompt, SamplingParams(max_tokens=2))
+        manager = llm.llm_engine.scheduler.block_manager
+        plain = llm.llm_engine.processor.make_sequence(prompt, SamplingParams(max_tokens=2))
         assert manager._cached_prefix(plain)[0] == 2  # without prompt logprobs it would hit 2 blocks
-        asking = llm.make_sequence(prompt, SamplingParams(max_tokens=2, prompt_logprobs=2))
+        asking = llm.llm_engine.processor.make_sequence(prompt, SamplingParams(max_tokens=2, prompt_logprobs=2))
         assert manager._cached_prefix(asking)[0] == 0
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
                            use_tqdm=False)[0]
@@ -129,14 +129,14 @@ def test_preempted_requests_keep_one_entry_per_prompt_token(model_dir, hf_logpro
     """A cache of 10 blocks for four 2-block prompts growing to 3-4 blocks: some are preempted and
     recomputed; their prompt logprobs are neither recomputed twice nor lost."""
     probe = LLM(model_dir, **ENGINE)
-    block_bytes = probe.model_runner.kv_block_bytes()
+    block_bytes = probe.llm_engine.model_runner.kv_block_bytes()
     probe.exit()
     llm = LLM(model_dir, **dict(ENGINE, max_num_batched_tokens=32, max_num_seqs=4, cpu_kvcache_bytes=10 * block_bytes))
     try:
         prompts = [list(range(40, 60)), list(range(150, 170)), list(range(200, 222)), list(range(60, 80))]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1),
                             use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.llm_engine.scheduler.num_preemptions > 0
         for prompt, out in zip(prompts, outs):
             check_against_hf(out["prompt_logprobs"], prompt, hf_logprobs(prompt), 1)
     finally:

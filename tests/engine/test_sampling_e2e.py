@@ -195,17 +195,17 @@ def test_min_tokens_holds_off_eos_like_hf(model_dir, hf_model, greedy, tmp_path)
 
 def test_n_completions_share_the_prompt_blocks(llm):
     sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6)
-    first, *siblings = llm.add_request_group(P1, sp)
-    llm.step()  # prefills the first completion only
+    first, *siblings = llm.llm_engine.add_request_group(P1, sp)
+    llm.llm_engine.step()  # prefills the first completion only
     assert first.num_completion_tokens == 1 and all(s.num_completion_tokens == 0 for s in siblings)
-    llm.step()  # the siblings' prefill: two 16-token blocks come from the prefix cache
-    blocks = llm.scheduler.block_manager.blocks
+    llm.llm_engine.step()  # the siblings' prefill: two 16-token blocks come from the prefix cache
+    blocks = llm.llm_engine.scheduler.block_manager.blocks
     for s in siblings:
         assert s.num_cached_tokens == 32 and s.block_table[:2] == first.block_table[:2]
     assert [blocks[b].ref_count for b in first.block_table[:2]] == [3, 3]
-    while not llm.is_finished():
-        llm.step()
-    completions = [llm.output_of(s)["token_ids"] for s in (first, *siblings)]
+    while not llm.llm_engine.is_finished():
+        llm.llm_engine.step()
+    completions = [llm.llm_engine.output_of(s)["token_ids"] for s in (first, *siblings)]
     assert len(set(map(tuple, completions))) == 3
     # Completion i is the seed + i single completion (vLLM's rule), and generate() groups them.
     out = gen(llm, [P1], sp)[0]
@@ -218,14 +218,14 @@ def test_n_completions_share_the_prompt_blocks(llm):
 
 
 def test_aborting_part_of_a_group_leaves_the_rest_running(llm):
-    first, held, other = llm.add_request_group(P2, SamplingParams(n=3, seed=1, max_tokens=4))
-    llm.abort_request(held)  # still held back: never scheduled
-    llm.abort_request(first)  # its remaining sibling no longer waits for it
+    first, held, other = llm.llm_engine.add_request_group(P2, SamplingParams(n=3, seed=1, max_tokens=4))
+    llm.llm_engine.abort_request(held)  # still held back: never scheduled
+    llm.llm_engine.abort_request(first)  # its remaining sibling no longer waits for it
     assert held.finish_reason == first.finish_reason == "abort"
-    while not llm.is_finished():
-        llm.step()
-    assert other.finish_reason == "length" and len(llm.output_of(other)["token_ids"]) == 4
-    assert llm.output_of(held)["token_ids"] == [] and not llm.output_processor.states
+    while not llm.llm_engine.is_finished():
+        llm.llm_engine.step()
+    assert other.finish_reason == "length" and len(llm.llm_engine.output_of(other)["token_ids"]) == 4
+    assert llm.llm_engine.output_of(held)["token_ids"] == [] and not llm.llm_engine.output_processor.states
 
 
 def test_max_tokens_none_runs_to_max_model_len(model_dir):
@@ -241,5 +241,5 @@ def test_engine_rejects_bad_requests_without_side_effects(llm):
     with pytest.raises(ValueError, match=r"stop_token_ids \[256\]"):
         gen(llm, [P2, P3], [SamplingParams(), SamplingParams(stop_token_ids=[256])])
     with pytest.raises(ValueError, match="n=2"):
-        llm.add_request(P2, SamplingParams(n=2))
-    assert llm.is_finished() and not llm.output_processor.states
+        llm.llm_engine.add_request(P2, SamplingParams(n=2))
+    assert llm.llm_engine.is_finished() and not llm.llm_engine.output_processor.states

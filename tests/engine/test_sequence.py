@@ -93,7 +93,7 @@ def test_worker_copy_builds_the_same_step_inputs(qwen3_gqa):
     # 16 KiB per block (2 layers x K/V x 16 tokens x 2 heads x 32 dims x 4 bytes): 10 blocks.
     with LLM(qwen3_gqa, dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
              cpu_kvcache_bytes=10 * 16384) as llm:
-        runner = llm.model_runner
+        runner = llm.llm_engine.model_runner
         run = runner.run
 
         def checked_run(out):
@@ -118,5 +118,5 @@ def test_worker_copy_builds_the_same_step_inputs(qwen3_gqa):
         llm.generate([shared + [99]], SamplingParams(max_tokens=8, **greedy), use_tqdm=False)
         batch = [shared + [100, 101], list(range(40, 80)), list(range(150, 162)), list(range(200, 220))]
         llm.generate(batch, SamplingParams(max_tokens=24, stop=["the"], **greedy), use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.llm_engine.scheduler.num_preemptions > 0
     assert seen == {"prefill", "prefix hit", "chunk", "prompt end", "recompute", "decode"}

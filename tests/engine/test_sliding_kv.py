@@ -30,19 +30,19 @@ def test_blocks_behind_the_window_are_freed(mistral):
     prompts = [[rng.randrange(3, 256) for _ in range(20)] for _ in range(2)]
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     with small_cache_llm(mistral) as llm:
-        assert llm.num_kvcache_blocks == NUM_BLOCKS and llm.scheduler.block_manager.window == 8
+        assert llm.llm_engine.num_kvcache_blocks == NUM_BLOCKS and llm.llm_engine.scheduler.block_manager.window == 8
         held = []
-        step = llm.step
+        step = llm.llm_engine.step
 
         def spy():  # blocks held by the running sequences after each step
             out = step()
-            bm = llm.scheduler.block_manager
+            bm = llm.llm_engine.scheduler.block_manager
             held.append(bm.num_blocks - bm.num_free_blocks)
             return out
-        llm.step = spy
+        llm.llm_engine.step = spy
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.scheduler.num_preemptions == 0
-        bm = llm.scheduler.block_manager
+        assert llm.llm_engine.scheduler.num_preemptions == 0
+        bm = llm.llm_engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks  # every block back once both finished
     assert max(held) <= 2 * 3  # each sequence: the window's block, the one being written, one between
     assert all(len(o["token_ids"]) == NEW for o in outs)  # 220 tokens each through a 96-token cache
@@ -59,29 +59,29 @@ def test_sliding_layers_free_theirs_beside_a_full_layer(tmp_path):
     new = 170
     prompt = [random.Random(1).randrange(3, 256) for _ in range(20)]
     with small_cache_llm(path) as llm:
-        bm = llm.scheduler.block_manager
+        bm = llm.llm_engine.scheduler.block_manager
         assert bm.windows == [None, 8, 8]  # a block table per layer: blocks of one layer each
-        assert llm.num_kvcache_blocks == 3 * NUM_BLOCKS
+        assert llm.llm_engine.num_kvcache_blocks == 3 * NUM_BLOCKS
         from nanovllm.engine.llm_engine import startup_summary
-        summary = startup_summary(llm.config, llm.model_runner, llm.num_kvcache_blocks)
+        summary = startup_summary(llm.config, llm.llm_engine.model_runner, llm.llm_engine.num_kvcache_blocks)
         assert f"KV cache {NUM_BLOCKS * BLOCK} tokens" in summary  # its bytes' worth of every layer
         assert f"{3 * NUM_BLOCKS} blocks of {BLOCK} tokens x 1 layers" in summary
         assert "block tables: 1 of full layers, 2 of window-8 layers" in summary
-        held, step = [], llm.step
+        held, step = [], llm.llm_engine.step
 
         def spy():
             out = step()
-            seqs = list(llm.scheduler.running)
+            seqs = list(llm.llm_engine.scheduler.running)
             if seqs:
                 seq = seqs[0]
                 live = [len({b for b in table[seq.num_released_blocks if g else 0:]})
                         for g, table in enumerate(seq.block_tables)]
                 held.append((bm.num_blocks - bm.num_free_blocks, live))
             return out
-        llm.step = spy
+        llm.llm_engine.step = spy
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
                            use_tqdm=False)[0]
-        assert llm.scheduler.num_preemptions == 0 and bm.num_free_blocks == bm.num_blocks
+        assert llm.llm_engine.scheduler.num_preemptions == 0 and bm.num_free_blocks == bm.num_blocks
         with pytest.raises(ValueError, match="KV cache blocks"):  # 250 tokens: 16 blocks of the full layer
             llm.generate([prompt], SamplingParams(max_tokens=230, ignore_eos=True), use_tqdm=False)
     assert len(out["token_ids"]) == new

@@ -35,7 +35,7 @@ def concat(deltas, n: int) -> tuple[list[str], list[list[int]], list[str | None]
 def test_stream_adds_up_to_generate(llm, ignore_eos):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in (30, 7, 25, 40)]
     ref = llm.generate(PROMPTS, params, use_tqdm=False)
-    preemptions = llm.scheduler.num_preemptions
+    preemptions = llm.llm_engine.scheduler.num_preemptions
     deltas = list(llm.generate_stream(PROMPTS, params))
     texts, ids, reasons = concat(deltas, len(PROMPTS))
     assert texts == [r["text"] for r in ref]
@@ -43,8 +43,8 @@ def test_stream_adds_up_to_generate(llm, ignore_eos):
     assert reasons == [r["finish_reason"] for r in ref]
     assert len(deltas) > len(PROMPTS)  # tokens came one step at a time, not all at the end
     if ignore_eos:
-        assert llm.scheduler.num_preemptions > preemptions  # the streams lived through preemption
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+        assert llm.llm_engine.scheduler.num_preemptions > preemptions  # the streams lived through preemption
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
 def test_stream_with_stop_strings_n_and_logprobs(llm):
@@ -81,10 +81,10 @@ def test_closing_a_stream_aborts_and_frees_blocks(llm):
         seen += len(delta.token_ids)
         if seen >= 6:
             break
-    assert llm.scheduler.block_manager.num_free_blocks < llm.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks < llm.llm_engine.num_kvcache_blocks
     stream.close()
-    assert llm.is_finished()
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert llm.llm_engine.is_finished()
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     ref = llm.generate(["paris"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     texts, _, _ = concat(llm.generate_stream(["paris"], SamplingParams(temperature=0, max_tokens=5)), 1)
     assert texts == [ref["text"]]
@@ -93,7 +93,7 @@ def test_closing_a_stream_aborts_and_frees_blocks(llm):
 def test_bad_prompt_queues_nothing(llm):
     with pytest.raises(ValueError, match="empty string"):
         next(llm.generate_stream(["the fox", ""], SamplingParams(max_tokens=3)))
-    assert llm.is_finished()
+    assert llm.llm_engine.is_finished()
 
 
 def _byte_level_tokenizer():
@@ -215,8 +215,8 @@ def test_a_collected_stream_aborts_its_requests(llm):
 
     stream = llm.generate_stream(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     next(stream)
-    assert not llm.is_finished()
+    assert not llm.llm_engine.is_finished()
     del stream
     gc.collect()
-    assert llm.is_finished() and not llm.output_processor.states
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert llm.llm_engine.is_finished() and not llm.llm_engine.output_processor.states
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks

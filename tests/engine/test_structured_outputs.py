@@ -152,7 +152,7 @@ def test_preemption_keeps_the_grammar_state(model_dir, llm):
     expected = llm.generate(prompts, sp, use_tqdm=False)
     with LLM(model_dir, **dict(ENGINE, cpu_kvcache_bytes=12 * 16 * 1024)) as small:
         got = small.generate(prompts, sp, use_tqdm=False)
-        assert small.scheduler.num_preemptions > 0
+        assert small.llm_engine.scheduler.num_preemptions > 0
     assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
     assert all(re.fullmatch(r"[a-z]{30,40}", g["text"]) for g in got)
 
@@ -174,7 +174,7 @@ def test_bad_spec_is_refused_before_queueing(llm, kwargs, words):
     sp = SamplingParams(structured_outputs=constrained(**kwargs))
     with pytest.raises(ValueError, match=words):
         llm.generate(PROMPTS, [SamplingParams(), sp, SamplingParams(), SamplingParams()], use_tqdm=False)
-    assert llm.is_finished()
+    assert llm.llm_engine.is_finished()
 
 
 def test_compiled_grammars_are_cached(llm):
@@ -217,7 +217,7 @@ def test_tensor_parallel_and_chunked_prefill(model_dir, llm):
     prompts = ["a longer prompt that takes two chunks to prefill " * 2, "short"]
     expected = [c["token_ids"] for c in completions(llm.generate(prompts, sp, use_tqdm=False))]
     with LLM(model_dir, **dict(ENGINE, tensor_parallel_size=2, max_num_batched_tokens=64)) as tp2:
-        seq = tp2.make_group("hi", sp)[0]
+        seq = tp2.llm_engine.make_group("hi", sp)[0]
         assert seq.grammar is not None and not hasattr(pickle.loads(pickle.dumps(seq)), "grammar")
         got = [c["token_ids"] for c in completions(tp2.generate(prompts, sp, use_tqdm=False))]
     assert got == expected
@@ -261,7 +261,7 @@ def test_starts_after_leaves_the_output_free_until_the_marker(llm):
 
 def test_deferred_matcher_rolls_back_across_its_start(llm):
     from nanovllm.sample.structured_outputs import DeferredMatcher
-    matcher = llm.grammars.new_matcher(constrained(regex="ab", starts_after="zz"))
+    matcher = llm.llm_engine.grammars.new_matcher(constrained(regex="ab", starts_after="zz"))
     assert isinstance(matcher, DeferredMatcher)
     z, a, b = (llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "zab")
     bitmask = xgr.allocate_token_bitmask(1, MODEL_VOCAB)

@@ -59,7 +59,7 @@ def assert_cleaned_up(worker_pids: list[int], shm_name: str) -> None:
 
 
 def workers_of(llm: LLM) -> list[mp.Process]:
-    return llm.model_runner.pool.workers
+    return llm.llm_engine.model_runner.pool.workers
 
 
 # ---- sharded weight loading (in-process: the layers read a patched rank and world size) ------
@@ -222,14 +222,14 @@ def test_ranks_agree_on_the_smallest_kv_block_count(gqa):
 
 def spy_on_schedule(llm: LLM) -> list:
     """Record (is_prefill, [(num_cached, num_computed, num_new, len)]) of every scheduled step."""
-    steps, schedule = [], llm.scheduler.schedule
+    steps, schedule = [], llm.llm_engine.scheduler.schedule
 
     def spy():
         out = schedule()
         steps.append((out.is_prefill, [(s.num_cached_tokens, s.num_computed_tokens, n, len(s))
                                        for s, n in zip(out.seqs, out.num_new_tokens)]))
         return out
-    llm.scheduler.schedule = spy
+    llm.llm_engine.scheduler.schedule = spy
     return steps
 
 
@@ -245,16 +245,16 @@ def run_mixed_workload(path: str, tp: int, kv: str = "float32", speculative_conf
     try:
         # The budget is per rank, and each rank holds 1/tp of a block; a block holds every layer, or
         # with KV groups (engine/kv_groups.py: sliding and full layers) the largest group's.
-        runner = getattr(llm.model_runner, "runner", llm.model_runner)
+        runner = getattr(llm.llm_engine.model_runner, "runner", llm.llm_engine.model_runner)
         layers = Config(path).hf_config.num_hidden_layers
-        assert llm.num_kvcache_blocks * runner.kv_cache.shape[1] == blocks * layers
+        assert llm.llm_engine.num_kvcache_blocks * runner.kv_cache.shape[1] == blocks * layers
         warm = llm.generate([shared + [99]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
         steps = spy_on_schedule(llm)
         out = llm.generate(batch, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
         tokens = [o["token_ids"] for o in warm + out]
         pids = [p.pid for p in workers_of(llm)] if tp > 1 else []
-        shm_name = llm.model_runner.pool.channel.name if tp > 1 else ""
-        return tokens, steps, llm.scheduler.num_preemptions, pids, shm_name
+        shm_name = llm.llm_engine.model_runner.pool.channel.name if tp > 1 else ""
+        return tokens, steps, llm.llm_engine.scheduler.num_preemptions, pids, shm_name
     finally:
         llm.exit()
 
@@ -289,7 +289,7 @@ def test_a_single_node_engine_listens_on_loopback_only(gqa):
         me = psutil.Process()
         pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
         addresses = listening_addresses(pids)
-        assert (HOST, llm.model_runner.pool.store.port) in addresses
+        assert (HOST, llm.llm_engine.model_runner.pool.store.port) in addresses
     assert addresses and {ip for ip, _ in addresses} == {HOST}, addresses
 
 
@@ -319,7 +319,7 @@ def test_engines_in_sequence_and_a_killed_worker(bias_tied):
             out = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
             assert [o["token_ids"] for o in out] == expected
 
-            postprocess, steps = llm.scheduler.postprocess, []
+            postprocess, steps = llm.llm_engine.scheduler.postprocess, []
 
             def kill_after_two_steps(*args):
                 steps.append(1)
@@ -328,7 +328,7 @@ def test_engines_in_sequence_and_a_killed_worker(bias_tied):
                     failure_started.append(time.monotonic())
                 return postprocess(*args)
             failure_started: list[float] = []
-            llm.scheduler.postprocess = kill_after_two_steps
+            llm.llm_engine.scheduler.postprocess = kill_after_two_steps
             llm.generate(prompts, SamplingParams(max_tokens=50, **GREEDY), use_tqdm=False)
     elapsed = time.monotonic() - failure_started[0]
     assert "nanovllm-tp-rank1" in str(failure.value) and "died" in str(failure.value)
@@ -350,7 +350,7 @@ def test_garbage_collection_and_interpreter_exit_end_workers(gqa, tmp_path):
             llm = LLM({gqa!r}, tensor_parallel_size=2, dtype="float32")
             out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
             assert len(out[0]["token_ids"]) == 4
-            return llm, llm.model_runner.pool.workers[0].pid, llm.model_runner.pool.channel.name
+            return llm, llm.llm_engine.model_runner.pool.workers[0].pid, llm.llm_engine.model_runner.pool.channel.name
 
         if __name__ == "__main__":
             llm, pid, name = start()

@@ -21,14 +21,14 @@ def make_engine(path: str, block_size: int) -> LLM:
 
 def spy_cached_tokens(llm: LLM) -> list[int]:
     """Record the num_cached_tokens of every sequence a prefill step schedules."""
-    cached, schedule = [], llm.scheduler.schedule
+    cached, schedule = [], llm.llm_engine.scheduler.schedule
 
     def spy():
         out = schedule()
         if out.is_prefill:
             cached.extend(seq.num_cached_tokens for seq in out.seqs)
         return out
-    llm.scheduler.schedule = spy
+    llm.llm_engine.scheduler.schedule = spy
     return cached
 
 
@@ -56,7 +56,7 @@ def test_engines_with_different_block_sizes_do_not_disturb_each_other(qwen3_gqa,
             together[16].append(tokens_of(small, batch))
             together[32].append(tokens_of(large, batch))
         for llm in (small, large):
-            assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+            assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     finally:
         small.exit()
         large.exit()

@@ -102,7 +102,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
     llm = LLM(checkpoints[name], dtype=dtype, kvcache_block_size=16, max_model_len=128,
               cpu_kvcache_bytes=1 << 24)
     try:
-        runner = llm.model_runner
+        runner = llm.llm_engine.model_runner
         fused = runner.step_runner(FusedDecode)
         assert isinstance(fused, cpu_decode.FusedDecode) and fused.max_rows == cpu_kernels.ALL_ROWS
         limit = fused.max_rows = 2
@@ -150,7 +150,7 @@ def test_fused_decode_equals_eager_forward(checkpoints, name, dtype, monkeypatch
 def test_bf16_weights_are_held_in_bf16_under_fp32_activations(checkpoints):
     llm = LLM(checkpoints["qwen3_bias_tied"], dtype="bfloat16", max_model_len=64, cpu_kvcache_bytes=1 << 22)
     try:
-        runner = llm.model_runner
+        runner = llm.llm_engine.model_runner
         assert runner.dtype == torch.float32 and runner.kv_cache.dtype == torch.float16  # kv_cache_dtype auto
         model = runner.model
         layer = model.model.layers[0]
@@ -168,7 +168,7 @@ def test_engine_runs_without_a_c_compiler(checkpoints, monkeypatch, tmp_path):
     """No compiler and no cached library: the torch paths run, the tokens are those of the C path."""
     llm = LLM(checkpoints["qwen3_gqa"], max_model_len=64, cpu_kvcache_bytes=1 << 22)
     try:
-        assert llm.model_runner.step_runner(FusedDecode) is not None
+        assert llm.llm_engine.model_runner.step_runner(FusedDecode) is not None
         expected = [o["token_ids"] for o in generate(llm, [[5, 6, 7]])]
     finally:
         llm.exit()
@@ -178,8 +178,8 @@ def test_engine_runs_without_a_c_compiler(checkpoints, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     llm = LLM(checkpoints["qwen3_gqa"], max_model_len=64, cpu_kvcache_bytes=1 << 22)
     try:
-        assert cpu_kernels.load() is None and llm.model_runner.step_runner(FusedDecode) is None
-        assert llm.model_runner.backend.cpu_kernel is None
+        assert cpu_kernels.load() is None and llm.llm_engine.model_runner.step_runner(FusedDecode) is None
+        assert llm.llm_engine.model_runner.backend.cpu_kernel is None
         assert [o["token_ids"] for o in generate(llm, [[5, 6, 7]])] == expected
     finally:
         llm.exit()

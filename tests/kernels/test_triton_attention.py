@@ -204,7 +204,7 @@ def generate_twice(path: str, backend: str, kv_cache_dtype: str = "float32") -> 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(path, device=DEVICE, attention_backend=backend, dtype="float32", kv_cache_dtype=kv_cache_dtype, max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=128, enforce_eager=True)  # 32: chunked prefill
-    runner_backend = llm.model_runner.backend
+    runner_backend = llm.llm_engine.model_runner.backend
     prefill, prefix_flags = runner_backend.prefill, []
 
     def recording_prefill(q, k, v, k_cache, v_cache, metadata, scale, **options):

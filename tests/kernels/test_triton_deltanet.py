@@ -55,8 +55,8 @@ def test_engine_decodes_through_the_kernel(tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     batch = prompts()[:3]
     with LLM(path, dtype="float32", kvcache_block_size=16, cpu_kvcache_bytes=8 << 20) as llm:
-        llm.model_runner.step_runners = []
-        layers = llm.model_runner.state_layers
+        llm.llm_engine.model_runner.step_runners = []
+        layers = llm.llm_engine.model_runner.state_layers
         for layer in layers:
             layer.attach_state(layer.state)  # no C kernels: the torch step
         want = [o["token_ids"] for o in llm.generate(batch, sp, use_tqdm=False)]

@@ -123,7 +123,7 @@ def test_gpt_oss_mxfp4_experts_on_the_triton_kernel_match_transformers(tmp_path,
     path = make_mxfp4_checkpoint(str(tmp_path / "gpt_oss"))
     from nanovllm import LLM
     with LLM(path, dtype="float32", enforce_eager=True, cpu_kvcache_bytes=1 << 20) as llm:
-        experts = [m for m in llm.model_runner.model.modules() if isinstance(m, FusedMoE)]
+        experts = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, FusedMoE)]
         held = experts[0].quant_method.triton_experts
         assert held is not None and held[0].fp4 and held[0].bits == 4 and held[0].group == 32
         assert experts[0].w13_weight.numel() == 0  # the raw rows dropped: held once, as codes

@@ -125,9 +125,9 @@ def test_q8_0_file_equals_quantization_at_load(arch, tmp_path):
     hf_dir = make_moe(str(tmp_path / "hf"), CASES[arch])
     path = write_moe_gguf(hf_dir, str(tmp_path / f"{arch}.gguf"), arch, "q8_0")
     with LLM(path, dtype="float32", cpu_kvcache_bytes=1 << 20) as llm:
-        methods = {type(m.quant_method).__name__ for m in llm.model_runner.model.modules() if hasattr(m, "w13_weight")}
+        methods = {type(m.quant_method).__name__ for m in llm.llm_engine.model_runner.model.modules() if hasattr(m, "w13_weight")}
         assert methods == {"GGUFFusedMoEMethod"}
-        assert llm.model_runner.step_runner(FusedDecode).one_call_layers == llm.config.hf_config.num_hidden_layers
+        assert llm.llm_engine.model_runner.step_runner(FusedDecode).one_call_layers == llm.config.hf_config.num_hidden_layers
     assert run(path) == run(hf_dir, quantization="q8_0")
 
 

@@ -101,9 +101,9 @@ def greedy(path: str, prompts, **kwargs):
 
 
 def describe(llm) -> dict:
-    model = llm.model_runner.model
+    model = llm.llm_engine.model_runner.model
     layer0 = model.model.layers[0]
-    fused = llm.model_runner.step_runner(FusedDecode)
+    fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
     return {"qkv_params": sorted(n for n, _ in layer0.self_attn.qkv_proj.named_parameters()),
             "head": type(model.lm_head.quant_method), "fused_segments": None if fused is None else fused.segments}
 
@@ -132,11 +132,11 @@ def test_toy_format_through_the_registry_gives_the_dense_tokens(fixture, request
     assert seen["qkv_params"] == (["bias", "weight_t"] if fixture == "qwen3_bias_tied" else ["weight_t"])
     assert seen["head"] is UnquantizedLinearMethod
     with LLM(path, dtype="float32", max_model_len=64, cpu_kvcache_bytes=1 << 22) as llm:
-        layers = llm.model_runner.model.model.layers
+        layers = llm.llm_engine.model_runner.model.model.layers
         assert type(layers[1].mlp.down_proj.quant_method) is UnquantizedLinearMethod
         assert type(layers[0].mlp.down_proj.quant_method) is TransposedMethod
         if HAS_CC:  # no layer has C views: each runs its own modules, the head still in C
-            fused = llm.model_runner.step_runner(FusedDecode)
+            fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
             assert fused.one_call_layers == 0 and fused.head_in_c
 
 
@@ -263,7 +263,7 @@ def test_a_layer_the_c_step_cannot_describe_leaves_the_others_fused(odd, four_la
                 for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
         path = write_transposed(four_layers, str(tmp_path / "toy"), ignore=keep)
     with LLM(path, **options) as llm:
-        fused = llm.model_runner.step_runner(FusedDecode)
+        fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
         assert isinstance(fused, cpu_decode.FusedDecode)
         assert fused.segments == [(0, 2, True), (2, 3, False), (3, 4, True)]
         assert fused.embed_in_c and fused.head_in_c
@@ -272,7 +272,7 @@ def test_a_layer_the_c_step_cannot_describe_leaves_the_others_fused(odd, four_la
         monkeypatch.setattr(fused.kernels, "decode_layers", lambda *a: calls.append((a[3], a[4])) or real(*a))
         outs = batches(llm)
         assert set(calls) == {(0, 2), (3, 4)}
-        llm.model_runner.step_runners = []
+        llm.llm_engine.model_runner.step_runners = []
         eager = batches(llm)
     assert_same(outs, ref)
     assert_same(eager, ref)

@@ -77,7 +77,7 @@ def test_on_a_cpu_the_default_model_runs_from_its_gguf_file(smollm2, cache_dir, 
     assert path == str(cache_dir / "downloads" / dm.GGUF_NAME) and dm.file_sha256(Path(path)) == dm.GGUF_SHA256
     with LLM.default(cache_dir=cache_dir, device="cpu", max_num_seqs=2, max_model_len=512) as llm:
         assert llm.config.model == path
-        held = {layer.quant_method.name for layer in linear_layers(llm.model_runner.model)}
+        held = {layer.quant_method.name for layer in linear_layers(llm.llm_engine.model_runner.model)}
         assert held == {"q4_1 (C kernel)", "q8_0 (C kernel)"}
         prompt = llm.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
         answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]["text"]

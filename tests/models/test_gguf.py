@@ -34,7 +34,7 @@ import perplexity as ppl  # noqa: E402
 
 
 def model_of(llm):
-    return llm.model_runner.model
+    return llm.llm_engine.model_runner.model
 
 
 # ---- perplexity as llama-perplexity scores it (scripts/perplexity.py) --------------------------------
@@ -328,7 +328,7 @@ def test_decode_step_with_chained_parts(tmp_path):
     prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 320, 12)] for s in range(5)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(str(path), max_num_seqs=8, max_model_len=128, kv_cache_dtype="float32") as llm:
-        fused = llm.model_runner.step_runner(FusedDecode)
+        fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
         assert fused.max_rows == cpu_kernels.ALL_ROWS
         gc.collect()
         kept = {ctypes.addressof(part) for lin in fused.linears for part in getattr(lin, "chain", [])}

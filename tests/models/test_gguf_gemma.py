@@ -68,7 +68,7 @@ def test_gemma_files_match_transformers(tmp_path, arch, layers):
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
     with LLM(str(path), dtype="float32", kv_cache_dtype="float32", max_model_len=128) as llm:
-        kinds = [layer.self_attn.attn.sliding_window for layer in llm.model_runner.model.model.layers]
+        kinds = [layer.self_attn.attn.sliding_window for layer in llm.llm_engine.model_runner.model.model.layers]
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5, logprobs=5),
                            use_tqdm=False)[0]
     pattern = 6 if arch == "gemma3" else 2

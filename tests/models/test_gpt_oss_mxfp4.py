@@ -73,8 +73,8 @@ def test_experts_held_as_mxfp4(checkpoint):
     with LLM(checkpoint, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
         # every layer in the C decode step's one call (sinks, windows, biases, experts kernel): the
         # greedy tests below run it
-        assert llm.model_runner.step_runner(FusedDecode).one_call_layers == 3
-        experts = llm.model_runner.model.model.layers[0].mlp.experts
+        assert llm.llm_engine.model_runner.step_runner(FusedDecode).one_call_layers == 3
+        experts = llm.llm_engine.model_runner.model.model.layers[0].mlp.experts
         assert experts.quant_method.name == "experts mxfp4 (C kernel)"
         # 17 bytes per 32 weights, the rows interleaved by 8 in place: the checkpoint's bytes, once
         assert experts.w13_weight.dtype == torch.uint8 and tuple(experts.w13_weight.shape) == (4, 128, 2 * 17)
@@ -170,7 +170,7 @@ def test_gguf_file_runs_as_the_checkpoint(checkpoint, tmp_path):
     runs = []
     for model in (checkpoint, path):
         with LLM(model, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
-            layers = llm.model_runner.model.model.layers
+            layers = llm.llm_engine.model_runner.model.model.layers
             assert [layer.self_attn.attn.sliding_window for layer in layers] == [8, None, 8]
             assert layers[2].mlp.experts.quant_method.name == "experts mxfp4 (C kernel)"
             runs.append(llm.generate(prompts, params, use_tqdm=False))

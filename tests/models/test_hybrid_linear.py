@@ -48,7 +48,7 @@ def generate(path: str, batch, **engine) -> tuple[list[list[int]], int]:
     engine = dict(dict(dtype="float32", kvcache_block_size=16, cpu_kvcache_bytes=8 << 20), **engine)
     with LLM(path, **engine) as llm:
         outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-        return [o["token_ids"] for o in outs], llm.scheduler.num_preemptions
+        return [o["token_ids"] for o in outs], llm.llm_engine.scheduler.num_preemptions
 
 
 @pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 40, "max_num_seqs": 2}], ids=["whole", "chunked"])
@@ -100,7 +100,7 @@ def test_decode_steps_run_in_the_c_one_call(checkpoint, dtype, monkeypatch):
     _, path = checkpoint
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     with LLM(path, dtype=dtype, kvcache_block_size=16, cpu_kvcache_bytes=8 << 20) as llm:
-        runner = llm.model_runner
+        runner = llm.llm_engine.model_runner
         fused = runner.step_runner(FusedDecode)
         assert fused is not None and fused.hybrid and fused.one_call_layers == len(fused.modules)
         fused.max_rows = 2
@@ -128,10 +128,10 @@ def test_a_reused_slot_starts_from_zero(tmp_path):
     first, second = prompts()[3], prompts()[0]  # a one-token prompt: a stale conv history would move it
     alone, _ = generate(path, [second])
     with LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20, max_num_seqs=1) as llm:
-        assert llm.scheduler.block_manager.num_state_slots == 1
+        assert llm.llm_engine.scheduler.block_manager.num_state_slots == 1
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
         llm.generate([first], params, use_tqdm=False)
-        layer = llm.model_runner.state_layers[0]
+        layer = llm.llm_engine.model_runner.state_layers[0]
         assert layer.state.delta.abs().sum() > 0  # the first request's state is left in the slot
         again = llm.generate([second], params, use_tqdm=False)[0]["token_ids"]
     assert again == alone[0]

@@ -102,8 +102,8 @@ def test_decode_step_runs_the_moe_layers_in_one_c_call(tiny_moe, monkeypatch):
         pytest.skip("no C kernels on this machine")
     _, path = tiny_moe
     with LLM(path, kvcache_block_size=16, dtype="float32", kv_cache_dtype="float32", cpu_kvcache_bytes=32 << 20) as llm:
-        fused = llm.model_runner.step_runner(FusedDecode)
-        layers = llm.model_runner.model.model.layers
+        fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
+        layers = llm.llm_engine.model_runner.model.model.layers
         sparse = sum(type(layer.mlp).__name__ == "SparseMoeBlock" for layer in layers)
         assert sparse > 0 and len(fused.moes) == sparse and fused.one_call_layers == len(layers)
     one_call = greedy(path, prompts())
@@ -287,6 +287,6 @@ def test_efficiency_counts_the_active_experts(qwen3_moe):
     from nanovllm.utils.efficiency import active_expert_params, expert_bytes
 
     with LLM(qwen3_moe, dtype="float32", cpu_kvcache_bytes=1 << 20) as llm:
-        model = llm.model_runner.model
+        model = llm.llm_engine.model_runner.model
         assert expert_bytes(model) == (2 * 8 * 3 * 64 * 32 * 4, 2 * 2 * 3 * 64 * 32 * 4)
         assert active_expert_params(model) == 2 * 2 * 3 * 64 * 32

@@ -71,7 +71,7 @@ def test_mxfp4_experts_with_biases_run_dequantized(tmp_path, no_c_kernels):
     prompts = [[5, 17, 99, 3, 42, 8, 8, 130], [200, 3]]
     ref = hf_greedy(path, prompts, 12, quantization_config=Mxfp4Config(dequantize=True))
     with LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
-        experts = llm.model_runner.model.model.layers[0].mlp.experts
+        experts = llm.llm_engine.model_runner.model.model.layers[0].mlp.experts
         assert "dequantized, torch" in experts.quant_method.name
         ours = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
                                                                              ignore_eos=True), use_tqdm=False)]

@@ -28,13 +28,13 @@ def test_greedy_matches_transformers(fixture, request):
         # On CPU the projections run on the fp32 weights held once (the C kernels at every row
         # count: 6 prompts decode on the tiles, their prefill on the outer-product path; oneDNN-packed
         # where the C kernels do not build): this parity covers that path.
-        layers = linear_layers(llm.model_runner.model)
+        layers = linear_layers(llm.llm_engine.model_runner.model)
         expected = {"c" if cpu_kernels.load() is not None else "packed"} if can_pack_weights(torch.float32) \
             else {"dense", "transposed"}  # MKL alone
         assert layers and all(m.quant_method.kernel in expected for m in layers)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                             use_tqdm=False)
-        assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+        assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     assert all(len(o["token_ids"]) == MAX_NEW for o in outs)
     exact = check_tokens_close([o["token_ids"] for o in outs], ref)
     print(f"{fixture}: {exact}/{len(prompts)} prompts matched transformers exactly")
@@ -52,7 +52,7 @@ def test_text_prompts_and_eos(qwen3_gqa):
         assert out["token_ids"] == ref_tokens
         assert out["text"] == llm.tokenizer.decode(ref_tokens, skip_special_tokens=True)
         # Make the first greedy token an EOS id: generation must stop there with "stop".
-        llm.scheduler.eos_token_ids = frozenset({ref_tokens[0]})
+        llm.llm_engine.scheduler.eos_token_ids = frozenset({ref_tokens[0]})
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
         assert out["token_ids"] == [ref_tokens[0]] and out["finish_reason"] == "stop"
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]

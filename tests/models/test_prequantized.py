@@ -68,7 +68,7 @@ def ct_folders(llmcompressor, tmp_path_factory) -> dict[str, str]:
 
 
 def model_of(llm):
-    return llm.model_runner.model
+    return llm.llm_engine.model_runner.model
 
 
 def layer_at(llm, name: str):

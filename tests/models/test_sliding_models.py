@@ -68,12 +68,12 @@ def test_checkpoint_is_as_named(checkpoint):
     """Guards the fixture: the layers the engine builds have the windows the configs ask for."""
     name, path = checkpoint
     with LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20) as llm:
-        windows = [layer.self_attn.attn.sliding_window for layer in llm.model_runner.model.model.layers]
+        windows = [layer.self_attn.attn.sliding_window for layer in llm.llm_engine.model_runner.model.model.layers]
         if name == "gemma3":
-            ropes = [layer.self_attn.rotary_emb for layer in llm.model_runner.model.model.layers]
+            ropes = [layer.self_attn.rotary_emb for layer in llm.llm_engine.model_runner.model.model.layers]
             assert ropes[0] is ropes[2] and ropes[0] is not ropes[1]
-        caps = [layer.self_attn.attn.logit_softcap for layer in llm.model_runner.model.model.layers]
-        sinks = [layer.self_attn.attn.sinks is not None for layer in llm.model_runner.model.model.layers]
+        caps = [layer.self_attn.attn.logit_softcap for layer in llm.llm_engine.model_runner.model.model.layers]
+        sinks = [layer.self_attn.attn.sinks is not None for layer in llm.llm_engine.model_runner.model.model.layers]
     assert windows == {"mistral": [WINDOW] * 3, "gemma3": [WINDOW, None, WINDOW], "gemma2": [WINDOW, None, WINDOW],
                        "gpt_oss": [WINDOW, None, WINDOW], "qwen2": [None, WINDOW, WINDOW]}[name]
     assert sinks == [name == "gpt_oss"] * 3

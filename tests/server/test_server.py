@@ -119,13 +119,13 @@ def test_32_concurrent_streams_equal_their_offline_results(served, ref_llm):
 
 def slow_down_steps(monkeypatch, llm, seconds: float) -> None:
     """Each model step takes at least `seconds`: long requests surely outlive the client."""
-    real_run = llm.model_runner.run
+    real_run = llm.llm_engine.model_runner.run
 
     def run(out):
         time.sleep(seconds)
         return real_run(out)
 
-    monkeypatch.setattr(llm.model_runner, "run", run)
+    monkeypatch.setattr(llm.llm_engine.model_runner, "run", run)
 
 
 def test_disconnected_streams_are_aborted_and_others_unaffected(served, ref_llm, monkeypatch):

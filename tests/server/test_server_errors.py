@@ -96,14 +96,14 @@ POISON = 250  # a prompt holding this token id makes the model runner raise
 def test_failed_engine_step_fails_only_its_requests(served, client, ref_llm, monkeypatch):
     engine, url, _ = served
     llm = engine.llm
-    real_run = llm.model_runner.run
+    real_run = llm.llm_engine.model_runner.run
 
     def run(out):
         if any(POISON in seq.prompt_token_ids for seq in out.seqs):
             raise RuntimeError("poisoned batch")
         return real_run(out)
 
-    monkeypatch.setattr(llm.model_runner, "run", run)
+    monkeypatch.setattr(llm.llm_engine.model_runner, "run", run)
     ref = ref_llm.generate(["old quiet rivers"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                            use_tqdm=False)[0]
     stream = client.completions.create(model=MODEL, prompt="old quiet rivers", max_tokens=30, temperature=0,

@@ -282,7 +282,7 @@ def test_a_worker_dying_mid_stream_ends_every_request(tmp_path):
     from nanovllm import LLM
     model = make_qwen3(str(tmp_path / "m"), seed=3)
     llm = LLM(model, tensor_parallel_size=2, max_model_len=256, kvcache_block_size=16, cpu_kvcache_bytes=8 * 2**20)
-    (worker,) = llm.model_runner.pool.workers
+    (worker,) = llm.llm_engine.model_runner.pool.workers
     with serve_engine(llm, [lambda engine: build_app(engine, "m")]) as (engine, (url,)):
         events = []
         request = {"prompt": "the fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -309,14 +309,14 @@ def test_a_model_runner_that_keeps_failing_kills_the_engine(qwen3_gqa):
     from nanovllm import LLM
     from nanovllm.entrypoints.async_engine import MAX_FAILED_STEPS_IN_A_ROW
     llm = LLM(qwen3_gqa, kvcache_block_size=16, max_model_len=256, cpu_kvcache_bytes=128 * 16384)
-    real_run, failures = llm.model_runner.run, []
+    real_run, failures = llm.llm_engine.model_runner.run, []
 
     def run(out):
         if failures and failures[0] > 0:
             failures[0] -= 1
             raise RuntimeError("the runner broke")
         return real_run(out)
-    llm.model_runner.run = run
+    llm.llm_engine.model_runner.run = run
     body = {"prompt": "the fox", "max_tokens": 4, "temperature": 0}
     with serve_engine(llm, [lambda engine: build_app(engine, "m")]) as (engine, (url,)):
         failures.append(1)  # one transient failure

@@ -22,7 +22,7 @@ def traced(qwen3_gqa):
     start with "SLOW" take SLOW_S seconds to tokenize."""
     llm = LLM(qwen3_gqa, **ENGINE_OPTIONS)
     seen = {"encode": [], "compile": []}
-    real_encode, real_compile = llm.tokenizer.encode, llm.grammars._compile
+    real_encode, real_compile = llm.tokenizer.encode, llm.llm_engine.grammars._compile
 
     def encode(text, *args, **kwargs):
         seen["encode"].append(threading.current_thread().name)
@@ -34,7 +34,7 @@ def traced(qwen3_gqa):
         seen["compile"].append(threading.current_thread().name)
         return real_compile(params)
 
-    llm.tokenizer.encode, llm.grammars._compile = encode, compile_
+    llm.tokenizer.encode, llm.llm_engine.grammars._compile = encode, compile_
     with serve_engine(llm, [lambda engine: build_app(engine, MODEL)]) as (engine, (url,)):
         yield url, seen
 

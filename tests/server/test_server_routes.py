@@ -158,13 +158,13 @@ def test_metrics_gauges_see_a_running_request(served, client, monkeypatch):
     """While a stream is open its sequence runs and holds KV blocks; the gauges say so."""
     engine, url, _ = served
     wait_all_blocks_free(engine)
-    real_run = engine.llm.model_runner.run
+    real_run = engine.llm.llm_engine.model_runner.run
 
     def slow_run(out):  # the request surely outlives the scrape
         time.sleep(0.02)
         return real_run(out)
 
-    monkeypatch.setattr(engine.llm.model_runner, "run", slow_run)
+    monkeypatch.setattr(engine.llm.llm_engine.model_runner, "run", slow_run)
     label = (("model_name", MODEL),)
     stream = client.completions.create(model=MODEL, prompt="fox " * 40, max_tokens=200, stream=True,
                                        extra_body={"ignore_eos": True})

@@ -17,7 +17,7 @@ import soak  # noqa: E402
 
 
 def block_manager_problems(llm) -> list[str]:
-    bm = llm.scheduler.block_manager
+    bm = llm.llm_engine.scheduler.block_manager
     problems = []
     if bm.num_free_blocks != bm.num_blocks:
         problems.append(f"{bm.num_blocks - bm.num_free_blocks} blocks not free")

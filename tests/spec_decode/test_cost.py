@@ -68,7 +68,7 @@ def test_measured_on_the_engine_and_used(qwen3_gqa, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     engine = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_model_len=128, max_num_seqs=2)
     with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
-        times = llm.speculator.target_times
+        times = llm.llm_engine.speculator.target_times
         assert times.rows == [1, 2, 3, 4, 5, 6, 8]  # up to 2 sequences x (1 + 4) rows
         assert all(t > 0 for t in times.table.values())
         want = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -76,12 +76,12 @@ def test_measured_on_the_engine_and_used(qwen3_gqa, monkeypatch):
     monkeypatch.setattr(build, "measure_step_times", lambda runner, max_rows: StepTimes.linear(0.0, 1.0))
     with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
         assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want
-        assert llm.speculator.metrics.num_drafts == 0
+        assert llm.llm_engine.speculator.metrics.num_drafts == 0
     # Rows almost free next to the step: full lengths.
     monkeypatch.setattr(build, "measure_step_times", lambda runner, max_rows: StepTimes.linear(100.0, 1.0))
     with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
         assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want
-        assert llm.speculator.metrics.num_accepted_tokens > 0
+        assert llm.llm_engine.speculator.metrics.num_accepted_tokens > 0
 
 
 def test_a_draft_skips_prefills_it_would_not_pay_for_and_catches_up(qwen3_gqa, monkeypatch):
@@ -102,7 +102,7 @@ def test_a_draft_skips_prefills_it_would_not_pay_for_and_catches_up(qwen3_gqa, m
         want = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     config = dict(method="draft_model", model=qwen3_gqa, num_speculative_tokens=4)
     with LLM(qwen3_gqa, speculative_config=config, **engine) as llm:
-        speculator, skipped = llm.speculator, []
+        speculator, skipped = llm.llm_engine.speculator, []
         real_skip = speculator.proposer.skip
         monkeypatch.setattr(speculator.proposer, "observe", lambda out: pytest.fail("observed a prefill"))
 

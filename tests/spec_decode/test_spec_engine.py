@@ -71,10 +71,10 @@ def test_greedy_is_token_identical(plain, speculative, batch):
     prompts = prompts_of(batch, seed=batch)
     params = [SamplingParams(max_tokens=random.Random(i).randrange(8, 40), **GREEDY) for i in range(batch)]
     want = token_ids(plain.generate(prompts, params, use_tqdm=False))
-    before = llm.speculator.metrics.as_dict()
+    before = llm.llm_engine.speculator.metrics.as_dict()
     got = token_ids(llm.generate(prompts, params, use_tqdm=False))
     assert got == want
-    after = llm.speculator.metrics.as_dict()
+    after = llm.llm_engine.speculator.metrics.as_dict()
     drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     assert drafted > 0
@@ -85,7 +85,7 @@ def test_greedy_is_token_identical(plain, speculative, batch):
     # Emitted tokens are one per verification plus the accepted ones, and never past max_tokens.
     assert after["num_emitted_tokens"] - before["num_emitted_tokens"] == \
         accepted + after["num_drafts"] - before["num_drafts"]
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
 def test_max_tokens_stop_strings_and_logprobs(plain, speculative):
@@ -166,9 +166,9 @@ def test_no_proposals_at_or_above_disable_by_batch_size(qwen3_gqa, other_model):
     params = SamplingParams(max_tokens=16, **GREEDY)
     with LLM(qwen3_gqa, speculative_config=config, **ENGINE) as llm:
         llm.generate(prompts, params, use_tqdm=False)  # four decode together to the end
-        assert llm.speculator.metrics.num_drafts == 0
+        assert llm.llm_engine.speculator.metrics.num_drafts == 0
         llm.generate(prompts[:3], params, use_tqdm=False)
-        assert llm.speculator.metrics.num_drafts > 0
+        assert llm.llm_engine.speculator.metrics.num_drafts > 0
 
 
 # ---- structured outputs: proposals are checked against the grammar -------------------------------
@@ -192,7 +192,7 @@ def test_structured_outputs(byte_model):
     with LLM(byte_model, speculative_config=config, **engine) as llm:
         got = llm.generate(prompts, greedy, use_tqdm=False)
         drawn = llm.generate(prompts, sampled, use_tqdm=False)
-        assert llm.speculator.metrics.num_accepted_tokens > 0
+        assert llm.llm_engine.speculator.metrics.num_accepted_tokens > 0
     assert token_ids(got) == token_ids(want)
     assert all(re.fullmatch(regex, r["text"]) for r in got + drawn)
 
@@ -260,7 +260,7 @@ def test_sampling_keeps_the_target_distribution(qwen3_gqa, monkeypatch):
     config = dict(method="draft_model", model=qwen3_gqa, num_speculative_tokens=2, disable_by_batch_size=128)
     with LLM(qwen3_gqa, speculative_config=config, **ENGINE) as llm:
         counts = sampled_pairs(llm, prompt)
-        metrics = llm.speculator.metrics
+        metrics = llm.llm_engine.speculator.metrics
         assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens  # both outcomes happened
         stat, dof = chi_square(counts, exact, NUM_SAMPLES)
         assert dof >= 3
@@ -284,7 +284,7 @@ def backend_outputs(path: str, speculative_config, **engine) -> tuple[list[list[
     with LLM(path, speculative_config=speculative_config, kvcache_block_size=16, max_model_len=128,
              max_num_seqs=8, **engine) as llm:
         out = token_ids(llm.generate(prompts, params, use_tqdm=False))
-        return out, llm.speculator.metrics.as_dict() if llm.speculator else None
+        return out, llm.llm_engine.speculator.metrics.as_dict() if llm.llm_engine.speculator else None
 
 
 def test_triton_backend_verifies_rows(qwen3_gqa):

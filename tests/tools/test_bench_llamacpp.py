@@ -386,6 +386,6 @@ def test_decode_bytes_per_token_is_the_hand_count(tmp_path):
         per_layer = (q + 2 * kv) * c.hidden_size + c.hidden_size * q + 3 * c.intermediate_size * c.hidden_size
         weights = 4 * (c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size)
         cache = c.num_hidden_layers * 2 * kv * 2  # K and V of one token, every layer, float16
-        runner = llm.model_runner
+        runner = llm.llm_engine.model_runner
         assert runner.kv_token_bytes() == cache
         assert decode_bytes_per_token(runner.model, runner.kv_token_bytes(), 100) == weights + 100 * cache

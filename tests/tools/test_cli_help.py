@@ -56,7 +56,7 @@ def test_start_up_says_what_a_user_wants_to_know(qwen3_gqa, caplog):
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(qwen3_gqa, dtype="bfloat16", kvcache_block_size=16, max_model_len=64,
                  cpu_kvcache_bytes=1 << 22) as llm:
-            blocks = llm.num_kvcache_blocks
+            blocks = llm.llm_engine.num_kvcache_blocks
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     summary = [line for line in lines if line.startswith("model ")]
     assert len(summary) == 1, lines
