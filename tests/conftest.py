@@ -2,16 +2,11 @@
 without CUDA; Triton kernels run in the interpreter on CPU-only machines.
 
 The tests live in folders by the part of the code they test (engine, kernels, layers, models,
-server, tools); a test module may import another's helpers by its name (from test_gguf import ...),
-so every folder is on the import path."""
+server, tools). What several test modules share lives beside this file (helpers.py, gguf_helpers.py,
+..., server_fixtures.py) or in a folder's conftest.py: no test module imports another."""
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
-    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
-        sys.path.insert(0, str(_folder))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -3,14 +3,9 @@ Every variant must give the plain run's greedy tokens and leave every KV block f
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from test_parity_qwen3 import mixed_prompts
+from prompt_sets import SHARED, prompts_with_shared_prefix  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-SHARED = list(range(3, 3 + 40))  # a 40-token prefix: 2 full blocks of 16 and a partial one
-
-
-def prompts_with_shared_prefix() -> list[list[int]]:
-    return [SHARED + [100 + i] * (i + 1) for i in range(4)] + [SHARED[:32]] + mixed_prompts(seed=3)
 
 
 def generate(path: str, prompts, **engine_kwargs):

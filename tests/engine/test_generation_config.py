@@ -11,7 +11,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 
-from test_gguf import write_tiny
+from gguf_helpers import write_tiny
 
 ENGINE = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_model_len=128)
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [40, 41, 42, 43]]

@@ -8,8 +8,8 @@ from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.backends.kv_formats import KV_FORMATS
 from nanovllm.platforms.cuda import CudaPlatform
-from test_equivalence import prompts_with_shared_prefix
-from test_parity_qwen3 import mixed_prompts
+from prompt_sets import prompts_with_shared_prefix
+from prompt_sets import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # Hand count for the "gqa" test shape (2 layers, 2 KV heads, head_dim 32): bytes of one head's row.

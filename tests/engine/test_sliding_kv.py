@@ -15,12 +15,12 @@ BLOCK, NUM_BLOCKS, NEW = 16, 6, 200
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory) -> str:
-    from test_sliding_models import make_checkpoint
+    from sliding_checkpoints import make_checkpoint
     return make_checkpoint("mistral", str(tmp_path_factory.mktemp("mistral")))
 
 
 def small_cache_llm(path: str) -> LLM:
-    from test_tp import kv_block_bytes
+    from tp_workloads import kv_block_bytes
     return LLM(path, dtype="float32", kv_cache_dtype="float32", kvcache_block_size=BLOCK, max_model_len=512,
                cpu_kvcache_bytes=NUM_BLOCKS * kv_block_bytes(path, 1))
 
@@ -54,7 +54,7 @@ def test_sliding_layers_free_theirs_beside_a_full_layer(tmp_path):
     """Gemma 3 (sliding, full, sliding layers): the full layer keeps every block, the sliding ones
     only their window's, so the cache that holds 96 tokens of every layer runs a 190-token request;
     one that would need more of the full layer's blocks than there are is refused up front."""
-    from test_sliding_models import make_checkpoint
+    from sliding_checkpoints import make_checkpoint
     path = make_checkpoint("gemma3", str(tmp_path))
     new = 170
     prompt = [random.Random(1).randrange(3, 256) for _ in range(20)]

@@ -19,9 +19,7 @@ from process_helpers import free_ports
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.distributed.tp_worker import HOST, CallChannel, listening_store
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-BLOCK = 16
+from tp_workloads import BLOCK, GREEDY, kv_block_bytes, run_mixed_workload, workers_of  # noqa: E402
 
 
 @pytest.fixture
@@ -56,10 +54,6 @@ def assert_cleaned_up(worker_pids: list[int], shm_name: str) -> None:
     assert not any(pid_exists(pid) for pid in worker_pids)
     assert not shm_exists(shm_name)
     assert not torch.distributed.is_initialized()
-
-
-def workers_of(llm: LLM) -> list[mp.Process]:
-    return llm.llm_engine.model_runner.pool.workers
 
 
 # ---- sharded weight loading (in-process: the layers read a patched rank and world size) ------
@@ -170,14 +164,6 @@ def test_channel_refuses_unlisted_methods_and_oversized_calls():
     assert not shm_exists(name)
 
 
-# ---- end to end ---------------------------------------------------------------------------------
-def kv_block_bytes(path: str, tp: int, kv: str = "float32") -> int:
-    """One block's bytes on one rank, by hand: fp32 rows of head_dim, or int8's 34 bytes per 32."""
-    cfg = Config(path).hf_config
-    row = cfg.head_dim * 4 if kv == "float32" else cfg.head_dim // 32 * 34
-    return 2 * cfg.num_hidden_layers * BLOCK * (cfg.num_key_value_heads // tp) * row
-
-
 def build_runner_rank(config: Config, rank: int, port: int, results) -> None:
     """One rank of a 2-rank gloo group started by the test itself (spawned; module-level to pickle)."""
     import torch.distributed as dist
@@ -218,45 +204,6 @@ def test_ranks_agree_on_the_smallest_kv_block_count(gqa):
                 p.join()
     assert [p.exitcode for p in procs] == [0, 0]
     assert got == [(0, 7, 7), (1, 7, 7)]
-
-
-def spy_on_schedule(llm: LLM) -> list:
-    """Record (is_prefill, [(num_cached, num_computed, num_new, len)]) of every scheduled step."""
-    steps, schedule = [], llm.llm_engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        steps.append((out.is_prefill, [(s.num_cached_tokens, s.num_computed_tokens, n, len(s))
-                                       for s, n in zip(out.seqs, out.num_new_tokens)]))
-        return out
-    llm.llm_engine.scheduler.schedule = spy
-    return steps
-
-
-def run_mixed_workload(path: str, tp: int, kv: str = "float32", speculative_config: dict | None = None,
-                       blocks: int = 10) -> tuple[list[list[int]], list, int, list[int], str]:
-    """A prefix-warming request, then a batch with a prefix hit, a chunked prompt and preemption
-    (tests/spec_decode runs it with speculation on), in a cache of `blocks` blocks of every layer."""
-    shared = list(range(3, 3 + 2 * BLOCK))  # two full blocks
-    batch = [shared + [100, 101], list(range(40, 80)), list(range(150, 162)), list(range(200, 220))]
-    llm = LLM(path, tensor_parallel_size=tp, dtype="float32", kv_cache_dtype=kv, kvcache_block_size=BLOCK,
-              max_num_seqs=4, max_num_batched_tokens=32, cpu_kvcache_bytes=blocks * kv_block_bytes(path, tp, kv),
-              speculative_config=speculative_config)
-    try:
-        # The budget is per rank, and each rank holds 1/tp of a block; a block holds every layer, or
-        # with KV groups (engine/kv_groups.py: sliding and full layers) the largest group's.
-        runner = getattr(llm.llm_engine.model_runner, "runner", llm.llm_engine.model_runner)
-        layers = Config(path).hf_config.num_hidden_layers
-        assert llm.llm_engine.num_kvcache_blocks * runner.kv_cache.shape[1] == blocks * layers
-        warm = llm.generate([shared + [99]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
-        steps = spy_on_schedule(llm)
-        out = llm.generate(batch, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
-        tokens = [o["token_ids"] for o in warm + out]
-        pids = [p.pid for p in workers_of(llm)] if tp > 1 else []
-        shm_name = llm.llm_engine.model_runner.pool.channel.name if tp > 1 else ""
-        return tokens, steps, llm.llm_engine.scheduler.num_preemptions, pids, shm_name
-    finally:
-        llm.exit()
 
 
 @pytest.mark.parametrize("kv", ["float32", "int8"])

@@ -13,7 +13,7 @@ from nanovllm.executor import cpu_decode
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.unquantized import dense_c_view
 from nanovllm.executor.cpu_decode import FusedDecode
-from test_models import make_tiny
+from tiny_models import make_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler")
@@ -81,7 +81,7 @@ def checkpoints(tmp_path_factory):
              "qwen3_bias_tied": make_qwen3(str(root / "qwen3_bt"), shape="bias_tied", seed=2)}  # qkv + o bias
     for name in ("qwen2_gqa", "llama_bias", "llama3_tied"):  # qkv bias; all biases; llama3 RoPE, 1 KV head
         paths[name] = make_tiny(str(root / name), name, seed=3)
-    from test_sliding_models import make_checkpoint
+    from sliding_checkpoints import make_checkpoint
     paths["mistral"] = make_checkpoint("mistral", str(root / "mistral"))  # a window of 8 on every layer
     return paths
 

@@ -213,14 +213,6 @@ def check_all(kernels):
         assert torch.equal(cpu_kernels.rows_to_f32(kernels, cpu_kernels.linear_struct(kernels, view), ids), w[ids].float())
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = cpu_kernels.load()
-    if kernels is None:
-        pytest.skip("no C compiler")
-    return kernels
-
-
 def test_formats_against_references(kernels):
     check_all(kernels)
 

@@ -12,7 +12,6 @@ from nanovllm.layers.backends import get_backend
 from nanovllm.layers.backends.kv_formats import KV_FORMATS, kv_format
 from nanovllm.layers.backends.torch_backend import TorchMetadata
 
-from test_cpu_quant import kernels  # noqa: F401,E402  (the fixture: the library, or a skip without a compiler)
 
 FORMATS = list(KV_FORMATS)
 

@@ -18,7 +18,6 @@ from nanovllm.layers.backends import get_backend
 from nanovllm.layers.backends.kv_formats import kv_format
 from nanovllm.layers.backends.torch_backend import TorchMetadata
 
-from test_cpu_quant import kernels  # noqa: F401  (the fixture: the library, or a skip without a compiler)
 
 INT8 = kv_format("int8")
 ATOL = 1e-3  # outputs are ~1 in size (values ~ N(0, 1)): a wrong mask, position or scale is off by > 1e-2

@@ -50,7 +50,7 @@ def test_engine_decodes_through_the_kernel(tmp_path):
     """A tiny Qwen3.5's decode steps with every linear layer on the Triton step (the C step set
     aside): the torch path's greedy tokens."""
     from nanovllm import LLM, SamplingParams
-    from test_hybrid_linear import make_checkpoint, prompts
+    from hybrid_checkpoints import make_checkpoint, prompts
     path = make_checkpoint("qwen3_5", str(tmp_path / "qwen3_5"))
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     batch = prompts()[:3]

@@ -95,7 +95,8 @@ def test_gguf_file_on_the_triton_kernel_matches_transformers(tmp_path, monkeypat
     quantized)."""
     pytest.importorskip("gguf")
     import numpy as np
-    from test_gguf import CASES, hf_logprobs_of_file, linear_layers, logprob_errors, model_of, our_logprobs, write_tiny
+    from gguf_helpers import CASES, hf_logprobs_of_file, logprob_errors, model_of, our_logprobs, write_tiny
+    from nanovllm.layers.quantization import linear_layers
     from nanovllm import LLM
     monkeypatch.setenv("NANOVLLM_TRITON_WEIGHT_ONLY", "1")
     arch, types = CASES[case]
@@ -116,8 +117,8 @@ def test_gpt_oss_mxfp4_experts_on_the_triton_kernel_match_transformers(tmp_path,
     biases and clamped SwiGLU: transformers' greedy tokens (reading the same blocks dequantized)."""
     pytest.importorskip("gguf")
     from transformers import Mxfp4Config
-    from test_gpt_oss_mxfp4 import make_mxfp4_checkpoint
-    from test_sliding_models import check_greedy_against_transformers
+    from mxfp4_checkpoints import make_mxfp4_checkpoint
+    from sliding_checkpoints import check_greedy_against_transformers
     from nanovllm.layers.moe import FusedMoE
     monkeypatch.setenv("NANOVLLM_TRITON_WEIGHT_ONLY", "1")
     path = make_mxfp4_checkpoint(str(tmp_path / "gpt_oss"))

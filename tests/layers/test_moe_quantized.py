@@ -16,8 +16,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.moe_ops import select_experts
 from nanovllm.executor.cpu_decode import FusedDecode
-from test_gguf import llama_cpp_row_order
-from test_moe import make_moe
+from gguf_helpers import llama_cpp_row_order
+from moe_checkpoints import make_moe
 
 gguf = pytest.importorskip("gguf")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 from helpers import make_qwen3  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.kernels import cpu_kernels  # noqa: E402
-from test_gguf import model_of, our_logprobs  # noqa: E402
+from gguf_helpers import model_of, our_logprobs  # noqa: E402
 
 
 def format_of(w: np.ndarray, fmt: str) -> str:

@@ -7,7 +7,6 @@ test_online_quantization.py):
   transformers' reading of the same file;
 - malformed and unsupported files, and misuse of quantization=, refused with clear errors."""
 import logging
-import math
 import os
 import re
 import sys
@@ -15,11 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-gguf = pytest.importorskip("gguf")
 
-from helpers import make_qwen3, qtype, random_weights  # noqa: E402
+from helpers import make_qwen3  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.config import CPU_INPUT_BITS  # noqa: E402
 from nanovllm.kernels import cpu_kernels  # noqa: E402
@@ -27,24 +24,8 @@ from nanovllm.layers.quantization import linear_layers  # noqa: E402
 from nanovllm.utils import default_model as dm  # noqa: E402
 from nanovllm.executor.cpu_decode import FusedDecode  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-TEXT = (REPO / "tests" / "data" / "english.txt").read_text()
-sys.path.insert(0, str(REPO / "scripts"))
-import perplexity as ppl  # noqa: E402
-
-
-def model_of(llm):
-    return llm.llm_engine.model_runner.model
-
-
-# ---- perplexity as llama-perplexity scores it (scripts/perplexity.py) --------------------------------
-def hf_perplexity(model, chunks) -> float:
-    nll = []
-    for chunk in chunks:
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([chunk])).logits[0].float(), -1)
-        nll += ppl.scored([0.0] + [-logp[j - 1, chunk[j]].item() for j in range(1, len(chunk))])
-    return ppl.perplexity(nll)
+from gguf_helpers import CASES, REPO, assert_like_transformers, gguf, hf_logprobs_of_file, logprob_errors, model_of, our_logprobs, perplexity_and_answer, write_tiny  # noqa: E402
+import perplexity as ppl  # noqa: E402  (scripts/, on the path through gguf_helpers)
 
 
 @pytest.fixture(scope="module")
@@ -84,130 +65,12 @@ def test_shipped_file_tokenizer_is_the_one_autotokenizer_builds(shipped):
             theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
-def perplexity_and_answer(llm) -> tuple[list[list[int]], float, str]:
-    """The chunks of TEXT llama-perplexity scores, our perplexity over them, and our greedy answer
-    to "What is the capital of France?" (the default model and its quantized forms)."""
-    chunks = ppl.chunks_of(llm.tokenizer, TEXT)
-    ours = ppl.our_perplexity(llm, chunks)
-    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
-    return chunks, ours, answer
-
-
-def assert_like_transformers(folder: str, chunks: list[list[int]], ours: float, answer: str) -> None:
-    """Our perplexity within 2% of transformers' on the same folder, and an answer naming Paris."""
-    from transformers import AutoModelForCausalLM
-    ref = hf_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), chunks)
-    assert abs(ours / ref - 1) < 0.02, (ours, ref)
-    assert "Paris" in answer, answer
-
-
 # ---- tiny files in every block format ----------------------------------------------------------
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                  "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-
-
-def llama_cpp_row_order(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's order of a llama q / k projection's rows: each head's two halves
-    interleaved (its rotary layout)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=512, layers=2, heads=4,
-               kv_heads=2, vocab=320, seed=0, untied=False, metadata: dict | None = None) -> Path:
-    """A random model as a GGUF file; types: tensor role (attn_q, ffn_down, token_embd, output,
-    ...) -> GGUF type name (default F32); metadata: more keys (float values as float32, int as uint32)."""
-    rng = np.random.default_rng(seed)
-    head_dim = hidden // heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(512)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(vocab)
-    if arch == "qwen3":
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    for key, value in (metadata or {}).items():
-        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-
-    def add(name: str, role: str, value: np.ndarray) -> None:
-        kind = types.get(role, "f32")
-        if value.ndim == 1 or kind == "f32":
-            w.add_tensor(name, value.astype(np.float32))
-        elif kind in ("q4_k", "q5_k", "q6_k"):  # gguf.quants has no quantizer for these: random blocks
-            w.add_tensor(name, random_weights(kind, *value.shape, rng, std=float(value.std())), raw_dtype=qtype(kind))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype(kind)), raw_dtype=qtype(kind))
-
-    def mat(n, k, scale=None):
-        return rng.standard_normal((n, k)).astype(np.float32) * (scale or k ** -0.5)
-
-    add("token_embd.weight", "token_embd", mat(vocab, hidden, 0.1))
-    if untied:
-        add("output.weight", "output", mat(vocab, hidden))
-    add("output_norm.weight", "norm", 1 + 0.1 * rng.standard_normal(hidden))
-    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
-              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
-              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
-    for i in range(layers):
-        for role, shape in shapes.items():
-            value = mat(*shape)
-            if arch == "llama" and role in ("attn_q", "attn_k"):
-                value = llama_cpp_row_order(value, heads if role == "attn_q" else kv_heads)
-            add(f"blk.{i}.{role}.weight", role, value)
-        for role in ("attn_norm", "ffn_norm"):
-            add(f"blk.{i}.{role}.weight", role, 1 + 0.1 * rng.standard_normal(hidden))
-        if arch == "qwen2":
-            for role in ("attn_q", "attn_k", "attn_v"):
-                add(f"blk.{i}.{role}.bias", role, 0.1 * rng.standard_normal(shapes[role][0]))
-        if arch == "qwen3":
-            for role in ("attn_q_norm", "attn_k_norm"):
-                add(f"blk.{i}.{role}.weight", role, 1 + 0.1 * rng.standard_normal(head_dim))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def quantized_like_kernels(x: torch.Tensor, group: int, bits: int | str = 14) -> torch.Tensor:
-    """x rounded as the C kernels quantize a linear layer's input, per group of `group` values:
-    to 14-bit integers, scale max|x| / 127^2 (bits 14), to int8, scale max|x| / 127 (bits 8), or
-    (bits "auto") to int8 where its rounding noise, group (max|x| / 127)^2 / 12, is within 1e-4 of
-    the group's sum of squares and to 14 bits elsewhere; round half to even."""
-    g = x.reshape(*x.shape[:-1], -1, group)
-    amax = g.abs().amax(-1, keepdim=True)
-    if bits == "auto":
-        loud = (amax.double() / 127) ** 2 * group / 12 > 1e-4 * (g.double() ** 2).sum(-1, keepdim=True)
-        top = torch.where(loud, 127.0 * 127, 127.0).to(g.dtype)
-    else:
-        top = torch.tensor(127.0 * 127 if bits == 14 else 127.0, dtype=g.dtype)
-    q = torch.where(amax > 0, g * (top / amax.clamp_min(1e-30)), torch.zeros_like(g)).round()
-    q = torch.minimum(torch.maximum(q, -top), top)
-    return (q * (amax / top)).reshape(x.shape)
-
-
-def hf_logprobs_of_file(path: Path, prompt: list[int], input_groups: dict[str, int] | None = None,
-                        bits: int | str = 14) -> torch.Tensor:
-    """transformers' log-probabilities on the file (it dequantizes the tensors itself); with
-    input_groups (HF module name suffix -> group), each such linear layer's input quantized as the
-    C kernels quantize it, so that the result differs from ours only by the order of float sums."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    for name, module in model.named_modules():
-        group = next((g for suffix, g in (input_groups or {}).items() if name.endswith(suffix)), None)
-        if group is not None and isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(lambda m, args, g=group: (quantized_like_kernels(args[0], g, bits),))
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
 
 
 HF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
@@ -224,41 +87,6 @@ def kernel_input_groups(types: dict[str, str], tied: bool) -> dict[str, int]:
     return groups
 
 
-def our_logprobs(llm, prompt: list[int], vocab: int) -> torch.Tensor:
-    """Our log-probabilities of every prompt token given the ones before it [len - 1], and of our
-    top-5 at each position (the rest -inf), as rows comparable to HF's."""
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
-    rows = torch.full((len(prompt) - 1, vocab), -math.inf)
-    for j, entry in enumerate(out["prompt_logprobs"][1:]):
-        for token, logprob in entry.items():
-            rows[j, token] = logprob
-    return rows
-
-
-def logprob_errors(ours: torch.Tensor, reference: torch.Tensor, prompt: list[int]) -> torch.Tensor:
-    """|ours - reference| of each position's prompt token and our top 5."""
-    out = []
-    for j in range(len(prompt) - 1):
-        ids = torch.cat([ours[j].topk(5).indices, torch.tensor([prompt[j + 1]])])
-        out.append((ours[j, ids] - reference[j, ids]).abs())
-    return torch.stack(out)
-
-
-# One file per case: (arch, tensor types); 'all' covers each format at least once, stacked parts in
-# different formats included (Q4_K q / k with Q6_K v, as llama-quantize's Q4_K_M writes them).
-CASES = {
-    "llama-f32": ("llama", {}),
-    "llama-q8_0": ("llama", {r: "q8_0" for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                                                  "ffn_down", "token_embd")}),
-    "llama-q4_k_m": ("llama", {"attn_q": "q4_k", "attn_k": "q4_k", "attn_v": "q6_k", "attn_output": "q4_k",
-                               "ffn_gate": "q4_k", "ffn_up": "q4_k", "ffn_down": "q6_k", "token_embd": "q4_k"}),
-    "qwen2-mixed": ("qwen2", {"attn_q": "q4_0", "attn_k": "q4_1", "attn_v": "q5_0", "attn_output": "q5_1",
-                              "ffn_gate": "f16", "ffn_up": "bf16", "ffn_down": "q8_0", "token_embd": "q6_k"}),
-    "qwen3-q5_k": ("qwen3", {"attn_q": "q5_k", "attn_k": "q5_k", "attn_v": "q6_k", "attn_output": "q5_k",
-                             "ffn_gate": "q5_k", "ffn_up": "q5_k", "ffn_down": "q5_k", "token_embd": "q8_0"}),
-    "qwen3-q4_0": ("qwen3", {r: "q4_0" for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                                                 "ffn_down", "token_embd", "output")}),
-}
 # Mean |logprob error| against plain transformers: our inputs are quantized to 14-bit integers per
 # group, which moves these random models' log-probabilities by about 1e-3 (F32 weights multiply in
 # fp32: no such error).

@@ -13,43 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import check_tokens_close, hf_greedy, save_decisive
+from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
 from nanovllm.executor.cpu_decode import FusedDecode
+from moe_checkpoints import TINY, VOCAB, make_moe  # noqa: E402
 
-VOCAB = 256
 MAX_NEW = 24
-BASE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, pad_token_id=0)
-TINY = {
-    # renormalized top-2 of 8, layer 1 a dense MLP
-    "qwen3_moe_norm": ("Qwen3Moe", dict(head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-                                        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
-                                        norm_topk_prob=True, mlp_only_layers=[1])),
-    # plain softmax weights of top-3, every second layer sparse
-    "qwen3_moe_step2": ("Qwen3Moe", dict(head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-                                         num_hidden_layers=4, num_experts=8, num_experts_per_tok=3,
-                                         norm_topk_prob=False, decoder_sparse_step=2)),
-    # a shared expert with its sigmoid gate, biased q/k/v
-    "qwen2_moe_shared": ("Qwen2Moe", dict(intermediate_size=96, moe_intermediate_size=32,
-                                          shared_expert_intermediate_size=64, num_hidden_layers=2,
-                                          num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)),
-    "mixtral": ("Mixtral", dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
-                                num_experts_per_tok=2)),
-}
-
-
-def make_moe(path: str, name: str, seed: int = 0) -> str:
-    import transformers
-
-    family, shape = TINY[name]
-    config = getattr(transformers, f"{family}Config")(**BASE, **shape)
-    config.architectures = [f"{family}ForCausalLM"]
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{family}ForCausalLM")(config)
-    return save_decisive(model, path, VOCAB)  # decisive routings too
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -114,7 +85,7 @@ def test_decode_step_runs_the_moe_layers_in_one_c_call(tiny_moe, monkeypatch):
 def test_scheduling_and_tp2_keep_transformers_tokens(qwen3_moe):
     """A prefix-cache hit, a chunked prompt and preemption (test_tp's workload), at TP=1 and TP=2:
     every request's tokens are transformers' greedy tokens for its prompt."""
-    from test_tp import run_mixed_workload
+    from tp_workloads import run_mixed_workload
 
     tokens1, steps1, preempted1, _, _ = run_mixed_workload(qwen3_moe, tp=1)
     tokens2, _, preempted2, _, _ = run_mixed_workload(qwen3_moe, tp=2)

@@ -17,7 +17,7 @@ from nanovllm.models import get_mtp_head_class
 from nanovllm.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeMTP, Qwen3_5MTP
 from nanovllm.utils.context import Context, forward_context
 
-from test_hybrid_linear import MAX_NEW, generate, make_checkpoint, prompts, write_gguf
+from hybrid_checkpoints import MAX_NEW, generate, make_checkpoint, prompts, write_gguf
 
 
 def add_mtp_head(path: str, family: str) -> tuple[dict, object]:

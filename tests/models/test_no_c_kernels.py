@@ -28,7 +28,7 @@ def no_c_kernels(monkeypatch):
 
 @pytest.mark.parametrize("case", ["llama-q4_k_m", "qwen2-mixed"])
 def test_gguf_files_run_dequantized(tmp_path, case, no_c_kernels, caplog):
-    from test_gguf import CASES, hf_logprobs_of_file, logprob_errors, model_of, our_logprobs, write_tiny
+    from gguf_helpers import CASES, hf_logprobs_of_file, logprob_errors, model_of, our_logprobs, write_tiny
     arch, types = CASES[case]
     path = write_tiny(tmp_path / f"{case}.gguf", arch, types, layers=1)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 24)]
@@ -65,7 +65,7 @@ def test_mxfp4_experts_with_biases_run_dequantized(tmp_path, no_c_kernels):
     greedy tokens."""
     from helpers import check_tokens_close, hf_greedy
     from nanovllm import SamplingParams
-    from test_gpt_oss_mxfp4 import make_mxfp4_checkpoint
+    from mxfp4_checkpoints import make_mxfp4_checkpoint
     from transformers import Mxfp4Config
     path = make_mxfp4_checkpoint(str(tmp_path))
     prompts = [[5, 17, 99, 3, 42, 8, 8, 130], [200, 3]]

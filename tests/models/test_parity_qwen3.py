@@ -1,6 +1,5 @@
 """End-to-end parity: the engine's greedy tokens equal HF transformers' on tiny random Qwen3
 checkpoints (fp32), for a batch of mixed-length prompts, some spanning several KV blocks."""
-import random
 
 import pytest
 import torch
@@ -10,13 +9,9 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization import linear_layers
 from nanovllm.platforms.cpu import can_pack_weights
+from prompt_sets import mixed_prompts  # noqa: E402
 
 MAX_NEW = 40
-
-
-def mixed_prompts(vocab: int = 256, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 5, 16, 17, 33, 50)]
 
 
 @pytest.mark.parametrize("fixture", ["qwen3_gqa", "qwen3_bias_tied"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import check_tokens_close, make_qwen3
+from helpers import make_qwen3
 from prequantized_writers import WRITTEN, write_quantized
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_kernels
@@ -26,9 +26,9 @@ from nanovllm.layers.quantization import linear_layers
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import llmcompressor_quantize as lq  # noqa: E402  (its reference() runs here too, on dense folders)
+from prequantized_checks import NEW_TOKENS, check_against_reference, llm_names, model_of  # noqa: E402
 
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [9, 8, 7, 100, 22, 5, 77, 31]]
-NEW_TOKENS = 10
 # llm-compressor scheme -> the block format that holds it exactly ("f32": none does; dense fp32)
 # ("+head": lm_head quantized too, which llm-compressor unties from the embedding; "+head8": lm_head
 # int8 per channel in a config group of its own, named exactly, listed after the "Linear" group)
@@ -67,10 +67,6 @@ def ct_folders(llmcompressor, tmp_path_factory) -> dict[str, str]:
     return folders
 
 
-def model_of(llm):
-    return llm.llm_engine.model_runner.model
-
-
 def layer_at(llm, name: str):
     return dict(model_of(llm).named_modules())[name]
 
@@ -98,36 +94,6 @@ def stacked_names(name: str) -> list[str]:
     if name.endswith("gate_up_proj"):
         return [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
     return [name]
-
-
-def our_outputs(llm, prompts, vocab: int):
-    """Greedy tokens and, per prompt, our log-probabilities of the prompt tokens and our top 5 (rest -inf)."""
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-    rows = []
-    for prompt in prompts:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
-        r = torch.full((len(prompt) - 1, vocab), -float("inf"))
-        for j, entry in enumerate(out["prompt_logprobs"][1:]):
-            for token, logprob in entry.items():
-                r[j, token] = logprob
-        rows.append(r)
-    return [o["token_ids"] for o in outs], rows
-
-
-def check_against_reference(llm, folder: str, vocab: int = 256) -> float:
-    """Our greedy tokens and prompt log-probabilities against the reference written beside folder
-    (vLLM's check_logprobs_close rule for the tokens); returns the largest |logprob error|."""
-    ref = json.load(open(f"{folder}.ref.json"))
-    tensors = load_file(f"{folder}.ref.safetensors")
-    tokens, logprobs = our_outputs(llm, ref["prompts"], vocab)
-    check_tokens_close(tokens, [(t, tensors[f"logits.{i}"]) for i, t in enumerate(ref["tokens"])])
-    worst = 0.0
-    for i, (prompt, ours) in enumerate(zip(ref["prompts"], logprobs)):
-        theirs = tensors[f"prompt_logprobs.{i}"]
-        for j in range(len(prompt) - 1):
-            ids = torch.cat([ours[j].topk(5).indices, torch.tensor([prompt[j + 1]])])
-            worst = max(worst, (ours[j, ids] - theirs[j, ids]).abs().max().item())
-    return worst
 
 
 # ---- compressed-tensors: the format's definition, written here from compressors/pack_quantized ----
@@ -361,10 +327,6 @@ def test_quantization_argument_names_the_checkpoints_own_format(written, tmp_pat
         LLM(dense, quantization="fp8")
 
 
-def llm_names(llm) -> str:
-    return ", ".join(sorted({layer.quant_method.name for layer in linear_layers(model_of(llm))}))
-
-
 # ---- the default model, quantized by llm-compressor --------------------------------------------------
 # SmolLM2-135M's 576 inputs are not whole groups of 128 (the presets' W4A16 / W8A16): the same
 # schemes with groups of 64.
@@ -383,7 +345,7 @@ def default_quantized(llmcompressor, tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("scheme", sorted(DEFAULT_SCHEMES))
 def test_default_model_quantized_by_llmcompressor(default_quantized, scheme):
-    from test_gguf import assert_like_transformers, perplexity_and_answer
+    from gguf_helpers import assert_like_transformers, perplexity_and_answer
     folder = default_quantized[scheme]
     with LLM(folder, max_num_seqs=8, max_model_len=512) as llm:
         names = {layer.quant_method.name for layer in linear_layers(model_of(llm)) if layer.prefix != "lm_head"}
@@ -395,8 +357,9 @@ def test_default_model_quantized_by_llmcompressor(default_quantized, scheme):
 # ---- the Triton kernels (CUDA), here under the Triton interpreter ------------------------------------
 TRITON_RUN = """
 import json, sys
-sys.path[:0] = [{tests!r}, {models!r}]
-from test_prequantized import LLM, check_against_reference, llm_names
+sys.path[:0] = [{tests!r}]
+from nanovllm import LLM
+from prequantized_checks import check_against_reference, llm_names
 with LLM({folder!r}, kv_cache_dtype="float32", max_num_seqs=4, max_model_len=256, enforce_eager=True) as llm:
     names = llm_names(llm)
     worst = check_against_reference(llm, {reference!r})
@@ -410,7 +373,7 @@ def test_triton_kernels_through_the_engine(written, ct_folders, case):
     under TRITON_INTERPRET=1), against the same references as the C kernels."""
     pytest.importorskip("triton")
     folder, reference = (ct_folders["W8A16"],) * 2 if case.startswith("ct-") else written[case]
-    code = TRITON_RUN.format(tests=str(REPO / "tests"), models=str(REPO / "tests" / "models"), folder=folder, reference=reference)
+    code = TRITON_RUN.format(tests=str(REPO / "tests"), folder=folder, reference=reference)
     env = {**os.environ, "TRITON_INTERPRET": "1", "NANOVLLM_TRITON_WEIGHT_ONLY": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

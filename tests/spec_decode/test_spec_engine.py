@@ -14,7 +14,7 @@ from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.spec_decode import verify
 
 from helpers import make_byte_tokenizer, make_qwen3
-from test_tp import run_mixed_workload
+from tp_workloads import run_mixed_workload
 
 ENGINE = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, max_model_len=256,
               max_num_seqs=64, max_num_batched_tokens=1024)

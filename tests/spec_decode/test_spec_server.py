@@ -9,7 +9,7 @@ from server_fixtures import ENGINE_OPTIONS, MODEL, httpx, openai, serve_engine  
 from nanovllm import LLM
 from nanovllm.entrypoints.openai_server import build_app
 
-from test_user_errors import one_error_line, run
+from cli_helpers import one_error_line, run
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PROMPTS = ["the quick brown fox the quick brown fox the quick", "seven bright stars", "a lazy dog a lazy dog"]

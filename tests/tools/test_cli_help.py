@@ -9,7 +9,7 @@ import pytest
 from nanovllm.cli import _ENGINE_OPTIONS, build_parser
 from nanovllm.config import Config
 
-from test_user_errors import one_error_line, run
+from cli_helpers import one_error_line, run
 
 
 def serve_help() -> str:

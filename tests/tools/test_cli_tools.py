@@ -4,7 +4,7 @@ import pytest
 
 from nanovllm.cli import build_parser
 
-from test_user_errors import one_error_line, run
+from cli_helpers import one_error_line, run
 
 
 def test_chat_flags_parse():

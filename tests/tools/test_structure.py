@@ -201,3 +201,14 @@ def test_the_probe_finder_finds_one():
     assert runner_probes('if hasattr(model_runner, "prepare_rows"):') != []
     assert runner_probes('runner = getattr(self, "model_runner", None)') != []
     assert runner_probes("getattr(config, 'x')") == []
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in helper modules beside tests/conftest.py or in a folder's
+    conftest.py; a test module's own name in a subprocess it starts is not another module."""
+    found = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        names = set(re.findall(r"(?:^|[;\n]\s*)(?:from|import) (test_\w+)", path.read_text())) - {path.stem}
+        if names:
+            found[str(path.relative_to(ROOT))] = sorted(names)
+    assert found == {}
