@@ -35,7 +35,7 @@
 
 /* ---- decode ------------------------------------------------------------------------------------ */
 /* The 8 sums of a[0..8), one per lane (lane i: the sum of a[i]'s lanes). */
-#if defined(__AVX2__) && VL == 8
+#if ISA_AVX2 && VL == 8
 static inline vf reduce8(const vf a[8]) {
     const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
     const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
@@ -333,17 +333,7 @@ static inline void dot_rows_q8(const int8_t *qq, const float *qd, const uint8_t 
 }
 
 #if KV_F16C
-/* 256-bit vpdpbusd (AVX512-VNNI + VL, or AVX-VNNI) for the int8 scores (dot_8rows_q8_t's second definition) */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define ATT_VNNI 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-static inline __m256i att_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
-static inline __m256i att_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#endif
-#else
-#define ATT_VNNI 0
-#endif
+/* With 256-bit vpdpbusd (isa.h, ISA_VNNI256) the int8 scores take dot_8rows_q8_t's second definition. */
 
 /* The 8 rows' scales of each block (block b's in lane i of kdt[b]), rows k + i * stride. */
 static inline void q8_block_scales8(const uint8_t *k, int64_t stride, int64_t nb, vf *kdt) {
@@ -362,7 +352,7 @@ static inline __m256i reduce8_epi32(const __m256i a[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-#if !ATT_VNNI
+#if !ISA_VNNI256
 /* dot_rows_q8 for a whole chunk of 8 rows, block first: each block's 8 integer dot products reduced
  * to one vector (a lane per row) before anything is converted, so that the conversion and the
  * scales (kdt[b]: the 8 rows' scales of block b) cost one instruction per 8 rows, not one per row
@@ -411,9 +401,9 @@ static inline __attribute__((always_inline)) void dot_8rows_q8_t(const int G, co
             ku[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(k + i * stride + b * 34 + 2)), flip);
         for (int g = 0; g < G; g++) {
             const __m256i qv = _mm256_loadu_si256((const __m256i *)(qq + g * nb * 32 + b * 32));
-            const __m256i start = _mm256_sub_epi32(zero, att_dpbusd(zero, flip, qv));
+            const __m256i start = _mm256_sub_epi32(zero, dpbusd256(zero, flip, qv));
             __m256i p[8];
-            for (int i = 0; i < 8; i++) p[i] = att_dpbusd(start, ku[i], qv);
+            for (int i = 0; i < 8; i++) p[i] = dpbusd256(start, ku[i], qv);
             acc[g] += (vf)_mm256_cvtepi32_ps(reduce8_epi32(p)) * (kdt[b] * qd[g * nb + b]);
         }
     }
@@ -448,7 +438,7 @@ static inline __attribute__((always_inline)) void accumulate_q8_t(const int G, c
     }
 }
 
-#if KV_F16C && !defined(__AVX512F__)
+#if KV_F16C && !ISA_AVX512F
 /* o_g[0, 32) += sum_i w[g][i] x_i for the 32 values x_i of one block of 8 rows (x_i at v + i * stride,
  * o_g = o + g * head_dim): CH vectors of output per head per pass (G x CH accumulators: 8 registers,
  * the converted rows and a weight beside them, so nothing spills on AVX2's 16), each weight

@@ -130,17 +130,6 @@ static void phase_rope_attention(const DecoderModel *m, const DecoderLayer *L, f
                            stored ? NULL : rope_store_item, &ctx);
 }
 
-/* act[i] = silu(g[i]) * u[i] for i in [first, end), VL lanes at a time (vexp: glibc's scalar expf
- * made SiLU a tenth of the step at 64 sequences). */
-void silu_mul_span(const float *g, const float *u, int64_t first, int64_t end, float *act) {
-    int64_t i = first;
-    for (; i + VL <= end; i += VL) {
-        const vf gv = load_f32(g + i);
-        store_f32(act + i, gv / (1.0f + vexp(-gv)) * load_f32(u + i));
-    }
-    for (; i < end; i++) act[i] = g[i] / (1.0f + sexp(-g[i])) * u[i];
-}
-
 /* act [B, I] = silu(gate) * up of gu [B, gate | up], shared out in 8-lane chunks. */
 static void phase_silu_mul(const float *gu, int64_t B, int64_t I, float *act) {
     const int64_t chunks = (I + VL - 1) / VL;

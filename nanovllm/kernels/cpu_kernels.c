@@ -8,9 +8,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 #include "cpu_kernels.h"
 
@@ -20,7 +17,7 @@ typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 /* bf16 is the top half of an fp32: widen each lane and shift it into place. One vpmovzxwd does the
  * widening; GCC's generic form of it took four instructions with AVX2, which made the bf16 kernel
  * compute-bound. */
-#if defined(__AVX2__)
+#if ISA_AVX2
 static inline vf load_bf16(const uint16_t *p) {
     return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -33,7 +30,7 @@ static void widen_bf16_from(const uint16_t *src, int64_t i, int64_t n, float *ds
     for (; i + VL <= n; i += VL) store_f32(dst + i, load_bf16(src + i));
     for (; i < n; i++) dst[i] = scalar_bf16(src[i]);
 }
-#ifdef __AVX512F__
+#if ISA_AVX512F
 static void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -67,7 +64,7 @@ static void widen_bf16(const uint16_t *src, int64_t n, float *dst) { widen_bf16_
  * over each tile, so fewer of a tile's FMAs wait for DRAM in its first pass while the later ones run
  * from L1. AVX-512's 32 registers hold 3 x 8 sums (AVX2's 16: 3 x 4, with 3 weight vectors and an
  * input vector). Item 38 measures both changes. */
-#ifdef __AVX512F__
+#if ISA_AVX512F
 #define TILE_W 4
 #define WIDE_W 3
 #define PASS_ROWS 8
@@ -164,10 +161,10 @@ static inline const void *row_of(const Linear *m, int64_t r) { return (const cha
  * spill their row pointers from the 16 general registers (12 rows: four stack loads per k). Below
  * GEMM_MIN_ROWS (one panel) the padded panel wastes more than the tiles lose. Measured against
  * oneDNN and MKL in docs/performance.md, item 35. */
-#if defined(__AVX512F__)
+#if ISA_AVX512F
 #define GL 16
 #define GEMM_MR 8
-#elif defined(__AVX2__)
+#elif ISA_AVX2
 #define GL 8
 #define GEMM_MR 6
 #else

@@ -7,14 +7,9 @@
 #define NANOVLLM_CPU_KV_FORMATS_H
 
 #include <string.h>
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#define KV_F16C 1
-#else
-#define KV_F16C 0
-#endif
-
 #include "cpu_kernels.h"
+
+#define KV_F16C (ISA_AVX2 && ISA_F16C)
 
 float nanovllm_f16_to_f32(uint16_t h); /* cpu_quant.c */
 

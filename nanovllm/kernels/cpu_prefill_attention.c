@@ -83,7 +83,7 @@ static void round_rows(const float *q, int64_t q_stride, int64_t nt, int64_t h0,
  * Each a whole function under a file-level guard: the key and value tiles' repacking (8 keys' rows
  * into one block's interleaved pairs; two tokens' rows into interleaved pairs), the scores of 4 rows
  * with 8 or 16 keys, and P V for 4 rows and 16 values. */
-#if KV_F16C && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if KV_F16C && ISA_AVX512VNNI && ISA_AVX512VL
 /* acc + the 16-bit pair products of x and y summed per 32-bit lane. */
 static inline __m256i madd_add(__m256i acc, __m256i x, __m256i y) { return _mm256_dpwssd_epi32(acc, x, y); }
 #elif KV_F16C

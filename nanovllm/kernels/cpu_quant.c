@@ -24,32 +24,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define QUANT_SIMD 1
-#else
-#define QUANT_SIMD 0
-#endif
 
 #include "cpu_kernels.h"
 
+#define QUANT_SIMD (ISA_AVX2 && ISA_FMA && ISA_F16C)
 /* 256-bit integer dot products with accumulation (vpdpbusd): AVX512-VNNI or AVX-VNNI */
-#if QUANT_SIMD && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
-#define QUANT_VNNI 1
-#else
-#define QUANT_VNNI 0
-#endif
+#define QUANT_VNNI (QUANT_SIMD && ISA_VNNI256)
 /* The interleaved Q8_0 kernel multiplies X itself (int16) rather than its two int8 planes, with its
  * weights interleaved in pairs rather than in 4-value chunks (see the layouts below) */
 #define Q8_0_X16 (QUANT_SIMD && !QUANT_VNNI)
 /* 512-bit vpdpbusd: the interleaved 32-weight formats multiply two 8-row groups at once (one row per
  * 32-bit lane of a zmm register), half the instructions per product of the 256-bit kernel, for
  * less than twice a ymm vpdpbusd's cost (docs/performance.md) */
-#if QUANT_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define QUANT_VNNI512 1
-#else
-#define QUANT_VNNI512 0
-#endif
+#define QUANT_VNNI512 (QUANT_VNNI && ISA_AVX512VNNI && ISA_AVX512BW)
 
 #define QROWS 4 /* input rows multiplied per pass over a weight row */
 

@@ -116,13 +116,6 @@ static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #endif
 
 
-static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256i load_i8(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
 /* 16 bytes of packed nibbles as 32 bytes: the low nibbles first, then the high ones (the order
@@ -204,7 +197,7 @@ static inline __attribute__((always_inline)) void dot_fmt32(Fmt32 f, const uint8
             if (fmt_has_min(f)) corr[b] += m * dx * (float)s32;
         }
     }
-    for (int b = 0; b < NB; b++) out[b] = hsum_ps(_mm256_add_ps(acc[0][b], acc[1][b])) + corr[b];
+    for (int b = 0; b < NB; b++) out[b] = sum8(_mm256_add_ps(acc[0][b], acc[1][b])) + corr[b];
 }
 
 
@@ -428,7 +421,7 @@ static inline __attribute__((always_inline)) void dot_q4_k(const uint8_t *w, con
             acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
         }
     }
-    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) acc_s[b] = sum8(acc[b]);
     for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
 }
 
@@ -473,7 +466,7 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
             acc[b] = add_planes(acc[b], d * dx, sumi[b], sumi_lo[b]);
         }
     }
-    for (int b = 0; b < NB; b++) acc_s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) acc_s[b] = sum8(acc[b]);
     for (int b = 0; b < NB; b++) out[b] = acc_s[b] + corr[b];
 }
 
@@ -707,7 +700,7 @@ static inline __attribute__((always_inline)) void dot_f16(const uint16_t *w, con
         const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
         for (int b = 0; b < NB; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i), acc[b]);
     }
-    for (int b = 0; b < NB; b++) s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) s[b] = sum8(acc[b]);
     for (; i < k; i++)
         for (int b = 0; b < NB; b++) s[b] += f16_to_f32(w[i]) * x[b * ldx + i];
     for (int b = 0; b < NB; b++) out[b] = s[b];
@@ -735,6 +728,6 @@ static inline __attribute__((always_inline)) void dot_e4m3(const uint8_t *w, con
         const __m256 dv = _mm256_set1_ps(d);
         for (int b = 0; b < NB; b++) acc[b] = _mm256_fmadd_ps(part[b], dv, acc[b]);
     }
-    for (int b = 0; b < NB; b++) s[b] = hsum_ps(acc[b]);
+    for (int b = 0; b < NB; b++) s[b] = sum8(acc[b]);
     for (int b = 0; b < NB; b++) out[b] = s[b];
 }

@@ -2,13 +2,8 @@
  * included where QUANT_VNNI, after the AVX2 baseline (cpu_quant_avx2.h) whose helpers they use and
  * whose maddubs versions of these functions they replace. */
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-static inline __m256i dot_us(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
-static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
-static inline __m256i dot_us(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
-static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#endif
+static inline __m256i dot_us(__m256i u, __m256i s) { return dpbusd256(_mm256_setzero_si256(), u, s); }
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return dpbusd256(acc, u, s); }
 
 
 /* sum[b] (b < NB; lane r: row r of the group) = the integer products of one block's units (values at

@@ -212,3 +212,37 @@ def test_no_test_module_imports_another():
         if names:
             found[str(path.relative_to(ROOT))] = sorted(names)
     assert found == {}
+
+
+ISA_MACRO = re.compile(r"\b__(?:AVX\w*|F16C|FMA|SSE\w*|BMI\w*|ARM_\w+|aarch64)__\b")
+
+
+def test_only_isa_h_names_the_compilers_instruction_set_macros():
+    """kernels/isa.h says once what a build has (ISA_*); the kernels test those."""
+    kernels = PACKAGE / "kernels"
+    naming = sorted(p.name for p in [*kernels.glob("*.c"), *kernels.glob("*.h")] if ISA_MACRO.search(p.read_text()))
+    assert naming == ["isa.h"]
+
+
+def c_call_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """file -> the other C files whose non-static functions it calls."""
+    defined = {name: set(re.findall(r"^(?!static\b)[A-Za-z_][\w \*]*?\b(\w+)\s*\([^;{]*\)\s*\{", text, re.M))
+               for name, text in files.items()}
+    graph = {}
+    for name, text in files.items():
+        code = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+        graph[name] = {other for other, funcs in defined.items() if other != name
+                       and any(re.search(rf"\b{f}\s*\(", code) for f in funcs)}
+    return graph
+
+
+def test_no_call_circle_between_c_files():
+    kernels = PACKAGE / "kernels"
+    assert cycles(c_call_graph({p.name: p.read_text() for p in kernels.glob("*.c")})) == []
+
+
+def test_the_c_call_graph_sees_a_circle():
+    files = {"a.c": "int f(void) {\n    return g();\n}\n", "b.c": "int g(void) {\n    return f();\n}\n",
+             "c.c": "static int h(void) {\n    return f();\n}\n"}
+    assert c_call_graph(files) == {"a.c": {"b.c"}, "b.c": {"a.c"}, "c.c": {"a.c"}}
+    assert cycles(c_call_graph(files)) == [["a.c", "b.c"]]
