@@ -6,6 +6,7 @@
  * bytes per block, row dot product and row-to-fp32.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -369,6 +370,53 @@ int64_t nanovllm_struct_size(const char *name) {
     if (strcmp(name, "MoeExperts") == 0) return (int64_t)sizeof(MoeExperts);
     if (strcmp(name, "DeltaNetLayer") == 0) return (int64_t)sizeof(DeltaNetLayer);
     return -1;
+}
+
+/* Every field both sides lay out, with its offset in C: the ctypes side compares each of its
+ * structures' fields with these (two fields of one size swapped keep the size, not the offsets). */
+#define FIELD(S, F) {#S, #F, (int64_t)offsetof(S, F)}
+static const struct { const char *structure, *field; int64_t offset; } fields[] = {
+    FIELD(Linear, data), FIELD(Linear, bias), FIELD(Linear, scales), FIELD(Linear, n), FIELD(Linear, k),
+    FIELD(Linear, type), FIELD(Linear, row_bytes), FIELD(Linear, next), FIELD(Linear, input_planes),
+    FIELD(MoeExperts, gate_up), FIELD(MoeExperts, down), FIELD(MoeExperts, num_experts),
+    FIELD(MoeExperts, top_k), FIELD(MoeExperts, renormalize), FIELD(MoeExperts, hidden),
+    FIELD(MoeExperts, intermediate), FIELD(MoeExperts, router), FIELD(MoeExperts, shared_gate_up),
+    FIELD(MoeExperts, shared_down), FIELD(MoeExperts, shared_gate), FIELD(MoeExperts, activation),
+    FIELD(MoeExperts, alpha), FIELD(MoeExperts, limit),
+    FIELD(DeltaNetLayer, conv_w), FIELD(DeltaNetLayer, conv_state), FIELD(DeltaNetLayer, state),
+    FIELD(DeltaNetLayer, A_log), FIELD(DeltaNetLayer, dt_bias), FIELD(DeltaNetLayer, norm),
+    FIELD(DeltaNetLayer, nk), FIELD(DeltaNetLayer, nv), FIELD(DeltaNetLayer, dk), FIELD(DeltaNetLayer, dv),
+    FIELD(DeltaNetLayer, K), FIELD(DeltaNetLayer, tiled),
+    FIELD(DecoderLayer, input_norm), FIELD(DecoderLayer, post_norm), FIELD(DecoderLayer, q_norm),
+    FIELD(DecoderLayer, k_norm), FIELD(DecoderLayer, qkv), FIELD(DecoderLayer, o), FIELD(DecoderLayer, gate_up),
+    FIELD(DecoderLayer, down), FIELD(DecoderLayer, k_cache), FIELD(DecoderLayer, v_cache),
+    FIELD(DecoderLayer, in_c), FIELD(DecoderLayer, moe), FIELD(DecoderLayer, window),
+    FIELD(DecoderLayer, sinks), FIELD(DecoderLayer, kv_group), FIELD(DecoderLayer, attn_gate),
+    FIELD(DecoderLayer, linear),
+    FIELD(DecoderModel, num_layers), FIELD(DecoderModel, hidden), FIELD(DecoderModel, num_heads),
+    FIELD(DecoderModel, num_kv_heads), FIELD(DecoderModel, head_dim), FIELD(DecoderModel, intermediate),
+    FIELD(DecoderModel, block_size), FIELD(DecoderModel, kv_type), FIELD(DecoderModel, eps),
+    FIELD(DecoderModel, scale), FIELD(DecoderModel, rotary_dim), FIELD(DecoderModel, cos_sin),
+    FIELD(DecoderModel, final_norm), FIELD(DecoderModel, layers), FIELD(DecoderModel, embed),
+    FIELD(DecoderModel, head),
+    FIELD(DecodeStep, positions), FIELD(DecodeStep, slots), FIELD(DecodeStep, block_tables),
+    FIELD(DecodeStep, context_lens), FIELD(DecodeStep, num_seqs), FIELD(DecodeStep, max_blocks),
+    FIELD(DecodeStep, max_context), FIELD(DecodeStep, store_first), FIELD(DecodeStep, state_slots),
+};
+#undef FIELD
+
+/* offsetof the named structure's named field, or -1 where C has no such field. */
+int64_t nanovllm_field_offset(const char *structure, const char *field) {
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        if (strcmp(fields[i].structure, structure) == 0 && strcmp(fields[i].field, field) == 0) return fields[i].offset;
+    return -1;
+}
+
+/* How many fields of the named structure the table above holds. */
+int64_t nanovllm_field_count(const char *structure) {
+    int64_t n = 0;
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) n += strcmp(fields[i].structure, structure) == 0;
+    return n;
 }
 
 static int64_t kernel_failure_count;

@@ -6,7 +6,7 @@ import ctypes
 c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
-# ---- the C structures (cpu_kernels.h); load() checks their sizes against the library's ----------
+# ---- the C structures (cpu_kernels.h); load() checks their sizes and offsets against the library's ---
 class Linear(ctypes.Structure):
     _fields_ = [("data", c_void_p), ("bias", c_void_p), ("scales", c_void_p), ("n", c_int64), ("k", c_int64),
                 ("type", c_int64), ("row_bytes", c_int64), ("next", c_void_p), ("input_planes", c_int64)]
@@ -55,11 +55,13 @@ STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, Decode
 
 
 def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:
-    """RuntimeError unless the library speaks this module's ABI: its version and the size of every
-    structure both sides lay out."""
+    """RuntimeError unless the library speaks this module's ABI: its version, and the size, the
+    fields and every field's offset of each structure both sides lay out."""
     lib.nanovllm_abi_version.restype = c_int64
-    lib.nanovllm_struct_size.restype = c_int64
-    lib.nanovllm_struct_size.argtypes = [ctypes.c_char_p]
+    for name in ("nanovllm_struct_size", "nanovllm_field_count"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = c_int64, [ctypes.c_char_p]
+    lib.nanovllm_field_offset.restype = c_int64
+    lib.nanovllm_field_offset.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     version = lib.nanovllm_abi_version()
     if version != ABI_VERSION:
         raise RuntimeError(f"the C library has ABI version {version}, this module expects {ABI_VERSION}")
@@ -67,3 +69,11 @@ def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = ST
         size = lib.nanovllm_struct_size(struct.__name__.encode())
         if size != ctypes.sizeof(struct):
             raise RuntimeError(f"struct {struct.__name__} is {size} bytes in C, {ctypes.sizeof(struct)} in ctypes")
+        count = lib.nanovllm_field_count(struct.__name__.encode())
+        if count != len(struct._fields_):
+            raise RuntimeError(f"struct {struct.__name__} has {count} fields in C's table, {len(struct._fields_)} in ctypes")
+        for field, *_ in struct._fields_:
+            offset = lib.nanovllm_field_offset(struct.__name__.encode(), field.encode())
+            if offset != getattr(struct, field).offset:
+                raise RuntimeError(f"{struct.__name__}.{field} is at byte {offset} in C (-1: no such field), "
+                                   f"{getattr(struct, field).offset} in ctypes")
