@@ -52,7 +52,7 @@ def run(path: str, depth: int, new: int) -> dict:
              max_num_batched_tokens=2048) as llm:
         top = min(40000, llm.config.hf_config.vocab_size)
         prompt = [int(x) for x in torch.randint(10, top, (depth,), generator=torch.Generator().manual_seed(1))]
-        bm = llm.llm_engine.scheduler.block_manager
+        bm = llm.llm_engine.scheduler.kv_cache_manager
         llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         held = []
         step = llm.llm_engine.step

@@ -99,7 +99,7 @@ def probe(engine: AsyncEngine, fn):
 
 
 def num_free_blocks(engine: AsyncEngine) -> tuple[int, int]:
-    return probe(engine, lambda llm: (llm.llm_engine.scheduler.block_manager.num_free_blocks, llm.llm_engine.num_kvcache_blocks))
+    return probe(engine, lambda llm: (llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks, llm.llm_engine.num_kvcache_blocks))
 
 
 def wait_all_blocks_free(engine: AsyncEngine, timeout: float = 20.0) -> None:

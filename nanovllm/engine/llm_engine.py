@@ -60,7 +60,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = structured_outputs.GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_ids)
         self.processor = Processor(config, self.tokenizer, self.grammars, self.num_kvcache_blocks,
-                                   self.scheduler.block_manager.blocks_held_at_most)
+                                   self.scheduler.kv_cache_manager.blocks_held_at_most)
         self.pending_siblings = PendingSiblings()
         self._step_request_ids: set | None = set()
 

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager, needs_prompt_logits
+from nanovllm.engine.kv_cache_manager import KVCacheManager, needs_prompt_logits
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -40,7 +40,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
-        self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
+        self.kv_cache_manager = KVCacheManager(num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching and not num_state_slots, kv_windows,
                                           num_state_slots)
         self.waiting: deque[Sequence] = deque()
@@ -71,9 +71,9 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:  # not started yet (new, or preempted)
-                if num_active >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
+                if num_active >= self.max_num_seqs or not self.kv_cache_manager.can_allocate(seq):
                     break
-                self.block_manager.allocate(seq)
+                self.kv_cache_manager.allocate(seq)
                 num_active += 1
             n = min(len(seq) - seq.num_computed_tokens, budget)
             seqs.append(seq)
@@ -95,19 +95,19 @@ class Scheduler:
             seq = self.running.popleft()
             # Room for proposals where the cache has it now; a sequence is never preempted for them.
             room = min(lookahead, self._tokens_left(seq) - 1)
-            if room > 0 and self.block_manager.can_append(seq, room):
-                self.block_manager.may_append(seq, room)
+            if room > 0 and self.kv_cache_manager.can_append(seq, room):
+                self.kv_cache_manager.may_append(seq, room)
                 seqs.append(seq)
                 max_drafts.append(room)
                 continue
-            while not self.block_manager.can_append(seq):
+            while not self.kv_cache_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())  # the most recently added one
                 else:
                     self.preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
+                self.kv_cache_manager.may_append(seq)
                 seqs.append(seq)
                 max_drafts.append(0)
         self.running.extendleft(reversed(seqs))
@@ -122,7 +122,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and put it at the queue's head: it is prefilled again, generated tokens
         included (deallocate resets its cache state)."""
-        self.block_manager.deallocate(seq)
+        self.kv_cache_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -132,8 +132,8 @@ class Scheduler:
         finished = []
         for seq, n, token_id in zip(out.seqs, out.num_new_tokens, token_ids):
             seq.num_computed_tokens += n
-            self.block_manager.register_computed_blocks(seq)
-            self.block_manager.release_behind_window(seq)
+            self.kv_cache_manager.register_computed_blocks(seq)
+            self.kv_cache_manager.release_behind_window(seq)
             if seq.num_computed_tokens < len(seq):
                 continue  # mid-prompt chunk: its sampled token means nothing
             seq.append_token(token_id)
@@ -158,7 +158,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.deallocate(seq)
+        self.kv_cache_manager.deallocate(seq)
         self.running.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -169,6 +169,6 @@ class Scheduler:
             self.running.remove(seq)
         else:
             return
-        self.block_manager.deallocate(seq)
+        self.kv_cache_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"

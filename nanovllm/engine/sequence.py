@@ -18,7 +18,7 @@ class Sequence:
 
     num_computed_tokens counts the tokens whose K/V are already in the paged cache (prefix-cache
     hits and earlier prefill chunks included); num_cached_tokens counts the prefix-cache hits.
-    The BlockManager owns block_tables and both counts (allocate sets them, deallocate clears them)
+    The KVCacheManager owns block_tables and both counts (allocate sets them, deallocate clears them)
     and all block arithmetic: a Sequence knows nothing of block sizes, so engines with different
     block sizes can share a process.
     """
@@ -36,12 +36,12 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         # One block table per KV group (engine/kv_groups.py; one group unless the model's layers
-        # attend in several ways): [[]] until the BlockManager allocates.
+        # attend in several ways): [[]] until the KVCacheManager allocates.
         self.block_tables: list[list[int]] = [[]]
         # Leading entries of each sliding-window group's table handed back because the window has
-        # passed them (BlockManager.release_behind_window); their ids stay, never read again.
+        # passed them (KVCacheManager.release_behind_window); their ids stay, never read again.
         self.num_released_blocks = 0
-        # The linear-attention state slot the BlockManager gives it while it holds blocks (None: none).
+        # The linear-attention state slot the KVCacheManager gives it while it holds blocks (None: none).
         self.state_slot: int | None = None
         self.sampling_params = sp
         # max_tokens None: bounded by max_model_len only (the scheduler checks that).

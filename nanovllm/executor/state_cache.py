@@ -1,5 +1,5 @@
 """The linear-attention layers' state slots (layers/gated_deltanet.py) beside the paged KV cache:
-one slot per sequence the scheduler admits (the BlockManager hands them out), each holding every
+one slot per sequence the scheduler admits (the KVCacheManager hands them out), each holding every
 linear layer's conv inputs and delta state; ModelRunner allocates them from its memory budget and
 builds each step's StateBatch."""
 import logging

@@ -3,7 +3,7 @@ or a lower-bit file of the target itself, proposes k tokens greedily, one forwar
 
 With a tensor-parallel target the draft runs whole, in rank 0's process. Its KV cache lies beside
 the target's: as many blocks of the same size, and every sequence's
-block table indexes both (the Scheduler's BlockManager hands out one block id for both caches), so
+block table indexes both (the Scheduler's KVCacheManager hands out one block id for both caches), so
 prefix-cache hits, preemption and freeing need nothing of their own. The draft computes what the
 target computes: each prefill chunk (observe) while it could be used, and at each decode step the
 positions it has not yet computed (the target's last token; after a verification that accepted

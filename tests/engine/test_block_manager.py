@@ -1,11 +1,12 @@
-"""BlockManager: block math, allocation, ref counts, chained hashes, verified hits, reuse after free."""
-from nanovllm.engine.block_manager import BlockManager, compute_block_hash
+"""KVCacheManager: block math, allocation, ref counts, chained hashes, verified hits, reuse after free."""
+from nanovllm.engine.block_pool import compute_block_hash
+from nanovllm.engine.kv_cache_manager import KVCacheManager
 from nanovllm.engine.sequence import Sequence
 
 BS = 4
 
 
-def computed(bm: BlockManager, seq: Sequence) -> None:
+def computed(bm: KVCacheManager, seq: Sequence) -> None:
     """Pretend the step computed every token of seq, as Scheduler.postprocess would record."""
     seq.num_computed_tokens = len(seq)
     bm.register_computed_blocks(seq)
@@ -13,7 +14,7 @@ def computed(bm: BlockManager, seq: Sequence) -> None:
 
 def test_block_math_is_the_managers_own():
     seq = Sequence(list(range(20)))
-    small, large = BlockManager(8, 4), BlockManager(8, 16)
+    small, large = KVCacheManager(8, 4), KVCacheManager(8, 16)
     assert small.num_blocks_of(seq) == 5 and small.block_token_ids(seq, 4) == [16, 17, 18, 19]
     assert large.num_blocks_of(seq) == 2 and large.block_token_ids(seq, 1) == list(range(16, 20))
     small.allocate(seq)
@@ -21,7 +22,7 @@ def test_block_math_is_the_managers_own():
 
 
 def test_deallocate_forgets_cache_state_and_keeps_tokens():
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     first = Sequence([1, 2, 3, 4, 5])
     bm.allocate(first)
     computed(bm, first)
@@ -36,19 +37,19 @@ def test_deallocate_forgets_cache_state_and_keeps_tokens():
 
 
 def test_allocate_and_free_counts():
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     seq = Sequence(list(range(10)))  # 3 blocks: 4 + 4 + 2
     assert bm.can_allocate(seq)
     bm.allocate(seq)
     assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
     assert bm.num_free_blocks == 5
-    assert all(bm.blocks[b].ref_count == 1 for b in seq.block_table)
+    assert all(bm.pool.blocks[b].ref_count == 1 for b in seq.block_table)
     bm.deallocate(seq)
     assert bm.num_free_blocks == 8 and seq.block_table == []
 
 
 def test_cannot_allocate_beyond_free():
-    bm = BlockManager(2, BS)
+    bm = KVCacheManager(2, BS)
     assert not bm.can_allocate(Sequence(list(range(9))))  # needs 3 blocks
     assert bm.can_allocate(Sequence(list(range(8))))
 
@@ -61,7 +62,7 @@ def test_hash_chains_parent():
 
 
 def test_prefix_hit_shares_blocks_and_ref_counts():
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     first = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
     bm.allocate(first)
     computed(bm, first)
@@ -71,15 +72,15 @@ def test_prefix_hit_shares_blocks_and_ref_counts():
     assert second.block_table[:2] == first.block_table[:2]
     assert second.block_table[2] != first.block_table[2]
     assert second.num_cached_tokens == 8 and second.num_computed_tokens == 8
-    assert [bm.blocks[b].ref_count for b in second.block_table] == [2, 2, 1]
+    assert [bm.pool.blocks[b].ref_count for b in second.block_table] == [2, 2, 1]
     bm.deallocate(first)
-    assert [bm.blocks[b].ref_count for b in second.block_table] == [1, 1, 1]
+    assert [bm.pool.blocks[b].ref_count for b in second.block_table] == [1, 1, 1]
     bm.deallocate(second)
     assert bm.num_free_blocks == 8
 
 
 def test_different_first_block_breaks_the_chain():
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     first = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
     bm.allocate(first)
     computed(bm, first)
@@ -89,7 +90,7 @@ def test_different_first_block_breaks_the_chain():
 
 
 def test_freed_blocks_stay_findable_until_reused():
-    bm = BlockManager(4, BS)
+    bm = KVCacheManager(4, BS)
     first = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
     bm.allocate(first)
     computed(bm, first)
@@ -102,14 +103,14 @@ def test_freed_blocks_stay_findable_until_reused():
     assert again.block_table[:2] == first_table_prefix(bm, [1, 2, 3, 4, 5, 6, 7, 8])
 
 
-def first_table_prefix(bm: BlockManager, tokens: list[int]) -> list[int]:
+def first_table_prefix(bm: KVCacheManager, tokens: list[int]) -> list[int]:
     h0 = compute_block_hash(tokens[:4], None)
     h1 = compute_block_hash(tokens[4:8], h0)
-    return [bm.hash_to_block_id[(0, h0)], bm.hash_to_block_id[(0, h1)]]
+    return [bm.pool.hash_to_block_id[(0, h0)], bm.pool.hash_to_block_id[(0, h1)]]
 
 
 def test_reused_block_loses_its_hash():
-    bm = BlockManager(2, BS)
+    bm = KVCacheManager(2, BS)
     first = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
     bm.allocate(first)
     computed(bm, first)
@@ -124,20 +125,20 @@ def test_reused_block_loses_its_hash():
 
 
 def test_hit_is_verified_against_token_ids():
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     first = Sequence([1, 2, 3, 4, 5])
     bm.allocate(first)
     computed(bm, first)
     h = compute_block_hash([1, 2, 3, 4], None)
     # Simulate a hash collision: another block's content stored under that hash.
-    bm.blocks[bm.hash_to_block_id[(0, h)]].token_ids = (7, 7, 7, 7)
+    bm.pool.blocks[bm.pool.hash_to_block_id[(0, h)]].token_ids = (7, 7, 7, 7)
     probe = Sequence([1, 2, 3, 4, 6])
     bm.allocate(probe)
     assert probe.num_cached_tokens == 0
 
 
 def test_fully_cached_prompt_still_computes_its_last_block():
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     first = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
     bm.allocate(first)
     computed(bm, first)
@@ -150,7 +151,7 @@ def test_fully_cached_prompt_still_computes_its_last_block():
 
 
 def test_no_prefix_caching_never_hits():
-    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    bm = KVCacheManager(8, BS, enable_prefix_caching=False)
     first = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
     bm.allocate(first)
     computed(bm, first)
@@ -160,7 +161,7 @@ def test_no_prefix_caching_never_hits():
 
 
 def test_append_takes_a_block_only_at_a_block_boundary():
-    bm = BlockManager(4, BS)
+    bm = KVCacheManager(4, BS)
     seq = Sequence([1, 2, 3, 4])
     bm.allocate(seq)
     computed(bm, seq)
@@ -175,7 +176,7 @@ def test_append_takes_a_block_only_at_a_block_boundary():
 
 
 def test_can_append_false_when_full():
-    bm = BlockManager(1, BS)
+    bm = KVCacheManager(1, BS)
     seq = Sequence([1, 2, 3, 4])
     bm.allocate(seq)
     seq.append_token(5)

@@ -47,7 +47,7 @@ def test_batches_and_the_kv_cache_untouched(llm):
     together = llm.embed(PROMPTS)
     alone = [llm.embed([p])[0] for p in PROMPTS]
     assert np.allclose(together, alone, atol=1e-5)
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
 def test_the_checkpoint_says_how_to_pool(qwen3_gqa, tmp_path):

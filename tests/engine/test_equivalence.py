@@ -11,7 +11,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def generate(path: str, prompts, **engine_kwargs):
     with LLM(path, kvcache_block_size=16, **engine_kwargs) as llm:
         first = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        bm = llm.llm_engine.scheduler.block_manager
+        bm = llm.llm_engine.scheduler.kv_cache_manager
         assert bm.num_free_blocks == llm.llm_engine.num_kvcache_blocks, "blocks leaked after generate"
         # Second call: every shared-prefix block is now cached (SHARED[:32] entirely so).
         second = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

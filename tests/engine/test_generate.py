@@ -42,7 +42,7 @@ def test_a_failing_step_aborts_the_call_and_frees_its_blocks(llm, monkeypatch, s
         else:
             llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.llm_engine.is_finished() and not llm.llm_engine.output_processor.states
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     monkeypatch.undo()
     assert llm.generate(PROMPTS, params, use_tqdm=False) == ref  # nothing left behind
 

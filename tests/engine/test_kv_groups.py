@@ -1,7 +1,7 @@
-"""KV groups (engine/kv_groups.py) and the BlockManager's block table per group: which layers share a
+"""KV groups (engine/kv_groups.py) and the KVCacheManager's block table per group: which layers share a
 table, a sliding group's blocks handed back behind its window while the full group keeps its own,
 prefix-cache hits per group (a hit needs the window's blocks, never another group's), counted by hand."""
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.kv_cache_manager import KVCacheManager
 from nanovllm.engine.kv_groups import KVGroup, kv_groups, slots_per_block
 from nanovllm.engine.sequence import Sequence
 
@@ -27,7 +27,7 @@ def test_mixed_layers_make_groups_of_the_smallest_kind():
     assert [g.layers for g in kv_groups([None, None, 8, 8, 8])] == [(0, 1), (2, 3), (4,)]
 
 
-def computed(bm: BlockManager, seq: Sequence, n: int) -> None:
+def computed(bm: KVCacheManager, seq: Sequence, n: int) -> None:
     """As the scheduler's postprocess: n more tokens computed, hashed, the window's passed blocks freed."""
     seq.num_computed_tokens += n
     bm.register_computed_blocks(seq)
@@ -35,7 +35,7 @@ def computed(bm: BlockManager, seq: Sequence, n: int) -> None:
 
 
 def test_a_sliding_group_frees_behind_its_window_and_the_full_group_keeps_all():
-    bm = BlockManager(16, BS, windows=[None, W])
+    bm = KVCacheManager(16, BS, windows=[None, W])
     seq = Sequence(list(range(10, 30)))  # 20 tokens: 5 blocks in each group
     assert bm.num_blocks_to_allocate(seq) == 10
     bm.allocate(seq)
@@ -44,8 +44,8 @@ def test_a_sliding_group_frees_behind_its_window_and_the_full_group_keeps_all():
     computed(bm, seq, 20)  # next query at 20 sees 15..20: blocks 3 and 4 of the sliding group
     assert seq.num_released_blocks == 3
     assert bm.num_free_blocks == 16 - 5 - 2
-    assert all(bm.blocks[b].ref_count == 1 for b in full + sliding[3:])
-    assert all(bm.blocks[b].ref_count == 0 for b in sliding[:3])
+    assert all(bm.pool.blocks[b].ref_count == 1 for b in full + sliding[3:])
+    assert all(bm.pool.blocks[b].ref_count == 0 for b in sliding[:3])
     # Decode on: each group's table grows alike; the sliding group frees as the window moves.
     for token in range(30, 38):
         seq.append_token(token)
@@ -53,19 +53,19 @@ def test_a_sliding_group_frees_behind_its_window_and_the_full_group_keeps_all():
         bm.may_append(seq)
         computed(bm, seq, 1)
     assert len(seq.block_tables[0]) == len(seq.block_tables[1]) == 7
-    held = [b for b in range(16) if bm.blocks[b].ref_count]
+    held = [b for b in range(16) if bm.pool.blocks[b].ref_count]
     assert len(held) == 7 + 2  # the full group's 7, the window's 2 (next query 28 sees 23..28)
     bm.deallocate(seq)
-    assert bm.num_free_blocks == 16 and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == 16 and all(b.ref_count == 0 for b in bm.pool.blocks)
 
 
 def test_the_budget_counts_every_group():
-    bm = BlockManager(16, BS, windows=[None, W, W])
+    bm = KVCacheManager(16, BS, windows=[None, W, W])
     # 40 tokens: the full group's 10 blocks; each sliding group at most its window's 2 blocks and the two
     # around them (the window's start mid-block, the block being written).
     assert bm.blocks_held_at_most(4, 40) == 10 + 2 * 4
     assert bm.blocks_held_at_most(20, 21) == 3 * 5  # the whole prompt in each group at admission
-    assert BlockManager(16, BS).blocks_held_at_most(4, 40) == 10
+    assert KVCacheManager(16, BS).blocks_held_at_most(4, 40) == 10
     seq = Sequence(list(range(8)))
     bm.allocate(seq)
     seq.append_token(99)
@@ -76,7 +76,7 @@ def test_the_budget_counts_every_group():
 
 
 def test_a_hit_takes_each_groups_own_blocks_and_only_the_windows_ones():
-    bm = BlockManager(32, BS, windows=[None, W])
+    bm = KVCacheManager(32, BS, windows=[None, W])
     prompt = list(range(100, 121))  # 21 tokens: 5 full blocks
     first = Sequence(prompt)
     bm.allocate(first)
@@ -95,11 +95,11 @@ def test_a_hit_takes_each_groups_own_blocks_and_only_the_windows_ones():
     assert second.num_released_blocks == 3
     assert not set(got_full) & set(got_sliding)
     bm.deallocate(second)
-    assert bm.num_free_blocks == 32 and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == 32 and all(b.ref_count == 0 for b in bm.pool.blocks)
 
 
 def test_no_hit_when_the_windows_blocks_were_reused():
-    bm = BlockManager(12, BS, windows=[None, W])
+    bm = KVCacheManager(12, BS, windows=[None, W])
     prompt = list(range(100, 117))  # 17 tokens: 4 full blocks
     first = Sequence(prompt)
     bm.allocate(first)
@@ -107,8 +107,8 @@ def test_no_hit_when_the_windows_blocks_were_reused():
     sliding = list(first.block_tables[1])
     bm.deallocate(first)
     # Another request takes the sliding group's block 3 off the free list.
-    bm.free_block_ids.move_to_end(sliding[3], last=False)
-    bm._take_free_block()
+    bm.pool.free_block_ids.move_to_end(sliding[3], last=False)
+    bm.pool.take_free_block()
     again = Sequence(prompt + [7])
     bm.allocate(again)
     # Resuming at 16 needs the sliding blocks 2 and 3; block 3 is gone, resuming at 12 needs 1 and 2.

@@ -91,7 +91,7 @@ def test_cached_prefix_is_recomputed(model_dir, hf_logprobs):
     try:
         llm.generate([P1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         prompt = P1[:32] + [7, 8, 9]
-        manager = llm.llm_engine.scheduler.block_manager
+        manager = llm.llm_engine.scheduler.kv_cache_manager
         plain = llm.llm_engine.processor.make_sequence(prompt, SamplingParams(max_tokens=2))
         assert manager._cached_prefix(plain)[0] == 2  # without prompt logprobs it would hit 2 blocks
         asking = llm.llm_engine.processor.make_sequence(prompt, SamplingParams(max_tokens=2, prompt_logprobs=2))

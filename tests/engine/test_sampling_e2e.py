@@ -199,7 +199,7 @@ def test_n_completions_share_the_prompt_blocks(llm):
     llm.llm_engine.step()  # prefills the first completion only
     assert first.num_completion_tokens == 1 and all(s.num_completion_tokens == 0 for s in siblings)
     llm.llm_engine.step()  # the siblings' prefill: two 16-token blocks come from the prefix cache
-    blocks = llm.llm_engine.scheduler.block_manager.blocks
+    blocks = llm.llm_engine.scheduler.kv_cache_manager.pool.blocks
     for s in siblings:
         assert s.num_cached_tokens == 32 and s.block_table[:2] == first.block_table[:2]
     assert [blocks[b].ref_count for b in first.block_table[:2]] == [3, 3]

@@ -130,7 +130,7 @@ def test_finish_on_eos_unless_ignored_and_blocks_freed():
     assert finished == [stops] and stops.finish_reason == "stop"
     assert not ignores.is_finished
     s.finish(ignores, "length")
-    assert s.block_manager.num_free_blocks == 16 and s.is_finished()
+    assert s.kv_cache_manager.num_free_blocks == 16 and s.is_finished()
 
 
 def test_max_model_len_ends_generation():
@@ -151,4 +151,4 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert partial.block_table
     s.abort(partial)
     s.abort(running)
-    assert s.is_finished() and s.block_manager.num_free_blocks == 16
+    assert s.is_finished() and s.kv_cache_manager.num_free_blocks == 16

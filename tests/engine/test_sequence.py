@@ -16,7 +16,7 @@ def test_counts():
     assert seq.completion_token_ids == [99] and seq.last_token == 99 and len(seq) == 21
     assert seq.prompt_token_ids == list(range(20))
     assert seq.status == SequenceStatus.WAITING and seq.max_tokens == 3
-    assert not hasattr(Sequence, "block_size")  # block math is each engine's BlockManager's
+    assert not hasattr(Sequence, "block_size")  # block math is each engine's KVCacheManager's
 
 
 def test_ids_are_unique():

@@ -30,19 +30,19 @@ def test_blocks_behind_the_window_are_freed(mistral):
     prompts = [[rng.randrange(3, 256) for _ in range(20)] for _ in range(2)]
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     with small_cache_llm(mistral) as llm:
-        assert llm.llm_engine.num_kvcache_blocks == NUM_BLOCKS and llm.llm_engine.scheduler.block_manager.window == 8
+        assert llm.llm_engine.num_kvcache_blocks == NUM_BLOCKS and llm.llm_engine.scheduler.kv_cache_manager.window == 8
         held = []
         step = llm.llm_engine.step
 
         def spy():  # blocks held by the running sequences after each step
             out = step()
-            bm = llm.llm_engine.scheduler.block_manager
+            bm = llm.llm_engine.scheduler.kv_cache_manager
             held.append(bm.num_blocks - bm.num_free_blocks)
             return out
         llm.llm_engine.step = spy
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.llm_engine.scheduler.num_preemptions == 0
-        bm = llm.llm_engine.scheduler.block_manager
+        bm = llm.llm_engine.scheduler.kv_cache_manager
         assert bm.num_free_blocks == bm.num_blocks  # every block back once both finished
     assert max(held) <= 2 * 3  # each sequence: the window's block, the one being written, one between
     assert all(len(o["token_ids"]) == NEW for o in outs)  # 220 tokens each through a 96-token cache
@@ -59,7 +59,7 @@ def test_sliding_layers_free_theirs_beside_a_full_layer(tmp_path):
     new = 170
     prompt = [random.Random(1).randrange(3, 256) for _ in range(20)]
     with small_cache_llm(path) as llm:
-        bm = llm.llm_engine.scheduler.block_manager
+        bm = llm.llm_engine.scheduler.kv_cache_manager
         assert bm.windows == [None, 8, 8]  # a block table per layer: blocks of one layer each
         assert llm.llm_engine.num_kvcache_blocks == 3 * NUM_BLOCKS
         from nanovllm.engine.llm_engine import startup_summary

@@ -44,7 +44,7 @@ def test_stream_adds_up_to_generate(llm, ignore_eos):
     assert len(deltas) > len(PROMPTS)  # tokens came one step at a time, not all at the end
     if ignore_eos:
         assert llm.llm_engine.scheduler.num_preemptions > preemptions  # the streams lived through preemption
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
 def test_stream_with_stop_strings_n_and_logprobs(llm):
@@ -81,10 +81,10 @@ def test_closing_a_stream_aborts_and_frees_blocks(llm):
         seen += len(delta.token_ids)
         if seen >= 6:
             break
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks < llm.llm_engine.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks < llm.llm_engine.num_kvcache_blocks
     stream.close()
     assert llm.llm_engine.is_finished()
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     ref = llm.generate(["paris"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     texts, _, _ = concat(llm.generate_stream(["paris"], SamplingParams(temperature=0, max_tokens=5)), 1)
     assert texts == [ref["text"]]
@@ -219,4 +219,4 @@ def test_a_collected_stream_aborts_its_requests(llm):
     del stream
     gc.collect()
     assert llm.llm_engine.is_finished() and not llm.llm_engine.output_processor.states
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks

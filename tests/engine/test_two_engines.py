@@ -56,7 +56,7 @@ def test_engines_with_different_block_sizes_do_not_disturb_each_other(qwen3_gqa,
             together[16].append(tokens_of(small, batch))
             together[32].append(tokens_of(large, batch))
         for llm in (small, large):
-            assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+            assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     finally:
         small.exit()
         large.exit()

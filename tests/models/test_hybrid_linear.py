@@ -95,7 +95,7 @@ def test_a_reused_slot_starts_from_zero(tmp_path):
     first, second = prompts()[3], prompts()[0]  # a one-token prompt: a stale conv history would move it
     alone, _ = generate(path, [second])
     with LLM(path, dtype="float32", cpu_kvcache_bytes=8 << 20, max_num_seqs=1) as llm:
-        assert llm.llm_engine.scheduler.block_manager.num_state_slots == 1
+        assert llm.llm_engine.scheduler.kv_cache_manager.num_state_slots == 1
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
         llm.generate([first], params, use_tqdm=False)
         layer = llm.llm_engine.model_runner.state_layers[0]

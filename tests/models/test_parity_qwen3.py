@@ -29,7 +29,7 @@ def test_greedy_matches_transformers(fixture, request):
         assert layers and all(m.quant_method.kernel in expected for m in layers)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                             use_tqdm=False)
-        assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+        assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
     assert all(len(o["token_ids"]) == MAX_NEW for o in outs)
     exact = check_tokens_close([o["token_ids"] for o in outs], ref)
     print(f"{fixture}: {exact}/{len(prompts)} prompts matched transformers exactly")

@@ -17,14 +17,14 @@ import soak  # noqa: E402
 
 
 def block_manager_problems(llm) -> list[str]:
-    bm = llm.llm_engine.scheduler.block_manager
+    bm = llm.llm_engine.scheduler.kv_cache_manager
     problems = []
     if bm.num_free_blocks != bm.num_blocks:
         problems.append(f"{bm.num_blocks - bm.num_free_blocks} blocks not free")
-    problems += [f"block {b.block_id} ref_count {b.ref_count}" for b in bm.blocks if b.ref_count != 0]
-    for (group, h), block_id in bm.hash_to_block_id.items():
-        if (bm.blocks[block_id].group, bm.blocks[block_id].hash) != (group, h):
-            problems.append(f"hash {h} of group {group} names block {block_id}, which holds {bm.blocks[block_id].hash}")
+    problems += [f"block {b.block_id} ref_count {b.ref_count}" for b in bm.pool.blocks if b.ref_count != 0]
+    for (group, h), block_id in bm.pool.hash_to_block_id.items():
+        if (bm.pool.blocks[block_id].group, bm.pool.blocks[block_id].hash) != (group, h):
+            problems.append(f"hash {h} of group {group} names block {block_id}, which holds {bm.pool.blocks[block_id].hash}")
     if bm.seq_block_hashes:
         problems.append(f"{len(bm.seq_block_hashes)} sequences still listed")
     return problems

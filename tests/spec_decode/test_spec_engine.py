@@ -85,7 +85,7 @@ def test_greedy_is_token_identical(plain, speculative, batch):
     # Emitted tokens are one per verification plus the accepted ones, and never past max_tokens.
     assert after["num_emitted_tokens"] - before["num_emitted_tokens"] == \
         accepted + after["num_drafts"] - before["num_drafts"]
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
 def test_max_tokens_stop_strings_and_logprobs(plain, speculative):
