@@ -167,8 +167,9 @@ def downloads_in(text: str) -> list[str]:
 
 
 def test_no_test_downloads_at_test_time():
-    """Everything a test needs is installed by .ci/run or kept in tests/data: a download inside the
-    suite (an sdist fetched for one template file) depends on the network and on how pip builds it."""
+    """A package or file a test reads is installed by .ci/run or kept in tests/data: a download inside
+    the suite (an sdist fetched for one template file) depends on the network and on how pip builds it.
+    (The default model's own fetch is the product's code, tested as such in test_default_model.py.)"""
     found = {str(p.relative_to(ROOT)): downloads_in(p.read_text()) for p in (ROOT / "tests").rglob("*.py")
              if p.name != "test_structure.py"}
     assert {name: hits for name, hits in found.items() if hits} == {}
