@@ -16,6 +16,15 @@ def run(*args: str, cache: Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+def cache_with_built_kernels(cache: Path) -> Path:
+    """cache holding only the C kernels this session already built (linked, not copied), for a script
+    run that loads a model but must fetch nothing: it then skips the kernels' compile."""
+    from nanovllm.kernels import cpu_kernels
+    if cpu_kernels.load() is not None:
+        (cache / "kernels").symlink_to(cpu_kernels.library_path().parent, target_is_directory=True)
+    return cache
+
+
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

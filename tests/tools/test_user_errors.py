@@ -13,7 +13,7 @@ import pytest
 from nanovllm import LLM
 from nanovllm.cli import build_parser, check_port
 from nanovllm.loader.checkpoint import Checkpoint
-from cli_helpers import REPO, one_error_line, run  # noqa: E402
+from cli_helpers import REPO, cache_with_built_kernels, one_error_line, run  # noqa: E402
 
 
 def load_script(name: str):
@@ -45,7 +45,7 @@ def test_example_max_tokens_zero_fails_before_the_default_model(tmp_path):
 
 
 def test_example_folder_without_chat_template(weights_only, tmp_path):
-    proc = run("example.py", "--model", weights_only, "--max-tokens", "2", cache=tmp_path)
+    proc = run("example.py", "--model", weights_only, "--max-tokens", "2", cache=cache_with_built_kernels(tmp_path))
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]  # the engine's INFO start-up lines come first
     assert last.startswith("example.py: error:") and weights_only in last and "chat template" in last
