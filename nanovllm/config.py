@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.engine_args import CPU_INPUT_BITS, DTYPES, EngineArgs, check_nodes, override_sampling, parse_init_addr
+from nanovllm.engine_args import CPU_INPUT_BITS, DTYPES, EngineArgs, override_sampling
 from nanovllm.platforms import Platform, get_platform
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONFIG_FIELDS", "CPU_INPUT_BITS", "Config", "check_nodes", "parse_init_addr"]
+__all__ = ["CONFIG_FIELDS", "CPU_INPUT_BITS", "Config"]
 
 
 @dataclass

@@ -11,7 +11,8 @@ import time
 
 import torch.distributed as dist
 
-from nanovllm.config import Config, check_nodes, parse_init_addr
+from nanovllm.config import Config
+from nanovllm.engine_args import check_nodes, parse_init_addr
 from nanovllm.distributed.tp_worker import SETTINGS_KEY, connect_store, worker_main
 
 logger = logging.getLogger(__name__)

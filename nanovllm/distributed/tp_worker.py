@@ -13,7 +13,8 @@ from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
-from nanovllm.config import Config, parse_init_addr
+from nanovllm.config import Config
+from nanovllm.engine_args import parse_init_addr
 from nanovllm.distributed.broadcast_channel import BroadcastChannel
 from nanovllm.executor.model_runner import ModelRunner
 
