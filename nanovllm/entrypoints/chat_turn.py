@@ -71,10 +71,10 @@ class ChatService:
     async def prepare(self, body: ChatCompletionRequest, max_tokens_param: str = "max_tokens") -> PreparedChat:
         """body checked, its prompt rendered and its length checked (ApiError 400 on any fault)."""
         self.check_model(body.model)
+        config = self.engine.llm.config
         with as_bad_request():
             body.check_supported()
             check_request(body, 1, self.limits)
-            config = self.engine.llm.config
             params = body.sampling_params(config.sampling_defaults, config.max_tokens_ceiling)
             tool_choice = tool_choice_of(body, self.chat)
             params = with_forced_call(params, body, tool_choice, self.chat)
@@ -83,7 +83,6 @@ class ChatService:
             self.tools_warning.request_brings_tools()
         prompt_ids = await chat_prompt_ids(self.engine, conversation, body, template_tools(body),
                                            body.add_special_tokens, self.chat.trust_request_chat_template)
-        config = self.engine.llm.config
         check_context_length([len(prompt_ids)], body.checked_max_tokens(config.sampling_defaults,
                              config.max_tokens_ceiling), config.max_model_len, "messages", max_tokens_param)
         params = await self._constrain_after_thinking(params, prompt_ids)

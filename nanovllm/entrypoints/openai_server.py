@@ -109,7 +109,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
     """POST /v1/completions and /v1/chat/completions: checked, tokenized, checked again, then queued."""
     engine, limits = service.engine, service.limits
-    max_model_len = engine.llm.config.max_model_len
     config = engine.llm.config  # its sampling_defaults for fields a request leaves unset, its max_tokens_ceiling
 
     @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
@@ -123,7 +122,7 @@ def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
             params = body.sampling_params(config.sampling_defaults, config.max_tokens_ceiling)
         prompt_ids = await prompt_token_ids(engine, prompts)
         check_context_length([len(ids) for ids in prompt_ids],
-                             body.checked_max_tokens(config.sampling_defaults, config.max_tokens_ceiling), max_model_len)
+                             body.checked_max_tokens(config.sampling_defaults, config.max_tokens_ceiling), config.max_model_len)
         echoed = await echo_texts(engine, prompts, prompt_ids) if body.echo else None
         gen = service.generation("cmpl", params.n, params.logprobs, arrival,
                                  num_prompt_logprobs=params.prompt_logprobs, echo_texts=echoed,
