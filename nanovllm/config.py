@@ -30,6 +30,7 @@ class Config(EngineArgs):
     # Derived, filled in __post_init__.
     checkpoint: "Checkpoint" = field(init=False, repr=False, compare=False)  # loader/checkpoint.py
     hf_config: object = field(init=False, repr=False)
+    model_class: type = field(init=False, repr=False, compare=False)  # the architecture's (models.get_model_class)
     quant_config: "QuantizationConfig" = field(init=False, repr=False, compare=False)  # the weight format
     torch_dtype: torch.dtype = field(init=False)  # activations
     kv_format: "KVFormat" = field(init=False, repr=False, compare=False)  # the KV cache's, from kv_cache_dtype
@@ -47,8 +48,8 @@ class Config(EngineArgs):
         self.hf_config = self.checkpoint.hf_config
         self.model = self.checkpoint.path
         from nanovllm.models import get_model_class
-        # unsupported architectures fail here, naming the supported ones
-        packed = getattr(get_model_class(self.hf_config), "packed_modules_mapping", {})
+        self.model_class = get_model_class(self.hf_config)  # unsupported architectures fail here, naming the supported ones
+        packed = getattr(self.model_class, "packed_modules_mapping", {})
         # the weight format, checked (a pre-quantized checkpoint's tensor index too) before any rank starts
         self.quant_config = self.checkpoint.quant_config(self.quantization, packed, CPU_INPUT_BITS[self.cpu_input_bits])
         self.platform = get_platform(self.device)

@@ -258,6 +258,10 @@ class TensorParallelRunner(Executor):
     def num_state_slots(self) -> int:
         return self.runner.num_state_slots
 
+    @property
+    def step_notes(self) -> list[str]:
+        return self.runner.step_notes  # rank 0's: every rank builds the same step runners
+
     def kv_token_bytes(self) -> int:
         return self.runner.kv_token_bytes()
 

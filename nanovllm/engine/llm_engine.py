@@ -46,6 +46,8 @@ class LLMEngine:
         runner = self.model_runner
         self.num_kvcache_blocks = runner.num_kvcache_blocks
         logger.info("%s", startup_summary(config, runner, self.num_kvcache_blocks))
+        for note in runner.step_notes:  # a faster step path that stays off (which part, and why)
+            logger.warning("%s", note)
         if config.sampling_defaults:
             logger.info("%s", sampling_defaults_line(config))
         self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups],

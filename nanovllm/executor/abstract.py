@@ -24,6 +24,8 @@ class Executor(ABC):
     # ---- what the cache holds (the scheduler's block tables, the start-up line) -----------------
     kv_groups: "list[KVGroup]"  # the layers' KV groups (engine/kv_groups.py): one block table each
     num_state_slots: int  # recurrent-state slots of linear-attention layers (0 without such layers)
+    # What keeps a faster step path (the CPU's C step) off some steps, for the start-up summary's WARNING.
+    step_notes: list[str]
 
     @abstractmethod
     def kv_token_bytes(self) -> int:

@@ -1,22 +1,21 @@
-"""FusedDecode: CPU decode steps of a Llama-family model in C (kernels/cpu_decode.c), the CPU's
+"""FusedDecode: CPU decode steps of a decoder-only model in C (kernels/cpu_decode.c), the CPU's
 counterpart of CUDA graphs: the eager forward dispatches ~140 torch ops per layer, which cost more
-than reading the weights at a few sequences and a good share of the step at more
-(docs/performance.md, items 16-23).
+than reading the weights at a few sequences and a good share of the step at more (docs/performance.md,
+"The C decode step").
 
-Built once after the KV cache exists, from the model's own tensors: each linear layer (and the
-embedding) gives a C view of its weights through its method, or None (executor/cpu_descriptions.py);
-norms, the rotary cos/sin cache and the caches are read directly. Pointers are laid out in ctypes structures
-(kernels/cpu_kernels.py) that the C side reads every step. Decode steps of any batch (of
-cpu_kernels.MAX_ROWS where some layer's weights are read by torch) run each range of layers whose
-weights all have views (and whose MLP is the gated one or a sparse MoE block,
-kernels/cpu_moe.c) as one C call; a layer without them runs its own modules between the C phases.
-Larger decode steps and prefill steps run every layer that way: the matmuls on the layers' own
-methods, norms, rotary + KV store, attention (decode) and SiLU in C.
+Built once after the KV cache exists by walking the model: every part describes itself to C where
+its class is defined (layers/c_description.py: the layers, norms, attention, MLP and MoE blocks,
+linear attention), so this walker knows no model class. It lays the answers out, by field name, in
+the ctypes structures (kernels/cpu_structs.py) that the C side reads every step. Decode steps of
+any batch (of cpu_kernels.MAX_ROWS where some layer's weights are read by torch) run each range of
+layers whose weights all have views as one C call; a layer without them runs its own modules
+between the C phases. Larger decode steps and prefill steps run every layer that way: the matmuls
+on the layers' own methods, norms, rotary + KV store, attention (decode) and SiLU in C.
 
-The hybrids (Qwen3.5, Qwen3-Next: models/qwen3_next.py) run their decode steps in the one call
-only: their gated attention (partial rotary, an output gate) and Gated DeltaNet layers (the
-delta rule on each sequence's state slot, kernels/cpu_deltanet.c) have no phases of their own
-between torch's matmuls, so their prefill steps and batches past the one call's rows run eager.
+Layers that describe themselves as one-call-only (the hybrids' gated attention and Gated DeltaNet:
+no phases of their own between torch's matmuls) run their decode steps in the one call only, so a
+hybrid's prefill steps and batches past the one call's rows run eager. Where a part cannot be run,
+build_fused_decode says which and why (a WARNING of the start-up summary).
 """
 import ctypes
 import logging
@@ -26,20 +25,30 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nanovllm.executor.cpu_descriptions import described, layer_linears, linear_attention, pointer, segments
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.kernels.cpu_structs import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
-from nanovllm.layers.layernorm import GemmaRMSNorm
+from nanovllm.layers.c_description import CDescriber, CModel, CPart, NotInC, Phases, by_field, describe
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
-from nanovllm.models.qwen3_next import GatedAttention
 from nanovllm.utils.context import Context
 
 DISABLE_ENV = "NANOVLLM_CPU_FUSED_DECODE"
 
 logger = logging.getLogger(__name__)
+
+# The fields a layer not run whole in C leaves empty (its matmuls run on its own modules).
+MATMUL_FIELDS = {"qkv": Linear(), "o": Linear(), "gate_up": Linear(), "down": Linear(), "moe": None}
+
+
+def segments(in_c: list[bool]) -> list[tuple[int, int, bool]]:
+    """Maximal runs (first, end, in_c) of consecutive layers alike."""
+    runs: list[tuple[int, int, bool]] = []
+    for i, flag in enumerate(in_c):
+        if runs and runs[-1][2] == flag:
+            runs[-1] = (runs[-1][0], i + 1, flag)
+        else:
+            runs.append((i, i + 1, flag))
+    return runs
 
 
 class FusedDecode(StepRunner):
@@ -48,85 +57,54 @@ class FusedDecode(StepRunner):
 
     max_rows = cpu_kernels.MAX_ROWS
 
-    def __init__(self, model: DecoderForCausalLM, kernels: cpu_kernels.CpuKernels):
+    def __init__(self, model: nn.Module, kernels: cpu_kernels.CpuKernels):
         self.kernels = kernels
-        inner = model.model
-        # NOTE: the modules also keep alive every tensor whose address the structures hold (and
-        # self.kept the ones made here).
-        self.modules = layers = list(inner.layers)
-        self.kept: list[torch.Tensor] = []
-        self.final_norm = inner.norm
-        self.final_norm_weight = self.norm_weight(inner.norm)
-        self.embed = inner.embed_tokens
-        self.lm_head = model.lm_head
+        # NOTE: the modules keep alive every tensor whose address the structures hold, and self.c
+        # the structures and tensors made for them.
+        self.c = c = CDescriber(kernels)
+        parts: CModel = describe(model, c, "the model")
+        self.modules = layers = parts.layers
+        self.final_norm = parts.norm
+        self.final_norm_weight = c.norm(parts.norm, "the final norm")
+        self.embed, self.lm_head = parts.embed, parts.head
         self.compute_logits = model.compute_logits
-        attention_layers = [layer for layer in layers if linear_attention(layer) is None]
-        if not attention_layers:
-            raise ValueError("no attention layer")
-        if not all(isinstance(layer.self_attn, (DecoderAttention, GatedAttention)) for layer in attention_layers):
-            raise ValueError("a layer's attention is not the shared decoder attention")
-        if any(layer.self_attn.attn.logit_softcap is not None for layer in attention_layers):
-            raise ValueError("soft-capped attention (the C decode step's softmax has no cap)")
-        if not all(isinstance(getattr(layer.mlp, "act_fn", SiluAndMul()), SiluAndMul) for layer in layers):
-            raise ValueError("an MLP's activation is not SiLU (the C decode step's)")
-        attn0 = attention_layers[0].self_attn
-        # The hybrids' layer kinds run in the one call only (no phases between torch's matmuls).
-        self.hybrid = any(isinstance(layer.self_attn, GatedAttention) for layer in attention_layers) \
-            or len(attention_layers) < len(layers)
-        descs, in_c = [], []
-        # NOTE: the structures below hold copies of these descriptions, whose chained parts (a
-        # stacked layer's parts in other formats) live in the originals: kept for as long as self.
-        self.linears: list[Linear] = []
-        self.moes: list[MoeExperts] = []
-        eps = {inner.norm.eps}
-        for layer in layers:
-            parts = layer_linears(kernels, layer)
-            linears, moe = parts or ([Linear()] * 4, None)
-            self.linears += linears
-            self.moes += [moe] if moe is not None else []
-            in_c.append(parts is not None)
-            norms = [self.norm_weight(layer.input_layernorm), self.norm_weight(layer.post_attention_layernorm)]
-            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
-            lin = linear_attention(layer)
-            if lin is not None:
-                eps.add(lin.norm.eps)
-                if lin.c_desc is None:
-                    raise ValueError("a linear-attention layer has no C description (no state slots for the C kernels)")
-                descs.append(DecoderLayer(*norms, None, None, *linears, None, None, int(parts is not None),
-                                          ctypes.pointer(moe) if moe is not None else None, 0, None, 0, 0,
-                                          ctypes.pointer(lin.c_desc)))
-                continue
-            a = layer.self_attn
-            qk_norms = [None, None]
-            if getattr(a, "use_qk_norm", True):  # the gated attention always norms q and k
-                qk_norms = [self.norm_weight(a.q_norm), self.norm_weight(a.k_norm)]
-                eps |= {a.q_norm.eps, a.k_norm.eps}
-            descs.append(DecoderLayer(
-                *norms, *qk_norms, *linears, pointer(a.attn.k_cache, a.attn.kv_format.storage),
-                pointer(a.attn.v_cache, a.attn.kv_format.storage), int(parts is not None),
-                ctypes.pointer(moe) if moe is not None else None, a.attn.sliding_window or 0,
-                pointer(a.attn.sinks), a.attn.kv_group, int(isinstance(a, GatedAttention)), None))
+        described: list[CPart] = [describe(layer, c, f"layer {i}") for i, layer in enumerate(layers)]
+        attention = [(i, part) for i, part in enumerate(described) if part.model_fields]
+        if not attention:
+            raise NotInC("the model has no attention layer")
+        first, settings = attention[0][0], attention[0][1].model_fields
+        for i, part in attention[1:]:
+            differs = sorted(k for k in settings if part.model_fields.get(k) != settings[k])
+            if differs:
+                raise NotInC(f"layer {i}'s attention differs from layer {first}'s in {differs} (the C step takes one "
+                             "setting for all)")
+        self.hybrid = any(part.one_call_only for part in described)
+        in_c = [part.in_c for part in described]
         if self.hybrid and not all(in_c):
-            raise ValueError("a hybrid model's layer has a matrix without a C view (its layers run in the one call only)")
-        if len(eps) != 1:
-            raise ValueError(f"the fused decode step takes one RMSNorm eps, the model has {sorted(eps)}")
-        cos_sin = attn0.rotary_emb.cos_sin_cache
-        self.max_position = cos_sin.shape[0]
+            raise NotInC(f"layer {in_c.index(False)} is not whole in C (a matrix without a C view, or a block of "
+                         "its own), and this model's layers run in the one call only")
+        if len(c.eps) != 1:
+            raise NotInC(f"the C step takes one RMSNorm eps, the model has {sorted(c.eps)}")
+        self.phases: list[Phases] = [part.phases for part in described]
+        self.layers = (DecoderLayer * len(described))(*(
+            by_field(DecoderLayer, {**part.fields, "in_c": int(part.in_c), **({} if part.in_c else MATMUL_FIELDS)})
+            for part in described))
+        self.moes: list[MoeExperts] = [layer.moe.contents for layer in self.layers if layer.moe]
+        self.max_position = described[first].max_position
         self.segments = segments(in_c)
-        self.layers = (DecoderLayer * len(descs))(*descs)
-        embed, head = described(kernels, self.embed), described(kernels, self.lm_head)
-        self.linears += [lin for lin in (embed, head) if lin is not None]
+        embed, head = c.linear(self.embed, "the embedding"), c.linear(self.lm_head, "the head")
+        self.linears: list[Linear] = [x for x in c.kept if isinstance(x, Linear)]
         self.embed_in_c, self.head_in_c = embed is not None, head is not None
-        intermediate = max([d.down.k for d in descs if d.in_c] + [moe.shared_down.k for moe in self.moes], default=0)
-        self.desc = DecoderModel(len(descs), inner.norm.weight.numel(), attn0.num_heads, attn0.num_kv_heads,
-                                 attn0.head_dim, intermediate, attn0.attn.k_cache.shape[1],
-                                 attn0.attn.kv_format.c_type, eps.pop(), attn0.attn.scale,
-                                 attn0.rotary_emb.rotary_dim, pointer(cos_sin), self.final_norm_weight, self.layers,
-                                 embed or Linear(), head or Linear())
+        intermediate = max([d.down.k for d in self.layers if d.in_c] + [moe.shared_down.k for moe in self.moes],
+                           default=0)
+        self.desc = by_field(DecoderModel, dict(
+            num_layers=len(described), hidden=parts.norm.weight.numel(), intermediate=intermediate, eps=c.eps.pop(),
+            final_norm=self.final_norm_weight, layers=self.layers, embed=embed or Linear(), head=head or Linear(),
+            **settings))
         bad = kernels.decode_check_model(ctypes.byref(self.desc))
         if bad >= 0:
-            raise ValueError(f"the C description of {'layer %d' % bad if bad < len(descs) else 'the embedding or head'}"
-                             " is not valid")
+            raise NotInC(f"the C description of {'layer %d' % bad if bad < len(described) else 'the embedding or head'}"
+                         " is not valid")
         self.one_call_layers = sum(in_c)
         # Every matmul on the C kernels alone (block formats, dense fp32 / bf16: no torch path to
         # hand larger batches to): the step is one C call at every batch size, not only up to MAX_ROWS.
@@ -136,14 +114,6 @@ class FusedDecode(StepRunner):
         methods += [self.embed.quant_method, self.lm_head.quant_method]
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = cpu_kernels.ALL_ROWS
-
-    def norm_weight(self, norm: nn.Module) -> int:
-        """The address of an RMSNorm's multiplier: its weight, or 1 + weight for Gemma's form (a copy
-        kept here)."""
-        if isinstance(norm, GemmaRMSNorm):
-            self.kept.append((1.0 + norm.weight.float()).contiguous())
-            return pointer(self.kept[-1])
-        return pointer(norm.weight)
 
     def can_run(self, num_tokens: int, context: Context) -> bool:
         if self.hybrid:  # decode steps in the one call, each sequence with its state slot
@@ -183,8 +153,8 @@ class FusedDecode(StepRunner):
         steps = (DecodeStep * len(steps))(*steps)
         k, desc, step_ref = self.kernels, ctypes.byref(self.desc), ctypes.byref(steps)
 
-        def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
-            attn = torch.empty(qkv.shape[0], layer.self_attn.q_size)
+        def attend(i: int, phases: Phases, qkv: torch.Tensor) -> torch.Tensor:
+            attn = torch.empty(qkv.shape[0], phases.q_size)
             if k.decode_attention_layer(desc, i, qkv.data_ptr(), step_ref, attn.data_ptr(), torch.get_num_threads()):
                 raise MemoryError("the fused CPU decode step could not allocate its buffers")
             return attn
@@ -193,7 +163,7 @@ class FusedDecode(StepRunner):
         return self.lm_head(self.run_layers(self.embed(input_ids).contiguous(), attend))
 
     def run_one_call(self, input_ids: torch.Tensor, step_ref,
-                     attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     attend: Callable[[int, Phases, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Each run of C-described layers one C call (the embedding and LM head inside where they
         have views), the other layers through run_layer."""
         rows, hidden_size = input_ids.shape[0], self.desc.hidden
@@ -233,14 +203,13 @@ class FusedDecode(StepRunner):
         positions = self.checked_positions(positions)
         k, desc = self.kernels, ctypes.byref(self.desc)
 
-        def attend(i: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
-            a = layer.self_attn
-            group, meta = a.attn.kv_group, groups[a.attn.kv_group][1]
+        def attend(i: int, phases: Phases, qkv: torch.Tensor) -> torch.Tensor:
+            attn = phases.attention
+            group, meta = attn.kv_group, groups[attn.kv_group][1]
             k.rope_store_layer(desc, i, qkv.data_ptr(), positions.data_ptr(), slots[group].data_ptr(), qkv.shape[0],
                                torch.get_num_threads())
-            q, key, value = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-            shape = (qkv.shape[0], -1, a.head_dim)
-            attn = a.attn
+            q, key, value = qkv.split([phases.q_size, phases.kv_size, phases.kv_size], dim=-1)
+            shape = (qkv.shape[0], -1, phases.head_dim)
             return attn.backend.prefill(q.view(shape), key.view(shape), value.view(shape), attn.k_cache,
                                         attn.v_cache, meta, attn.scale, window=attn.sliding_window,
                                         sinks=attn.sinks).flatten(1, -1)
@@ -253,30 +222,29 @@ class FusedDecode(StepRunner):
         return positions
 
     def run_layer(self, i: int, hidden: torch.Tensor, resid: torch.Tensor, started: bool,
-                  attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  attend: Callable[[int, Phases, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Layer i on the stream (hidden, resid; resid = hidden first when not started, updated in
         place): its matmuls (or MLP module) through its own methods, norms and SiLU in C, and
-        attend(layer index, layer, qkv [rows, q | k | v]) -> [rows, num_heads * head_dim] between.
+        attend(layer index, its phases, qkv [rows, q | k | v]) -> [rows, num_heads * head_dim] between.
         Returns the layer's output."""
         k, desc, threads = self.kernels, ctypes.byref(self.desc), torch.get_num_threads()
-        layer = self.modules[i]
-        a, mlp = layer.self_attn, layer.mlp
+        phases = self.phases[i]
         rows = hidden.shape[0]
         xn = torch.empty_like(hidden)
         k.decode_add_rms_norm(desc, hidden.data_ptr(), resid.data_ptr(), not started,
                               self.layers[i].input_norm, rows, xn.data_ptr(), threads)
-        hidden = a.o_proj(attend(i, layer, a.qkv_proj(xn).contiguous()).contiguous()).contiguous()
+        hidden = phases.o(attend(i, phases, phases.qkv(xn).contiguous()).contiguous()).contiguous()
         k.decode_add_rms_norm(desc, hidden.data_ptr(), resid.data_ptr(), 0,
                               self.layers[i].post_norm, rows, xn.data_ptr(), threads)
-        if not isinstance(mlp, GatedMLP):
-            return mlp(xn).contiguous()
-        gate_up = mlp.gate_up_proj(xn).contiguous()
+        if phases.gate_up is None:  # a block run whole (a sparse MoE block)
+            return phases.mlp(xn).contiguous()
+        gate_up = phases.gate_up(xn).contiguous()
         act = torch.empty(rows, gate_up.shape[1] // 2)
         k.decode_silu_mul(gate_up.data_ptr(), rows, act.shape[1], act.data_ptr(), threads)
-        return mlp.down_proj(act).contiguous()
+        return phases.down(act).contiguous()
 
     def run_layers(self, embeds: torch.Tensor,
-                   attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                   attend: Callable[[int, Phases, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Every layer through run_layer, then the final norm: the hidden states [rows, hidden]."""
         resid = torch.empty_like(embeds)
         x = embeds
@@ -292,21 +260,21 @@ class FusedDecode(StepRunner):
         return out
 
 
-def build_fused_decode(model: nn.Module, backend_name: str, dtype: torch.dtype, tp_size: int) -> FusedDecode | None:
-    """A FusedDecode of model, or None where it does not apply (not a Llama-family decoder, tensor
-    parallel, another attention backend, activations not fp32, no C compiler,
-    NANOVLLM_CPU_FUSED_DECODE=0); the eager forward then runs every step. The KV cache may be in
-    any format (the C attention reads each)."""
+def build_fused_decode(model: nn.Module, backend_name: str, dtype: torch.dtype,
+                       tp_size: int) -> tuple[FusedDecode | None, str | None]:
+    """(a FusedDecode of model, None) where it applies; else (None, why not) where a user would want
+    to know (a part of the model that cannot run in C: the start-up summary's WARNING), (None, None)
+    where the setting rules it out (tensor parallel, another attention backend, activations not fp32,
+    NANOVLLM_CPU_FUSED_DECODE=0) or the C kernels are not built (cpu_kernels.load says why). The eager forward then runs every
+    step. The KV cache may be in any format (the C attention reads each)."""
     if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
-        return None
-    if not isinstance(model, DecoderForCausalLM) or not model.fused_decode or tp_size != 1 \
-            or backend_name != "torch" or dtype != torch.float32:
-        return None
+        return None, None
+    if tp_size != 1 or backend_name != "torch" or dtype != torch.float32:
+        return None, None
     kernels = cpu_kernels.load()
-    if kernels is None:
-        return None
+    if kernels is None:  # load() has said why
+        return None, None
     try:
-        return FusedDecode(model, kernels)
-    except ValueError as e:
-        logger.info("decode steps run the eager forward: %s", e)
-        return None
+        return FusedDecode(model, kernels), None
+    except ValueError as e:  # NotInC, and a structure the C side finds not valid
+        return None, f"decode steps run the eager forward, not the C step: {e}"

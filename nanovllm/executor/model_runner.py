@@ -20,7 +20,6 @@ from nanovllm.layers.backends import AttentionBatch, get_backend, pick_backend_n
 from nanovllm.sample.prompt_logprobs import logits_positions, split_prompt_logits
 from nanovllm.sample.sampler import SampledTokens, Sampler
 from nanovllm.sample.sampling_metadata import SamplingMetadata
-from nanovllm.models import get_model_class
 from nanovllm.executor.compile import compile_fused_ops
 from nanovllm.executor.state_cache import StateCache
 from nanovllm.utils.context import Context, forward_context
@@ -59,7 +58,7 @@ class ModelRunner(Executor):
         hf_config = config.hf_config
         # The weight format picks each layer's method as the model is built (layers/quantization).
         with default_dtype(self.dtype), self.device:
-            self.model = get_model_class(hf_config)(hf_config, config.quant_config)
+            self.model = config.model_class(hf_config, config.quant_config)
         load_model(self.model, config.checkpoint)
         self.model.eval()
         self.linear_methods = platform.process_weights_after_loading(self.model, self.dtype, config.weight_dtype)
@@ -86,8 +85,37 @@ class ModelRunner(Executor):
         self.num_kvcache_blocks = self.allocate_kv_cache()
         # What runs some steps in place of the eager forward (CUDA graphs; the CPU's C step), asked
         # in turn at every step (executor/step_runner.py).
-        self.step_runners: list[StepRunner] = platform.step_runners(self.model, self.backend, backend_name, config,
-                                                                    self.device, rank)
+        self.step_notes: list[str] = []
+        self.step_runners: list[StepRunner] = self.build_step_runners(backend_name)
+
+    def build_step_runners(self, backend_name: str) -> list[StepRunner]:
+        """Decode steps captured as CUDA graphs, one per batch-size bucket, where the platform
+        captures them (unless enforce_eager); the C step where the platform has one (the decode
+        step whole, prefill steps' norms, rotary + KV store and SiLU between the matmuls). What
+        keeps the C step off a model goes into step_notes (the start-up summary's WARNING)."""
+        config, platform = self.config, self.platform
+        if platform.has_decode_graphs:
+            if config.enforce_eager:
+                return []
+            from nanovllm.executor.cuda_graph import DecodeGraphs
+            graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
+                                  self.block_size, config.hf_config.hidden_size, self.dtype, self.device)
+            graphs.capture()
+            return [graphs]
+        if not platform.has_c_decode_step:
+            return []
+        from nanovllm.executor.cpu_decode import build_fused_decode
+        fused, note = build_fused_decode(self.model, backend_name, self.dtype, config.tensor_parallel_size)
+        self.step_notes += [note] if note else []
+        if fused is None:
+            return []
+        if self.rank == 0:
+            layers = len(fused.modules)
+            others = "" if fused.one_call_layers == layers else "; the others through their own modules"
+            upto = "at every batch size" if fused.max_rows > config.max_num_seqs else f"up to {fused.max_rows} sequences"
+            logger.debug("decode steps in C: one call %s (%d of %d layers%s), four per layer between the matmuls "
+                         "(and in prefill steps)", upto, fused.one_call_layers, layers, others)
+        return [fused]
 
     # ---- KV cache ---------------------------------------------------------------------------
     def split_kv_groups(self) -> bool:

@@ -1,8 +1,8 @@
 """StepRunner: what runs some steps in place of the model's eager forward, each deciding per step
 whether it can: captured CUDA graphs (decode batches with a bucket, executor/cuda_graph.py) and the
-CPU's C step (decode, and prefill's layers between the matmuls, executor/cpu_decode.py). The
-platform builds them once (Platform.step_runners); ModelRunner asks each in turn, and runs the
-eager forward where none can."""
+CPU's C step (decode, and prefill's layers between the matmuls, executor/cpu_decode.py). ModelRunner
+builds them once, where its platform has them (Platform.has_decode_graphs, has_c_decode_step), asks
+each in turn, and runs the eager forward where none can."""
 import torch
 
 from nanovllm.utils.context import Context

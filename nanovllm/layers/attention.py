@@ -6,6 +6,7 @@ from torch import nn
 from nanovllm.distributed.parallel import get_tp_rank, get_tp_size
 from nanovllm.layers.backends import AttentionBackend
 from nanovllm.layers.backends.kv_formats import KVFormat
+from nanovllm.layers.c_description import CDescriber, CPart, NotInC, describes, pointer
 from nanovllm.utils.context import get_context
 
 
@@ -49,3 +50,16 @@ class Attention(nn.Module):
         if context.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, **options)
         return self.backend.decode(q, self.k_cache, self.v_cache, metadata, self.scale, **options)
+
+
+@describes(Attention)
+def _c_attention(attn: Attention, c: CDescriber) -> CPart:
+    """Its caches (in their storage format: the C attention reads each), window, sinks and KV group;
+    the model-wide block size, cache type and scale."""
+    if attn.logit_softcap is not None:
+        raise NotInC("its scores are soft-capped (the C step's softmax has no cap)")
+    fields = {"k_cache": pointer(attn.k_cache, attn.kv_format.storage),
+              "v_cache": pointer(attn.v_cache, attn.kv_format.storage), "window": attn.sliding_window or 0,
+              "sinks": pointer(attn.sinks), "kv_group": attn.kv_group}
+    return CPart(fields, model_fields={"block_size": attn.k_cache.shape[1], "kv_type": attn.kv_format.c_type,
+                                       "scale": attn.scale})

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
+from nanovllm.layers.c_description import describes, weight_view
 from nanovllm.layers.quantization.base import QuantizationConfig, method_for
 from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, shard_of
 
@@ -95,3 +96,7 @@ class ParallelLMHead(VocabParallelBase):
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None
+
+
+# To the C decode step the embedding and the head are their method's view of the table.
+describes(VocabParallelBase, subclasses=True)(weight_view)

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel import get_tp_rank, get_tp_size
+from nanovllm.kernels.cpu_structs import DeltaNetLayer, Linear
+from nanovllm.layers.c_description import CDescriber, CPart, NotInC, describes
 from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from nanovllm.utils.context import get_context
 
@@ -196,7 +198,6 @@ class GatedDeltaNet(nn.Module):
         self.state, self.c_kernels, self.use_triton, self.c_desc = state, c_kernels, use_triton, None
         if c_kernels is None:
             return
-        from nanovllm.kernels.cpu_structs import DeltaNetLayer
         self.c_conv = self.conv_weight().contiguous()  # NOTE: c_desc points into it
         parts = (self.c_conv, state.conv, state.delta, self.A_log, self.dt_bias, self.norm.weight)
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in parts):
@@ -300,3 +301,15 @@ class GatedDeltaNet(nn.Module):
                                        slots.data_ptr(), self.norm.eps, out.data_ptr(), scratch.data_ptr(),
                                        torch.get_num_threads())
         return out
+
+
+@describes(GatedDeltaNet)
+def _c_gated_deltanet(lin: GatedDeltaNet, c: CDescriber) -> CPart:
+    """Its state, conv weight and gates as attach_state described them, its in_proj and out_proj in
+    the places of an attention layer's qkv and o; the one C call only (no phases of its own)."""
+    if lin.c_desc is None:
+        raise NotInC("it has no C description (no state slots for the C kernels)")
+    c.eps.add(lin.norm.eps)
+    qkv, o = c.linear(lin.in_proj, "its in_proj"), c.linear(lin.out_proj, "its out_proj")
+    return CPart({"qkv": qkv or Linear(), "o": o or Linear(), "linear": ctypes.pointer(lin.c_desc)},
+                 in_c=qkv is not None and o is not None, one_call_only=True)

@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.c_description import CDescriber, describes, pointer
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -40,3 +42,16 @@ class GemmaRMSNorm(RMSNorm):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x * (1.0 + self.weight.float())).to(orig_dtype)
+
+
+# To the C decode step a norm is the address of its multiplier; the step takes one eps for all.
+@describes(RMSNorm)
+def _c_norm(norm: RMSNorm, c: CDescriber) -> int:
+    c.eps.add(norm.eps)
+    return pointer(norm.weight)
+
+
+@describes(GemmaRMSNorm)
+def _c_gemma_norm(norm: GemmaRMSNorm, c: CDescriber) -> int:
+    c.eps.add(norm.eps)
+    return c.keep((1.0 + norm.weight.float()).contiguous())  # the C step multiplies by the weight as given

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovllm.distributed.parallel import divide, get_tp_rank, get_tp_size
+from nanovllm.layers.c_description import describes, weight_view
 from nanovllm.layers.quantization.base import QuantizationConfig, method_for
 from nanovllm.layers.quantization.parameter import TaggedWeights, copy_checked, in_param_units, shard_of
 
@@ -135,3 +136,7 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
+
+
+# To the C decode step every linear layer is its method's view of its weights, with its bias.
+describes(LinearBase, subclasses=True)(weight_view)

@@ -9,8 +9,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from nanovllm.layers.activation import gated_activation
+from nanovllm.layers.activation import SiluAndMul, gated_activation
+from nanovllm.kernels.cpu_structs import Linear
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.c_description import CDescriber, CModel, CPart, NotInC, Phases, describe, describes, pointer
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -220,7 +222,6 @@ class DecoderForCausalLM(nn.Module):
     }
     use_qk_norm = False
     model_class: type[DecoderModel] = DecoderModel
-    fused_decode = True  # whether executor/cpu_decode.py's C decode step may run it
 
     def __init__(self, config, quant_config: QuantizationConfig | None = None):
         super().__init__()
@@ -255,3 +256,66 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)
+
+
+# ---- how these blocks describe themselves to the CPU's C decode step (layers/c_description.py) ----
+def attention_part(a: nn.Module, c: CDescriber, gated: bool = False) -> CPart:
+    """An attention block's part (this file's DecoderAttention; gated: the hybrids' GatedAttention,
+    its output gated, its q and k always normed): projections, q/k norms, heads and rotary cache, over
+    its Attention's own part."""
+    qkv, o = c.linear(a.qkv_proj, "its qkv_proj"), c.linear(a.o_proj, "its o_proj")
+    fields = {"qkv": qkv or Linear(), "o": o or Linear(), "attn_gate": int(gated)}
+    if gated or a.use_qk_norm:
+        fields |= {"q_norm": c.norm(a.q_norm, "its q_norm"), "k_norm": c.norm(a.k_norm, "its k_norm")}
+    cos_sin = a.rotary_emb.cos_sin_cache
+    model = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
+             "rotary_dim": a.rotary_emb.rotary_dim, "cos_sin": pointer(cos_sin)}
+    own = CPart(fields, in_c=qkv is not None and o is not None, one_call_only=gated, model_fields=model,
+                max_position=cos_sin.shape[0],
+                phases=Phases(qkv=a.qkv_proj, o=a.o_proj, attention=a.attn, q_size=a.q_size, kv_size=a.kv_size,
+                              head_dim=a.head_dim))
+    return describe(a.attn, c, "its paged attention").merged(own)
+
+
+describes(DecoderAttention)(attention_part)
+
+
+@describes(GatedMLP)
+def _c_gated_mlp(mlp: GatedMLP, c: CDescriber) -> CPart:
+    if not isinstance(mlp.act_fn, SiluAndMul):
+        raise NotInC(f"its activation is {type(mlp.act_fn).__name__}, not SiLU (the C step's)")
+    gate_up, down = c.linear(mlp.gate_up_proj, "its gate_up_proj"), c.linear(mlp.down_proj, "its down_proj")
+    return CPart({"gate_up": gate_up or Linear(), "down": down or Linear()},
+                 in_c=gate_up is not None and down is not None,
+                 phases=Phases(gate_up=mlp.gate_up_proj, down=mlp.down_proj, mlp=mlp))
+
+
+def pre_norm_layer_part(layer: nn.Module, mixer: nn.Module, c: CDescriber) -> CPart:
+    """A pre-norm layer's part (input norm, mixer, post-attention norm, MLP: this file's
+    DecoderLayer and the hybrids'). An MLP the C step cannot run (no description, another
+    activation) runs whole through its module, between the C phases of the layer."""
+    norms = CPart({"input_norm": c.norm(layer.input_layernorm, "its input_layernorm"),
+                   "post_norm": c.norm(layer.post_attention_layernorm, "its post_attention_layernorm")})
+    try:
+        mlp = describe(layer.mlp, c, "its MLP")
+    except NotInC:
+        mlp = CPart(in_c=False, phases=Phases(mlp=layer.mlp))
+    return norms.merged(describe(mixer, c, "its attention"), mlp)
+
+
+@describes(DecoderLayer)
+def _c_decoder_layer(layer: DecoderLayer, c: CDescriber) -> CPart:
+    return pre_norm_layer_part(layer, layer.self_attn, c)
+
+
+@describes(DecoderForCausalLM, subclasses=True)
+def _c_causal_lm(model: DecoderForCausalLM, c: CDescriber) -> CModel:
+    """Its layers, final norm, embedding and head, where the logits are the head's alone and the
+    embedding is the table's rows (no family's own scaling)."""
+    name = type(model).__name__
+    if type(model).compute_logits is not DecoderForCausalLM.compute_logits:
+        raise NotInC(f"{name}'s logits are not its head's alone (its own compute_logits: a soft cap)")
+    inner = model.model
+    if getattr(type(inner), "embed", DecoderModel.embed) is not DecoderModel.embed:
+        raise NotInC(f"{name}'s embedding is not the table's rows (its own embed: a scale)")
+    return CModel(list(inner.layers), inner.norm, inner.embed_tokens, model.lm_head)

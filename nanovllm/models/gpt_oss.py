@@ -23,7 +23,8 @@ from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.quantization.mxfp4 import BLOCKS, SCALES, gguf_rows
 from nanovllm.loader.weights import StackedParam
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.moe_block import EXPERT_PARTS, SparseMoeBlock, expert_stacked_params
+from nanovllm.layers.c_description import describes
+from nanovllm.models.moe_block import EXPERT_PARTS, SparseMoeBlock, describe_moe_block, expert_stacked_params
 
 
 # The checkpoint's stacked expert tensors (dense, biases, MXFP4 halves).
@@ -42,6 +43,9 @@ class GptOssMoE(SparseMoeBlock):
                                 config.intermediate_size, True, quant_config, f"{prefix}.experts", bias=True,
                                 activation=ExpertActivation("swigluoai", config.swiglu_alpha, config.swiglu_limit))
         self.shared_expert = self.shared_expert_gate = None
+
+
+describes(GptOssMoE)(describe_moe_block)  # its experts kernel has the biases and the activation
 
 
 def split_experts(name: str, tensor: torch.Tensor, rows: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,9 +2,13 @@
 experts layer (layers/moe.py): the router (a replicated dense linear), the experts, Qwen2-MoE's
 shared expert with its sigmoid gate; the families' config names and their rule of which layers
 are sparse; the checkpoint names of the experts' matrices."""
+import ctypes
+
 import torch
 from torch import nn
 
+from nanovllm.kernels.cpu_structs import Linear, MoeExperts
+from nanovllm.layers.c_description import CDescriber, CPart, NotInC, Phases, describes
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.layers.quantization.base import QuantizationConfig
@@ -85,3 +89,28 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     only_mlp = set(getattr(config, "mlp_only_layers", None) or [])
     return moe_num_experts(config) > 0 and layer_idx not in only_mlp and (layer_idx + 1) % step == 0
+
+
+def describe_moe_block(block: SparseMoeBlock, c: CDescriber) -> CPart:
+    """To the C decode step: its experts' method's description with the router and the shared expert
+    filled in, as the layer's `moe` (not in C where a part has no view: the block then runs whole)."""
+    experts = block.experts.quant_method.c_struct(block.experts)
+    parts = [("gate", block.gate)]
+    if block.shared_expert is not None:
+        parts += [("shared_expert.gate_up_proj", block.shared_expert.gate_up_proj),
+                  ("shared_expert.down_proj", block.shared_expert.down_proj),
+                  ("shared_expert_gate", block.shared_expert_gate)]
+    described = [c.linear(m, f"its {name}") for name, m in parts]
+    if experts is None or any(d is None for d in described):
+        return CPart(in_c=False, phases=Phases(mlp=block))
+    moe = MoeExperts.from_buffer_copy(experts)
+    moe.router = described[0]
+    if block.shared_expert is not None:
+        moe.shared_gate_up, moe.shared_down, moe.shared_gate = described[1:]
+    c.kept.append(experts)  # the copy's expert arrays and chained parts live in the original
+    if not c.kernels.moe_is_valid(ctypes.byref(moe)):
+        raise NotInC("its C description is not valid")
+    return CPart({"moe": c.struct_pointer(moe), "gate_up": Linear(), "down": Linear()}, phases=Phases(mlp=block))
+
+
+describes(SparseMoeBlock)(describe_moe_block)

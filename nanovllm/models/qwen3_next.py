@@ -19,7 +19,8 @@ from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.loader.weights import load_weights
-from nanovllm.models.decoder import DecoderForCausalLM, gated_mlp, head_dim_of
+from nanovllm.layers.c_description import CDescriber, CPart, describes
+from nanovllm.models.decoder import DecoderForCausalLM, attention_part, gated_mlp, head_dim_of, pre_norm_layer_part
 from nanovllm.models.qwen_moe import MoeMixin
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -107,6 +108,16 @@ class HybridLayer(nn.Module):
             hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+@describes(GatedAttention)
+def _c_gated_attention(a: GatedAttention, c: CDescriber) -> CPart:
+    return attention_part(a, c, gated=True)
+
+
+@describes(HybridLayer)
+def _c_hybrid_layer(layer: HybridLayer, c: CDescriber) -> CPart:
+    return pre_norm_layer_part(layer, layer.linear_attn if layer.kind == LINEAR else layer.self_attn, c)
 
 
 class HybridModel(nn.Module):

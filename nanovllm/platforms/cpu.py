@@ -55,6 +55,7 @@ class CpuPlatform(Platform):
     # bench.py's batches of short prompts ran alike at 2048-16384 (its early "tried and not kept")
     default_max_num_batched_tokens = 8192
     has_decode_graphs = False
+    has_c_decode_step = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -155,22 +156,6 @@ class CpuPlatform(Platform):
         if prefault:  # a write per page (after the advice, so that the faults map huge pages)
             cache[:: mmap.PAGESIZE // dtype.itemsize].zero_()
         return cache.view(shape)
-
-    def step_runners(self, model: nn.Module, backend, backend_name: str, config: "Config", device: torch.device,
-                     rank: int) -> list:
-        """The whole decode step in C where it applies (executor/cpu_decode.py); prefill steps use its
-        C norms, rotary + KV store and SiLU between the matmuls too."""
-        from nanovllm.executor.cpu_decode import build_fused_decode
-        fused = build_fused_decode(model, backend_name, config.torch_dtype, config.tensor_parallel_size)
-        if fused is None:
-            return []
-        if rank == 0:
-            layers = len(fused.modules)
-            others = "" if fused.one_call_layers == layers else "; the others through their own modules"
-            upto = "at every batch size" if fused.max_rows > config.max_num_seqs else f"up to {fused.max_rows} sequences"
-            logger.debug("decode steps in C: one call %s (%d of %d layers%s), four per layer between the matmuls "
-                         "(and in prefill steps)", upto, fused.one_call_layers, layers, others)
-        return [fused]
 
     @property
     def random_sample(self) -> RandomSample:

@@ -24,6 +24,7 @@ class CudaPlatform(Platform):
     default_block_size = 256  # flash-attn's paged kernels want a multiple of 256
     default_max_num_batched_tokens = 16384  # nano-vLLM's, as vLLM's LLM class takes on large GPUs
     has_decode_graphs = True
+    has_c_decode_step = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -75,17 +76,6 @@ class CudaPlatform(Platform):
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-    def step_runners(self, model: nn.Module, backend, backend_name: str, config: "Config", device: torch.device,
-                     rank: int) -> list:
-        """Decode steps captured as CUDA graphs, one per batch-size bucket (unless enforce_eager)."""
-        if config.enforce_eager:
-            return []
-        from nanovllm.executor.cuda_graph import DecodeGraphs
-        graphs = DecodeGraphs(model, backend, config.max_num_seqs, config.max_model_len, config.kvcache_block_size,
-                              config.hf_config.hidden_size, config.torch_dtype, device)
-        graphs.capture()
-        return [graphs]
 
     def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
                        weight_dtype: torch.dtype | None = None) -> LinearKernels:

@@ -35,7 +35,8 @@ class Platform:
     dist_backend: str         # torch.distributed backend of tensor parallelism
     default_block_size: int   # kvcache_block_size when not given
     default_max_num_batched_tokens: int  # max_num_batched_tokens (the prefill chunk) when not given
-    has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs (step_runners)
+    has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs (ModelRunner.build_step_runners)
+    has_c_decode_step: bool   # whether the C decode step runs here (the host CPU's kernels, executor/cpu_decode.py)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -136,12 +137,6 @@ class Platform:
         NOTE: zeros, not garbage: attention reads (masked) unwritten slots, and a NaN there would
         poison the masked-out product."""
         return torch.zeros(shape, dtype=dtype, device=device)
-
-    def step_runners(self, model: nn.Module, backend, backend_name: str, config: "Config", device: torch.device,
-                     rank: int) -> list:
-        """What runs some steps in place of the eager forward on this device (executor/step_runner.py:
-        CUDA graphs, the CPU's C step), built once the KV cache exists; [] where none applies."""
-        return []
 
     # ---- sampling ----------------------------------------------------------------------------
     @property

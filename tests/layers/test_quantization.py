@@ -15,7 +15,8 @@ from torch import nn
 
 from helpers import make_qwen3
 from nanovllm import LLM, SamplingParams
-from nanovllm.executor import cpu_decode, model_runner
+from nanovllm import models
+from nanovllm.executor import cpu_decode
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers import quantization
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -257,7 +258,7 @@ def test_a_layer_the_c_step_cannot_describe_leaves_the_others_fused(odd, four_la
         ref = batches(llm)
     path = four_layers
     if odd == "mlp_block":
-        monkeypatch.setattr(model_runner, "get_model_class", lambda hf_config: OneOddLayer)
+        monkeypatch.setattr(models, "get_model_class", lambda hf_config: OneOddLayer)
     else:
         keep = [f"model.layers.{i}.{m}" for i in (0, 1, 3)
                 for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]

@@ -247,3 +247,26 @@ def test_the_c_call_graph_sees_a_circle():
              "c.c": "static int h(void) {\n    return f();\n}\n"}
     assert c_call_graph(files) == {"a.c": {"b.c"}, "b.c": {"a.c"}, "c.c": {"a.c"}}
     assert cycles(c_call_graph(files)) == [["a.c", "b.c"]]
+
+
+def test_no_executor_module_imports_a_model():
+    """The executor walks what the layers describe (layers/c_description.py) and builds the class
+    the config resolved: it knows no model family."""
+    graph = import_graph()
+    found = {m: sorted(d for d in deps if d.startswith("nanovllm.models"))
+             for m, deps in graph.items() if m.startswith("nanovllm.executor")}
+    assert {m: deps for m, deps in found.items() if deps} == {}
+
+
+def test_each_c_description_is_registered_where_its_class_is_defined():
+    """A layer describes itself to the C step in its own file: a new layer kind (a LoRA-wrapped
+    projection, a Mamba-2 mixer, MLA) is a change there, not in the executor."""
+    import importlib
+    import pkgutil
+
+    import nanovllm.models
+    for info in pkgutil.iter_modules(nanovllm.models.__path__):  # every family's module: every registration
+        importlib.import_module(f"nanovllm.models.{info.name}")
+    from nanovllm.layers.c_description import REGISTERED_IN
+    assert len(REGISTERED_IN) >= 10
+    assert {cls.__name__: where for cls, where in REGISTERED_IN.items() if where != cls.__module__} == {}
