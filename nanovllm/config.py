@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.engine_args import CPU_INPUT_BITS, DTYPES, EngineArgs, override_sampling
-from nanovllm.platforms import Platform, get_platform
 
 if TYPE_CHECKING:
     from nanovllm.layers.backends.kv_formats import KVFormat
@@ -39,7 +38,8 @@ class Config(EngineArgs):
     sampling_defaults: dict = field(init=False)  # from generation_config: SamplingParams keyword arguments
     # override_generation_config's max_new_tokens: the most tokens a server request may ask for
     max_tokens_ceiling: int | None = field(init=False)
-    platform: Platform = field(init=False, repr=False, compare=False)
+    # The device's platforms.Platform (EngineArgs.device_platform): traits and device operations.
+    platform: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # every value that needs no model
@@ -52,7 +52,7 @@ class Config(EngineArgs):
         packed = getattr(self.model_class, "packed_modules_mapping", {})
         # the weight format, checked (a pre-quantized checkpoint's tensor index too) before any rank starts
         self.quant_config = self.checkpoint.quant_config(self.quantization, packed, CPU_INPUT_BITS[self.cpu_input_bits])
-        self.platform = get_platform(self.device)
+        self.platform = self.device_platform()
         self.device = self.platform.device_name
         self.quant_config.check_device(self.device, self.hf_config)
         if self.max_num_batched_tokens is None:
@@ -73,8 +73,8 @@ class Config(EngineArgs):
                              f"max_num_seqs ({self.max_num_seqs})")
         dtype = self._resolve_dtype()
         self.torch_dtype, self.weight_dtype = self.platform.compute_dtype(dtype), self.platform.weight_dtype(dtype)
-        self.kv_format = self.platform.kv_cache_format(self.kv_cache_dtype, self.torch_dtype)
-        from nanovllm.layers.backends import check_backend_kv_format
+        from nanovllm.layers.backends import check_backend_kv_format, kv_formats
+        self.kv_format = kv_formats.resolve(self.kv_cache_dtype, self.torch_dtype, self.platform)
         check_backend_kv_format(self.attention_backend, self.kv_format, self.torch_dtype)
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._check_tensor_parallel()

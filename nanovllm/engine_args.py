@@ -161,9 +161,8 @@ class EngineArgs:
         if self.compile_ops is not None and not isinstance(self.compile_ops, bool):
             raise TypeError(f"compile_ops must be a bool or None (auto), got {self.compile_ops!r}")
         from nanovllm.layers.backends import check_backend_name
-        from nanovllm.platforms import get_platform
         # an unknown or absent device; a backend that is not registered or cannot run on it
-        check_backend_name(self.attention_backend, get_platform(self.device).device_name)
+        check_backend_name(self.attention_backend, self.device_platform().device_name)
         from nanovllm.layers.backends import kv_formats
         kv_formats.check_name(self.kv_cache_dtype)
         from nanovllm.layers.quantization import check_quantization_name
@@ -174,6 +173,12 @@ class EngineArgs:
         from nanovllm.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_generation_config()
+
+    def device_platform(self):
+        """The platform of self.device (platforms/: "auto" is CUDA where this process sees a GPU);
+        ValueError for an unknown device or one this process does not see."""
+        from nanovllm.platforms import get_platform
+        return get_platform(self.device)
 
     def _check_distributed(self) -> None:
         check_nodes(self.nnodes, self.node_rank, self.dist_init_addr, self.tensor_parallel_size)

@@ -15,10 +15,12 @@ from nanovllm.executor.step_runner import StepRunner
 from nanovllm.engine.kv_groups import kv_groups, slots_per_block
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import AttentionBatch, get_backend, pick_backend_name
+from nanovllm.layers.quantization import LinearKernels, process_weights_after_loading
 from nanovllm.sample.prompt_logprobs import logits_positions, split_prompt_logits
-from nanovllm.sample.sampler import SampledTokens, Sampler
+from nanovllm.sample.sampler import RANDOM_SAMPLES, SampledTokens, Sampler
 from nanovllm.sample.sampling_metadata import SamplingMetadata
 from nanovllm.executor.compile import compile_fused_ops
 from nanovllm.executor.state_cache import StateCache
@@ -27,6 +29,22 @@ from nanovllm.loader import load_model
 from nanovllm.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
+
+
+def linear_kernels(platform, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> LinearKernels:
+    """The kernels the layers' methods may use on this platform: the host CPU's C kernels where it
+    wants them and they build (kernels/cpu_kernels.py), with the options it gives."""
+    c_kernels = cpu_kernels.load() if platform.wants_c_kernels(dtype) else None
+    return LinearKernels(c_kernels=c_kernels, **platform.linear_kernel_options(dtype, weight_dtype,
+                                                                              c_kernels is not None))
+
+
+def process_weights(model: torch.nn.Module, platform, kernels: LinearKernels) -> str:
+    """Every layer's method turns its loaded weights into the form it multiplies from, with these
+    kernels; returns how the linear layers multiply (for the log)."""
+    described = process_weights_after_loading(model, kernels)
+    platform.after_weights_processed()
+    return described
 
 
 @contextmanager
@@ -61,13 +79,14 @@ class ModelRunner(Executor):
             self.model = config.model_class(hf_config, config.quant_config)
         load_model(self.model, config.checkpoint)
         self.model.eval()
-        self.linear_methods = platform.process_weights_after_loading(self.model, self.dtype, config.weight_dtype)
+        self.kernels = linear_kernels(platform, self.dtype, config.weight_dtype)
+        self.linear_methods = process_weights(self.model, platform, self.kernels)
         if config.compile_ops:
             compile_fused_ops(self.model)
         # The engine's seed drives every draw of requests without a seed of their own.
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
-        self.sampler = Sampler(platform.random_sample, generator)
+        self.sampler = Sampler(RANDOM_SAMPLES[platform.random_sample], generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.state_cache = StateCache(self.model, config)  # linear-attention layers' state slots, if any
         self.kv_format = config.kv_format
@@ -136,7 +155,8 @@ class ModelRunner(Executor):
                                                             layer.head_dim)
 
     def kv_cache_budget_bytes(self) -> int:
-        return self.platform.kv_cache_budget_bytes(self.config, self.device, self.warmup_model)
+        return self.platform.kv_cache_budget_bytes(self.device, self.warmup_model, self.config.cpu_kvcache_bytes,
+                                                   self.config.gpu_memory_utilization)
 
     def allocate_kv_cache(self) -> int:
         layer = self.attention_layers[0]
@@ -186,7 +206,7 @@ class ModelRunner(Executor):
         """The state slots' bytes, taken from the budget before the KV cache's blocks."""
         # The C decode step where the platform has the CPU's kernels (fp32 activations; the state is
         # fp32), the Triton one where it offers that (a GPU).
-        kernels = self.platform.linear_kernels(self.model, self.dtype, self.config.weight_dtype)
+        kernels = self.kernels
         return self.state_cache.allocate(budget, self.device,
                                          kernels.c_kernels if self.dtype == torch.float32 else None,
                                          self.rank, triton=kernels.deltanet_triton)

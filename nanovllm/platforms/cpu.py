@@ -4,25 +4,16 @@ import logging
 import mmap
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
-from nanovllm.kernels import cpu_kernels
-from nanovllm.layers.backends import kv_formats
-from nanovllm.layers.quantization import LinearKernels
 from nanovllm.platforms.interface import Platform, triton_weight_only_asked
-from nanovllm.sample.sampler import RandomSample, inverse_cdf_sample
 from nanovllm.utils.cpu_info import available_ram_bytes
 from nanovllm.utils.cpu_memory import keep_freed_memory, release_freed_memory
 from nanovllm.utils.threads import wait_note
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from nanovllm.config import Config
 
 # The default KV budget: a safe share of free RAM (the model and activations need the rest).
 KV_RAM_SHARE = 0.25
@@ -56,6 +47,8 @@ class CpuPlatform(Platform):
     default_max_num_batched_tokens = 8192
     has_decode_graphs = False
     has_c_decode_step = True
+    # One uniform per row: drawing a random number per vocabulary entry is the sampler's main cost on CPU.
+    random_sample = "inverse_cdf"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -66,12 +59,12 @@ class CpuPlatform(Platform):
         # (eager bf16 RMSNorm is slow here).
         return False
 
-    def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...]]:
+    def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...] | None]:
         # Every format: the C attention converts each as it reads it, the torch path dequantizes.
         # "auto" is 16 bits: half fp32's bytes per token, which decode behind a long prompt reads
         # in full each step (docs/performance.md item 42: fp16 and bf16 decode alike; fp16 keeps
         # 3 more mantissa bits).
-        return AUTO_KV_FORMAT, kv_formats.NAMES
+        return AUTO_KV_FORMAT, None
 
     def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         # fp32 on every CPU: the fast CPU paths (oneDNN-packed weights, the C kernels) compute in
@@ -110,14 +103,14 @@ class CpuPlatform(Platform):
         if note:
             logger.info(note)
 
-    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
-                                      weight_dtype: torch.dtype | None = None) -> str:
-        described = super().process_weights_after_loading(model, dtype, weight_dtype)
+    def after_weights_processed(self) -> None:
         release_freed_memory()  # the loading's transient copies, kept by the raised trim threshold
-        return described
 
-    def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
-                       weight_dtype: torch.dtype | None = None) -> LinearKernels:
+    def wants_c_kernels(self, dtype: torch.dtype) -> bool:
+        return can_pack_weights(dtype)
+
+    def linear_kernel_options(self, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                              has_c_kernels: bool) -> dict:
         """Weights held once, in the form their kernel reads: dense fp32, or dense bf16 for bf16
         weights, read in place by the C kernels at every row count (docs/performance.md, item 35;
         an fp32 copy of bf16 weights for oneDNN would triple the bytes a user asked to halve).
@@ -126,15 +119,15 @@ class CpuPlatform(Platform):
         their input."""
         triton = triton_weight_only_asked()
         if not can_pack_weights(dtype):
-            return LinearKernels(transposed_when_wide=True, triton_weight_only=triton)
-        kernels = cpu_kernels.load()
-        if kernels is None:
-            return LinearKernels(onednn_packing=True, triton_weight_only=triton)
-        return LinearKernels(c_kernels=kernels, c_weight_dtype=torch.bfloat16 if weight_dtype == torch.bfloat16
-                             else torch.float32, triton_weight_only=triton)
+            return {"transposed_when_wide": True, "triton_weight_only": triton}
+        if not has_c_kernels:
+            return {"onednn_packing": True, "triton_weight_only": triton}
+        return {"c_weight_dtype": torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32,
+                "triton_weight_only": triton}
 
-    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
-        return config.cpu_kvcache_bytes
+    def kv_cache_budget_bytes(self, device: torch.device, warmup: Callable[[], None], cpu_kvcache_bytes: int | None,
+                              gpu_memory_utilization: float) -> int:
+        return cpu_kvcache_bytes
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                           prefault: bool = False) -> torch.Tensor:
@@ -156,9 +149,3 @@ class CpuPlatform(Platform):
         if prefault:  # a write per page (after the advice, so that the faults map huge pages)
             cache[:: mmap.PAGESIZE // dtype.itemsize].zero_()
         return cache.view(shape)
-
-    @property
-    def random_sample(self) -> RandomSample:
-        # One uniform per row: drawing a random number per vocabulary entry is the sampler's
-        # main cost on CPU.
-        return inverse_cdf_sample

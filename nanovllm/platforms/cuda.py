@@ -3,17 +3,10 @@ budget measured after a warm-up forward, captured decode graphs."""
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from nanovllm.layers.quantization import LinearKernels
 from nanovllm.platforms.interface import Platform
-from nanovllm.sample.sampler import RandomSample, exponential_race_sample
-
-if TYPE_CHECKING:
-    from nanovllm.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +18,7 @@ class CudaPlatform(Platform):
     default_max_num_batched_tokens = 16384  # nano-vLLM's, as vLLM's LLM class takes on large GPUs
     has_decode_graphs = True
     has_c_decode_step = False
+    random_sample = "exponential_race"  # one exponential per token: no host sync and fully parallel
 
     @classmethod
     def is_available(cls) -> bool:
@@ -77,14 +71,15 @@ class CudaPlatform(Platform):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
-                       weight_dtype: torch.dtype | None = None) -> LinearKernels:
+    def linear_kernel_options(self, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                              has_c_kernels: bool) -> dict:
         """Block-format and pre-quantized weights through the Triton weight-only kernels, dense
         experts through the Triton grouped kernel, linear-attention decode steps through the Triton
         delta-rule step (the `cuda` extra)."""
-        return LinearKernels(triton_weight_only=True, fused_moe_triton=True, deltanet_triton=True)
+        return {"triton_weight_only": True, "fused_moe_triton": True, "deltanet_triton": True}
 
-    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
+    def kv_cache_budget_bytes(self, device: torch.device, warmup: Callable[[], None], cpu_kvcache_bytes: int | None,
+                              gpu_memory_utilization: float) -> int:
         """gpu_memory_utilization of the device, less what is in use after warmup() and the
         activation peak warmup() measured."""
         warmup()
@@ -95,12 +90,7 @@ class CudaPlatform(Platform):
         used = total - free
         stats = torch.cuda.memory_stats(device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        budget = int(total * config.gpu_memory_utilization - used - peak + current)
+        budget = int(total * gpu_memory_utilization - used - peak + current)
         logger.info("KV cache budget %.2f GiB (device total %.2f GiB, used %.2f GiB, activation peak %.2f GiB)",
                     budget / 2**30, total / 2**30, used / 2**30, (peak - current) / 2**30)
         return budget
-
-    @property
-    def random_sample(self) -> RandomSample:
-        # One exponential per token: no host sync and fully parallel.
-        return exponential_race_sample

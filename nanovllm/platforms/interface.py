@@ -1,18 +1,12 @@
 """Platform: the interface every device class implements. Config picks one from Config.device
-(platforms.get_platform); ModelRunner, the TP workers and the sampler ask it instead of the device."""
+(platforms.get_platform); ModelRunner, the TP workers and the sampler ask it instead of the device.
+A near-leaf: it answers traits and device operations in plain values (torch and utils/ only); the
+rooms that act on them (the runner's kernels and step runners, the sampler's draw, the KV formats)
+map its answers to their own objects."""
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
-
-from nanovllm.layers.backends import kv_formats
-from nanovllm.layers.quantization import LinearKernels, process_weights_after_loading
-from nanovllm.sample.sampler import RandomSample
-
-if TYPE_CHECKING:
-    from nanovllm.config import Config
 
 
 # "1": the Triton weight-only kernels on a CPU too (under TRITON_INTERPRET=1: how the tests run them
@@ -37,6 +31,8 @@ class Platform:
     default_max_num_batched_tokens: int  # max_num_batched_tokens (the prefill chunk) when not given
     has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs (ModelRunner.build_step_runners)
     has_c_decode_step: bool   # whether the C decode step runs here (the host CPU's kernels, executor/cpu_decode.py)
+    # The sampler's draw of one token per row, by name (sample/sampler.py's RANDOM_SAMPLES).
+    random_sample: str
 
     @classmethod
     def is_available(cls) -> bool:
@@ -51,20 +47,12 @@ class Platform:
         """Config.compile_ops when not given."""
         return False
 
-    def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...]]:
-        """(what kv_cache_dtype="auto" means, the kv_cache_dtype names this device runs) for the
-        compute dtype: by default the cache holds the activations' dtype and nothing else."""
-        name = kv_formats.DTYPE_NAMES[compute_dtype]
+    def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...] | None]:
+        """(what kv_cache_dtype="auto" means, the kv_cache_dtype names this device runs, None: every
+        one the engine has) for the compute dtype: by default the cache holds the activations'
+        dtype and nothing else (layers/backends/kv_formats.py resolves the name against these)."""
+        name = str(compute_dtype).removeprefix("torch.")
         return name, ("auto", name)
-
-    def kv_cache_format(self, name: str, compute_dtype: torch.dtype) -> "kv_formats.KVFormat":
-        """The KV storage format of Config.kv_cache_dtype; ValueError naming the ones this device runs."""
-        kv_formats.check_name(name)
-        auto, names = self.kv_cache_formats(compute_dtype)
-        if name not in names:
-            raise ValueError(f"kv_cache_dtype={name!r} cannot run on {self.device_name} with {compute_dtype} "
-                             f"activations; it runs {list(names)}")
-        return kv_formats.kv_format(auto if name == "auto" else name)
 
     def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The compute dtype for dtype="auto", given the checkpoint's."""
@@ -114,21 +102,26 @@ class Platform:
         """Start a fresh peak-memory measurement (see kv_cache_budget_bytes)."""
 
     # ---- model and KV cache ------------------------------------------------------------------
-    def linear_kernels(self, model: nn.Module, dtype: torch.dtype,
-                       weight_dtype: torch.dtype | None = None) -> LinearKernels:
-        """The kernels the layers' methods may use on this machine (dtype: the model's;
-        weight_dtype: how dense weights are to be held, Config.weight_dtype)."""
-        return LinearKernels(triton_weight_only=triton_weight_only_asked())
+    def wants_c_kernels(self, dtype: torch.dtype) -> bool:
+        """Whether the layers here use the host CPU's C kernels (kernels/cpu_kernels.py) for a
+        model of activations dtype, where they build."""
+        return False
 
-    def process_weights_after_loading(self, model: nn.Module, dtype: torch.dtype,
-                                      weight_dtype: torch.dtype | None = None) -> str:
-        """Every layer's method turns its loaded weights into the form it multiplies from, with
-        the kernels of linear_kernels; returns how the linear layers multiply (for the log)."""
-        return process_weights_after_loading(model, self.linear_kernels(model, dtype, weight_dtype))
+    def linear_kernel_options(self, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                              has_c_kernels: bool) -> dict:
+        """The kernels the layers' methods may use on this machine, as layers/quantization's
+        LinearKernels fields by name (dtype: the model's; weight_dtype: how dense weights are to
+        be held, Config.weight_dtype; has_c_kernels: the C kernels built, where wants_c_kernels)."""
+        return {"triton_weight_only": triton_weight_only_asked()}
 
-    def kv_cache_budget_bytes(self, config: "Config", device: torch.device, warmup: Callable[[], None]) -> int:
-        """Bytes this rank may give the KV cache. warmup() runs the largest forward without a cache,
-        for platforms that measure what the activations need."""
+    def after_weights_processed(self) -> None:
+        """Once every layer holds its weights in the form it multiplies from (the loading's
+        transient copies can go)."""
+
+    def kv_cache_budget_bytes(self, device: torch.device, warmup: Callable[[], None], cpu_kvcache_bytes: int | None,
+                              gpu_memory_utilization: float) -> int:
+        """Bytes this rank may give the KV cache (Config's settings of both kinds given). warmup()
+        runs the largest forward without a cache, for platforms that measure what the activations need."""
         raise NotImplementedError
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -137,10 +130,3 @@ class Platform:
         NOTE: zeros, not garbage: attention reads (masked) unwritten slots, and a NaN there would
         poison the masked-out product."""
         return torch.zeros(shape, dtype=dtype, device=device)
-
-    # ---- sampling ----------------------------------------------------------------------------
-    @property
-    def random_sample(self) -> RandomSample:
-        """The sampler's draw of one token per row (a function of sample/sampler.py)."""
-        raise NotImplementedError
-

@@ -3,7 +3,8 @@
 ModelRunner calls it with a SamplingMetadata (sample/sampling_metadata.py). Order, as in vLLM:
 raw logprobs, grammar mask (structured outputs), min_tokens mask, penalties, greedy argmax; then
 temperature, min_p, top_k, top_p and one exact draw from the result, with the draw function the
-platform picks (platform.random_sample): an exponential race (Gumbel-max) or inverse-CDF.
+platform names (platform.random_sample, a key of RANDOM_SAMPLES): an exponential race
+(Gumbel-max) or inverse-CDF.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,6 +194,11 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
     local_target = torch.minimum(fraction * local_total, torch.nextafter(local_total, torch.zeros_like(local_total)))
     return (chunk * CDF_CHUNK + torch.searchsorted(local_cdf, local_target, right=True)).squeeze(1)
 
+
+
+# The draws by the names platforms give them (Platform.random_sample).
+RANDOM_SAMPLES: dict[str, RandomSample] = {"exponential_race": exponential_race_sample,
+                                           "inverse_cdf": inverse_cdf_sample}
 
 class Sampler(nn.Module):
     """random_sample: the draw function (the platform's, see platforms/); generator: the engine's

@@ -6,6 +6,7 @@ import torch
 
 from helpers import check_tokens_close, hf_greedy
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.backends import kv_formats
 from nanovllm.layers.backends.kv_formats import KV_FORMATS
 from nanovllm.platforms.cuda import CudaPlatform
 from prompt_sets import prompts_with_shared_prefix
@@ -107,11 +108,11 @@ def test_bad_values_are_clear_errors(qwen3_gqa, qwen3_bias_tied):
         LLM(qwen3_bias_tied, kv_cache_dtype="int8")
     # CUDA runs the activations' dtype (what flash-attn and the Triton kernels read) and fp8 (Triton)
     cuda = CudaPlatform()
-    assert cuda.kv_cache_format("auto", torch.bfloat16).name == "bfloat16"
-    assert cuda.kv_cache_format("fp8", torch.bfloat16).name == "fp8_e4m3"
-    assert cuda.kv_cache_format("fp8_e5m2", torch.float16).name == "fp8_e5m2"
+    assert kv_formats.resolve("auto", torch.bfloat16, cuda).name == "bfloat16"
+    assert kv_formats.resolve("fp8", torch.bfloat16, cuda).name == "fp8_e4m3"
+    assert kv_formats.resolve("fp8_e5m2", torch.float16, cuda).name == "fp8_e5m2"
     with pytest.raises(ValueError, match=r"cannot run on cuda .* it runs \['auto', 'bfloat16', 'fp8', "):
-        cuda.kv_cache_format("int8", torch.bfloat16)
+        kv_formats.resolve("int8", torch.bfloat16, cuda)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.quantization import UnquantizedLinearMethod
 from nanovllm.platforms import CpuPlatform, CudaPlatform, get_platform
 from nanovllm.platforms import cpu as cpu_platform
-from nanovllm.sample.sampler import exponential_race_sample, inverse_cdf_sample
+from nanovllm.executor.model_runner import linear_kernels, process_weights
+from nanovllm.sample.sampler import RANDOM_SAMPLES, exponential_race_sample, inverse_cdf_sample
 
 
 # ---- choosing a platform ----------------------------------------------------------------------
@@ -49,7 +50,7 @@ def test_cpu_platform_decisions(qwen3_gqa):
     assert (p.device_name, p.dist_backend, p.default_block_size, p.has_decode_graphs) == ("cpu", "gloo", 16, False)
     assert p.device_of_rank(0) == p.device_of_rank(3) == torch.device("cpu")
     assert p.default_compile_ops(enforce_eager=False) is False
-    assert p.random_sample is inverse_cdf_sample
+    assert RANDOM_SAMPLES[p.random_sample] is inverse_cdf_sample
     t = torch.arange(4)
     assert p.to_device(t, torch.device("cpu")) is t  # no copy on the host
     config = Config(qwen3_gqa, device="cpu", cpu_kvcache_bytes=12345)
@@ -58,7 +59,8 @@ def test_cpu_platform_decisions(qwen3_gqa):
     assert Config(qwen3_gqa, device="cpu", max_num_batched_tokens=300).max_num_batched_tokens == 300
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Config(qwen3_gqa, device="cpu", max_num_batched_tokens=0)
-    budget = p.kv_cache_budget_bytes(config, torch.device("cpu"), warmup=lambda: pytest.fail("no warm-up on CPU"))
+    budget = p.kv_cache_budget_bytes(torch.device("cpu"), lambda: pytest.fail("no warm-up on CPU"),
+                                     config.cpu_kvcache_bytes, config.gpu_memory_utilization)
     assert budget == 12345
 
 
@@ -166,7 +168,7 @@ def test_cuda_platform_decisions(monkeypatch):
     assert p.device_of_rank(0) == torch.device("cuda", 0) and p.device_of_rank(3) == torch.device("cuda", 3)
     assert p.default_compile_ops(enforce_eager=False) is True
     assert p.default_compile_ops(enforce_eager=True) is False
-    assert p.random_sample is exponential_race_sample
+    assert RANDOM_SAMPLES[p.random_sample] is exponential_race_sample
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert p.resolve_auto_dtype(dtype) == dtype  # the checkpoint's
     assert p.default_kvcache_bytes(1) is None  # measured after the warm-up instead
@@ -205,7 +207,8 @@ def test_cpu_weight_processing_matches_f_linear(dtype):
     layers = {"qkv": model.qkv, "down": model.down, "head": model.head}
     assert all(type(m.quant_method) is UnquantizedLinearMethod and m.quant_method.kernel == "dense"
                for m in layers.values())
-    described = CpuPlatform().process_weights_after_loading(model, dtype)
+    platform = CpuPlatform()
+    described = process_weights(model, platform, linear_kernels(platform, dtype))
     if dtype == torch.float32 and cpu_platform.can_pack_weights(dtype):
         # held once, dense: the C kernel wherever the kernels build (oneDNN-packed where they do not)
         kernel = "c" if cpu_kernels.load() is not None else "packed"

@@ -1,4 +1,5 @@
-"""The code's shape, checked from its source: no import circle (deferred imports count); device questions only in the platform, the attention backends and the kernels; the
+"""The code's shape, checked from its source: no import circle (deferred and TYPE_CHECKING imports
+count); the platforms a near-leaf and config.py free of them; device questions only in the platform, the attention backends and the kernels; the
 weight formats never import model code; no assertion in the tests whose condition hides in its
 message (`assert ok, text and other_check` never evaluates other_check)."""
 import ast
@@ -15,15 +16,12 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The package modules path imports anywhere (functions' deferred imports included), except
-    under `if TYPE_CHECKING:`, resolved to the longest known module name."""
+    """The package modules path imports anywhere (functions' deferred imports and those under
+    `if TYPE_CHECKING:` included: a circle a type hint hides is still a circle), resolved to the
+    longest known module name."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -270,3 +268,14 @@ def test_each_c_description_is_registered_where_its_class_is_defined():
     from nanovllm.layers.c_description import REGISTERED_IN
     assert len(REGISTERED_IN) >= 10
     assert {cls.__name__: where for cls, where in REGISTERED_IN.items() if where != cls.__module__} == {}
+
+
+def test_the_platforms_are_a_near_leaf_and_config_does_not_import_them():
+    """A platform answers traits in plain values (torch and utils/ only): the rooms that act on them
+    map its answers to their objects. config.py resolves it through EngineArgs.device_platform."""
+    graph = import_graph()
+    for module, deps in graph.items():
+        if module.startswith("nanovllm.platforms"):
+            outside = sorted(d for d in deps if not d.startswith(("nanovllm.platforms", "nanovllm.utils")))
+            assert outside == [], module
+    assert not any(d.startswith("nanovllm.platforms") for d in graph["nanovllm.config"])

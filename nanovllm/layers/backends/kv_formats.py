@@ -116,7 +116,6 @@ KV_FORMATS = {f.name: f for f in (
 )}
 ALIASES = {"fp8": "fp8_e4m3"}
 NAMES = ("auto", *KV_FORMATS, *ALIASES)
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def kv_format(name: str) -> KVFormat:
@@ -127,3 +126,15 @@ def kv_format(name: str) -> KVFormat:
 def check_name(name) -> None:
     if not isinstance(name, str) or name not in NAMES:
         raise ValueError(f"kv_cache_dtype must be one of {list(NAMES)}, got {name!r}")
+
+
+def resolve(name: str, compute_dtype: torch.dtype, platform) -> KVFormat:
+    """The KV storage format of Config.kv_cache_dtype on a platform (its kv_cache_formats: what
+    "auto" means there and the names it runs); ValueError naming the ones it runs."""
+    check_name(name)
+    auto, names = platform.kv_cache_formats(compute_dtype)
+    names = NAMES if names is None else names
+    if name not in names:
+        raise ValueError(f"kv_cache_dtype={name!r} cannot run on {platform.device_name} with {compute_dtype} "
+                         f"activations; it runs {list(names)}")
+    return kv_format(auto if name == "auto" else name)
