@@ -4,7 +4,7 @@
  * paged_decode_attention: one query token per sequence (attend_item, which the C decode step calls
  *   too). Prefill over int8 caches is cpu_prefill_attention.c (integer multiply-adds); over the other
  *   formats it stays torch's SDPA over the values as stored (layers/backends/torch_backend.py): a
- *   flash-style fp32 C kernel over the paged cache ran 2-3x slower (docs/performance.md item 42).
+ *   flash-style fp32 C kernel over the paged cache ran 2-3x slower (docs/performance.md, "Prefill attention").
  *
  * Cached rows are converted to fp32 as they are read (8 values at a time, from registers: no fp32
  * copy of the cache is made); scores, softmax and outputs are fp32. The kernel is one function
@@ -57,7 +57,7 @@ static inline vf reduce8(const vf a[8]) {
  * (a query head's dot products, a KV head's values): the hardware prefetcher follows the 8 rows a
  * chunk reads side by side poorly, and a burst of a whole chunk's lines (100+) stalls the core on
  * its miss buffers. From memory (contexts past the last-level cache) this doubled the rate a core
- * reads the cache at (docs/performance.md, item 48). */
+ * reads the cache at (docs/performance.md, "Decode attention from memory"). */
 #define PREFETCH_TOKENS 32
 
 /* The item's part of the rows of (up to) 8 tokens: `bytes` at `first`, one token every `stride`. */
@@ -234,7 +234,7 @@ static inline __attribute__((always_inline)) void accumulate_group(const int typ
 /* Whether a KV head's rows are converted to fp32 once for all the query heads of its group: for the
  * fp8 formats, whose conversion costs more than storing and rereading fp32 rows from L1 (measured on
  * q8_0 before it got the integer path below: 3.3 -> 1.5 ms per layer at 8192 tokens); f16 and bf16
- * convert in one or two instructions, and the detour made them slower (docs/performance.md item 42). */
+ * convert in one or two instructions, and the detour made them slower (docs/performance.md, "A 16-bit KV cache by default"). */
 static inline int converts_once(const int type, int64_t group, int64_t head_dim) {
     return (type == KV_E4M3 || type == KV_E5M2) && group > 1 && head_dim <= KV_TILE_DIM;
 }

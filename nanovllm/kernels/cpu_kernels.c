@@ -52,15 +52,15 @@ static void widen_bf16(const uint16_t *src, int64_t n, float *dst) { widen_bf16_
  * registers hold a 2 x 4 tile's 8 sums, 2 weight vectors and an input vector; AVX-512's 32 (8-lane
  * vectors) a 4 x 4 tile's. The next tile's rows (wn) are prefetched a cache line per line read:
  * otherwise a tile's memory reads and its FMAs take turns rather than overlapping
- * (docs/performance.md). GCC vector types of VL lanes, so one source serves AVX2 and AVX-512
+ * (docs/performance.md, "The dense C tiles"). GCC vector types of VL lanes, so one source serves AVX2 and AVX-512
  * (-march=native). */
 
 #define IDENTITY(v) (v)
 
 /* Tile shapes by input rows. At one row the tile is one weight row wide: each thread then reads its
- * rows as one forward stream, prefetched into L1 (docs/performance.md item 36). From 2 rows it is
+ * rows as one forward stream, prefetched into L1 (docs/performance.md, "The dense C tiles"). From 2 rows it is
  * TILE_W wide and the next tile is prefetched into L2 only: prefetched into L1, TILE_W streams took
- * the L1 fill buffers and evicted the input rows (item 38). Up to STREAM_ROWS the tile takes all the rows in
+ * the L1 fill buffers and evicted the input rows. Up to STREAM_ROWS the tile takes all the rows in
  * one pass; from WIDE_ROWS on it takes them PASS_ROWS at a time in WIDE_W weight rows: fewer passes
  * over each tile, so fewer of a tile's FMAs wait for DRAM in its first pass while the later ones run
  * from L1. AVX-512's 32 registers hold 3 x 8 sums (AVX2's 16: 3 x 4, with 3 weight vectors and an
@@ -161,7 +161,7 @@ static inline const void *row_of(const Linear *m, int64_t r) { return (const cha
  * AVX-512: 8 x 2 zmm accumulators of 16 lanes; AVX2: 6 x 2 ymm (of 16 registers). More weight rows
  * spill their row pointers from the 16 general registers (12 rows: four stack loads per k). Below
  * GEMM_MIN_ROWS (one panel) the padded panel wastes more than the tiles lose. Measured against
- * oneDNN and MKL in docs/performance.md, item 35. */
+ * oneDNN and MKL in docs/performance.md, "Weights held once". */
 #if ISA_AVX512F
 #define GL 16
 #define GEMM_MR 8

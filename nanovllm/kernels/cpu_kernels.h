@@ -227,7 +227,7 @@ typedef struct {
 
 /* ---- GCC vector types of VL lanes: one source serves AVX2 and AVX-512 (-march=native) ---------
  * 8 lanes (256 bits) even with AVX-512: 16-lane vectors streamed one weight row slower
- * (docs/performance.md). */
+ * (docs/performance.md, "The dense C tiles"). */
 #define VL 8
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef float vf_u __attribute__((vector_size(4 * VL), aligned(4), may_alias)); /* unaligned access */

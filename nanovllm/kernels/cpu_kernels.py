@@ -5,7 +5,8 @@ Llama-family model (cpu_decode.c, driven by executor/cpu_decode.py). The structu
 out are declared here and in cpu_kernels.h; load() checks the library's ABI version and their sizes.
 
 Without a C compiler, or when the build fails, or with NANOVLLM_CPU_KERNEL=0, load() returns None
-and the callers keep their torch paths (same results; slower, see docs/performance.md).
+and the callers keep their torch paths (same results, slower:
+docs/performance.md, "Cliffs: what turns a fast path off").
 """
 import ctypes
 import hashlib
@@ -101,10 +102,10 @@ def compile_seconds() -> float:
 
 # The one-call decode step's batch limit where some layer's weights are read by torch (a layer or
 # format without a C view): up to here its dispatch costs more than the other layers' per-layer
-# path saves (docs/performance.md, items 16 and 32).
+# path saves (docs/performance.md, "The C decode step").
 MAX_ROWS = 16
 # Methods whose weights only the C kernels read (block formats, dense fp32 / bf16): every row count
-# (dense: kernels/cpu_kernels.c, gemm_rows from GEMM_MIN_ROWS rows; docs/performance.md, item 35).
+# (dense: kernels/cpu_kernels.c, gemm_rows from GEMM_MIN_ROWS rows; docs/performance.md, "Weights held once").
 ALL_ROWS = 1 << 30
 
 c_int64, c_float, c_void_p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p

@@ -35,7 +35,7 @@
 #define Q8_0_X16 (QUANT_SIMD && !QUANT_VNNI)
 /* 512-bit vpdpbusd: the interleaved 32-weight formats multiply two 8-row groups at once (one row per
  * 32-bit lane of a zmm register), half the instructions per product of the 256-bit kernel, for
- * less than twice a ymm vpdpbusd's cost (docs/performance.md) */
+ * less than twice a ymm vpdpbusd's cost (docs/performance.md, "Block formats in C") */
 #define QUANT_VNNI512 (QUANT_VNNI && ISA_AVX512VNNI && ISA_AVX512BW)
 
 #define QROWS 4 /* input rows multiplied per pass over a weight row */
@@ -65,7 +65,7 @@ float nanovllm_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
  * (uniform rounding error); the group is quiet when that is <= 1e-4 sum(x^2), i.e. its peak-to-rms
  * ratio is <= 4.4 (a group of gaussian values: ~2.5; a group holding an outlier channel: up to
  * sqrt(group)). On the default model 14% of the groups take two planes, and its perplexity and
- * answers are the two planes' (docs/performance.md item 34); the interleaved kernels skip the low
+ * answers are the two planes' (docs/performance.md, "Input rounding"); the interleaved kernels skip the low
  * plane's products of the other groups. */
 #define PLANES_AUTO 0
 #define QUIET_RATIO2 (12.0f * 127.0f * 127.0f * 1e-4f) /* max|x|^2 group / sum(x^2) at the 40 dB floor */
@@ -499,7 +499,7 @@ void to_f32_q6_k(const Linear *m, int64_t r, float *out) {
  *          at bits 2c. A sub-block's bytes are adjacent, so the kernels read the super-block in
  *          one forward stream: with the high bits in a region of their own after the low bits
  *          (two streams, restarting every super-block), Q6_K rows streamed from memory at half
- *          Q4_0's and Q8_0's rate (docs/performance.md). */
+ *          Q4_0's and Q8_0's rate (docs/performance.md, "Block formats in C"). */
 #define Q4K_X8 (IL * 144)
 #define Q6K_X8 (IL * 210)
 
@@ -626,11 +626,11 @@ void to_f32_e4m3(const Linear *m, int64_t r, float *out) {
  * X16_MIN_ROWS: a pair is read as two forward streams, which a Zen 4 core (zmm as two 256-bit
  * halves) fetches from memory slower than one group's single stream; at a few rows, bound by
  * those bytes, single groups win, and from 8 rows on the pairs' arithmetic does
- * (docs/performance.md item 36). */
+ * (docs/performance.md, "Block formats in C"). */
 #define X16_MIN_ROWS 8
 /* Input rows per pass over the weights: their quantized bytes within ROW_BLOCK_BYTES (of L2), so that
  * a long prefill reads them from L2 for every weight group, where all of 8192 rows' (8-25 MB) came
- * from memory each time; the weights are read once per block instead (docs/performance.md, item 49). */
+ * from memory each time; the weights are read once per block instead (docs/performance.md, "Block formats in C"). */
 #define ROW_BLOCK_BYTES (256 * 1024)
 #define ROW_BLOCK_MIN 128 /* up to here the rows stay one block (a short prompt: its weights read once) */
 static inline int64_t row_block(const QuantRows *q, int64_t rows, int failed) {

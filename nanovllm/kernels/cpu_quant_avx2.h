@@ -286,12 +286,12 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
  * products come after the blocks, for the blocks loud in any of the NB rows (a quiet row's low
  * plane there is zeros): no branch in the block loop, and the unpacked units of a block serve all
  * NB rows in both passes (an outlier channel makes the same groups loud in most rows).
- * performance.md item 37. */
+ * docs/performance.md, "Block formats in C". */
 /* How far ahead of the block being multiplied the interleaved kernels ask for the weights
  * (software prefetch): at one row a matrix of a few hundred KB (an expert's) is read in less time
  * than the hardware prefetchers take to ramp up; 4 KB ahead took the experts kernel at one row from
  * 13 to 18-19 GB/s on a 2-core AVX2 machine, and the non-temporal hint (the weights are read once
- * per step) to 22-24 GB/s (docs/performance.md item 46). */
+ * per step) to 22-24 GB/s (docs/performance.md, "Block formats in C"). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -532,7 +532,7 @@ static inline __attribute__((always_inline)) int loud_rows(const InputRows *in, 
  * 6-bit scale in integers (vpmaddwd by the lane's scale). Sub-block j = 2m + h: nibble h of units
  * 8m .. 8m + 7. From 3 rows one sub-block at a time, so that only the NB rows' int16 sums stay in
  * registers beside the unit (both sub-blocks' 2 NB sums at once made GCC keep two on the stack, each
- * unit's adds then waiting on a store and a load; docs/performance.md items 50 and 51); at 1-2 rows
+ * unit's adds then waiting on a store and a load; docs/performance.md, "Block formats in C"); at 1-2 rows
  * both from one load of the unit, unrolled by 4 (one sub-block at a time, or unrolled by 8, was 5-10%
  * slower at 2 rows). Int16 pair sums: 8 x 2 x 15 x 127 = 30,480 at most. */
 static inline __attribute__((always_inline)) void q4k_plane_x8(const uint8_t *units, const uint8_t sc[64], const int8_t *const x[QROWS],
@@ -604,7 +604,7 @@ static inline __attribute__((always_inline)) void dot_q4_kx8_madd(const uint8_t 
         /* the mins: sum over sub-blocks j of mn[j] (per row) times the input's sum over j's values
          * (fp32, kept by quantize_rows: a scalar conversion each here cost 5-10% of the kernel), the
          * mins converted once for all NB rows (in integers from the input planes' sums: level or 3-5%
-         * slower, docs/performance.md item 51) */
+         * slower, docs/performance.md, "Block formats in C") */
         __m256 mnf[8];
         for (int j = 0; j < 8; j++) mnf[j] = _mm256_cvtepi32_ps(lanes_u8(mn + 8 * j));
         for (int b = 0; b < NB; b++) {

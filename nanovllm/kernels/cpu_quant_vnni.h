@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void block_units_x8(Fmt32 f, const 
 static inline __attribute__((always_inline)) void dot_q4_kx8(const uint8_t *grp, const QuantRows *q, int64_t b0,
                                                             const int NB, const int P, float out[QROWS][IL]) {
     /* at 1-2 rows (decode) the vpmaddubsw kernel, its sub-blocks scaled in integers, is ~13% faster
-     * here than this one's conversion per sub-block and row (docs/performance.md item 51) */
+     * here than this one's conversion per sub-block and row (docs/performance.md, "Block formats in C") */
     if (NB <= 2) {
         dot_q4_kx8_madd(grp, q, b0, NB, P, out);
         return;

@@ -28,8 +28,8 @@ def threads_per_rank(tp_size: int) -> int:
 
 def can_pack_weights(dtype: torch.dtype) -> bool:
     """Whether linear weights can be held in oneDNN's packed layout: fp32 with oneDNN in this torch
-    (faster than MKL at every batch size measured, docs/performance.md). bf16 stays on MKL (packed
-    bf16 was not measured; `auto` picks fp32 on CPUs, item 15)."""
+    (faster than MKL at every batch size measured, docs/performance.md, "oneDNN packing"). bf16 stays
+    on MKL (packed bf16 was not measured; `auto` picks fp32 on CPUs, "fp32 activations on a CPU")."""
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
@@ -42,7 +42,7 @@ class CpuPlatform(Platform):
     default_block_size = 16  # small blocks share prefixes better
     # vLLM's LLM-class default outside large GPUs: a long prompt's chunks keep their fp32 activations
     # near the cores (at 32768 tokens, chunks of 16384 prefilled 7% slower than chunks of 4096 and
-    # peaked 1.5 GiB higher; one chunk of 32768, 3.7 GiB higher: docs/performance.md item 53), while
+    # peaked 1.5 GiB higher; one chunk of 32768, 3.7 GiB higher: docs/performance.md, "The prefill chunk"), while
     # bench.py's batches of short prompts ran alike at 2048-16384 (its early "tried and not kept")
     default_max_num_batched_tokens = 8192
     has_decode_graphs = False
@@ -62,22 +62,22 @@ class CpuPlatform(Platform):
     def kv_cache_formats(self, compute_dtype: torch.dtype) -> tuple[str, tuple[str, ...] | None]:
         # Every format: the C attention converts each as it reads it, the torch path dequantizes.
         # "auto" is 16 bits: half fp32's bytes per token, which decode behind a long prompt reads
-        # in full each step (docs/performance.md item 42: fp16 and bf16 decode alike; fp16 keeps
+        # in full each step (docs/performance.md, "A 16-bit KV cache by default": fp16 and bf16 decode alike; fp16 keeps
         # 3 more mantissa bits).
         return AUTO_KV_FORMAT, None
 
     def resolve_auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         # fp32 on every CPU: the fast CPU paths (oneDNN-packed weights, the C kernels) compute in
         # fp32, and bf16 compute ran slower end to end even on a CPU with AVX512-BF16
-        # (docs/performance.md, items 1 and 15); fp16 matmuls are slow on any CPU. A 16-bit
+        # (docs/performance.md, "fp32 activations on a CPU"); fp16 matmuls are slow on any CPU. A 16-bit
         # checkpoint is upcast once at load. dtype="bfloat16" asks for bf16 weights under fp32
-        # activations (compute_dtype, item 18).
+        # activations (compute_dtype).
         return torch.float32
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # bf16 on CPU means bf16 weights (weight_dtype) under fp32 activations and KV cache, as
         # llama.cpp runs its F16 files: the bf16 matmuls and the torch attention they would need
-        # ran 2.5x slower than fp32 here (docs/performance.md, items 15 and 18).
+        # ran 2.5x slower than fp32 here (docs/performance.md, "fp32 activations on a CPU").
         return torch.float32 if dtype == torch.bfloat16 else dtype
 
     def default_kvcache_bytes(self, tensor_parallel_size: int) -> int | None:
@@ -112,7 +112,7 @@ class CpuPlatform(Platform):
     def linear_kernel_options(self, dtype: torch.dtype, weight_dtype: torch.dtype | None,
                               has_c_kernels: bool) -> dict:
         """Weights held once, in the form their kernel reads: dense fp32, or dense bf16 for bf16
-        weights, read in place by the C kernels at every row count (docs/performance.md, item 35;
+        weights, read in place by the C kernels at every row count (docs/performance.md, "Weights held once";
         an fp32 copy of bf16 weights for oneDNN would triple the bytes a user asked to halve).
         Without the C kernels: oneDNN packing (bf16 weights then stay fp32, the same values).
         Otherwise MKL, in the transposed orientation for layers whose output is at least as wide as
@@ -135,7 +135,7 @@ class CpuPlatform(Platform):
         multi-GB cache costs nothing at start-up. Transparent huge pages asked for (MADV_HUGEPAGE,
         where the OS offers them): decode attention streams the cache from memory, and with 4 KiB
         pages the hardware prefetcher stops at every page's end and every page needs its own TLB
-        entry (2 MiB pages: decode attention at 32k tokens 1.2x faster; docs/performance.md, item 48).
+        entry (2 MiB pages: decode attention at 32k tokens 1.2x faster; docs/performance.md, "The KV cache's memory").
         prefault: every page mapped (and zeroed) now, so no KV write of a step waits for a fresh page.
         The tensor keeps the mapping alive."""
         nbytes = int(np.prod(shape)) * dtype.itemsize

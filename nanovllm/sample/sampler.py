@@ -164,7 +164,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
                        generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row by inverting the cumulative distribution with one uniform per row: the CPU
     path, where drawing a random number per vocabulary entry is the sampler's main cost
-    (docs/performance.md, items 4 and 11). Seeded rows use their own generator, the others
+    (docs/performance.md, "The sampler's draw"). Seeded rows use their own generator, the others
     `generator` (None: torch's default one).
 
     Two levels, so no cumsum runs over the whole vocabulary (slow at large vocabularies): chunk

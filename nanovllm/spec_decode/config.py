@@ -16,7 +16,7 @@ METHODS = ("ngram", "draft_model")
 NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # Decode batches of this many sequences or more get no proposals. Measured on 2 AVX2 cores
-# (docs/performance.md): verification rows cost little next to one row while the step reads its
+# (docs/performance.md, "Speculation's cost model"): verification rows cost little next to one row while the step reads its
 # weights once for few rows; at 16 and more rows the matmuls are compute-bound, and a rejected
 # proposal then costs about as much as the token it replaces.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16

@@ -2,7 +2,7 @@
 
 By default glibc serves every allocation above 128 KiB-32 MiB with a fresh mmap and unmaps it on
 free, so each prefill activation or logits tensor is page-faulted in again, page by page; in this
-VM that made an allocation-heavy loop 5x slower, and prefill ~10% slower (docs/performance.md).
+VM that made an allocation-heavy loop 5x slower, and prefill ~10% slower (docs/performance.md, "glibc keeps freed memory").
 ModelRunner calls keep_freed_memory() once when it runs on the CPU.
 """
 import ctypes

@@ -7,7 +7,7 @@ process on the cores the spinning threads take the time the working ones need (3
 idle, 13.8 s beside a second engine). OMP_WAIT_POLICY=PASSIVE (sleep at once) holds up under load
 (1.58 s) but costs ~20% idle (1.09 s). A short spin, GOMP_SPINCOUNT=3000, holds both: 1.01 s idle,
 1.88 s beside a second engine, as PASSIVE beside a busy loop per core (scripts/bench_threads.py;
-docs/performance.md, item 28).
+docs/performance.md, "OpenMP threads").
 A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is left as it is.
 """
 import os

@@ -75,7 +75,7 @@ def test_cpu_kv_budget_is_a_capped_share_of_free_ram_per_rank(monkeypatch):
 @pytest.mark.parametrize("flags", ["flags\t\t: fpu avx2 avx512_bf16\n", "flags\t\t: fpu amx_bf16 amx_tile\n",
                                    "flags\t\t: fpu avx2 fma\n", ""])
 def test_cpu_auto_dtype_is_fp32_whatever_the_cpu(monkeypatch, flags):
-    # Measured: bf16 slower than fp32 end to end even with AVX512-BF16 (docs/performance.md item 15).
+    # Measured: bf16 slower than fp32 end to end even with AVX512-BF16 (docs/performance.md, "fp32 activations on a CPU").
     monkeypatch.setattr("nanovllm.utils.cpu_info.cpu_flags_line", lambda: flags)
     p = CpuPlatform()
     for checkpoint_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -153,7 +153,7 @@ def test_cpu_kv_cache_prefault_maps_every_page_up_front(dtype):
                     reason="no transparent huge pages for madvised memory here")
 def test_cpu_kv_cache_is_held_in_huge_pages():
     """The cache asks for 2 MiB pages: a 64 MiB cache, written, adds AnonHugePages to the process
-    (decode attention streams it; docs/performance.md item 48)."""
+    (decode attention streams it; docs/performance.md, "The KV cache's memory")."""
     before = anon_huge_kib()
     cache = CpuPlatform().allocate_kv_cache((32, 2**20), torch.float16, torch.device("cpu"), prefault=True)
     assert anon_huge_kib() - before >= 16 * 1024, "no huge pages behind the KV cache"

@@ -279,3 +279,35 @@ def test_the_platforms_are_a_near_leaf_and_config_does_not_import_them():
             outside = sorted(d for d in deps if not d.startswith(("nanovllm.platforms", "nanovllm.utils")))
             assert outside == [], module
     assert not any(d.startswith("nanovllm.platforms") for d in graph["nanovllm.config"])
+
+
+def performance_citations(text: str) -> tuple[list[str], list[str]]:
+    """(the names cited as docs/performance.md, "Name" or ("Name"), the diary-item citations)."""
+    names = re.findall(r'performance\.md,? \(?"([^"]+)"', text)
+    items = re.findall(r"performance\.md[^\n]{0,24}?\bitems? \d+", text)
+    return names, items
+
+
+def test_code_and_docs_cite_the_performance_guide_by_its_decisions_names():
+    """docs/performance.md is a guide of at most 600 lines; what cites it names one of its headings
+    (stable names), never an item number of the diary it replaced."""
+    guide = (ROOT / "docs" / "performance.md").read_text()
+    assert len(guide.splitlines()) <= 600
+    headings = set(re.findall(r"^#+ (.+)$", guide, re.M))
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".c", ".h", ".md", ".sh")
+             and not any(part.startswith(".") or part in ("build", "node_modules") for part in p.relative_to(ROOT).parts)]
+    unknown, items = {}, {}
+    for path in files:
+        names, cited_items = performance_citations(path.read_text(errors="replace"))
+        if path.name == "test_structure.py":
+            continue
+        if set(names) - headings:
+            unknown[str(path.relative_to(ROOT))] = sorted(set(names) - headings)
+        if cited_items:
+            items[str(path.relative_to(ROOT))] = cited_items
+    assert unknown == {} and items == {}
+
+
+def test_the_citation_finder_finds_both_kinds():
+    text = 'see docs/performance.md, "The C decode step"; (docs/performance.md item 42) and performance.md ("X")'
+    assert performance_citations(text) == (["The C decode step", "X"], ["performance.md item 42"])

@@ -15,7 +15,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, f
     """The first num_tokens cached rows of one sequence as values: [num_tokens, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
-    # index_select copies whole blocks; advanced indexing builds an index per element (docs/performance.md item 2).
+    # index_select copies whole blocks; advanced indexing builds an index per element (docs/performance.md, "KV gather by blocks").
     rows = select_blocks(cache, block_table[:num_blocks])  # [num_blocks, block_size, num_kv_heads, row]
     return stored_values(rows.flatten(0, 1)[:num_tokens], fmt, dtype)
 
@@ -67,7 +67,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
          is_causal: bool, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D], grouped-query aware.
     NOTE: 4-D inputs (a batch of one): with 3-D ones torch takes its unfused math path on CPU
-    (docs/performance.md item 9)."""
+    (docs/performance.md, "SDPA with 4-D inputs")."""
     if softcap is not None or sinks is not None:
         if is_causal:
             mask = causal_mask(q.shape[0], k.shape[0], q.device)
@@ -83,7 +83,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
 # Queries per SDPA call over a cached prefix (a chunked prefill's later chunks): SDPA's is_causal
 # aligns the triangle top-left, so these calls take an explicit mask, and a chunk's [q_len, k_len]
 # one (a float copy inside SDPA) cost 2+ GB and a quarter of the speed at 16384 x 32768 tokens
-# (docs/performance.md item 53); per block of rows it is [rows, keys up to the block's last query].
+# (docs/performance.md, "Prefill attention"); per block of rows it is [rows, keys up to the block's last query].
 PREFIX_QUERY_BLOCK = 1024
 
 
@@ -175,7 +175,7 @@ class TorchBackend(AttentionBackend):
         nothing is cached before them (rounded to the cache's format first, which gives the values
         stored), else its blocks gathered; the queries as the format's decode takes them (round_query).
         torch's SDPA (flash attention on CPU) either way: it ran 2-3x faster than a C kernel reading the
-        paged cache in place in fp32 (docs/performance.md item 42). Over an int8 cache (and no window,
+        paged cache in place in fp32 (docs/performance.md, "Prefill attention"). Over an int8 cache (and no window,
         softcap or sinks) the C kernel with integer Q K^T does it instead (cpu_prefill_attention.c). A window narrower than the keys makes
         the mask explicit (and the keys before the first query's window are left out)."""
         has_cache = k_cache.numel() > 0
@@ -228,7 +228,7 @@ class TorchBackend(AttentionBackend):
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         """CPU decode in groups of sequences of similar length, each padded only to its own
         longest context: padding every sequence to the batch's longest one made attention 2.5x
-        slower at batch 64 with contexts of 64..512 (docs/performance.md)."""
+        slower at batch 64 with contexts of 64..512 (docs/performance.md, "Decode attention grouped by length")."""
         if metadata.decode_groups is None:
             metadata.decode_groups = length_groups(metadata.seqlens_k, metadata.block_tables,
                                                    metadata.context_lens, k_cache.shape[1])

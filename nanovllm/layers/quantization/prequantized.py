@@ -124,7 +124,7 @@ class PrequantizedConfig(QuantizationConfig):
         method = self.method(schemes[0], layer, modules)
         # "A16" formats too round their inputs as cpu_input_bits says: "auto" per group (the default
         # model's perplexity within 0.15% of transformers', GGUF's speed), 14 as vLLM keeps 16-bit
-        # activations (within 0.01%; twice the integer work): docs/performance.md item 39
+        # activations (within 0.01%; twice the integer work): docs/performance.md, "Input rounding"
         method.input_planes = self.input_planes
         return method
 

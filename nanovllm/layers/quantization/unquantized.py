@@ -70,7 +70,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if kernels.c_kernels is not None and weight.dtype in (torch.float32, kernels.c_weight_dtype):
             # One copy, read in place by the C kernels at every row count: their outer-product path
             # from one panel of rows up is level with oneDNN on a packed copy and faster than MKL
-            # (docs/performance.md, item 35). bf16 weights are narrowed once. NOTE: a shared weight
+            # (docs/performance.md, "Weights held once"). bf16 weights are narrowed once. NOTE: a shared weight
             # (tied embedding table) is narrowed for its other user too; the embedding gives its
             # rows in the model dtype whatever the table's.
             if kernels.c_weight_dtype == torch.bfloat16:
