@@ -30,6 +30,9 @@ class Config(EngineArgs):
     checkpoint: "Checkpoint" = field(init=False, repr=False, compare=False)  # loader/checkpoint.py
     hf_config: object = field(init=False, repr=False)
     model_class: type = field(init=False, repr=False, compare=False)  # the architecture's (models.get_model_class)
+    # Whether layers of different attention kinds get block tables of their own (engine/kv_groups.py):
+    # not when a proposer reads the target's one table (a draft model's KV cache shares its block ids).
+    split_kv_groups: bool = field(init=False)
     quant_config: "QuantizationConfig" = field(init=False, repr=False, compare=False)  # the weight format
     torch_dtype: torch.dtype = field(init=False)  # activations
     kv_format: "KVFormat" = field(init=False, repr=False, compare=False)  # the KV cache's, from kv_cache_dtype
@@ -81,6 +84,8 @@ class Config(EngineArgs):
         if self.cpu_kvcache_bytes is None:
             self.cpu_kvcache_bytes = self.platform.default_kvcache_bytes(self.tensor_parallel_size // self.nnodes)
         self._check_draft_model()
+        spec = self.speculative_config
+        self.split_kv_groups = spec is None or not spec.reads_target_block_table
         self.sampling_defaults, self.max_tokens_ceiling = self._sampling_defaults()
 
     def _sampling_defaults(self) -> tuple[dict, int | None]:

@@ -244,8 +244,8 @@ class TensorParallelRunner(Executor):
                 self.pool.check_alive()
             raise
 
-    def run(self, out: SchedulerOutput) -> SampledTokens | None:
-        return self.call("run", out)
+    def run(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> SampledTokens | None:
+        return self.call("run", out, drafts)
 
     def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> torch.Tensor:
         raise ValueError("embed() runs with tensor_parallel_size=1")

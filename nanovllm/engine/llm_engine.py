@@ -15,6 +15,7 @@ from nanovllm.outputs.streaming import StreamDelta
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sample import structured_outputs
+from nanovllm.sample.sampler import SampledTokens
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,10 @@ class LLMEngine:
             logger.warning("%s", note)
         if config.sampling_defaults:
             logger.info("%s", sampling_defaults_line(config))
+        spec = config.speculative_config  # its proposals fill KV slots held past each decoding token
         self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups],
-                                   runner.num_state_slots)
+                                   runner.num_state_slots, spec.num_speculative_tokens if spec else 0,
+                                   spec.disable_by_batch_size if spec else 0)
         if runner.num_state_slots and config.enable_prefix_caching:
             logger.info("prefix caching is off: this model's linear-attention layers keep a state per sequence, "
                         "not per block")
@@ -125,24 +128,18 @@ class LLMEngine:
             raise
 
     def _run_step(self, out: SchedulerOutput) -> StepOutput:
+        drafts = None
         if self.speculator is not None:
-            # decode: proposals into out; prefill: the proposer sees it (while it could pay with the
-            # sequences that will decode together: those running and those waiting, up to max_num_seqs)
+            # decode: proposals beside the step; prefill: the proposer sees it (while it could pay with
+            # the sequences that will decode together: those running and those waiting, up to max_num_seqs)
             decoding = min(self.config.max_num_seqs, len(self.scheduler.running) + len(self.scheduler.waiting))
-            self.speculator.propose(out, decoding)
-        sampled = self.model_runner.run(out)
-        more = sampled.more_token_ids
-        if more is None:
-            finished = self._apply(out, sampled.token_ids, sampled.is_sampled, sampled.logprobs, sampled.prompt_logprobs)
-        else:  # a verification: each row's emitted tokens applied one at a time, as decode steps would
-            self.speculator.record(out, sampled)
-            first = SchedulerOutput(out.seqs, [1] * len(out.seqs), is_prefill=False)
-            finished = self._apply(first, sampled.token_ids, sampled.is_sampled, sampled.logprobs, None)
-            for j in range(max(map(len, more), default=0)):
-                rows = [i for i, m in enumerate(more) if j < len(m) and not out.seqs[i].is_finished]
-                sub = SchedulerOutput([out.seqs[i] for i in rows], [1] * len(rows), is_prefill=False)
-                finished += self._apply(sub, [more[i][j] for i in rows], [True] * len(rows),
-                                        [sampled.more_logprobs[i][j] for i in rows], None)
+            drafts = self.speculator.propose(out, decoding)
+        if drafts is None:
+            sampled = self.model_runner.run(out)
+        else:
+            sampled = self.model_runner.run(out, drafts)
+            self.speculator.record(out.seqs, drafts, sampled)
+        finished = self._apply(out, sampled)
         deltas = self.output_processor.finish_step(out.seqs)
         for seq in self.pending_siblings.release(out.seqs):
             self.scheduler.add(seq)
@@ -150,22 +147,27 @@ class LLMEngine:
             for seq in finished:
                 self.speculator.forget(seq)
         num_tokens = out.num_tokens if out.is_prefill else -len(out.seqs)
-        num_output = sum(sampled.is_sampled) + (sum(map(len, more)) if more is not None else 0)
-        return StepOutput(finished, num_tokens, num_output, deltas)
+        return StepOutput(finished, num_tokens, sampled.num_emitted, deltas)
 
-    def _apply(self, out: SchedulerOutput, token_ids: list[int], is_sampled: list[bool],
-               logprobs: list, prompt_logprobs) -> list[Sequence]:
-        """One token per row of out: append it, end sequences (EOS, stop tokens, lengths, a grammar's
-        end, stop strings), record text and logprobs. Returns those that finished."""
-        finished = self.scheduler.postprocess(out, token_ids)
-        for seq in structured_outputs.advance(out.seqs, is_sampled):
-            self.scheduler.finish(seq, "stop")  # its grammar ended (on EOS, even under ignore_eos)
-            finished.append(seq)
-        self.output_processor.add_prompt_logprobs(out.seqs, prompt_logprobs)
-        for seq in self.output_processor.process(out.seqs, is_sampled, logprobs):
-            self.scheduler.finish(seq, "stop")  # a stop string matched
-            finished.append(seq)
-        return finished
+    def _apply(self, out: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:
+        """Each row's tokens in turn (one; several where the step verified proposals), as decode
+        steps would apply them: append, end the sequence (EOS, stop tokens, lengths, a grammar's end,
+        stop strings: the row's later tokens are then dropped), record text and logprobs. Returns
+        the sequences that finished."""
+        self.output_processor.add_prompt_logprobs(out.seqs, sampled.prompt_logprobs)
+
+        def after_token(row: int, seq: Sequence, j: int) -> bool:
+            if not sampled.is_sampled[row]:
+                return False
+            ended = False
+            if structured_outputs.advance_one(seq):
+                self.scheduler.finish(seq, "stop")  # its grammar ended (on EOS, even under ignore_eos)
+                ended = True
+            if self.output_processor.process_one(seq, sampled.logprobs[row][j]):
+                self.scheduler.finish(seq, "stop")  # a stop string matched
+                ended = True
+            return ended
+        return self.scheduler.postprocess(out, sampled.token_ids, after_token)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.pending_siblings

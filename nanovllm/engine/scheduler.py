@@ -1,8 +1,11 @@
 """Scheduler: picks the sequences of each step (prefill first, then decode) and applies results.
 
-LLMEngine calls schedule() before a step and postprocess() after it.
+LLMEngine calls schedule() before a step and postprocess() after it, with each row's token (or
+tokens, where the step verified proposals). Decode rows may hold KV slots past their token (lookahead):
+what proposes tokens into them (spec_decode/) travels beside the step, not in it.
 """
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.config import Config
@@ -19,10 +22,9 @@ class SchedulerOutput:
     is_prefill: bool
     # Prefill rows whose every new position needs logits (prompt logprobs); None: no row does.
     needs_prompt_logits: list[bool] | None = None
-    # Speculation (decode steps): how many proposals each row has KV slots and tokens left for
-    # (None: speculation off this step), and the proposals the step verifies (spec_decode/).
-    max_drafts: list[int] | None = None
-    draft_token_ids: list[list[int]] | None = None
+    # Decode steps: the KV slots each row holds past its token, which tokens proposed beside the
+    # step may fill (within the tokens it may still emit); None: no lookahead this step.
+    lookahead: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -31,11 +33,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int, kv_windows: list[int | None] | None = None,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_lookahead_tokens: int = 0, lookahead_below: int = 0):
         """kv_windows: each KV group's sliding window, None for full attention (engine/kv_groups.py);
         a sliding group's blocks behind its window are freed. Default: one full-attention group.
         num_state_slots: the linear-attention state slots (0: the model has no such layer); prefix
-        caching is off with them (a hit would need the state at the hit's end)."""
+        caching is off with them (a hit would need the state at the hit's end).
+        num_lookahead_tokens: KV slots held past each decoding sequence's token where the cache has
+        room, while fewer than lookahead_below sequences decode (the speculator's proposals)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -46,10 +50,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
-        spec = config.speculative_config
-        # KV slots held past each decoding sequence's end for its proposals (0: no speculation).
-        self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None else 0
-        self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else 0
+        self.num_lookahead_tokens, self.lookahead_below = num_lookahead_tokens, lookahead_below
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -89,16 +90,16 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput:
         seqs: list[Sequence] = []
-        lookahead = self.num_lookahead_tokens if len(self.running) < self.disable_by_batch_size else 0
-        max_drafts = []
+        lookahead = self.num_lookahead_tokens if len(self.running) < self.lookahead_below else 0
+        rooms = []
         while self.running:
             seq = self.running.popleft()
-            # Room for proposals where the cache has it now; a sequence is never preempted for them.
+            # Lookahead where the cache has room now; a sequence is never preempted for it.
             room = min(lookahead, self._tokens_left(seq) - 1)
             if room > 0 and self.kv_cache_manager.can_append(seq, room):
                 self.kv_cache_manager.may_append(seq, room)
                 seqs.append(seq)
-                max_drafts.append(room)
+                rooms.append(room)
                 continue
             while not self.kv_cache_manager.can_append(seq):
                 if self.running:
@@ -109,13 +110,12 @@ class Scheduler:
             else:
                 self.kv_cache_manager.may_append(seq)
                 seqs.append(seq)
-                max_drafts.append(0)
+                rooms.append(0)
         self.running.extendleft(reversed(seqs))
-        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False,
-                               max_drafts=max_drafts if any(max_drafts) else None)
+        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False, lookahead=rooms if any(rooms) else None)
 
     def _tokens_left(self, seq: Sequence) -> int:
-        """Tokens seq may still emit (max_tokens, max_model_len): a step's proposals stay below it,
+        """Tokens seq may still emit (max_tokens, max_model_len): a step's lookahead stays below it,
         so a verification never overshoots."""
         return min(seq.max_tokens - seq.num_completion_tokens, self.max_model_len - len(seq))
 
@@ -127,21 +127,40 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Apply one step's sampled tokens; returns the sequences that finished."""
+    def postprocess(self, out: SchedulerOutput, token_ids: list[int] | list[list[int]],
+                    after_token: Callable[[int, Sequence, int], bool] | None = None) -> list[Sequence]:
+        """Apply one step's tokens: each row's token, or its list of tokens (a verification's
+        accepted proposals and the target's own), one at a time as decode steps would.
+        after_token(row, seq, j), after each token: whether something else ended seq there (its
+        grammar, a stop string; it finishes seq itself). A row's later tokens are dropped once it
+        ends. Returns the sequences that finished."""
         finished = []
-        for seq, n, token_id in zip(out.seqs, out.num_new_tokens, token_ids):
-            seq.num_computed_tokens += n
-            self.kv_cache_manager.register_computed_blocks(seq)
-            self.kv_cache_manager.release_behind_window(seq)
-            if seq.num_computed_tokens < len(seq):
-                continue  # mid-prompt chunk: its sampled token means nothing
-            seq.append_token(token_id)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
+        for row, (seq, n, tokens) in enumerate(zip(out.seqs, out.num_new_tokens, token_ids)):
+            for j, token_id in enumerate(tokens if isinstance(tokens, list) else [tokens]):
+                ended = self.apply_token(seq, n if j == 0 else 1, token_id)
+                if after_token is not None and after_token(row, seq, j):
+                    ended = True
+                if ended:
+                    finished.append(seq)
+                    break
         return finished
+
+    def apply_token(self, seq: Sequence, num_computed: int, token_id: int) -> bool:
+        """seq's K/V now holds num_computed more positions, and token_id comes after them (unless
+        the prompt is not done: a mid-prompt chunk's token means nothing). A row that emits several
+        tokens (a verification) applies each in turn: the first with its scheduled count, the others
+        with 1 (each accepted proposal's K/V was computed by the step). Returns whether seq finished
+        (EOS, a stop token, a length)."""
+        seq.num_computed_tokens += num_computed
+        self.kv_cache_manager.register_computed_blocks(seq)
+        self.kv_cache_manager.release_behind_window(seq)
+        if seq.num_computed_tokens < len(seq):
+            return False
+        seq.append_token(token_id)
+        reason = self._finish_reason(seq, token_id)
+        if reason is not None:
+            self.finish(seq, reason)
+        return reason is not None
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         sp = seq.sampling_params

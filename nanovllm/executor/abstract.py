@@ -37,8 +37,10 @@ class Executor(ABC):
 
     # ---- steps ----------------------------------------------------------------------------------
     @abstractmethod
-    def run(self, out: "SchedulerOutput") -> "SampledTokens | None":
-        """One step over every rank; the sampled tokens (rank 0)."""
+    def run(self, out: "SchedulerOutput", drafts: list[list[int]] | None = None) -> "SampledTokens | None":
+        """One step over every rank; each row's emitted tokens (rank 0): one sampled token, or with
+        proposals beside a decode step (drafts: per row, spec_decode/) the accepted ones and the
+        target's own after them."""
 
     @abstractmethod
     def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> "torch.Tensor":

@@ -148,7 +148,7 @@ class FusedDecode(StepRunner):
             slots = slot_mapping.to(torch.int64).contiguous()
             held += [tables, lens, slots]
             steps.append(DecodeStep(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                                    num_seqs, tables.shape[1], meta.max_seqlen_k, int(context.shared_rows),
+                                    num_seqs, tables.shape[1], meta.max_seqlen_k, int(meta.rows_share_tables),
                                     None if state_slots is None else state_slots.data_ptr()))
         steps = (DecodeStep * len(steps))(*steps)
         k, desc, step_ref = self.kernels, ctypes.byref(self.desc), ctypes.byref(steps)

@@ -139,9 +139,8 @@ class ModelRunner(Executor):
     # ---- KV cache ---------------------------------------------------------------------------
     def split_kv_groups(self) -> bool:
         """Whether layers of different attention kinds get block tables of their own (engine/kv_groups.py):
-        not when a draft model reads the target's one table."""
-        spec = self.config.speculative_config
-        return spec is None or spec.method != "draft_model"
+        Config.split_kv_groups (not when a proposer reads the target's one table)."""
+        return self.config.split_kv_groups
 
     def kv_token_bytes(self) -> int:
         """One cached token over every layer, K and V, in the cache's format (scales included)."""
@@ -326,8 +325,7 @@ class ModelRunner(Executor):
                                    context_lens=(positions + 1).tolist(), block_tables=group_tables,
                                    to_device=self.to_device)
             groups.append((self.to_device(torch.from_numpy(slots)), self.backend.prepare(batch)))
-        shared = len({id(t) for t in tables}) < len(tables)
-        context = Context(is_prefill=False, slot_mapping=groups[0][0], attn_metadata=groups[0][1], shared_rows=shared,
+        context = Context(is_prefill=False, slot_mapping=groups[0][0], attn_metadata=groups[0][1],
                           more_groups=tuple(groups[1:]))
         input_ids = torch.tensor(input_ids, dtype=torch.int64)
         return self.to_device(input_ids), self.to_device(torch.from_numpy(positions)), context
@@ -350,28 +348,28 @@ class ModelRunner(Executor):
         return self.model.compute_logits(hidden_states)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> SampledTokens | None:
-        """One step: the token sampled for each scheduled sequence (rank 0; None on other ranks);
-        with proposals, the tokens each sequence emits (spec_decode/verify.py)."""
-        verifying = out.draft_token_ids is not None
-        metadata = self.prepare_sample(out) if self.rank == 0 and not verifying else None
+    def run(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> SampledTokens | None:
+        """One step: the tokens each scheduled sequence emits (rank 0; None on other ranks): one
+        sampled token, or with proposals (drafts, beside a decode step) the ones verification
+        accepts and the target's own after them (spec_decode/verify.py)."""
+        metadata = self.prepare_sample(out) if self.rank == 0 and drafts is None else None
         if out.is_prefill:
             input_ids, positions, context, logits_indices = self.prepare_prefill(
                 out.seqs, out.num_new_tokens, out.needs_prompt_logits)
         else:
-            input_ids, positions, context = self.prepare_decode(out.seqs, out.draft_token_ids)
+            input_ids, positions, context = self.prepare_decode(out.seqs, drafts)
             logits_indices = None
         logits = self.run_model(input_ids, positions, context, logits_indices)
         if self.rank != 0:
             return None
-        if verifying:
-            return verify(self.sampler, logits, out.seqs, out.draft_token_ids, self.config.hf_config.vocab_size,
+        if drafts is not None:
+            return verify(self.sampler, logits, out.seqs, drafts, self.config.hf_config.vocab_size,
                           self.config.eos_token_ids, self.device, self.to_device)
         prompt_logprobs = None
         if out.is_prefill and out.needs_prompt_logits is not None:
             logits, prompt_logprobs = split_prompt_logits(logits, out.seqs, out.num_new_tokens,
                                                           out.needs_prompt_logits)
-        sampled = self.sampler(logits, metadata).to_host(metadata)
+        sampled = self.sampler(logits, metadata).to_host(metadata).as_tokens()
         sampled.prompt_logprobs = prompt_logprobs
         return sampled
 

@@ -66,16 +66,18 @@ class OutputProcessor:
                 logprobs: list[dict[int, float] | None]) -> list[Sequence]:
         """Record one step's new tokens. Returns the running sequences a stop string ends; the
         caller finishes them, then calls finish_step()."""
-        to_stop = []
-        for seq, sampled, token_logprobs in zip(seqs, is_sampled, logprobs):
-            state = self.states.get(seq.seq_id)
-            if not sampled or state is None:
-                continue
-            if state.logprobs is not None:
-                state.logprobs.append(token_logprobs)
-            if state.text is not None and self._add_text(seq, state.text) and not seq.is_finished:
-                to_stop.append(seq)
-        return to_stop
+        return [seq for seq, sampled, token_logprobs in zip(seqs, is_sampled, logprobs)
+                if sampled and self.process_one(seq, token_logprobs)]
+
+    def process_one(self, seq: Sequence, token_logprobs: dict[int, float] | None) -> bool:
+        """Record seq's new token (its last) and its logprobs entry; whether seq is running and a
+        stop string now ends it (the caller finishes it)."""
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            return False
+        if state.logprobs is not None:
+            state.logprobs.append(token_logprobs)
+        return state.text is not None and self._add_text(seq, state.text) and not seq.is_finished
 
     def _add_text(self, seq: Sequence, text: RequestText) -> bool:
         """Detokenize seq's new token; True when it completes a stop string."""

@@ -24,21 +24,34 @@ RandomSample = Callable[[torch.Tensor, dict[int, torch.Generator], torch.Generat
 
 @dataclass
 class SampledTokens:
-    """One step's result on the host, per scheduled row: the token (meaningless on rows that
-    are mid-prompt chunks, is_sampled False) and its logprobs entry (None unless asked);
+    """One step's result on the host, per scheduled row (vLLM v1's ModelRunnerOutput): the tokens
+    it emits, one, or 1..k+1 where the step verified k proposals (the accepted ones, then the
+    target's own: spec_decode/verify.py), each with its logprobs entry (None unless asked);
+    is_sampled False on rows that are mid-prompt chunks (their one token means nothing);
     prompt_logprobs: per row, the prompt entries this prefill step computed (None: no row asked)."""
+
+    token_ids: list[list[int]]
+    is_sampled: list[bool]
+    logprobs: list[list[dict[int, float] | None]]
+    prompt_logprobs: "list[PromptLogprobs | None] | None" = None
+
+    @property
+    def num_emitted(self) -> int:
+        """The tokens the step's sampled rows emit."""
+        return sum(len(t) for t, sampled in zip(self.token_ids, self.is_sampled) if sampled)
+
+
+@dataclass
+class SampledRows:
+    """The sampler's result on the host: one token per row and its logprobs entry (None unless asked)."""
 
     token_ids: list[int]
     is_sampled: list[bool]
     logprobs: list[dict[int, float] | None]
-    prompt_logprobs: "list[PromptLogprobs | None] | None" = None
-    # Speculative verification (spec_decode/verify.py): per row, the tokens emitted after
-    # token_ids[i] (its accepted proposals past the first, and the target's own last one) and
-    # their logprobs entries; None on other steps.
-    more_token_ids: list[list[int]] | None = None
-    more_logprobs: list[list[dict[int, float] | None]] | None = None
-    num_drafted: list[int] | None = None    # per row: proposals verified
-    num_accepted: list[int] | None = None   # per row: proposals accepted
+
+    def as_tokens(self) -> SampledTokens:
+        """As a step's result: each row's one token."""
+        return SampledTokens([[t] for t in self.token_ids], self.is_sampled, [[lp] for lp in self.logprobs])
 
 
 @dataclass
@@ -51,9 +64,9 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
-    def to_host(self, metadata: SamplingMetadata) -> SampledTokens:
+    def to_host(self, metadata: SamplingMetadata) -> SampledRows:
         token_ids = self.token_ids.tolist()
-        return SampledTokens(token_ids, metadata.is_sampled, self.logprobs_per_row(token_ids, metadata))
+        return SampledRows(token_ids, metadata.is_sampled, self.logprobs_per_row(token_ids, metadata))
 
     def logprobs_per_row(self, token_ids: list[int], metadata: SamplingMetadata) -> list[dict[int, float] | None]:
         """{token_id: logprob} per row, the chosen token first, then the row's top-N."""

@@ -200,16 +200,17 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 def advance(seqs: "list[Sequence]", is_sampled: list[bool]) -> list["Sequence"]:
     """Feed each sampled row's new token to its matcher (after Scheduler.postprocess appended it);
     returns the running sequences whose grammar has now ended, for the caller to finish ("stop")."""
-    ended = []
-    for seq, sampled in zip(seqs, is_sampled):
-        if not sampled or seq.grammar is None or seq.grammar.is_terminated():
-            continue
-        if not seq.grammar.accept_token(seq.last_token):
-            # The bitmask allowed only tokens the matcher accepts, unless the grammar allows none
-            # (an empty language: fill_bitmask let EOS through): end that one output alone.
-            logger.warning("sequence %s: its grammar allows no token; ending it", seq.seq_id)
-            if not seq.is_finished:
-                ended.append(seq)
-        elif seq.grammar.is_terminated() and not seq.is_finished:
-            ended.append(seq)
-    return ended
+    return [seq for seq, sampled in zip(seqs, is_sampled) if sampled and advance_one(seq)]
+
+
+def advance_one(seq: "Sequence") -> bool:
+    """Feed seq's new token (its last) to its matcher; whether seq is running and its grammar has
+    now ended (the caller finishes it, "stop")."""
+    if seq.grammar is None or seq.grammar.is_terminated():
+        return False
+    if not seq.grammar.accept_token(seq.last_token):
+        # The bitmask allowed only tokens the matcher accepts, unless the grammar allows none
+        # (an empty language: fill_bitmask let EOS through): end that one output alone.
+        logger.warning("sequence %s: its grammar allows no token; ending it", seq.seq_id)
+        return not seq.is_finished
+    return seq.grammar.is_terminated() and not seq.is_finished

@@ -43,6 +43,12 @@ class SpeculativeConfig:
     quantization: str | None = None   # draft_model: its weight format, as LLM(quantization=...)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
+    @property
+    def reads_target_block_table(self) -> bool:
+        """Whether the proposer keeps a KV cache indexed by the target's block table (a draft model:
+        one table for every layer, so the target's KV groups share it: Config.split_kv_groups)."""
+        return self.method == "draft_model"
+
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
         """A SpeculativeConfig from a dict (or one already built); None stays None. ValueError

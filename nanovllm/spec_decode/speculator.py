@@ -1,7 +1,7 @@
 """Speculator: what LLMEngine holds when speculation is on. Each decode step it asks the proposer
-for tokens (within what the scheduler left room for, and what each sequence has earned), checks
-them against a grammar, and writes them into the step; after the step it counts what was accepted
-and adapts.
+for tokens (within the lookahead the scheduler left room for, and what each sequence has earned),
+checks them against a grammar, and returns them: they go to the executor beside the step; after
+the step it counts what was accepted (each row's emitted tokens less one) and adapts.
 
 Paying its way:
 - no proposals while disable_by_batch_size or more sequences decode (the scheduler leaves no room);
@@ -53,10 +53,10 @@ class Speculator:
         self.paused_until: dict[int, int] = {}      # seq_id -> step at which it gets proposals again
         self.steps = 0
 
-    def propose(self, out: SchedulerOutput, num_decoding: int) -> None:
+    def propose(self, out: SchedulerOutput, num_decoding: int) -> list[list[int]] | None:
         """Prefill: let the proposer see it (a draft model: only while proposals could pay with
-        num_decoding sequences decoding together). Decode: fill out.draft_token_ids (and
-        num_new_tokens)."""
+        num_decoding sequences decoding together). Decode: each row's proposals (None: none this
+        step), for the executor to verify beside the step."""
         if out.is_prefill:
             n = num_decoding
             if self.proposer.runs_a_model and self.target_times is not None and n > 0 and best_length(
@@ -65,20 +65,20 @@ class Speculator:
                 self.proposer.skip(out)
             else:
                 self.proposer.observe(out)
-            return
+            return None
         self.steps += 1
-        if out.max_drafts is None or not any(out.max_drafts):
-            return
+        if out.lookahead is None:
+            return None
         k = self.config.num_speculative_tokens
         wants = []
-        for seq, room in zip(out.seqs, out.max_drafts):
+        for seq, room in zip(out.seqs, out.lookahead):
             if self.paused_until.get(seq.seq_id, 0) > self.steps:
                 wants.append(0)
             else:
                 wants.append(min(room, self.length.get(seq.seq_id, k)))
         if not any(wants):
             self._record_idle(out.seqs)
-            return
+            return None
         free = not self.proposer.runs_a_model  # proposals cost nothing to make (ngram): look, then choose
         rates = self.rates_of(out.seqs)
         if self.target_times is not None:
@@ -89,17 +89,16 @@ class Speculator:
             wants = [min(w, length) for w in wants]
             if not any(wants):
                 self._record_idle(out.seqs)
-                return
+                return None
         drafts = self.proposer.propose(out.seqs, wants)
         drafts = [grammar_prefix(seq, d[:w]) for seq, d, w in zip(out.seqs, drafts, wants)]
         if self.target_times is not None and free and any(drafts):
             length = best_length([len(d) for d in drafts], rates, self.target_times, None)
             drafts = [d[:length] for d in drafts]
         if any(drafts):
-            out.draft_token_ids = drafts
-            out.num_new_tokens = [1 + len(d) for d in drafts]
-        else:
-            self._record_idle(out.seqs)
+            return drafts
+        self._record_idle(out.seqs)
+        return None
 
     def _record_idle(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -108,10 +107,12 @@ class Speculator:
     def rates_of(self, seqs: list[Sequence]) -> list[float]:
         return [self.rates.rate(seq.seq_id) for seq in seqs]
 
-    def record(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
-        """Count one verification step and adapt each sequence's proposal length."""
+    def record(self, seqs: list[Sequence], drafts: list[list[int]], sampled: SampledTokens) -> None:
+        """Count one verification step (each row emitted its accepted proposals and one token of the
+        target's) and adapt each sequence's proposal length."""
         k = self.config.num_speculative_tokens
-        for seq, drafted, accepted in zip(out.seqs, sampled.num_drafted, sampled.num_accepted):
+        for seq, proposed, emitted in zip(seqs, drafts, sampled.token_ids):
+            drafted, accepted = len(proposed), len(emitted) - 1
             self.metrics.record(drafted, accepted)
             self.rates.record(seq.seq_id, drafted, accepted)
             if drafted == 0:

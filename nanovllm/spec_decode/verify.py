@@ -151,15 +151,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs, drafts: list[list[int]]
     chosen = [t for d, e in zip(drafts, emitted) for t in e + [0] * (len(d) + 1 - len(e))]
     out = sampler.with_logprobs(SamplerOutput(torch.tensor(chosen, device=logits.device)), raw_logprobs, md)
     per_row = out.logprobs_per_row(chosen, md)
-    first, first_lp, more, more_lp, row = [], [], [], [], 0
+    logprobs, row = [], 0
     for d, e in zip(drafts, emitted):
-        first.append(e[0])
-        first_lp.append(per_row[row])
-        more.append(e[1:])
-        more_lp.append(per_row[row + 1: row + len(e)])
+        logprobs.append(per_row[row: row + len(e)])
         row += len(d) + 1
-    sampled = SampledTokens(first, [True] * len(seqs), first_lp)
-    sampled.more_token_ids, sampled.more_logprobs = more, more_lp
-    sampled.num_drafted = [len(d) for d in drafts]
-    sampled.num_accepted = [len(e) - 1 for e in emitted]
-    return sampled
+    return SampledTokens(emitted, [True] * len(seqs), logprobs)

@@ -17,9 +17,6 @@ class Context:
     is_prefill: bool = False
     slot_mapping: torch.Tensor | None = None
     attn_metadata: Any = None  # the backend's own dataclass (TorchMetadata, PagedMetadata, ...)
-    # Decode rows of one sequence (speculative verification: its last token and each proposal, one
-    # row apiece, over one block table): a row attends to K/V other rows of the step store.
-    shared_rows: bool = False
     # KV groups past the first (engine/kv_groups.py: a model with layers of several attention kinds):
     # each group's (slot_mapping, attn_metadata), over its own block tables.
     more_groups: tuple[tuple[torch.Tensor | None, Any], ...] = ()

@@ -152,3 +152,28 @@ def test_abort_frees_blocks_wherever_the_request_is():
     s.abort(partial)
     s.abort(running)
     assert s.is_finished() and s.kv_cache_manager.num_free_blocks == 16
+
+
+def test_rows_of_several_tokens_apply_each_as_a_decode_step_would():
+    """A verification's row emits several tokens (accepted proposals, then the target's own): each
+    is appended in turn, the first with the row's scheduled count and the others with one computed
+    position each; a row stops at the token that ends it (EOS here), and its later tokens are
+    dropped; after_token can end a row too (a stop string), and what it ends is finished."""
+    s = make_scheduler(max_model_len=64)
+    a, b, c = seq_of(4), Sequence([30, 31, 32, 33], SamplingParams(max_tokens=8)), seq_of(4, start=40)
+    for seq in (a, b, c):
+        s.add(seq)
+    run_step(s)  # prefill: each has 5 tokens, 4 computed
+    out = s.schedule()
+    assert not out.is_prefill and out.num_new_tokens == [1, 1, 1]
+
+    def stop_at_third_token_of_c(row: int, seq: Sequence, j: int) -> bool:
+        if seq is c and j == 1:
+            s.finish(seq, "stop")
+            return True
+        return False
+    finished = s.postprocess(out, [[11, 12, 13], [21, 0, 23], [41, 42, 43]], stop_at_third_token_of_c)
+    assert a.completion_token_ids == [7, 11, 12, 13] and a.num_computed_tokens == 4 + 3
+    assert b.completion_token_ids == [7, 21, 0] and b.finish_reason == "stop"  # EOS: 23 dropped
+    assert c.completion_token_ids == [7, 41, 42] and c.finish_reason == "stop"
+    assert finished == [b, c] and list(s.running) == [a]

@@ -49,6 +49,13 @@ class AttentionBatch:
     to_device: Callable[[torch.Tensor], torch.Tensor]
 
     @property
+    def rows_share_tables(self) -> bool:
+        """Whether decode rows share a block table (several query rows of one sequence, each over
+        the positions before it): a row attends to K/V other rows of the step store, so every
+        row's K/V is stored before any row attends."""
+        return len({id(t) for t in self.block_tables}) < len(self.block_tables)
+
+    @property
     def has_cached_prefix(self) -> bool:
         """Whether some sequence attends to keys it does not compute this step."""
         return any(k > q for q, k in zip(self.num_new_tokens, self.context_lens))

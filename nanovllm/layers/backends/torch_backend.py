@@ -113,6 +113,7 @@ class TorchMetadata:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_seqlen_k: int = 0
+    rows_share_tables: bool = False  # decode rows of one sequence (AttentionBatch.rows_share_tables)
     # Filled by the first layer of a CPU decode step and reused by the others.
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
@@ -160,7 +161,8 @@ class TorchBackend(AttentionBackend):
             return TorchMetadata(seqlens_q=batch.num_new_tokens, seqlens_k=batch.context_lens, block_tables=tables,
                                  max_seqlen_k=max(batch.context_lens))
         return TorchMetadata(seqlens_k=batch.context_lens, block_tables=batch.block_table_tensor(),
-                             context_lens=batch.context_lens_tensor(), max_seqlen_k=max(batch.context_lens))
+                             context_lens=batch.context_lens_tensor(), max_seqlen_k=max(batch.context_lens),
+                             rows_share_tables=batch.rows_share_tables)
 
     def decode_metadata(self, block_tables, context_lens, max_seqlen_k: int) -> TorchMetadata:
         return TorchMetadata(block_tables=block_tables, context_lens=context_lens, max_seqlen_k=max_seqlen_k)
