@@ -44,5 +44,11 @@ def qwen3_bias_tied(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def other_build_cache(tmp_path_factory):
     """One NANOVLLM_CACHE for the builds of other -march settings (x86-64-v3, x86-64) the tests
-    run in subprocesses: each library is compiled once per session, whichever test asks first."""
-    return tmp_path_factory.mktemp("other_builds")
+    run in subprocesses, shared by the session's xdist workers: each library is compiled once per
+    session, whichever test asks first (the build's lock file makes the other wait for it)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    path = root / "other_builds"
+    path.mkdir(exist_ok=True)
+    return path

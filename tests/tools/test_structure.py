@@ -294,7 +294,7 @@ def test_code_and_docs_cite_the_performance_guide_by_its_decisions_names():
     guide = (ROOT / "docs" / "performance.md").read_text()
     assert len(guide.splitlines()) <= 600
     headings = set(re.findall(r"^#+ (.+)$", guide, re.M))
-    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".c", ".h", ".md", ".sh")
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".c", ".h", ".md", ".sh", ".toml", ".txt")
              and not any(part.startswith(".") or part in ("build", "node_modules") for part in p.relative_to(ROOT).parts)]
     unknown, items = {}, {}
     for path in files:
