@@ -311,3 +311,9 @@ def test_code_and_docs_cite_the_performance_guide_by_its_decisions_names():
 def test_the_citation_finder_finds_both_kinds():
     text = 'see docs/performance.md, "The C decode step"; (docs/performance.md item 42) and performance.md ("X")'
     assert performance_citations(text) == (["The C decode step", "X"], ["performance.md item 42"])
+
+
+def test_the_engine_core_reads_in_one_sitting():
+    """No file in engine/ is over 300 lines: a capability that grows one gets a room of its own."""
+    long = {p.name: n for p in (PACKAGE / "engine").glob("*.py") if (n := len(p.read_text().splitlines())) > 300}
+    assert long == {}
