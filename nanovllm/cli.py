@@ -56,6 +56,14 @@ _ENGINE_OPTIONS = [
      "how the KV cache stores K and V: auto (16-bit on CPU, the model's dtype on CUDA), float32, bfloat16, "
      "float16, int8 (llama.cpp's q8_0 blocks), fp8 / fp8_e4m3 / fp8_e5m2 (CPU: every one; CUDA: auto or the "
      "model's dtype)"),
+    ("--kv-offloading-backend", "kv_offloading_backend", str,
+     "a tier under the prefix cache (vLLM's flag): native (implied by the next two)"),
+    ("--kv-offloading-size", "kv_offloading_size", float,
+     "GiB of host RAM the tier may hold (vLLM's flag; on CPU a second copy of the cache, rarely worth it)"),
+    ("--kv-offloading-dir", "kv_offloading_dir", str,
+     "a directory the tier writes every prefix block to: read back after a restart, shared by replicas"),
+    ("--kv-offloading-dir-size", "kv_offloading_dir_size", float,
+     "GiB the directory may hold (least recently used blocks evicted; default 8)"),
     ("--seed", "seed", int, "engine seed"),
     ("--speculative-config", "speculative_config", json_object,
      'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '

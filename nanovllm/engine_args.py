@@ -135,6 +135,15 @@ class EngineArgs:
     # (LLM.embed, /v1/embeddings): one KV cache block is held (embedding runs KV-free prefills) and
     # generation requests are refused with a ValueError naming it.
     runner: str = "auto"
+    # A tier under the prefix cache (kv_offload/; docs/serving.md "Prompts that outlive RAM and
+    # restarts"): vLLM's kv_offloading_backend ("native"; None: off unless a size or directory below is
+    # given) and kv_offloading_size (GiB of host RAM: on a GPU the first tier; on a CPU a second copy
+    # of what the cache holds, rarely worth it), and beside them kv_offloading_dir (a directory that
+    # outlives the process and is shared by replicas) and kv_offloading_dir_size (GiB it may hold).
+    kv_offloading_backend: str | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_dir: str | None = None
+    kv_offloading_dir_size: float = 8.0
 
     def __post_init__(self) -> None:
         if type(self.cpu_input_bits) not in (int, str) or self.cpu_input_bits not in CPU_INPUT_BITS:
@@ -170,6 +179,7 @@ class EngineArgs:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         self._check_distributed()
+        self._check_kv_offloading()
         from nanovllm.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_generation_config()
@@ -179,6 +189,27 @@ class EngineArgs:
         ValueError for an unknown device or one this process does not see."""
         from nanovllm.platforms import get_platform
         return get_platform(self.device)
+
+    def _check_kv_offloading(self) -> None:
+        for name in ("kv_offloading_size", "kv_offloading_dir_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a positive number of GiB, got {value!r}")
+        if self.kv_offloading_dir is not None and (not isinstance(self.kv_offloading_dir, str) or not self.kv_offloading_dir):
+            raise ValueError(f"kv_offloading_dir must be a directory's path, got {self.kv_offloading_dir!r}")
+        backend = self.kv_offloading_backend
+        if backend is None and (self.kv_offloading_size is not None or self.kv_offloading_dir is not None):
+            self.kv_offloading_backend = backend = "native"
+        if backend is None:
+            return
+        if backend != "native":
+            raise ValueError(f"kv_offloading_backend must be 'native' (the only backend here), got {backend!r}")
+        if self.kv_offloading_size is None and self.kv_offloading_dir is None:
+            raise ValueError("kv_offloading_backend='native' needs kv_offloading_size (GiB of host RAM) or "
+                             "kv_offloading_dir (a directory)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("KV offloading runs with tensor_parallel_size 1 (each rank's cache holds its own heads); "
+                             f"got tensor_parallel_size={self.tensor_parallel_size}")
 
     def _check_distributed(self) -> None:
         check_nodes(self.nnodes, self.node_rank, self.dist_init_addr, self.tensor_parallel_size)

@@ -268,6 +268,13 @@ class TensorParallelRunner(Executor):
     def kv_block_bytes(self) -> int:
         return self.runner.kv_block_bytes()
 
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        raise ValueError("KV offloading runs with one process (tensor_parallel_size 1): each rank's cache "
+                         "holds its own heads")
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.read_kv_blocks(block_ids)
+
     def broken_reason(self) -> str | None:
         """Why no further call can run: a worker (or another node's rank) died, or a failed call left
         the ranks apart; None while every rank is well."""

@@ -2,13 +2,16 @@
 block arithmetic of a sequence. It holds a BlockPool (free queue, ref counts, the prefix-cache table;
 block_pool.py), one manager per KV group's attention kind (single_type_kv_cache_manager.py) and the
 recurrent-state slots (state_pool.py); it never touches tensors. A block is hashed only once its K/V
-are computed."""
+are computed. With a tier under the prefix cache (kv_offload/), the leading blocks it holds past the
+cache's own hits are read back instead of prefilled: allocate() starts the read, finish_load() takes
+the blocks that came back."""
 from collections.abc import Callable
 
 from nanovllm.engine.block_pool import Block, BlockPool, compute_block_hash
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.single_type_kv_cache_manager import manager_for
 from nanovllm.engine.state_pool import StatePool
+from nanovllm.kv_offload.block_file import BlockKey
 
 
 def needs_prompt_logits(seq: Sequence) -> bool:
@@ -30,10 +33,12 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: list[int | None] | None = None, num_state_slots: int = 0,
-                 on_evict: Callable[[Block], None] | None = None):
+                 on_evict: Callable[[Block], None] | None = None, tier=None):
         """windows: each KV group's sliding window (None: full attention); default one full group.
         num_state_slots: linear-attention state slots, one per sequence holding blocks.
-        on_evict: sees each hashed block before its K/V are overwritten (block_pool.py)."""
+        on_evict: sees each hashed block before its K/V are overwritten (block_pool.py).
+        tier: a KVTier (kv_offload/tier.py) under the prefix cache, for models whose layers all attend
+        in full (a window's blocks would need their own rules); None: none."""
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -43,6 +48,11 @@ class KVCacheManager:
         self.states = StatePool(num_state_slots)
         # Parallel to each of seq's block tables: the hash of each full, registered block of the sequence.
         self.seq_block_hashes: dict[int, list[int]] = {}
+        self.tier = tier if enable_prefix_caching and all(w is None for w in self.windows) else None
+        # seq_id -> the keys of its blocks being read from the tier (each block's groups in turn)
+        self.loading: dict[int, list[BlockKey]] = {}
+        # Blocks hashed since the connector last took them: (block id, key), to write to the tier.
+        self.unsaved: list[tuple[int, BlockKey]] = []
 
     @property
     def num_groups(self) -> int:
@@ -110,6 +120,23 @@ class KVCacheManager:
                 return n, hashes[:n], found
         return 0, [], found
 
+    def _tier_prefix(self, seq: Sequence, n: int, hashes: list[int]) -> list[list[BlockKey]]:
+        """Past the cache's n hit blocks, each leading full block the tier holds in every group: its
+        groups' keys. The same rule as the cache's: the last block is always computed."""
+        if self.tier is None or n < len(hashes):
+            return []
+        keys: list[list[BlockKey]] = []
+        parent = hashes[-1] if hashes else None
+        for i in range(n, (seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(self.block_token_ids(seq, i))
+            h = compute_block_hash(list(tokens), parent)
+            block = [BlockKey(g, h, parent, tokens) for g in range(self.num_groups)]
+            if not all(self.tier.contains(key) for key in block):
+                break
+            keys.append(block)
+            parent = h
+        return keys
+
     def num_blocks_to_allocate(self, seq: Sequence) -> int:
         """How many blocks allocate(seq) would take off the free queue."""
         n, _, found = self._cached_prefix(seq)
@@ -122,8 +149,9 @@ class KVCacheManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.states.can_take() and self.num_blocks_to_allocate(seq) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its tokens in every group, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence) -> bool:
+        """Give seq blocks for all its tokens in every group, reusing cached prefix blocks. Returns
+        whether the blocks after them are being read from the tier (seq then waits for finish_load)."""
         assert not seq.block_table
         n, hashes, found = self._cached_prefix(seq)
         tables = []
@@ -145,6 +173,44 @@ class KVCacheManager:
         self.seq_block_hashes[seq.seq_id] = hashes
         seq.num_cached_tokens = n * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
+        if seq.num_completion_tokens == 0:
+            seq.num_cached_prompt_tokens = seq.num_cached_tokens
+        if self.tier is None or needs_prompt_logits(seq):
+            return False
+        keys = self._tier_prefix(seq, n, hashes)
+        self.tier.stats.query_tokens += ((seq.num_tokens - 1) // self.block_size - n) * self.block_size
+        if not keys:
+            return False
+        self.loading[seq.seq_id] = [key for block in keys for key in block]
+        self.tier.start_load(seq.seq_id, self.loading[seq.seq_id])
+        return True
+
+    def finish_load(self, seq: Sequence, num_keys: int) -> list[int]:
+        """The tier's read for seq brought back its first num_keys keys: the blocks they fill are
+        registered as computed (whole blocks only). Returns those block ids, each block's groups in
+        turn, for the connector to fill with the K/V read."""
+        keys = self.loading.pop(seq.seq_id)
+        num_blocks = min(num_keys, len(keys)) // self.num_groups
+        hashes = self.seq_block_hashes[seq.seq_id]
+        first = len(hashes)
+        block_ids = []
+        for i in range(first, first + num_blocks):
+            block = keys[(i - first) * self.num_groups:(i - first + 1) * self.num_groups]
+            for g, key in enumerate(block):
+                block_ids.append(seq.block_tables[g][i])
+                self.pool.cache(seq.block_tables[g][i], key.hash, key.parent_hash, list(key.token_ids), g)
+            hashes.append(block[0].hash)
+        seq.num_cached_tokens += num_blocks * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        if seq.num_completion_tokens == 0:
+            seq.num_cached_prompt_tokens = seq.num_cached_tokens
+        self.tier.stats.hit_tokens += num_blocks * self.block_size
+        return block_ids
+
+    def take_unsaved(self) -> list[tuple[int, BlockKey]]:
+        """The blocks hashed since the last call, for the tier (each with its key)."""
+        unsaved, self.unsaved = self.unsaved, []
+        return unsaved
 
     def deallocate(self, seq: Sequence) -> None:
         """Free seq's blocks and forget its cache state (finish, abort, preemption): a later
@@ -153,6 +219,8 @@ class KVCacheManager:
             first = seq.num_released_blocks if self.windows[g] is not None else 0
             for block_id in reversed(table[first:]):
                 self.pool.release(block_id)
+        if self.loading.pop(seq.seq_id, None) is not None:
+            self.tier.cancel(seq.seq_id)
         self.seq_block_hashes.pop(seq.seq_id, None)
         self.states.free(seq.state_slot)
         seq.state_slot = None
@@ -206,4 +274,6 @@ class KVCacheManager:
             h = compute_block_hash(tokens, parent)
             for g, table in enumerate(seq.block_tables):
                 self.pool.cache(table[i], h, parent, tokens, g)
+                if self.tier is not None:
+                    self.unsaved.append((table[i], BlockKey(g, h, parent, tuple(tokens))))
             hashes.append(h)

@@ -9,6 +9,7 @@ from nanovllm.engine.processor import Processor
 from nanovllm.engine.startup_log import sampling_defaults_line, startup_summary
 from nanovllm.executor.abstract import Executor
 from nanovllm.executor.model_runner import ModelRunner
+from nanovllm.kv_offload.connector import TierConnector, build_tier
 from nanovllm.outputs.output_processor import OutputProcessor
 from nanovllm.outputs.parallel_sampling import PendingSiblings, child_params
 from nanovllm.outputs.streaming import StreamDelta
@@ -37,6 +38,7 @@ class LLMEngine:
             raise TypeError(f"unknown engine argument(s): {unknown}; known: {sorted(CONFIG_FIELDS - {'model'})}")
         self.model_runner: Executor | None = None
         self.speculator = None
+        self.connector: TierConnector | None = None
         self.config = config = Config(model, **kwargs)
         self.tokenizer = config.checkpoint.load_tokenizer()
         if config.tensor_parallel_size > 1:
@@ -51,10 +53,14 @@ class LLMEngine:
             logger.warning("%s", note)
         if config.sampling_defaults:
             logger.info("%s", sampling_defaults_line(config))
+        tier = build_tier(config, runner)  # under the prefix cache (kv_offload/), when asked for
+        if tier is not None:
+            logger.info("%s", tier.describe())
         spec = config.speculative_config  # its proposals fill KV slots held past each decoding token
         self.scheduler = Scheduler(config, self.num_kvcache_blocks, [group.window for group in runner.kv_groups],
                                    runner.num_state_slots, spec.num_speculative_tokens if spec else 0,
-                                   spec.disable_by_batch_size if spec else 0)
+                                   spec.disable_by_batch_size if spec else 0, tier)
+        self.connector = TierConnector(tier, self.scheduler, runner) if tier is not None else None
         if runner.num_state_slots and config.enable_prefix_caching:
             logger.info("prefix caching is off: this model's linear-attention layers keep a state per sequence, "
                         "not per block")
@@ -118,8 +124,12 @@ class LLMEngine:
         """Run one step: schedule, run the model, apply its tokens, match stop strings.
         NOTE: an exception after the sequences were chosen carries their request ids as
         `step_request_ids` (the requests a server fails); one raised by schedule() carries none."""
+        if self.connector is not None:
+            self.connector.before_step()  # finished tier reads into the cache, their sequences queued
         out = self.scheduler.schedule()
         if not out.seqs:
+            if self.connector is not None:
+                self.connector.wait(0.02)  # only tier reads in flight: wait for one, not spin
             return StepOutput([], 0, 0, [])
         try:
             return self._run_step(out)
@@ -140,6 +150,8 @@ class LLMEngine:
             sampled = self.model_runner.run(out, drafts)
             self.speculator.record(out.seqs, drafts, sampled)
         finished = self._apply(out, sampled)
+        if self.connector is not None:
+            self.connector.after_step()  # the blocks this step hashed, queued for the tier
         deltas = self.output_processor.finish_step(out.seqs)
         for seq in self.pending_siblings.release(out.seqs):
             self.scheduler.add(seq)
@@ -205,6 +217,9 @@ class LLMEngine:
         return SamplingParams(**self.config.sampling_defaults)
 
     def exit(self) -> None:
+        if self.connector is not None:
+            self.connector.close()  # its queued writes finish first
+            self.connector = None
         if self.speculator is not None:
             self.speculator.exit()
             self.speculator = None

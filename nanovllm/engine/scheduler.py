@@ -33,27 +33,30 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int, kv_windows: list[int | None] | None = None,
-                 num_state_slots: int = 0, num_lookahead_tokens: int = 0, lookahead_below: int = 0):
+                 num_state_slots: int = 0, num_lookahead_tokens: int = 0, lookahead_below: int = 0, tier=None):
         """kv_windows: each KV group's sliding window, None for full attention (engine/kv_groups.py);
         a sliding group's blocks behind its window are freed. Default: one full-attention group.
         num_state_slots: the linear-attention state slots (0: the model has no such layer); prefix
         caching is off with them (a hit would need the state at the hit's end).
         num_lookahead_tokens: KV slots held past each decoding sequence's token where the cache has
-        room, while fewer than lookahead_below sequences decode (the speculator's proposals)."""
+        room, while fewer than lookahead_below sequences decode (the speculator's proposals).
+        tier: a KVTier under the prefix cache (kv_offload/): a sequence whose prefix it holds waits in
+        `loading` while its blocks are read, and the others go on."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
         self.kv_cache_manager = KVCacheManager(num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching and not num_state_slots, kv_windows,
-                                          num_state_slots)
+                                          num_state_slots, tier=tier)
         self.waiting: deque[Sequence] = deque()
+        self.loading: dict[int, Sequence] = {}  # seq_id -> a sequence holding blocks the tier is filling
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_lookahead_tokens, self.lookahead_below = num_lookahead_tokens, lookahead_below
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.loading
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -67,15 +70,18 @@ class Scheduler:
     def _schedule_prefill(self) -> SchedulerOutput:
         seqs, num_new = [], []
         budget = self.max_num_batched_tokens
-        # Sequences holding blocks: running ones plus a partly prefilled one at the queue's head.
-        num_active = len(self.running) + int(bool(self.waiting and self.waiting[0].block_table))
+        # Sequences holding blocks: running ones, those being loaded, and those at the queue's head that
+        # a prefill chunk or a finished load left there.
+        num_active = len(self.running) + len(self.loading) + sum(1 for seq in self.waiting if seq.block_table)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:  # not started yet (new, or preempted)
                 if num_active >= self.max_num_seqs or not self.kv_cache_manager.can_allocate(seq):
                     break
-                self.kv_cache_manager.allocate(seq)
                 num_active += 1
+                if self.kv_cache_manager.allocate(seq):  # its prefix is being read: it waits aside
+                    self.loading[seq.seq_id] = self.waiting.popleft()
+                    continue
             n = min(len(seq) - seq.num_computed_tokens, budget)
             seqs.append(seq)
             num_new.append(n)
@@ -118,6 +124,17 @@ class Scheduler:
         """Tokens seq may still emit (max_tokens, max_model_len): a step's lookahead stays below it,
         so a verification never overshoots."""
         return min(seq.max_tokens - seq.num_completion_tokens, self.max_model_len - len(seq))
+
+    def loaded(self, seq_id: int, num_keys: int) -> tuple[Sequence, list[int]] | None:
+        """The tier's read for a loading sequence is done (its first num_keys keys came back): it goes
+        back to the queue's head to prefill the rest. Returns it and the block ids to fill, or None
+        for a sequence no longer loading (aborted)."""
+        seq = self.loading.pop(seq_id, None)
+        if seq is None:
+            return None
+        block_ids = self.kv_cache_manager.finish_load(seq, num_keys)
+        self.waiting.appendleft(seq)
+        return seq, block_ids
 
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and put it at the queue's head: it is prefilled again, generated tokens
@@ -184,6 +201,8 @@ class Scheduler:
         """Drop a request wherever it is and free its blocks at once."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+        elif self.loading.pop(seq.seq_id, None) is not None:
+            pass
         elif seq in self.running:
             self.running.remove(seq)
         else:

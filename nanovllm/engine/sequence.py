@@ -35,6 +35,9 @@ class Sequence:
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
+        # The prompt tokens its first prefill found cached (the engine's cache or its tier), kept
+        # after it finishes: the usage's cached_tokens.
+        self.num_cached_prompt_tokens = 0
         # One block table per KV group (engine/kv_groups.py; one group unless the model's layers
         # attend in several ways): [[]] until the KVCacheManager allocates.
         self.block_tables: list[list[int]] = [[]]

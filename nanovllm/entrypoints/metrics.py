@@ -74,7 +74,8 @@ class ServerMetrics:
         """Read the scheduler's queues and the KV cache use between two engine steps."""
         def read(llm) -> tuple[int, int, float, dict | None]:
             free, total = llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks, llm.llm_engine.num_kvcache_blocks
-            waiting = len(llm.llm_engine.scheduler.waiting) + len(llm.llm_engine.pending_siblings)
+            waiting = (len(llm.llm_engine.scheduler.waiting) + len(llm.llm_engine.scheduler.loading)
+                       + len(llm.llm_engine.pending_siblings))
             spec = llm.llm_engine.speculator.metrics.as_dict() if llm.llm_engine.speculator is not None else None
             return len(llm.llm_engine.scheduler.running), waiting, 1.0 - free / total if total else 0.0, spec
 

@@ -35,6 +35,15 @@ class Executor(ABC):
     def kv_block_bytes(self) -> int:
         """One block of the cache."""
 
+    # ---- blocks in and out (the tier under the prefix cache, kv_offload/) ----------------------
+    @abstractmethod
+    def read_kv_blocks(self, block_ids: list[int]) -> "torch.Tensor":
+        """A copy of these blocks' K/V, one uint8 row of kv_block_bytes() per block, on the host."""
+
+    @abstractmethod
+    def write_kv_blocks(self, block_ids: list[int], data: "torch.Tensor") -> None:
+        """Fill these blocks with rows read_kv_blocks returned (this engine's or an earlier one's)."""
+
     # ---- steps ----------------------------------------------------------------------------------
     @abstractmethod
     def run(self, out: "SchedulerOutput", drafts: list[list[int]] | None = None) -> "SampledTokens | None":

@@ -193,6 +193,18 @@ class ModelRunner(Executor):
                 attn.kv_group = g
         return num_blocks
 
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        # [2, slots, n, ...] -> [n, 2, slots, ...]: each block's bytes in one row
+        blocks = self.kv_cache.index_select(2, ids).movedim(2, 0).contiguous()
+        return blocks.view(torch.uint8).reshape(len(block_ids), -1).cpu()
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        cache = self.kv_cache
+        ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        rows = data.to(cache.device).view(cache.dtype).reshape(len(block_ids), 2, *cache.shape[1:2], *cache.shape[3:])
+        cache.index_copy_(2, ids, rows.movedim(0, 2))
+
     @property
     def state_layers(self) -> list:
         return self.state_cache.layers

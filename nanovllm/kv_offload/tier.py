@@ -1,0 +1,201 @@
+"""KVTier: the tier under the prefix cache. The KV cache manager asks it which blocks it holds and
+starts reads of a request's blocks; the connector hands it new blocks to write and collects finished
+reads. Writes and reads run on one worker thread (reads first: a request waits on them), so no engine
+step waits for disk I/O; a write that finds the queue over its bound is dropped, never waited for."""
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, fields
+
+import torch
+
+from nanovllm.kv_offload.block_file import BadBlockFile, BlockKey
+from nanovllm.kv_offload.stores import DiskStore, RamStore
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_WRITE_BYTES = 1 << 30  # K/V waiting to be written; past it new blocks are dropped
+
+
+@dataclass
+class TierStats:
+    """Counters since start (the server's /metrics carries them over)."""
+
+    query_tokens: int = 0    # prompt tokens looked up in the tier (those the engine's cache missed)
+    hit_tokens: int = 0      # of those, tokens read back instead of prefilled
+    blocks_read: int = 0
+    bytes_read: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    writes_dropped: int = 0  # blocks not written: the queue was over its bound
+    bad_files: int = 0       # truncated, corrupted or foreign files found (deleted, recomputed)
+    io_errors: int = 0       # reads or writes that failed (their blocks recomputed or not kept)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class KVTier:
+    def __init__(self, block_bytes: int, ram_bytes: int = 0, disk: DiskStore | None = None):
+        assert ram_bytes > 0 or disk is not None
+        self.block_bytes = block_bytes
+        self.ram = RamStore(ram_bytes) if ram_bytes > 0 else None
+        self.disk = disk
+        self.stats = TierStats()
+        self._cv = threading.Condition()
+        self._loads: deque[tuple[int, list[BlockKey]]] = deque()
+        self._writes: deque[tuple[list[BlockKey], torch.Tensor]] = deque()
+        self._queued_write_bytes = 0
+        self._busy = False
+        self._done: dict[int, list[torch.Tensor]] = {}
+        self._cancelled: set[int] = set()
+        self._closing = False
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._work, name="nanovllm-kv-offload", daemon=True)
+        self._thread.start()
+
+    def describe(self) -> str:
+        parts = []
+        if self.ram is not None:
+            parts.append(f"{self.ram.max_bytes / 2**30:.2f} GiB of host RAM")
+        if self.disk is not None:
+            role = "owner: evicts" if self.disk.owner else "shared with its owner"
+            parts.append(f"{self.disk.root} ({self.disk.max_bytes / 2**30:.2f} GiB, {role})")
+        return "KV offloading (native): prefix blocks written through to " + " and ".join(parts)
+
+    # ---- the KV cache manager's side (engine thread) ------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        return (self.ram is not None and self.ram.contains(key)) or (self.disk is not None and self.disk.contains(key))
+
+    def start_load(self, seq_id: int, keys: list[BlockKey]) -> None:
+        with self._cv:
+            self._cancelled.discard(seq_id)
+            self._loads.append((seq_id, keys))
+            self._cv.notify_all()
+
+    def cancel(self, seq_id: int) -> None:
+        """Forget a read (its request was aborted): its result, if any, is dropped."""
+        with self._cv:
+            self._done.pop(seq_id, None)
+            if any(s == seq_id for s, _ in self._loads) or self._busy:
+                self._cancelled.add(seq_id)
+            self._loads = deque((s, k) for s, k in self._loads if s != seq_id)
+
+    def finished_loads(self) -> dict[int, list[torch.Tensor]]:
+        """Each finished read's blocks, leading ones only (a read stops at its first miss), as uint8
+        rows of block_bytes."""
+        with self._cv:
+            done, self._done = self._done, {}
+        return done
+
+    def wait(self, timeout: float) -> None:
+        """Until a read finishes, or timeout seconds (an engine with only reads in flight)."""
+        with self._cv:
+            if not self._done:
+                self._cv.wait(timeout)
+
+    # ---- the connector's side (engine thread) -------------------------------------------------
+    def save(self, keys: list[BlockKey], data: torch.Tensor) -> None:
+        """Queue new blocks (rows of data, uint8, block_bytes each) to be written."""
+        if self.ram is not None:
+            for key, row in zip(keys, data):
+                self.ram.put(key, row.clone())
+        if self.disk is None or self.disk.writes_off is not None:
+            return
+        with self._cv:
+            if self._queued_write_bytes + data.numel() > MAX_QUEUED_WRITE_BYTES:
+                self.stats.writes_dropped += len(keys)
+                self._warn_once("dropped", "KV offloading: %s is behind (over %d MiB queued); new blocks are "
+                                "not written until it catches up", self.disk.root, MAX_QUEUED_WRITE_BYTES >> 20)
+                return
+            self._queued_write_bytes += data.numel()
+            self._writes.append((keys, data))
+            self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write and read is done; whether they were."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not (self._writes or self._loads or self._busy), timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the queued writes (up to timeout seconds), then stop the worker."""
+        self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        if self.disk is not None:
+            self.disk.close()
+
+    # ---- the worker ---------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._loads or self._writes or self._closing)
+                if self._closing and not self._loads and not self._writes:
+                    return
+                job = ("load", self._loads.popleft()) if self._loads else ("write", self._writes.popleft())
+                self._busy = True
+            try:
+                if job[0] == "load":
+                    seq_id, keys = job[1]
+                    blocks = self._read(keys)
+                    with self._cv:
+                        if seq_id in self._cancelled:
+                            self._cancelled.discard(seq_id)
+                        else:
+                            self._done[seq_id] = blocks
+                else:
+                    keys, data = job[1]
+                    self._write(keys, data)
+                    with self._cv:
+                        self._queued_write_bytes -= data.numel()
+            except Exception:  # a bug here must not stop the tier's thread: the work is lost, not the engine
+                logger.exception("KV offloading: %s failed", job[0])
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
+        blocks = []
+        for key in keys:
+            data = self.ram.get(key) if self.ram is not None else None
+            if data is None and self.disk is not None:
+                try:
+                    payload = self.disk.read(key, self.block_bytes)
+                except BadBlockFile:
+                    self.stats.bad_files += 1
+                    payload = None
+                except OSError as e:
+                    self.stats.io_errors += 1
+                    self._warn_once(f"read {e.errno}", "KV offloading: a read failed (%s); its tokens are computed", e)
+                    payload = None
+                if payload is not None:
+                    data = torch.frombuffer(payload, dtype=torch.uint8)
+                    self.stats.bytes_read += payload.nbytes
+                    if self.ram is not None:
+                        self.ram.put(key, data)
+            if data is None:
+                break
+            blocks.append(data)
+        self.stats.blocks_read += len(blocks)
+        return blocks
+
+    def _write(self, keys: list[BlockKey], data: torch.Tensor) -> None:
+        rows = data.numpy()
+        for key, row in zip(keys, rows):
+            try:
+                nbytes = self.disk.write(key, memoryview(row))
+            except OSError as e:
+                self.stats.io_errors += 1
+                self._warn_once(f"write {e.errno}", "KV offloading: a write failed (%s); that block is not kept", e)
+                continue
+            if nbytes:
+                self.stats.blocks_written += 1
+                self.stats.bytes_written += nbytes
+
+    def _warn_once(self, what: str, message: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message, *args)
