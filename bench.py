@@ -136,6 +136,8 @@ def build_parser() -> ArgumentParser:
     from nanovllm.layers.backends.kv_formats import NAMES as KV_NAMES
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_NAMES),
                    help="how the KV cache stores K and V (default: auto: 16-bit on CPUs, the model's dtype on GPUs)")
+    from nanovllm.cli import add_kv_offloading_args
+    add_kv_offloading_args(p)  # a tier under the prefix cache (docs/serving.md)
     from nanovllm.layers.quantization.block_formats import ONLINE_FORMATS
     p.add_argument("--quantization", default=None, choices=list(ONLINE_FORMATS),
                    help="quantize the weights at load into this GGUF block format (CPU; default: none)")
@@ -249,6 +251,8 @@ def main() -> int:
                    max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
+    from nanovllm.cli import kv_offloading_kwargs
+    options.update(kv_offloading_kwargs(args))
     try:
         EngineArgs(args.model, **options)  # every flag's value, before a random checkpoint is written
     except (ValueError, TypeError) as e:

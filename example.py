@@ -38,7 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_NAMES),
                         help="how the KV cache stores K and V: auto (default: 16-bit on CPUs, the model's dtype on "
                         "GPUs), float32, bfloat16, float16, int8 (llama.cpp's q8_0), fp8 / fp8_e4m3 / fp8_e5m2")
-    from nanovllm.cli import json_object
+    from nanovllm.cli import add_kv_offloading_args, json_object
+    add_kv_offloading_args(parser)  # a tier under the prefix cache: a rerun reads its prompts' K/V back
     parser.add_argument("--speculative-config", type=json_object, default=None,
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (docs/speculative.md; '
@@ -61,6 +62,8 @@ def main() -> int:
     logging.getLogger("nanovllm").setLevel(logging.INFO)  # shows download / conversion progress
     options = dict(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                    max_num_seqs=len(PROMPTS), max_model_len=2048, speculative_config=args.speculative_config)
+    from nanovllm.cli import kv_offloading_kwargs
+    options.update(kv_offloading_kwargs(args))
     try:
         # Checked before the model loads (or downloads), so a bad value fails at once.
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

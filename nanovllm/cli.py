@@ -203,6 +203,18 @@ def run_worker(args: argparse.Namespace) -> int:
         return print_error(name, e, status=1)
 
 
+def add_kv_offloading_args(parser: argparse.ArgumentParser) -> None:
+    """serve's --kv-offloading-* flags, for bench.py and example.py."""
+    for flag, dest, type_, help_ in _ENGINE_OPTIONS:
+        if dest.startswith("kv_offloading"):
+            parser.add_argument(flag, dest=dest, type=type_, default=None, help=help_)
+
+
+def kv_offloading_kwargs(args: argparse.Namespace) -> dict:
+    return {dest: getattr(args, dest) for _, dest, _, _ in _ENGINE_OPTIONS
+            if dest.startswith("kv_offloading") and getattr(args, dest) is not None}
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine options given on the command line (unset ones keep Config's defaults)."""
     names = [dest for _, dest, _, _ in _ENGINE_OPTIONS] + ["enforce_eager", "enable_prefix_caching", "kvcache_prefault"]

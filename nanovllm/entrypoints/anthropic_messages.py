@@ -260,7 +260,15 @@ def add_messages_routes(app: FastAPI, service: ChatService) -> None:
         reason, sequence = stop_reason(turn)
         return {**head, "content": [content_block(b) for b in turn.blocks], "stop_reason": reason,
                 "stop_sequence": sequence,
-                "usage": {"input_tokens": turn.num_prompt_tokens, "output_tokens": turn.num_output_tokens}}
+                "usage": {**input_usage(turn), "output_tokens": turn.num_output_tokens}}
+
+
+def input_usage(turn: AssistantTurn) -> dict:
+    """Anthropic's split of the prompt: input_tokens computed, cache_read_input_tokens read from the
+    prefix cache or the tier under it (their sum is the prompt)."""
+    cached = turn.gen.num_cached_tokens
+    return {"input_tokens": turn.num_prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached}
 
 
 def _event(kind: str, data: dict) -> str:
@@ -293,5 +301,5 @@ async def _stream(turn: AssistantTurn, head: dict) -> AsyncIterator[str]:
         return
     reason, sequence = stop_reason(turn)
     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                   "usage": {"output_tokens": turn.num_output_tokens}})
+                                   "usage": {**input_usage(turn), "output_tokens": turn.num_output_tokens}})
     yield _event("message_stop", {})

@@ -42,6 +42,33 @@ class ServerMetrics:
         # each scrape; only with speculation on (spec_counters is None until the first scrape).
         self.spec_counters: dict | None = None
         self.spec_seen: dict[str, int] = {}
+        # The tier under the prefix cache (kv_offload/tier.py TierStats), carried over the same way.
+        self.tier_counters: dict | None = None
+        self.tier_seen: dict[str, int] = {}
+
+    # TierStats field -> (metric name: vLLM's where it has one, help)
+    TIER_METRICS = {
+        "query_tokens": ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the KV offloading tier."),
+        "hit_tokens": ("vllm:external_prefix_cache_hits", "Prompt tokens read back from the KV offloading tier."),
+        "bytes_read": ("vllm:kv_offload_load_bytes", "Bytes of K/V read from the KV offloading tier's directory."),
+        "bytes_written": ("vllm:kv_offload_store_bytes", "Bytes of K/V written to the KV offloading tier's directory."),
+        "writes_dropped": ("nanovllm:kv_offload_writes_dropped", "Blocks not written: the tier's queue was full."),
+        "bad_files": ("nanovllm:kv_offload_bad_files", "Damaged or foreign block files found (deleted, recomputed)."),
+        "io_errors": ("nanovllm:kv_offload_io_errors", "Tier reads or writes that failed."),
+    }
+
+    def _carry_tier(self, stats: dict | None) -> None:
+        if stats is None:
+            return
+        from prometheus_client import Counter
+        if self.tier_counters is None:
+            common = dict(labelnames=["model_name"], registry=self.registry)
+            self.tier_counters = {key: Counter(name, doc, **common).labels(model_name=self.model_name)
+                                  for key, (name, doc) in self.TIER_METRICS.items()}
+        for key, counter in self.tier_counters.items():
+            if stats[key] > self.tier_seen.get(key, 0):
+                counter.inc(stats[key] - self.tier_seen.get(key, 0))
+                self.tier_seen[key] = stats[key]
 
     def _spec_counters(self, num_positions: int) -> dict:
         from prometheus_client import Counter
@@ -72,18 +99,21 @@ class ServerMetrics:
 
     async def refresh_gauges(self, engine) -> None:
         """Read the scheduler's queues and the KV cache use between two engine steps."""
-        def read(llm) -> tuple[int, int, float, dict | None]:
+        def read(llm) -> tuple[int, int, float, dict | None, dict | None]:
             free, total = llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks, llm.llm_engine.num_kvcache_blocks
             waiting = (len(llm.llm_engine.scheduler.waiting) + len(llm.llm_engine.scheduler.loading)
                        + len(llm.llm_engine.pending_siblings))
             spec = llm.llm_engine.speculator.metrics.as_dict() if llm.llm_engine.speculator is not None else None
-            return len(llm.llm_engine.scheduler.running), waiting, 1.0 - free / total if total else 0.0, spec
+            connector = llm.llm_engine.connector
+            tier = connector.tier.stats.as_dict() if connector is not None else None
+            return len(llm.llm_engine.scheduler.running), waiting, 1.0 - free / total if total else 0.0, spec, tier
 
-        running, waiting, usage, spec = await engine.call(read)
+        running, waiting, usage, spec, tier = await engine.call(read)
         self.num_running.set(running)
         self.num_waiting.set(waiting)
         self.kv_cache_usage.set(usage)
         self._carry_spec(spec)
+        self._carry_tier(tier)
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

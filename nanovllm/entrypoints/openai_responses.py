@@ -107,7 +107,8 @@ class ResponseRun:
             if status == "incomplete":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
             out["usage"] = {"input_tokens": turn.num_prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                            "input_tokens_details": {"cached_tokens": turn.gen.num_cached_tokens,
+                                                     "cache_write_tokens": 0},
                             "output_tokens": turn.num_output_tokens,
                             "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens()},
                             "total_tokens": turn.num_prompt_tokens + turn.num_output_tokens}

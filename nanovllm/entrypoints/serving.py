@@ -26,6 +26,7 @@ class Choice:
     # With prompt_logprobs: one entry per prompt token (None first), and each id's text.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_texts: dict[int, str] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # of its prompt's tokens, found cached
 
     @property
     def text(self) -> str:
@@ -172,6 +173,7 @@ class Generation:
                                if self.top_logprobs is not None else [])
                     choice.logprobs += entries
                     choice.num_tokens = delta.num_output_tokens
+                    choice.num_cached_tokens = delta.num_cached_tokens
                     if delta.is_finished:
                         choice.finish_reason = delta.finish_reason
                         self.num_unfinished -= 1
@@ -201,11 +203,18 @@ class Generation:
         """run_to_end; False (and the requests aborted) if the HTTP client left first."""
         return await unless_disconnected(self.run_to_end(), request)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found cached, each prompt counted once (its completions share it)."""
+        return sum(max((c.num_cached_tokens for c in self.choices[i * self.n:(i + 1) * self.n]), default=0)
+                   for i in range(len(self.prompt_lens)))
+
     def usage(self) -> dict:
         prompt_tokens = sum(self.prompt_lens)
         completion_tokens = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

@@ -130,7 +130,8 @@ class OutputProcessor:
             texts = token_texts(self.tokenizer, new_ids, new_logprobs)
         state.num_sent_tokens = len(completion)
         delta = StreamDelta(state.request_id, state.index, new_ids, piece, seq.finish_reason,
-                            seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts)
+                            seq.num_prompt_tokens, len(completion), seq.stop_reason, new_logprobs, texts,
+                            num_cached_tokens=seq.num_cached_prompt_tokens)
         if state.prompt_logprobs is not None and not state.is_prompt_sent:
             # NOTE: a first delta comes once the prompt is computed (entries complete) or aborted.
             state.is_prompt_sent = True
@@ -185,6 +186,7 @@ class OutputProcessor:
             "finish_reason": seq.finish_reason,
             "stop_reason": seq.stop_reason,
             "prompt_token_ids": seq.prompt_token_ids,
+            "num_cached_tokens": seq.num_cached_prompt_tokens,
         }
         if seq.sampling_params.logprobs is not None:
             out["logprobs"] = list(logprobs or [])

@@ -30,6 +30,8 @@ class StreamDelta:
     # prompt token (None for the first), and the text of each id in them (prompt tokens included).
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
     prompt_token_texts: dict[int, str] | None = field(default=None, repr=False)
+    # Prompt tokens its prefill found cached (the engine's cache or the tier under it): usage's cached_tokens.
+    num_cached_tokens: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -47,7 +49,7 @@ class StreamDelta:
         return StreamDelta(self.request_id, self.index, self.token_ids + later.token_ids, text,
                            later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
                            later.stop_reason, logprobs, token_texts, first.prompt_logprobs,
-                           first.prompt_token_texts)
+                           first.prompt_token_texts, later.num_cached_tokens)
 
 
 def token_texts(tokenizer, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> dict[int, str]:

@@ -104,7 +104,10 @@ def test_messages_thinking(claude, scripted):
     message = claude.messages.create(model=MODEL, max_tokens=64, messages=USER, extra_body={"temperature": 0})
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == \
         [("thinking", THINKING), ("text", ANSWER)]
-    assert message.stop_reason == "end_turn" and message.usage.input_tokens == prompt_len(scripted, USER)
+    # Anthropic's split: computed input tokens plus those read from the prefix cache make the prompt.
+    usage = message.usage
+    assert message.stop_reason == "end_turn" and usage.cache_creation_input_tokens == 0
+    assert usage.input_tokens + usage.cache_read_input_tokens == prompt_len(scripted, USER)
     with claude.messages.stream(model=MODEL, max_tokens=64, messages=USER, extra_body={"temperature": 0}) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -122,7 +125,8 @@ def test_enable_thinking_false_renders_the_no_think_prompt(oai, claude, scripted
     assert response.usage.input_tokens == off and response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     message = claude.messages.create(model=MODEL, max_tokens=4, messages=USER, thinking={"type": "disabled"})
-    assert message.usage.input_tokens == off and message.stop_reason == "max_tokens"
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == off
+    assert message.stop_reason == "max_tokens"
 
 
 # ---- constraints apply to the answer after the thinking ------------------------------------------------
@@ -203,7 +207,7 @@ def test_messages_forced_call_and_round_trip(claude, scripted):
                            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     want = prompt_len(scripted, conversation, tools=[{"type": "function", "function": {
         "name": "get_weather", "description": "weather", "parameters": WEATHER}}])
-    assert answer.usage.input_tokens == want
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == want
     assert claude.messages.count_tokens(model=MODEL, messages=messages, tools=[ANTHROPIC_TOOL]).input_tokens == want
 
 
