@@ -1,6 +1,6 @@
 """llama.cpp for scripts/bench_llamacpp.py: fetches the llama.cpp vendored in the llama-cpp-python sdist,
-builds llama-bench, llama-batched-bench, llama-quantize, llama-perplexity and the speculation tools
-(llama-lookup, llama-speculative), and converts HF folders to GGUF, all cached in the nanovllm
+builds llama-bench, llama-batched-bench, llama-quantize, llama-perplexity, the speculation tools
+(llama-lookup, llama-speculative) and llama-server, and converts HF folders to GGUF, all cached in the nanovllm
 cache folder (keyed by version) so a second run does none of it again. The same for ik_llama.cpp (the
 CPU-speed fork, vendored in the ik-llama-cpp-python sdist), a second reference: fork="ik_llama.cpp"."""
 import hashlib
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 VERSION = "0.3.36"  # llama-cpp-python release; it vendors llama.cpp commit 0c1e570
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity", "llama-lookup",
-           "llama-speculative")
+           "llama-speculative", "llama-server")
 
 
 class Fork(NamedTuple):
