@@ -182,22 +182,20 @@ class KVCacheManager:
         if not keys:
             return False
         self.loading[seq.seq_id] = [key for block in keys for key in block]
-        self.tier.start_load(seq.seq_id, self.loading[seq.seq_id])
+        block_ids = [seq.block_tables[g][i] for i in range(n, n + len(keys)) for g in range(self.num_groups)]
+        self.tier.start_load(seq.seq_id, self.loading[seq.seq_id], block_ids)
         return True
 
-    def finish_load(self, seq: Sequence, num_keys: int) -> list[int]:
-        """The tier's read for seq brought back its first num_keys keys: the blocks they fill are
-        registered as computed (whole blocks only). Returns those block ids, each block's groups in
-        turn, for the connector to fill with the K/V read."""
+    def finish_load(self, seq: Sequence, num_keys: int) -> None:
+        """The tier filled seq's blocks of its first num_keys keys: those blocks (whole ones only)
+        are registered as computed."""
         keys = self.loading.pop(seq.seq_id)
         num_blocks = min(num_keys, len(keys)) // self.num_groups
         hashes = self.seq_block_hashes[seq.seq_id]
         first = len(hashes)
-        block_ids = []
         for i in range(first, first + num_blocks):
             block = keys[(i - first) * self.num_groups:(i - first + 1) * self.num_groups]
             for g, key in enumerate(block):
-                block_ids.append(seq.block_tables[g][i])
                 self.pool.cache(seq.block_tables[g][i], key.hash, key.parent_hash, list(key.token_ids), g)
             hashes.append(block[0].hash)
         seq.num_cached_tokens += num_blocks * self.block_size
@@ -205,7 +203,6 @@ class KVCacheManager:
         if seq.num_completion_tokens == 0:
             seq.num_cached_prompt_tokens = seq.num_cached_tokens
         self.tier.stats.hit_tokens += num_blocks * self.block_size
-        return block_ids
 
     def take_unsaved(self) -> list[tuple[int, BlockKey]]:
         """The blocks hashed since the last call, for the tier (each with its key)."""

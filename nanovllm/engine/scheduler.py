@@ -125,16 +125,16 @@ class Scheduler:
         so a verification never overshoots."""
         return min(seq.max_tokens - seq.num_completion_tokens, self.max_model_len - len(seq))
 
-    def loaded(self, seq_id: int, num_keys: int) -> tuple[Sequence, list[int]] | None:
-        """The tier's read for a loading sequence is done (its first num_keys keys came back): it goes
-        back to the queue's head to prefill the rest. Returns it and the block ids to fill, or None
-        for a sequence no longer loading (aborted)."""
+    def loaded(self, seq_id: int, num_keys: int) -> Sequence | None:
+        """The tier's read for a loading sequence is done (its first num_keys keys are in its blocks):
+        it goes back to the queue's head to prefill the rest. Returns it, or None for a sequence no
+        longer loading (aborted)."""
         seq = self.loading.pop(seq_id, None)
         if seq is None:
             return None
-        block_ids = self.kv_cache_manager.finish_load(seq, num_keys)
+        self.kv_cache_manager.finish_load(seq, num_keys)
         self.waiting.appendleft(seq)
-        return seq, block_ids
+        return seq
 
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and put it at the queue's head: it is prefilled again, generated tokens

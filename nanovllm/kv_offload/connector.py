@@ -1,11 +1,9 @@
 """TierConnector: the engine's side of the tier, between two steps (vLLM's offloading connector). Before
-a step, finished reads are copied into the cache's blocks and their sequences go back to the queue;
-after it, the blocks hashed in it are copied out of the cache and queued to be written. Only the
-Executor touches the cache's tensors, and only here, so the scheduler and the KV cache manager stay
-free of them."""
+a step, the sequences whose blocks the tier has read (and copied into the cache, through the
+Executor's write_kv_blocks) go back to the queue; after it, the blocks hashed in it are copied out of
+the cache (read_kv_blocks) and queued to be written. The scheduler and the KV cache manager never
+touch the cache's tensors."""
 import logging
-
-import torch
 
 from nanovllm.kv_offload.stores import DiskStore
 from nanovllm.kv_offload.tier import KVTier
@@ -47,16 +45,12 @@ class TierConnector:
         self.tier = tier
         self.scheduler = scheduler
         self.executor = executor
+        tier.fill = executor.write_kv_blocks
 
     def before_step(self) -> None:
-        """Fill the blocks of every finished read and hand their sequences back to the scheduler."""
-        for seq_id, blocks in self.tier.finished_loads().items():
-            done = self.scheduler.loaded(seq_id, len(blocks))
-            if done is None:
-                continue
-            _, block_ids = done
-            if block_ids:
-                self.executor.write_kv_blocks(block_ids, torch.stack(blocks[:len(block_ids)]))
+        """Hand every sequence whose read finished back to the scheduler."""
+        for seq_id, num_filled in self.tier.finished_loads().items():
+            self.scheduler.loaded(seq_id, num_filled)
 
     def after_step(self) -> None:
         """Queue the blocks the step hashed to be written (their K/V copied out now: a block may be

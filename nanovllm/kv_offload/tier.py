@@ -1,10 +1,13 @@
 """KVTier: the tier under the prefix cache. The KV cache manager asks it which blocks it holds and
 starts reads of a request's blocks; the connector hands it new blocks to write and collects finished
 reads. Writes and reads run on one worker thread (reads first: a request waits on them), so no engine
-step waits for disk I/O; a write that finds the queue over its bound is dropped, never waited for."""
+step waits for disk I/O: a read also copies each block into the cache's block (`fill`, the Executor's
+write_kv_blocks), blocks that no step touches while their sequence waits. A write that finds the queue
+over its bound is dropped, never waited for."""
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -15,6 +18,7 @@ from nanovllm.kv_offload.stores import DiskStore, RamStore
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_WRITE_BYTES = 1 << 30  # K/V waiting to be written; past it new blocks are dropped
+FILL_BLOCKS = 16  # blocks read, then copied into the cache together (a cancel waits for one such batch at most)
 
 
 @dataclass
@@ -39,15 +43,18 @@ class KVTier:
     def __init__(self, block_bytes: int, ram_bytes: int = 0, disk: DiskStore | None = None):
         assert ram_bytes > 0 or disk is not None
         self.block_bytes = block_bytes
+        # Copies rows of K/V into the cache's blocks (the Executor's write_kv_blocks; the connector sets it).
+        self.fill: Callable[[list[int], torch.Tensor], None] | None = None
         self.ram = RamStore(ram_bytes) if ram_bytes > 0 else None
         self.disk = disk
         self.stats = TierStats()
         self._cv = threading.Condition()
-        self._loads: deque[tuple[int, list[BlockKey]]] = deque()
+        self._loads: deque[tuple[int, list[BlockKey], list[int]]] = deque()
         self._writes: deque[tuple[list[BlockKey], torch.Tensor]] = deque()
         self._queued_write_bytes = 0
         self._busy = False
-        self._done: dict[int, list[torch.Tensor]] = {}
+        self._loading_seq: int | None = None  # the read the worker is doing
+        self._done: dict[int, int] = {}
         self._cancelled: set[int] = set()
         self._closing = False
         self._warned: set[str] = set()
@@ -67,23 +74,27 @@ class KVTier:
     def contains(self, key: BlockKey) -> bool:
         return (self.ram is not None and self.ram.contains(key)) or (self.disk is not None and self.disk.contains(key))
 
-    def start_load(self, seq_id: int, keys: list[BlockKey]) -> None:
+    def start_load(self, seq_id: int, keys: list[BlockKey], block_ids: list[int]) -> None:
+        """Read keys into the cache's blocks block_ids (one each), in order, stopping at the first
+        miss; finished_loads() then says how many were filled."""
         with self._cv:
             self._cancelled.discard(seq_id)
-            self._loads.append((seq_id, keys))
+            self._loads.append((seq_id, keys, block_ids))
             self._cv.notify_all()
 
     def cancel(self, seq_id: int) -> None:
-        """Forget a read (its request was aborted): its result, if any, is dropped."""
+        """Forget a read (its request was aborted). Returns once the worker writes none of its blocks
+        any more, so they can go to other sequences."""
         with self._cv:
             self._done.pop(seq_id, None)
-            if any(s == seq_id for s, _ in self._loads) or self._busy:
+            self._loads = deque(job for job in self._loads if job[0] != seq_id)
+            if self._loading_seq == seq_id:
                 self._cancelled.add(seq_id)
-            self._loads = deque((s, k) for s, k in self._loads if s != seq_id)
+                self._cv.wait_for(lambda: self._loading_seq != seq_id)
+            self._cancelled.discard(seq_id)
 
-    def finished_loads(self) -> dict[int, list[torch.Tensor]]:
-        """Each finished read's blocks, leading ones only (a read stops at its first miss), as uint8
-        rows of block_bytes."""
+    def finished_loads(self) -> dict[int, int]:
+        """Each finished read's count of keys filled (the leading ones: a read stops at its first miss)."""
         with self._cv:
             done, self._done = self._done, {}
         return done
@@ -136,15 +147,15 @@ class KVTier:
                     return
                 job = ("load", self._loads.popleft()) if self._loads else ("write", self._writes.popleft())
                 self._busy = True
+                if job[0] == "load":
+                    self._loading_seq = job[1][0]
             try:
                 if job[0] == "load":
-                    seq_id, keys = job[1]
-                    blocks = self._read(keys)
+                    seq_id, keys, block_ids = job[1]
+                    filled = self._load(seq_id, keys, block_ids)
                     with self._cv:
-                        if seq_id in self._cancelled:
-                            self._cancelled.discard(seq_id)
-                        else:
-                            self._done[seq_id] = blocks
+                        if seq_id not in self._cancelled:
+                            self._done[seq_id] = filled
                 else:
                     keys, data = job[1]
                     self._write(keys, data)
@@ -155,9 +166,28 @@ class KVTier:
             finally:
                 with self._cv:
                     self._busy = False
+                    self._loading_seq = None
                     self._cv.notify_all()
 
+    def _load(self, seq_id: int, keys: list[BlockKey], block_ids: list[int]) -> int:
+        """Read keys and copy them into block_ids, FILL_BLOCKS at a time, until a miss or a cancel;
+        the count filled."""
+        filled = 0
+        while filled < len(keys):
+            with self._cv:
+                if seq_id in self._cancelled:
+                    break
+            batch = self._read(keys[filled:filled + FILL_BLOCKS])
+            if batch:
+                self.fill(block_ids[filled:filled + len(batch)], torch.stack(batch))
+                filled += len(batch)
+            if len(batch) < FILL_BLOCKS:
+                break
+        self.stats.blocks_read += filled
+        return filled
+
     def _read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
+        """The leading keys' K/V found (RAM, then the directory), up to the first that is not."""
         blocks = []
         for key in keys:
             data = self.ram.get(key) if self.ram is not None else None
@@ -179,7 +209,6 @@ class KVTier:
             if data is None:
                 break
             blocks.append(data)
-        self.stats.blocks_read += len(blocks)
         return blocks
 
     def _write(self, keys: list[BlockKey], data: torch.Tensor) -> None:

@@ -322,8 +322,9 @@ class FakeTier:
     def contains(self, key) -> bool:
         return True
 
-    def start_load(self, seq_id, keys) -> None:
-        self.started[seq_id] = keys
+    def start_load(self, seq_id, keys, block_ids) -> None:
+        assert len(keys) == len(block_ids)
+        self.started[seq_id] = block_ids
 
     def cancel(self, seq_id) -> None:
         self.cancelled.append(seq_id)
@@ -358,9 +359,39 @@ def test_a_request_whose_prefix_is_read_waits_aside_while_others_decode():
     assert s.kv_cache_manager.num_free_blocks == 64 - 2 - 5 - 3  # the reads' blocks are held
     s.abort(aborted)
     assert tier.cancelled == [aborted.seq_id] and s.kv_cache_manager.num_free_blocks == 64 - 2 - 5
-    seq, block_ids = s.loaded(loading.seq_id, 3)  # the fourth block's read failed: computed instead
-    assert seq is loading and block_ids == loading.block_table[:3]
+    assert tier.started[loading.seq_id] == loading.block_table[:4]  # read into its own blocks
+    assert s.loaded(loading.seq_id, 3) is loading  # the fourth block's read failed: computed instead
     assert loading.num_computed_tokens == loading.num_cached_tokens == 12 and tier.stats.hit_tokens == 12
     out = s.schedule()
     assert out.is_prefill and out.seqs == [loading] and out.num_new_tokens == [6]
     assert s.loaded(aborted.seq_id, 2) is None
+
+
+def test_a_cancelled_read_writes_no_block_after_cancel_returns(tmp_path):
+    """An aborted request's blocks go back to the pool: the worker must be done writing into them."""
+    import threading
+    import time
+
+    from nanovllm.kv_offload.tier import FILL_BLOCKS, KVTier
+    store = DiskStore(str(tmp_path), 1 << 30, "c" * 32)
+    keys = [BlockKey(0, i, None, (i,)) for i in range(4 * FILL_BLOCKS)]
+    for key in keys:
+        store.write(key, memoryview(bytes(64)))
+    tier = KVTier(64, disk=store)
+    filled, started = [], threading.Event()
+
+    def fill(block_ids, data):
+        started.set()
+        time.sleep(0.05)
+        filled.extend(block_ids)
+    tier.fill = fill
+    tier.start_load(7, keys, list(range(len(keys))))
+    assert started.wait(10)
+    tier.cancel(7)
+    after_cancel = len(filled)
+    time.sleep(0.3)
+    assert len(filled) == after_cancel < len(keys)
+    assert tier.finished_loads() == {}
+    tier.start_load(8, keys[:3], [100, 101, 102])  # the worker goes on with other reads
+    assert tier.flush(10) and tier.finished_loads() == {8: 3} and filled[-3:] == [100, 101, 102]
+    tier.close()
