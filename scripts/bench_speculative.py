@@ -152,7 +152,7 @@ def run_ours(target: str, draft: str, prompts: dict[str, list[list[int]]], args)
                     rows[method]["outputs8"] = outputs
         for method in methods:
             drafted, accepted, emitted, verifications = counts[method]
-            if engines[method].speculator:
+            if engines[method].llm_engine.speculator:
                 rows[method]["acceptance"] = accepted / drafted if drafted else 0.0
                 rows[method]["emitted_per_verification"] = emitted / verifications if verifications else 0.0
             print(f"ours {method:6} {name:20} " + " ".join(
