@@ -5,15 +5,17 @@
                                           --cache-sessions 3 [--tier-off-turns N]]
 
 Model: bench.py's random-weight Qwen3-0.6B-shaped checkpoint as llama-quantize's --file (both engines
-load that file). The prompt: --prefix random token ids, then a --question of its own; one token asked
-(max_tokens 1: the answer's time is its first token's).
+load that file). Each request: the same --prefix random token ids (an agent's preamble), then a
+--question of its own (random ids); one token asked (max_tokens 1: the answer's time is its first
+token's).
 
-Server rows (`nanovllm serve --kv-offloading-dir`): cold; the same prompt again (warm in the engine's
-RAM cache); the server stopped (SIGTERM), started again (its start-up timed apart), and the prompt
-again (read from the directory). llama-server on the same file and prompt (-c, -t, -np 1, flash
-attention): cold; again (its own prompt cache); POST /slots/0?action=save, the server restarted with
-the same --slot-save-path, POST /slots/0?action=restore, then the request: the restore call counts
-toward its first token.
+Server rows (`nanovllm serve --kv-offloading-dir`): cold; a second question (the prefix warm in the
+engine's RAM cache); the server stopped (SIGTERM), started again (its start-up timed apart), and a
+third question (the prefix read from the directory). llama-server on the same file and prompts (-c,
+-t, -np 1, flash attention): cold; a second question (its own prompt cache); POST
+/slots/0?action=save, the server restarted with the same --slot-save-path, POST
+/slots/0?action=restore, then the third question: the restore call counts toward its first token.
+Both engines' caches are mapped at start-up (llama.cpp clears its cache; ours --kvcache-prefault).
 
 --sessions: an agent workload through one engine (LLM, offline): SESSIONS sessions, each with its own
 --context random tokens, take --turns turns in a round (session 1 turn 1, session 2 turn 1, ...); a
@@ -101,37 +103,41 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def our_server_rows(gguf: Path, prompt: list[int], max_len: int, work: Path) -> list[tuple]:
+def our_server_rows(gguf: Path, prompts: list[list[int]], max_len: int, work: Path) -> list[tuple]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "nanovllm.cli", "serve", str(gguf), "--port", str(port), "--served-model-name", "m",
-           "--max-model-len", str(max_len), "--max-num-seqs", "1", "--log-level", "warning",
+           "--max-model-len", str(max_len), "--max-num-seqs", "1", "--log-level", "warning", "--kvcache-prefault",
            "--kv-offloading-dir", str(work / "tier"), "--kv-offloading-dir-size", "8"]
-    body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+    def body(i: int) -> dict:
+        return {"model": "m", "prompt": prompts[i], "max_tokens": 1, "temperature": 0}
     log = open(work / "ours.log", "ab")
     rows = []
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         wait_ready(proc, url)
-        cold, out = timed_post(url + "/v1/completions", body)
+        cold, out = timed_post(url + "/v1/completions", body(0))
         rows.append(("nano-vLLM", "cold", cold, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
-        warm, out = timed_post(url + "/v1/completions", body)
-        rows.append(("nano-vLLM", "again (warm in RAM)", warm, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        warm, out = timed_post(url + "/v1/completions", body(1))
+        rows.append(("nano-vLLM", "a second question (the prefix warm in RAM)", warm,
+                     out["usage"]["prompt_tokens_details"]["cached_tokens"]))
         time.sleep(2)  # the tier's writes are asynchronous; a restart finds those done
     finally:
         stop(proc)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         ready = wait_ready(proc, url)
-        after, out = timed_post(url + "/v1/completions", body)
-        rows.append(("nano-vLLM", f"after a restart, from the tier's directory (start-up {ready:.1f} s apart)",
+        after, out = timed_post(url + "/v1/completions", body(2))
+        rows.append(("nano-vLLM", f"after a restart: a third question, the prefix from the tier's directory "
+                     f"(start-up {ready:.1f} s apart)",
                      after, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
     finally:
         stop(proc)
     return rows
 
 
-def llama_server_rows(server: Path, gguf: Path, prompt: list[int], max_len: int, work: Path) -> list[tuple]:
+def llama_server_rows(server: Path, gguf: Path, prompts: list[list[int]], max_len: int, work: Path) -> list[tuple]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     slots = work / "slots"
@@ -139,16 +145,19 @@ def llama_server_rows(server: Path, gguf: Path, prompt: list[int], max_len: int,
     threads = str(os.cpu_count())
     cmd = [str(server), "-m", str(gguf), "-c", str(max_len), "-t", threads, "-tb", threads, "-np", "1",
            "--port", str(port), "--slot-save-path", str(slots), "-fa", "on", "--no-webui"]
-    body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True}
+
+    def body(i: int) -> dict:
+        return {"prompt": prompts[i], "n_predict": 1, "temperature": 0, "cache_prompt": True}
     log = open(work / "llama-server.log", "ab")
     rows = []
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(proc, url)
-        cold, out = timed_post(url + "/completion", body)
-        rows.append(("llama-server", "cold", cold, out.get("tokens_cached", "")))
-        warm, out = timed_post(url + "/completion", body)
-        rows.append(("llama-server", "again (its prompt cache)", warm, out.get("timings", {}).get("cache_n", "")))
+        cold, out = timed_post(url + "/completion", body(0))
+        rows.append(("llama-server", "cold", cold, out.get("timings", {}).get("cache_n", "")))
+        warm, out = timed_post(url + "/completion", body(1))
+        rows.append(("llama-server", "a second question (its prompt cache)", warm,
+                     out.get("timings", {}).get("cache_n", "")))
         save, _ = timed_post(url + "/slots/0?action=save", {"filename": "prefix.bin"})
         rows.append(("llama-server", "POST /slots/0?action=save", save, ""))
     finally:
@@ -157,8 +166,8 @@ def llama_server_rows(server: Path, gguf: Path, prompt: list[int], max_len: int,
     try:
         ready = wait_ready(proc, url)
         restore, _ = timed_post(url + "/slots/0?action=restore", {"filename": "prefix.bin"})
-        after, out = timed_post(url + "/completion", body)
-        rows.append(("llama-server", f"after a restart: restore {restore:.2f} s + the request "
+        after, out = timed_post(url + "/completion", body(2))
+        rows.append(("llama-server", f"after a restart: restore {restore:.2f} s + a third question "
                      f"(start-up {ready:.1f} s apart)", restore + after, out.get("timings", {}).get("cache_n", "")))
     finally:
         stop(proc)
@@ -206,15 +215,16 @@ def main() -> None:
     source = llamacpp_build.convert_to_gguf(cache_root(), path, Path(path).name, "f32")
     gguf = llamacpp_build.quantize_gguf(cache_root(), bins, source, args.file)
     rng = random.Random(args.seed)
-    prompt = [rng.randrange(1000, 100000) for _ in range(args.prefix + args.question)]
-    max_len = len(prompt) + 64
+    prefix = [rng.randrange(1000, 100000) for _ in range(args.prefix)]
+    prompts = [prefix + [rng.randrange(1000, 100000) for _ in range(args.question)] for _ in range(3)]
+    max_len = args.prefix + args.question + 64
     work = Path(tempfile.mkdtemp(prefix="bench-prompt-cache-"))
     print(f"model {gguf.name}; prompt {args.prefix} + {args.question} tokens; {os.cpu_count()} threads; "
           f"logs and files in {work}", flush=True)
     if not args.skip_server:
-        rows = our_server_rows(gguf, prompt, max_len, work)
+        rows = our_server_rows(gguf, prompts, max_len, work)
         if not args.skip_llamacpp:
-            rows += llama_server_rows(bins["llama-server"], gguf, prompt, max_len, work)
+            rows += llama_server_rows(bins["llama-server"], gguf, prompts, max_len, work)
         print("\n| engine | request | time to first token (s) | prompt tokens cached |\n|---|---|---|---|")
         for engine, what, seconds, cached in rows:
             print(f"| {engine} | {what} | {seconds:.2f} | {cached} |", flush=True)

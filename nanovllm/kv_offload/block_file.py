@@ -1,17 +1,19 @@
 """One block's file: MAGIC, the header's length (u32), the header (JSON: the fingerprint, the KV group,
 the block's chained hash, its parent's and its token ids, the payload's length), the payload (the
-block's K/V bytes as the cache holds them), then xxh64 of everything before it (u64). A file is
+block's K/V bytes as the cache holds them), then xxh3-64 of everything before it (u64). A file is
 trusted only when its length, magic, checksum and every header field match what the reader asked for.
-"""
+A reader reads the payload straight into the buffer it will copy from (no copy of the whole file)."""
 import json
 import struct
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import xxhash
 
-MAGIC = b"NVKVBLK1"
+MAGIC = b"NVKVBLK2"
 _LEN = struct.Struct("<I")
 _SUM = struct.Struct("<Q")
+START = len(MAGIC) + _LEN.size
 
 
 class BadBlockFile(ValueError):
@@ -42,31 +44,36 @@ def encode(fingerprint: str, key: BlockKey, payload: memoryview) -> list[bytes |
     """The file's pieces, in order (written one after another, never joined in memory)."""
     header = _header(fingerprint, key, payload.nbytes)
     pieces = [MAGIC, _LEN.pack(len(header)), header, payload]
-    digest = xxhash.xxh64()
+    digest = xxhash.xxh3_64()
     for piece in pieces:
         digest.update(piece)
     return pieces + [_SUM.pack(digest.intdigest())]
 
 
-def decode(data: bytes, fingerprint: str, key: BlockKey, payload_len: int) -> memoryview:
-    """The payload of a file read whole; BadBlockFile saying what is wrong with it otherwise."""
-    view = memoryview(data)
-    start = len(MAGIC) + _LEN.size
-    if len(data) < start + _SUM.size or bytes(view[:len(MAGIC)]) != MAGIC:
-        raise BadBlockFile(f"not a block file ({len(data)} bytes, no magic)")
-    (header_len,) = _LEN.unpack_from(view, len(MAGIC))
-    if len(data) != start + header_len + payload_len + _SUM.size:
-        raise BadBlockFile(f"{len(data)} bytes where {start + header_len + payload_len + _SUM.size} were "
-                           "expected (truncated, or another layout)")
-    (stored,) = _SUM.unpack_from(view, len(data) - _SUM.size)
-    if xxhash.xxh64(view[:len(data) - _SUM.size]).intdigest() != stored:
+def read_into(f: BinaryIO, size: int, fingerprint: str, key: BlockKey, out: memoryview) -> None:
+    """Read a file of `size` bytes holding key's block, its payload into out (out.nbytes bytes long);
+    BadBlockFile saying what is wrong with it otherwise (out's contents then mean nothing)."""
+    head = f.read(START)
+    if len(head) < START or head[:len(MAGIC)] != MAGIC:
+        raise BadBlockFile(f"not a block file ({size} bytes, no magic)")
+    (header_len,) = _LEN.unpack_from(head, len(MAGIC))
+    expected_size = START + header_len + out.nbytes + _SUM.size
+    if size != expected_size:
+        raise BadBlockFile(f"{size} bytes where {expected_size} were expected (truncated, or another layout)")
+    header = f.read(header_len)
+    if len(header) != header_len or f.readinto(out) != out.nbytes:
+        raise BadBlockFile("shorter than its size (truncated while read)")
+    tail = f.read(_SUM.size)
+    digest = xxhash.xxh3_64()
+    for piece in (head, header, out):
+        digest.update(piece)
+    if len(tail) != _SUM.size or _SUM.unpack(tail)[0] != digest.intdigest():
         raise BadBlockFile("checksum mismatch (corrupted)")
     try:
-        header = json.loads(bytes(view[start:start + header_len]))
+        found = json.loads(header)
     except ValueError as e:
         raise BadBlockFile(f"unreadable header: {e}") from None
-    expected = json.loads(_header(fingerprint, key, payload_len))
-    if header != expected:
-        wrong = sorted(k for k in expected if header.get(k) != expected[k]) if isinstance(header, dict) else ["all"]
+    expected = json.loads(_header(fingerprint, key, out.nbytes))
+    if found != expected:
+        wrong = sorted(k for k in expected if found.get(k) != expected[k]) if isinstance(found, dict) else ["all"]
         raise BadBlockFile(f"holds another block (differs in {', '.join(wrong)})")
-    return view[start + header_len: start + header_len + payload_len]

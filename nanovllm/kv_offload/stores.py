@@ -13,7 +13,7 @@ from itertools import count
 
 import torch
 
-from nanovllm.kv_offload.block_file import BadBlockFile, BlockKey, decode, encode
+from nanovllm.kv_offload.block_file import BadBlockFile, BlockKey, encode, read_into
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +89,17 @@ class DiskStore:
     def contains(self, key: BlockKey) -> bool:
         return os.path.exists(self.path(key))
 
-    def read(self, key: BlockKey, payload_len: int) -> memoryview | None:
-        """The block's K/V bytes; None where no file holds it. A damaged or foreign file is logged,
-        deleted and raised as BadBlockFile: it never reaches the cache."""
+    def read(self, key: BlockKey, out: memoryview) -> bool:
+        """Read the block's K/V bytes into out; False where no file holds it. A damaged or foreign
+        file is logged, deleted and raised as BadBlockFile: it never reaches the cache."""
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                del data[f.readinto(data):]
+            f = open(path, "rb", buffering=0)
         except FileNotFoundError:
-            return None
+            return False
         try:
-            payload = decode(data, self.fingerprint, key, payload_len)
+            with f:
+                read_into(f, os.fstat(f.fileno()).st_size, self.fingerprint, key, out)
         except BadBlockFile as e:
             logger.warning("KV offloading: %s is unusable (%s); deleted, its tokens are computed again", path, e)
             _remove(path)
@@ -109,7 +108,7 @@ class DiskStore:
             os.utime(path)  # its last use, for eviction
         except OSError:
             pass  # evicted meanwhile: what was read is whole
-        return payload
+        return True
 
     def write(self, key: BlockKey, payload: memoryview) -> int:
         """Write one block (unless a file holds it already); the bytes written. OSError on a fault; a

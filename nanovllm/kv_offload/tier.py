@@ -54,6 +54,7 @@ class KVTier:
         self._queued_write_bytes = 0
         self._busy = False
         self._loading_seq: int | None = None  # the read the worker is doing
+        self._batch: torch.Tensor | None = None  # the worker's read buffer: FILL_BLOCKS blocks, reused
         self._done: dict[int, int] = {}
         self._cancelled: set[int] = set()
         self._closing = False
@@ -172,44 +173,45 @@ class KVTier:
     def _load(self, seq_id: int, keys: list[BlockKey], block_ids: list[int]) -> int:
         """Read keys and copy them into block_ids, FILL_BLOCKS at a time, until a miss or a cancel;
         the count filled."""
+        if self._batch is None:
+            self._batch = torch.empty(FILL_BLOCKS, self.block_bytes, dtype=torch.uint8)
         filled = 0
         while filled < len(keys):
             with self._cv:
                 if seq_id in self._cancelled:
                     break
-            batch = self._read(keys[filled:filled + FILL_BLOCKS])
-            if batch:
-                self.fill(block_ids[filled:filled + len(batch)], torch.stack(batch))
-                filled += len(batch)
-            if len(batch) < FILL_BLOCKS:
+            n = self._read(keys[filled:filled + FILL_BLOCKS], self._batch)
+            if n:
+                self.fill(block_ids[filled:filled + n], self._batch[:n])
+                filled += n
+            if n < FILL_BLOCKS:
                 break
         self.stats.blocks_read += filled
         return filled
 
-    def _read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
-        """The leading keys' K/V found (RAM, then the directory), up to the first that is not."""
-        blocks = []
-        for key in keys:
+    def _read(self, keys: list[BlockKey], batch: torch.Tensor) -> int:
+        """Read the leading keys' K/V (RAM, then the directory) into batch's rows, up to the first
+        that is not found; how many were."""
+        for i, key in enumerate(keys):
             data = self.ram.get(key) if self.ram is not None else None
-            if data is None and self.disk is not None:
+            if data is not None:
+                batch[i].copy_(data)
+                continue
+            found = False
+            if self.disk is not None:
                 try:
-                    payload = self.disk.read(key, self.block_bytes)
+                    found = self.disk.read(key, memoryview(batch[i].numpy()))
                 except BadBlockFile:
                     self.stats.bad_files += 1
-                    payload = None
                 except OSError as e:
                     self.stats.io_errors += 1
                     self._warn_once(f"read {e.errno}", "KV offloading: a read failed (%s); its tokens are computed", e)
-                    payload = None
-                if payload is not None:
-                    data = torch.frombuffer(payload, dtype=torch.uint8)
-                    self.stats.bytes_read += payload.nbytes
-                    if self.ram is not None:
-                        self.ram.put(key, data)
-            if data is None:
-                break
-            blocks.append(data)
-        return blocks
+            if not found:
+                return i
+            self.stats.bytes_read += self.block_bytes
+            if self.ram is not None:
+                self.ram.put(key, batch[i].clone())
+        return len(keys)
 
     def _write(self, keys: list[BlockKey], data: torch.Tensor) -> None:
         rows = data.numpy()

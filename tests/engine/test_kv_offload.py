@@ -3,6 +3,7 @@ gives a cold run's answer; a damaged, truncated or foreign file is detected and 
 model or KV format never hits; the directory stays within its size; faults fail no request; and a
 request whose prefix is being read waits aside while the others go on."""
 import errno
+import io
 import logging
 import os
 import shutil
@@ -72,9 +73,15 @@ def encoded(fingerprint="f" * 32, key=KEY, payload=bytes(range(64))) -> bytes:
     return b"".join(bytes(p) for p in block_file.encode(fingerprint, key, memoryview(payload)))
 
 
+def decoded(data: bytes, payload_len: int = 64) -> bytes:
+    out = bytearray(payload_len)
+    block_file.read_into(io.BytesIO(data), len(data), "f" * 32, KEY, memoryview(out))
+    return bytes(out)
+
+
 def test_block_file_round_trip_and_every_kind_of_damage():
     data = encoded()
-    assert bytes(block_file.decode(data, "f" * 32, KEY, 64)) == bytes(range(64))
+    assert decoded(data) == bytes(range(64))
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 1
     cases = {"truncated": data[:-9], "corrupted": bytes(flipped), "empty": b"",
@@ -84,12 +91,12 @@ def test_block_file_round_trip_and_every_kind_of_damage():
     messages = {}
     for what, bad in cases.items():
         with pytest.raises(BadBlockFile) as e:
-            block_file.decode(bad, "f" * 32, KEY, 64)
+            decoded(bad)
         messages[what] = str(e.value)
     assert "checksum" in messages["corrupted"] and "truncated" in messages["truncated"]
     assert "fingerprint" in messages["another model's"] and "token_ids" in messages["another block's"]
     with pytest.raises(BadBlockFile):  # the right bytes, but the reader expects another payload size
-        block_file.decode(data, "f" * 32, KEY, 32)
+        decoded(data, 32)
 
 
 def test_directory_is_bounded_least_recently_used_first(tmp_path):
@@ -104,7 +111,7 @@ def test_directory_is_bounded_least_recently_used_first(tmp_path):
             os.utime(store.path(keys[0]), (1, 1))  # block 0 long unused: evicted first
             os.utime(store.path(keys[1]), (2, 2))
         if i >= 3:
-            store.read(keys[2], 4096)  # block 2 read after each write: always the most recently used
+            assert store.read(keys[2], memoryview(bytearray(4096)))  # block 2 read after each write: always the most recently used
     total = sum(os.path.getsize(p) for p in block_files(tmp_path))
     assert total <= 10 * size
     assert store.contains(keys[2]) and store.contains(keys[-1])
