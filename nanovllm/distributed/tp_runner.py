@@ -275,6 +275,9 @@ class TensorParallelRunner(Executor):
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.read_kv_blocks(block_ids)
 
+    def kv_block_memory(self, block_id: int) -> list[memoryview] | None:
+        return None
+
     def broken_reason(self) -> str | None:
         """Why no further call can run: a worker (or another node's rank) died, or a failed call left
         the ranks apart; None while every rank is well."""

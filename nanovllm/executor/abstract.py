@@ -44,6 +44,11 @@ class Executor(ABC):
     def write_kv_blocks(self, block_ids: list[int], data: "torch.Tensor") -> None:
         """Fill these blocks with rows read_kv_blocks returned (this engine's or an earlier one's)."""
 
+    @abstractmethod
+    def kv_block_memory(self, block_id: int) -> list[memoryview] | None:
+        """A block's bytes in the cache as writable host memory, in read_kv_blocks' row order (a read
+        from a file lands there directly); None where the cache is not host memory."""
+
     # ---- steps ----------------------------------------------------------------------------------
     @abstractmethod
     def run(self, out: "SchedulerOutput", drafts: list[list[int]] | None = None) -> "SampledTokens | None":

@@ -185,6 +185,7 @@ class ModelRunner(Executor):
         shape = (2, slots_per_block(self.kv_groups), num_blocks, self.block_size, layer.num_kv_heads,
                  fmt.row_units(layer.head_dim))
         self.kv_cache = self.platform.allocate_kv_cache(shape, fmt.storage, self.device, self.config.kvcache_prefault)
+        self._kv_bytes = None  # the cache's bytes as a host array (kv_block_memory), made on first use
         for g, group in enumerate(self.kv_groups):
             for slot, i in enumerate(group.layers):
                 attn = self.attention_layers[i]
@@ -198,6 +199,14 @@ class ModelRunner(Executor):
         # [2, slots, n, ...] -> [n, 2, slots, ...]: each block's bytes in one row
         blocks = self.kv_cache.index_select(2, ids).movedim(2, 0).contiguous()
         return blocks.view(torch.uint8).reshape(len(block_ids), -1).cpu()
+
+    def kv_block_memory(self, block_id: int) -> list[memoryview] | None:
+        if self.kv_cache.device.type != "cpu":
+            return None
+        if self._kv_bytes is None:  # [2, slots, num_blocks, block_size, heads, a head's row in bytes]
+            self._kv_bytes = self.kv_cache.view(torch.uint8).numpy()
+        cache = self._kv_bytes
+        return [memoryview(cache[kv, slot, block_id]).cast("B") for kv in range(2) for slot in range(cache.shape[1])]
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         cache = self.kv_cache
@@ -397,6 +406,6 @@ class ModelRunner(Executor):
         for runner in self.step_runners:
             runner.free()
         self.step_runners = []
-        self.kv_cache = None
+        self.kv_cache = self._kv_bytes = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])  # the cache is freed once its last view is gone

@@ -4,6 +4,7 @@ block's K/V bytes as the cache holds them), then xxh3-64 of everything before it
 trusted only when its length, magic, checksum and every header field match what the reader asked for.
 A reader reads the payload straight into the buffer it will copy from (no copy of the whole file)."""
 import json
+import os
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -50,30 +51,45 @@ def encode(fingerprint: str, key: BlockKey, payload: memoryview) -> list[bytes |
     return pieces + [_SUM.pack(digest.intdigest())]
 
 
-def read_into(f: BinaryIO, size: int, fingerprint: str, key: BlockKey, out: memoryview) -> None:
-    """Read a file of `size` bytes holding key's block, its payload into out (out.nbytes bytes long);
-    BadBlockFile saying what is wrong with it otherwise (out's contents then mean nothing)."""
+def read_into(f: BinaryIO, size: int, fingerprint: str, key: BlockKey, outs: list[memoryview]) -> None:
+    """Read a file of `size` bytes holding key's block, its payload into outs in turn (one read
+    call: the buffers may be the cache's own memory); BadBlockFile saying what is wrong with it
+    otherwise (the buffers' contents then mean nothing)."""
+    payload_len = sum(out.nbytes for out in outs)
     head = f.read(START)
     if len(head) < START or head[:len(MAGIC)] != MAGIC:
         raise BadBlockFile(f"not a block file ({size} bytes, no magic)")
     (header_len,) = _LEN.unpack_from(head, len(MAGIC))
-    expected_size = START + header_len + out.nbytes + _SUM.size
+    expected_size = START + header_len + payload_len + _SUM.size
     if size != expected_size:
         raise BadBlockFile(f"{size} bytes where {expected_size} were expected (truncated, or another layout)")
     header = f.read(header_len)
-    if len(header) != header_len or f.readinto(out) != out.nbytes:
-        raise BadBlockFile("shorter than its size (truncated while read)")
+    read = os.preadv(f.fileno(), outs, START + header_len) if hasattr(f, "fileno") and _is_file(f) \
+        else sum(f.readinto(out) for out in outs)
+    f.seek(START + header_len + payload_len)
     tail = f.read(_SUM.size)
-    digest = xxhash.xxh3_64()
-    for piece in (head, header, out):
-        digest.update(piece)
-    if len(tail) != _SUM.size or _SUM.unpack(tail)[0] != digest.intdigest():
+    if len(header) != header_len or read != payload_len or len(tail) != _SUM.size:
+        raise BadBlockFile("shorter than its size (truncated while read)")
+    digest = xxhash.xxh3_64(head)
+    digest.update(header)
+    for out in outs:
+        digest.update(out)
+    if _SUM.unpack(tail)[0] != digest.intdigest():
         raise BadBlockFile("checksum mismatch (corrupted)")
+    expected = _header(fingerprint, key, payload_len)
+    if header != expected:  # the writer wrote exactly these bytes; parsed only to say what differs
+        try:
+            found = json.loads(header)
+        except ValueError as e:
+            raise BadBlockFile(f"unreadable header: {e}") from None
+        wanted = json.loads(expected)
+        wrong = sorted(k for k in wanted if found.get(k) != wanted[k]) if isinstance(found, dict) else ["all"]
+        raise BadBlockFile(f"holds another block (differs in {', '.join(wrong) or 'its layout'})")
+
+
+def _is_file(f) -> bool:
     try:
-        found = json.loads(header)
-    except ValueError as e:
-        raise BadBlockFile(f"unreadable header: {e}") from None
-    expected = json.loads(_header(fingerprint, key, out.nbytes))
-    if found != expected:
-        wrong = sorted(k for k in expected if found.get(k) != expected[k]) if isinstance(found, dict) else ["all"]
-        raise BadBlockFile(f"holds another block (differs in {', '.join(wrong)})")
+        f.fileno()
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False

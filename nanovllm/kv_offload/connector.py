@@ -46,6 +46,7 @@ class TierConnector:
         self.scheduler = scheduler
         self.executor = executor
         tier.fill = executor.write_kv_blocks
+        tier.block_memory = executor.kv_block_memory
 
     def before_step(self) -> None:
         """Hand every sequence whose read finished back to the scheduler."""

@@ -89,9 +89,9 @@ class DiskStore:
     def contains(self, key: BlockKey) -> bool:
         return os.path.exists(self.path(key))
 
-    def read(self, key: BlockKey, out: memoryview) -> bool:
-        """Read the block's K/V bytes into out; False where no file holds it. A damaged or foreign
-        file is logged, deleted and raised as BadBlockFile: it never reaches the cache."""
+    def read(self, key: BlockKey, outs: list[memoryview]) -> bool:
+        """Read the block's K/V bytes into outs in turn; False where no file holds it. A damaged or
+        foreign file is logged, deleted and raised as BadBlockFile: it is never registered as cached."""
         path = self.path(key)
         try:
             f = open(path, "rb", buffering=0)
@@ -99,7 +99,7 @@ class DiskStore:
             return False
         try:
             with f:
-                read_into(f, os.fstat(f.fileno()).st_size, self.fingerprint, key, out)
+                read_into(f, os.fstat(f.fileno()).st_size, self.fingerprint, key, outs)
         except BadBlockFile as e:
             logger.warning("KV offloading: %s is unusable (%s); deleted, its tokens are computed again", path, e)
             _remove(path)

@@ -45,6 +45,9 @@ class KVTier:
         self.block_bytes = block_bytes
         # Copies rows of K/V into the cache's blocks (the Executor's write_kv_blocks; the connector sets it).
         self.fill: Callable[[list[int], torch.Tensor], None] | None = None
+        # A block's memory in the cache, where the host can write it in place (the Executor's
+        # kv_block_memory): reads then go straight from the file into the cache.
+        self.block_memory: Callable[[int], list[memoryview] | None] | None = None
         self.ram = RamStore(ram_bytes) if ram_bytes > 0 else None
         self.disk = disk
         self.stats = TierStats()
@@ -173,45 +176,52 @@ class KVTier:
     def _load(self, seq_id: int, keys: list[BlockKey], block_ids: list[int]) -> int:
         """Read keys and copy them into block_ids, FILL_BLOCKS at a time, until a miss or a cancel;
         the count filled."""
-        if self._batch is None:
+        in_place = self.block_memory is not None and self.block_memory(block_ids[0]) is not None
+        if not in_place and self._batch is None:
             self._batch = torch.empty(FILL_BLOCKS, self.block_bytes, dtype=torch.uint8)
         filled = 0
         while filled < len(keys):
             with self._cv:
                 if seq_id in self._cancelled:
                     break
-            n = self._read(keys[filled:filled + FILL_BLOCKS], self._batch)
-            if n:
+            n = 0
+            for i, key in enumerate(keys[filled:filled + FILL_BLOCKS]):
+                outs = self.block_memory(block_ids[filled + i]) if in_place else [memoryview(self._batch[i].numpy())]
+                if not self._read(key, outs):
+                    break
+                n += 1
+            if n and not in_place:
                 self.fill(block_ids[filled:filled + n], self._batch[:n])
-                filled += n
+            filled += n
             if n < FILL_BLOCKS:
                 break
         self.stats.blocks_read += filled
         return filled
 
-    def _read(self, keys: list[BlockKey], batch: torch.Tensor) -> int:
-        """Read the leading keys' K/V (RAM, then the directory) into batch's rows, up to the first
-        that is not found; how many were."""
-        for i, key in enumerate(keys):
-            data = self.ram.get(key) if self.ram is not None else None
-            if data is not None:
-                batch[i].copy_(data)
-                continue
-            found = False
-            if self.disk is not None:
-                try:
-                    found = self.disk.read(key, memoryview(batch[i].numpy()))
-                except BadBlockFile:
-                    self.stats.bad_files += 1
-                except OSError as e:
-                    self.stats.io_errors += 1
-                    self._warn_once(f"read {e.errno}", "KV offloading: a read failed (%s); its tokens are computed", e)
-            if not found:
-                return i
-            self.stats.bytes_read += self.block_bytes
-            if self.ram is not None:
-                self.ram.put(key, batch[i].clone())
-        return len(keys)
+    def _read(self, key: BlockKey, outs: list[memoryview]) -> bool:
+        """Read key's K/V (RAM, then the directory) into outs in turn; whether it was found."""
+        data = self.ram.get(key) if self.ram is not None else None
+        if data is not None:
+            offset = 0
+            for out in outs:
+                out[:] = memoryview(data.numpy())[offset:offset + out.nbytes]
+                offset += out.nbytes
+            return True
+        found = False
+        if self.disk is not None:
+            try:
+                found = self.disk.read(key, outs)
+            except BadBlockFile:
+                self.stats.bad_files += 1
+            except OSError as e:
+                self.stats.io_errors += 1
+                self._warn_once(f"read {e.errno}", "KV offloading: a read failed (%s); its tokens are computed", e)
+        if not found:
+            return False
+        self.stats.bytes_read += self.block_bytes
+        if self.ram is not None:
+            self.ram.put(key, torch.cat([torch.frombuffer(out, dtype=torch.uint8) for out in outs]))
+        return True
 
     def _write(self, keys: list[BlockKey], data: torch.Tensor) -> None:
         rows = data.numpy()

@@ -75,7 +75,7 @@ def encoded(fingerprint="f" * 32, key=KEY, payload=bytes(range(64))) -> bytes:
 
 def decoded(data: bytes, payload_len: int = 64) -> bytes:
     out = bytearray(payload_len)
-    block_file.read_into(io.BytesIO(data), len(data), "f" * 32, KEY, memoryview(out))
+    block_file.read_into(io.BytesIO(data), len(data), "f" * 32, KEY, [memoryview(out)])
     return bytes(out)
 
 
@@ -111,7 +111,7 @@ def test_directory_is_bounded_least_recently_used_first(tmp_path):
             os.utime(store.path(keys[0]), (1, 1))  # block 0 long unused: evicted first
             os.utime(store.path(keys[1]), (2, 2))
         if i >= 3:
-            assert store.read(keys[2], memoryview(bytearray(4096)))  # block 2 read after each write: always the most recently used
+            assert store.read(keys[2], [memoryview(bytearray(4096))])  # block 2 read after each write: always the most recently used
     total = sum(os.path.getsize(p) for p in block_files(tmp_path))
     assert total <= 10 * size
     assert store.contains(keys[2]) and store.contains(keys[-1])
