@@ -98,6 +98,9 @@ _PLATFORM_DEFAULTS = {
     "quantization": "none: the checkpoint's own format",
     "speculative_config": "none: no speculation",
     "override_generation_config": "none",
+    "kv_offloading_backend": "none: no tier, unless a size or directory is given",
+    "kv_offloading_size": "none: no RAM tier",
+    "kv_offloading_dir": "none: no directory",
 }
 
 

@@ -201,7 +201,7 @@ class ModelRunner(Executor):
         return blocks.view(torch.uint8).reshape(len(block_ids), -1).cpu()
 
     def kv_block_memory(self, block_id: int) -> list[memoryview] | None:
-        if self.kv_cache.device.type != "cpu":
+        if not self.platform.kv_cache_in_host_memory:
             return None
         if self._kv_bytes is None:  # [2, slots, num_blocks, block_size, heads, a head's row in bytes]
             self._kv_bytes = self.kv_cache.view(torch.uint8).numpy()

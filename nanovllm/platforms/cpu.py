@@ -40,6 +40,7 @@ class CpuPlatform(Platform):
     device_name = "cpu"
     dist_backend = "gloo"
     default_block_size = 16  # small blocks share prefixes better
+    kv_cache_in_host_memory = True
     # vLLM's LLM-class default outside large GPUs: a long prompt's chunks keep their fp32 activations
     # near the cores (at 32768 tokens, chunks of 16384 prefilled 7% slower than chunks of 4096 and
     # peaked 1.5 GiB higher; one chunk of 32768, 3.7 GiB higher: docs/performance.md, "The prefill chunk"), while

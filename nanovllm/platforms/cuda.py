@@ -15,6 +15,7 @@ class CudaPlatform(Platform):
     device_name = "cuda"
     dist_backend = "nccl"
     default_block_size = 256  # flash-attn's paged kernels want a multiple of 256
+    kv_cache_in_host_memory = False
     default_max_num_batched_tokens = 16384  # nano-vLLM's, as vLLM's LLM class takes on large GPUs
     has_decode_graphs = True
     has_c_decode_step = False

@@ -28,6 +28,8 @@ class Platform:
     device_name: str          # the resolved Config.device
     dist_backend: str         # torch.distributed backend of tensor parallelism
     default_block_size: int   # kvcache_block_size when not given
+    # Whether the KV cache lies in host memory (a tier's reads then land in it in place: kv_offload/).
+    kv_cache_in_host_memory: bool
     default_max_num_batched_tokens: int  # max_num_batched_tokens (the prefill chunk) when not given
     has_decode_graphs: bool   # whether decode steps can be captured as CUDA graphs (ModelRunner.build_step_runners)
     has_c_decode_step: bool   # whether the C decode step runs here (the host CPU's kernels, executor/cpu_decode.py)
