@@ -195,10 +195,10 @@ def sessions_row(gguf: Path, args, tier: bool, turns: int, work: Path) -> tuple:
     for _ in range(turns):
         for context in contexts:
             context += [rng.randrange(1000, 100000) for _ in range(TURN_TOKENS)]
-            out = llm.generate([context], params, use_tqdm=False)[0]
+            deltas = list(llm.generate_stream([context], params))  # the deltas carry the cached count
             prompt_tokens += len(context)
-            cached += out["num_cached_tokens"]
-            context += out["token_ids"]
+            cached += deltas[-1].num_cached_tokens
+            context += [token for delta in deltas for token in delta.token_ids]
     total = time.perf_counter() - start
     llm.llm_engine.exit()
     return ("on" if tier else "off", turns, prompt_tokens, cached / prompt_tokens, total)

@@ -186,7 +186,6 @@ class OutputProcessor:
             "finish_reason": seq.finish_reason,
             "stop_reason": seq.stop_reason,
             "prompt_token_ids": seq.prompt_token_ids,
-            "num_cached_tokens": seq.num_cached_prompt_tokens,
         }
         if seq.sampling_params.logprobs is not None:
             out["logprobs"] = list(logprobs or [])

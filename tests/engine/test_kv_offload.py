@@ -133,7 +133,6 @@ def test_a_restart_reads_the_prefix_back_and_answers_as_cold(qwen3_gqa, written,
     outs, stats = generate(qwen3_gqa, kv_offloading_dir=str(root))
     assert stats["hit_tokens"] == stats["query_tokens"] == 6 * 16
     assert stats["blocks_read"] == 6 and stats["bytes_read"] > 0 and stats["bad_files"] == 0
-    assert outs[0]["num_cached_tokens"] == 6 * 16 and cold["num_cached_tokens"] == 0
     assert_same_answer(outs[0], cold)
     # Only the RAM tier (vLLM's kv_offloading_size) in one engine: a second request after the first's
     # blocks left the cache would hit; here both the cache and the RAM tier hold them.
@@ -311,7 +310,7 @@ def test_the_ram_tier_keeps_what_the_cache_evicted(qwen3_gqa, cold):
         stats = llm.llm_engine.connector.tier.stats
         assert stats.hit_tokens == 0
         out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
-        assert stats.hit_tokens == 6 * 16 and out["num_cached_tokens"] == 6 * 16
+        assert stats.hit_tokens == 6 * 16
         assert_same_answer(out, cold)
     finally:
         llm.llm_engine.exit()
