@@ -64,7 +64,7 @@ def read_into(f: BinaryIO, size: int, fingerprint: str, key: BlockKey, outs: lis
     if size != expected_size:
         raise BadBlockFile(f"{size} bytes where {expected_size} were expected (truncated, or another layout)")
     header = f.read(header_len)
-    read = os.preadv(f.fileno(), outs, START + header_len) if hasattr(f, "fileno") and _is_file(f) \
+    read = os.preadv(f.fileno(), outs, START + header_len) if _is_file(f) \
         else sum(f.readinto(out) for out in outs)
     f.seek(START + header_len + payload_len)
     tail = f.read(_SUM.size)
