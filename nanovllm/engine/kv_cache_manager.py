@@ -123,14 +123,12 @@ class KVCacheManager:
     def _tier_prefix(self, seq: Sequence, n: int, hashes: list[int]) -> list[list[BlockKey]]:
         """Past the cache's n hit blocks, each leading full block the tier holds in every group: its
         groups' keys. The same rule as the cache's: the last block is always computed."""
-        if self.tier is None or n < len(hashes):
-            return []
         keys: list[list[BlockKey]] = []
         parent = hashes[-1] if hashes else None
         for i in range(n, (seq.num_tokens - 1) // self.block_size):
-            tokens = tuple(self.block_token_ids(seq, i))
-            h = compute_block_hash(list(tokens), parent)
-            block = [BlockKey(g, h, parent, tokens) for g in range(self.num_groups)]
+            tokens = self.block_token_ids(seq, i)
+            h = compute_block_hash(tokens, parent)
+            block = [BlockKey(g, h, parent, tuple(tokens)) for g in range(self.num_groups)]
             if not all(self.tier.contains(key) for key in block):
                 break
             keys.append(block)
