@@ -146,7 +146,20 @@ def check_tokens_close(ours: list[list[int]], ref: list[tuple[list[int], "torch.
 # Byte offsets of each block's fp16 fields (d, m / dmin), which random bytes must not fill with
 # infinities or NaNs.
 HALF_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
-               "q6_k": [208]}
+               "q6_k": [208], "q2_k": [80, 82], "q3_k": [108],
+               **{name: [0] for name in ("iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s")},
+               "iq1_m": []}  # (IQ1_M's fp16 d is the top nibbles of its four scale words: iq1_m_scales)
+
+
+def iq1_m_scales(blocks, d):
+    """IQ1_M blocks [n, 56] with their fp16 d set to d [n] (the top nibbles of the words at 48..55)."""
+    import numpy as np
+    bits = d.astype(np.float16).view(np.uint16).astype(np.uint16)
+    words = blocks[:, 48:56].copy().view(np.uint16)
+    for i in range(4):
+        words[:, i] = (words[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+    blocks[:, 48:56] = words.view(np.uint8)
+    return blocks
 
 
 def qtype(name: str):
@@ -176,6 +189,8 @@ def random_weights(name: str, n: int, k: int, rng, unit_scales: bool = False, st
         else:
             value = (rng.uniform(0.002, 0.02, len(blocks)) * (1 if i == 0 else rng.choice([-1, 1]))).astype(np.float16)
         blocks[:, offset:offset + 2] = value.view(np.uint8).reshape(-1, 2)
+    if name == "iq1_m":
+        blocks = iq1_m_scales(blocks, np.full(len(blocks), 1.0) if unit_scales else rng.uniform(0.002, 0.02, len(blocks)))
     if name == "q6_k" and unit_scales:
         blocks[:, 192:208] = rng.integers(-4, 5, size=(len(blocks), 16)).astype(np.int8).view(np.uint8)
     if std is not None and name in ("q4_k", "q5_k"):
@@ -188,6 +203,10 @@ def random_weights(name: str, n: int, k: int, rng, unit_scales: bool = False, st
         for offset in HALF_FIELDS[name]:
             field = blocks[:, offset:offset + 2].copy().view(np.float16)
             blocks[:, offset:offset + 2] = (field.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
+        if name == "iq1_m":
+            words = blocks[:, 48:56].copy().view(np.uint16)
+            d = sum(((words[:, i] >> 12) << (4 * i)) for i in range(4)).astype(np.uint16).view(np.float16)
+            blocks = iq1_m_scales(blocks, d.astype(np.float32) * factor)
     return blocks.reshape(n, k // size * nbytes)
 
 

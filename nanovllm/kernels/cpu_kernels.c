@@ -345,7 +345,7 @@ int linear_is_valid(const Linear *m) {
         const WeightType *t = &weight_types[m->type];
         /* the K-quants' input groups are their blocks; the others' are 32 (and 16 for the sums) */
         if (m->k % t->block_size != 0 || m->row_bytes != m->k / t->block_size * t->block_bytes ||
-            (t->block_size > 1 && m->k % 32 != 0) || m->n % t->group_rows != 0)
+            (t->block_size > 1 && m->k % 32 != 0) || m->n % t->group_rows != 0 || !weight_type_ready(t->name))
             return 0;
     }
     return 1;

@@ -51,6 +51,8 @@ typedef struct {
 extern const WeightType weight_types[];
 extern const int64_t num_weight_types;
 int64_t weight_type_index(const char *name); /* the row of a format's name, or -1 */
+/* 1 where a format can be multiplied now (the i-quants: once their grid is installed, set_quant_grid) */
+int64_t weight_type_ready(const char *type_name);
 
 /* THE table of weight formats, one row each: name (GGUF's type name in lower case; "x8": the plain
  * format interleaved by 8 rows at load, repack_x8), weights per block, bytes per block, rows stored
@@ -66,7 +68,11 @@ int64_t weight_type_index(const char *name); /* the row of a format's name, or -
     X(q8_0x8, 32, 34, 8) X(q4_0x8, 32, 18, 8) X(q4_1x8, 32, 20, 8) X(q5_0x8, 32, 22, 8) X(q5_1x8, 32, 24, 8)  \
     X(q4_kx8, 256, 144, 8) X(q6_kx8, 256, 210, 8)                                                              \
     /* OCP microscaling FP4 (GPT-OSS's experts): an E8M0 exponent, then 32 E2M1 nibbles */                      \
-    X(mxfp4, 32, 17, 1) X(mxfp4x8, 32, 17, 8)
+    X(mxfp4, 32, 17, 1) X(mxfp4x8, 32, 17, 8)                                                                  \
+    /* multiplied through a decoded block (cpu_quant_decoded.h) */                                             \
+    X(q2_k, 256, 84, 1) X(q3_k, 256, 110, 1) X(q5_k, 256, 176, 1) X(iq4_nl, 32, 18, 1) X(iq4_xs, 256, 136, 1)  \
+    X(iq2_xxs, 256, 66, 1) X(iq2_xs, 256, 74, 1) X(iq2_s, 256, 82, 1) X(iq3_xxs, 256, 98, 1)                   \
+    X(iq3_s, 256, 110, 1) X(iq1_s, 256, 50, 1) X(iq1_m, 256, 56, 1)
 #define DECLARE_FORMAT(NAME, BLOCK_SIZE, BLOCK_BYTES, GROUP_ROWS)                                                  \
     void linear_rows_##NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy); \
     void to_f32_##NAME(const Linear *m, int64_t r, float *out);

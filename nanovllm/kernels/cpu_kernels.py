@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # The structures both sides lay out and the ABI check live in cpu_structs.py; named here too.
@@ -136,6 +137,9 @@ class CpuKernels:
         self.quantize_row_matches_reference = typed("quantize_row_matches_reference", i64, ptr, i64, i64, cint)
         self.repack_x8 = typed("repack_x8", i64, ctypes.c_char_p, ptr, i64, i64, ptr)
         self.linear_is_valid = typed("linear_is_valid", cint, ptr)
+        self.set_quant_grid = typed("set_quant_grid", i64, ctypes.c_char_p, ptr, i64, i64)
+        self.weight_type_grid = typed("weight_type_grid", ctypes.c_char_p, ctypes.c_char_p)
+        self.weight_type_ready = typed("weight_type_ready", i64, ctypes.c_char_p)
         self.decode_check_model = typed("decode_check_model", i64, ptr)
         self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, cint)
         self.decode_add_rms_norm = typed("decode_add_rms_norm", None, ptr, ptr, ptr, cint, ptr, i64, ptr, cint)
@@ -147,11 +151,28 @@ class CpuKernels:
         self.deltanet_decode = typed("deltanet_decode", cint, ptr, ptr, i64, i64, ptr, c_float, ptr, ptr, cint)
 
     def weight_type(self, name: str) -> int:
-        """The type code of a row of the C weight-type table."""
+        """The type code of a row of the C weight-type table (an i-quant's grid installed first)."""
         code = self.weight_type_index(name.encode())
         if code < 0:
             raise ValueError(f"the C kernels have no weight type {name!r}")
+        if not self.weight_type_ready(name.encode()):
+            self.install_grid(self.weight_type_grid(name.encode()).decode())
         return code
+
+    def install_grid(self, grid: str) -> None:
+        """The i-quant grid `grid` (iq2_xxs, ..., iq1_s: the gguf package's class of that name) into
+        the C kernels: its rows of 4 or 8 small integers, as gguf.quants decodes them."""
+        try:
+            import gguf.quants
+        except ImportError as e:
+            raise ValueError(f"{grid} weights need the gguf package for their grid: pip install 'nanovllm[gguf]'") from e
+        cls = getattr(gguf.quants, grid.upper())
+        cls.init_grid()
+        values = np.ascontiguousarray(cls.grid.reshape(cls.grid_shape)).astype(np.int8)
+        if not np.array_equal(values, cls.grid.reshape(cls.grid_shape)):
+            raise ValueError(f"the gguf package's {grid} grid is not small integers")
+        if self.set_quant_grid(grid.encode(), values.ctypes.data, *values.shape):
+            raise ValueError(f"the C kernels take no {grid} grid of shape {values.shape}")
 
 
 def load() -> CpuKernels | None:

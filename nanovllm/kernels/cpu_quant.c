@@ -786,6 +786,9 @@ DEFINE_QUANT_LINEAR_ROWS(linear_rows_mxfp4, 32, dot_fmt32(FMT_MXFP4, w, q, b0, N
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q4_k, 256, dot_q4_k(w, q, b0, NB, out))
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q6_k, 256, dot_q6_k(w, q, b0, NB, out))
 
+/* Q2_K, Q3_K, Q5_K, the IQ4s and the grid i-quants: their blocks decoded once per pass */
+#include "cpu_quant_decoded.h"
+
 void to_f32_q8_0(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_Q8_0, m, r, out); }
 void to_f32_q4_0(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_Q4_0, m, r, out); }
 void to_f32_q4_1(const Linear *m, int64_t r, float *out) { to_f32_fmt32(FMT_Q4_1, m, r, out); }

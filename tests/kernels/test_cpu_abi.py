@@ -47,9 +47,10 @@ C_SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_f
 
 
 def c_definitions() -> dict[str, tuple[str, list[str]]]:
-    """name -> (return type, parameter types) of every non-static function the C files define."""
+    """name -> (return type, parameter types) of every non-static function the C files (and the
+    bodies cpu_quant.c includes) define."""
     found = {}
-    for path in KERNELS.glob("*.c"):
+    for path in [*KERNELS.glob("*.c"), *KERNELS.glob("*.h")]:
         text = re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S)
         for m in re.finditer(r"^(?!static\b)((?:const\s+)?\w+(?:\s*\*)*)\s*\b(\w+)\s*\(([^)]*)\)\s*\{", text, re.M):
             params = [p.strip() for p in m.group(3).split(",") if p.strip() and p.strip() != "void"]

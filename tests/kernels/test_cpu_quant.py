@@ -18,6 +18,8 @@ from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.quantization.base import CWeightView  # noqa: E402
 
 TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4", "f16"]
+# Multiplied through a decoded block (kernels/cpu_quant_decoded.h); the i-quants' grids from gguf.quants.
+DECODED = ["q2_k", "q3_k", "q5_k", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]
 
 
 def dequantized(name, raw, k):
@@ -25,7 +27,7 @@ def dequantized(name, raw, k):
 
 
 def input_group(name):
-    return 256 if name.endswith("_k") else 32
+    return 32 if name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl") else 256
 
 
 XMAX = 127 * 127
@@ -93,8 +95,37 @@ def check_input_rounding_matches_the_reference(kernels):
                 assert kernels.quantize_row_matches_reference(x.ctypes.data, k, group, mode) == 1, (k, group, mode)
 
 
+def check_decoded(kernels):
+    """The decoded-block formats: rows read back are gguf.quants' dequantization bit for bit; products
+    with the inputs rounded to 14 bits, to int8 (input_planes=1) and per group (0), at every row count
+    of a pass, and chained after another format."""
+    rng = np.random.default_rng(5)
+    for name in DECODED:
+        group, k = input_group(name), 512
+        raw = random_weights(name, 37, k, rng)
+        w = dequantized(name, raw, k)
+        table = cpu_kernels.linear_struct(kernels, CWeightView(name, torch.from_numpy(raw), 37, k, raw.shape[1]))
+        np.testing.assert_array_equal(cpu_kernels.rows_to_f32(kernels, table, torch.arange(37)).numpy(),
+                                      w.astype(np.float32), err_msg=name)
+        for rows in (1, 2, 3, 4, 7, 21):
+            x = with_outliers(rng, rows, k, group)
+            for planes, xin in ((2, quantized_inputs(x, group)), (1, quantized_inputs(x, group, top=127)),
+                                (0, per_group_inputs(x, group))):
+                got = c_linear(kernels, name, raw, k, x, input_planes=planes)
+                want = xin @ w.T
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(),
+                                           err_msg=f"{name} rows={rows} planes={planes}")
+        other = random_weights("q8_0" if group == 32 else "q4_k", 8, k, rng)
+        view = CWeightView(name, torch.from_numpy(raw), 37, k, raw.shape[1], input_planes=2)
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        got = c_linear(kernels, "q8_0" if group == 32 else "q4_k", other, k, x, chain=view)
+        want = quantized_inputs(x, group) @ np.concatenate([dequantized("q8_0" if group == 32 else "q4_k", other, k), w]).T
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(), err_msg=f"{name} chained")
+
+
 def check_all(kernels):
     check_input_rounding_matches_the_reference(kernels)
+    check_decoded(kernels)
     rng = np.random.default_rng(0)
     for name in TYPES:
         k = 512 if name != "f16" else 200
@@ -222,7 +253,7 @@ def test_bad_layouts_refused(kernels):
     with pytest.raises(ValueError, match="byte layout"):  # 64 weights of Q8_0 are 68 bytes a row, not 60
         cpu_kernels.linear_struct(kernels, CWeightView("q8_0", torch.from_numpy(raw[:, :60].copy()), 4, 64, 60))
     with pytest.raises(ValueError, match="no weight type"):
-        cpu_kernels.linear_struct(kernels, CWeightView("q3_k", torch.from_numpy(raw), 4, 64, 68))
+        cpu_kernels.linear_struct(kernels, CWeightView("tq1_0", torch.from_numpy(raw), 4, 64, 68))
     table = cpu_kernels.linear_struct(kernels, CWeightView("q8_0", torch.from_numpy(raw), 4, 64, 68))
     with pytest.raises(ValueError, match="outside"):
         cpu_kernels.rows_to_f32(kernels, table, torch.tensor([4]))
