@@ -4,24 +4,28 @@
  * dequantizers are the tests' reference).
  *
  * Every one of them is, per sub-block of 16 weights, a signed 8-bit integer per weight times a
- * float scale, plus (Q2_K, Q5_K) a float min times the sub-block's input sum:
- *     w[16 j + e] = fs[j] v[16 j + e] + fm[j]
- * A block is decoded into that form once per pass over a weight row (v int8 [256], fs, fm [16]) and
- * multiplied into up to QROWS input rows, whose groups are the blocks (256, or IQ4_NL's 32): the
- * integer dot of each 16 v with the two input planes (AVX2: |v| x sign(x, v) by vpmaddubsw, each
- * 32 bytes two sub-blocks), then 127 hi + lo scaled by fs in fp32, and the mins from the input's
+ * small integer scale, under one float scale per block, plus (Q2_K, Q5_K) an integer min under one
+ * float min scale:
+ *     w[16 j + e] = (D is[j]) v[16 j + e] + Dm im[j]
+ * (the i-quants' (0.5 + s) / 4 and the like are (2 s + 1) under D = d / 8: the same products, as
+ * powers of two commute with rounding; IQ1's delta of +-1/8 of the scale on a group of 8 is in the
+ * integers: dl (g + delta) = dl / 8 (8 g +- 1)). Each weight row is decoded into that form once per
+ * call (per block of input rows) and multiplied into every input row, whose groups are the blocks
+ * (256, or IQ4_NL's 32): the integer dot of each 16 v with the two input planes (AVX2: |v| x
+ * sign(x, v) by vpmaddubsw, each 32 bytes two sub-blocks), times is[j] by vpmaddwd, summed in int32
+ * over the block, then scaled by D (x 127 for the high plane) in fp32; the mins from the input's
  * integer sums of 16. The i-quants' grids are installed from the gguf package at load
- * (set_quant_grid, from cpu_kernels.py); a table row of an i-quant without its grid is not valid.
- *
- * The IQ1 formats' delta (+-1/8 of the scale on a group of 8) is folded into the integers: w =
- * dl (g + delta) = dl / 8 (8 g +- 1), exact (a division by a power of two). */
+ * (set_quant_grid, from cpu_kernels.py); a table row of an i-quant without its grid is not valid. */
 
 typedef struct {
-    int8_t v[256] __attribute__((aligned(32)));
-    float fs[16], fm[16];
+    int8_t *v;       /* [block] values */
+    int16_t *is;     /* [block / 16] integer scales: a sub-block's scale is D is[j] */
+    float *D;        /* [1] the block's scale */
+    int16_t *im;     /* [block / 16] integer mins (Q2_K, Q5_K; else 0): a sub-block's min is Dm im[j] */
+    float *Dm;       /* [1] */
 } Decoded;
 
-typedef void (*DecodeBlock)(const uint8_t *blk, Decoded *o);
+typedef void (*DecodeBlock)(const uint8_t *blk, const Decoded *o);
 
 /* The IQ4 formats' 16 levels (IQ4_NL's kvalues). */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -44,24 +48,54 @@ static inline uint8_t ksign(uint32_t i) { return (uint8_t)(i | ((uint32_t)(__bui
 /* Eight values of a grid row, each negated where bit i of `signs` is set, at out. */
 static inline void grid_row(GridId g, uint32_t index, uint8_t signs, int8_t *out) {
     const int8_t *row = grids[g] + (size_t)index * 8;
+#if QUANT_SIMD
+    /* bytes of -1 where the bit is set: (x ^ m) - m negates them */
+    const __m128i bits = _mm_and_si128(_mm_set1_epi8((char)signs), _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m128i m = _mm_cmpeq_epi8(bits, _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i r = _mm_loadl_epi64((const __m128i *)row);
+    _mm_storel_epi64((__m128i *)out, _mm_sub_epi8(_mm_xor_si128(r, m), m));
+#else
     for (int i = 0; i < 8; i++) out[i] = (signs >> i) & 1 ? (int8_t)-row[i] : row[i];
+#endif
 }
 
-static void decode_q2_k(const uint8_t *blk, Decoded *o) {
+static void decode_q2_k(const uint8_t *blk, const Decoded *o) {
     const uint8_t *sc = blk, *qs = blk + 16;
     const float d = f16_to_f32(read_u16(blk + 80)), dmin = f16_to_f32(read_u16(blk + 82));
+#if QUANT_SIMD
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = load_i8(qs + 32 * h), three = _mm256_set1_epi8(3);
+        for (int s = 0; s < 4; s++)
+            _mm256_storeu_si256((__m256i *)(o->v + 128 * h + 32 * s), _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), three));
+    }
+#else
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
             for (int l = 0; l < 32; l++) o->v[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
+#endif
     for (int j = 0; j < 16; j++) {
-        o->fs[j] = d * (float)(sc[j] & 15);
-        o->fm[j] = -dmin * (float)(sc[j] >> 4);
+        o->is[j] = sc[j] & 15;
+        o->im[j] = sc[j] >> 4;
     }
+    o->D[0] = d, o->Dm[0] = -dmin;
 }
 
-static void decode_q3_k(const uint8_t *blk, Decoded *o) {
+static void decode_q3_k(const uint8_t *blk, const Decoded *o) {
     const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
     const float d = f16_to_f32(read_u16(blk + 108));
+#if QUANT_SIMD
+    const __m256i hm = load_i8(hmask), three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = load_i8(qs + 32 * h);
+        for (int s = 0; s < 4; s++) {
+            const int b = 4 * h + s; /* the value is 4 lower where bit b of its hmask byte is clear */
+            const __m256i bit = _mm256_set1_epi8((char)(1 << b));
+            const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
+            const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), three);
+            _mm256_storeu_si256((__m256i *)(o->v + 32 * b), _mm256_sub_epi8(v, _mm256_and_si256(clear, _mm256_set1_epi8(4))));
+        }
+    }
+#else
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
             for (int l = 0; l < 32; l++) {
@@ -69,75 +103,104 @@ static void decode_q3_k(const uint8_t *blk, Decoded *o) {
                 const int high = (hmask[l] >> (idx / 32)) & 1; /* the value is 4 lower where the bit is clear */
                 o->v[idx] = (int8_t)(((qs[32 * h + l] >> (2 * s)) & 3) - (high ? 0 : 4));
             }
+#endif
     for (int j = 0; j < 16; j++) {
         const int low = (sc[j % 8] >> (4 * (j / 8))) & 15, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-        o->fs[j] = d * (float)((low | (high << 4)) - 32);
-        o->fm[j] = 0.0f;
+        o->is[j] = (int16_t)((low | (high << 4)) - 32);
+        o->im[j] = 0;
     }
+    o->D[0] = d, o->Dm[0] = 0.0f;
 }
 
-static void decode_q5_k(const uint8_t *blk, Decoded *o) {
+static void decode_q5_k(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk)), dmin = f16_to_f32(read_u16(blk + 2));
     const uint8_t *qh = blk + 16, *qs = blk + 48;
     uint8_t sc[8], mn[8];
     q4k_scales(blk + 4, sc, mn);
+#if QUANT_SIMD
+    const __m256i h = load_i8(qh), nib = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = load_i8(qs + 32 * c);
+        for (int a = 0; a < 2; a++) {
+            const int b = 2 * c + a; /* the fifth bit: bit b of the qh byte */
+            const __m256i bit = _mm256_set1_epi8((char)(1 << b));
+            const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16));
+            _mm256_storeu_si256((__m256i *)(o->v + 32 * b), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4 * a), nib), high));
+        }
+    }
+#else
     for (int c = 0; c < 4; c++)
         for (int a = 0; a < 2; a++)
             for (int l = 0; l < 32; l++) {
                 const int idx = 64 * c + 32 * a + l;
                 o->v[idx] = (int8_t)(((qs[32 * c + l] >> (4 * a)) & 15) | (((qh[l] >> (idx / 32)) & 1) << 4));
             }
+#endif
     for (int j = 0; j < 16; j++) {
-        o->fs[j] = d * (float)sc[j / 2];
-        o->fm[j] = -dmin * (float)mn[j / 2];
+        o->is[j] = sc[j / 2];
+        o->im[j] = mn[j / 2];
     }
+    o->D[0] = d, o->Dm[0] = -dmin;
 }
 
-static void decode_iq4_nl(const uint8_t *blk, Decoded *o) {
-    const float d = f16_to_f32(read_u16(blk));
+/* The 32 levels of 16 bytes of IQ4 nibbles (the low nibbles' first) at out. */
+static inline void iq4_values(const uint8_t *p, int8_t *out) {
+#if QUANT_SIMD
+    const __m128i q = _mm_loadu_si128((const __m128i *)p), table = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+    const __m128i nib = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)out, _mm_shuffle_epi8(table, _mm_and_si128(q, nib)));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), nib)));
+#else
     for (int l = 0; l < 16; l++) {
-        o->v[l] = IQ4_LEVELS[blk[2 + l] & 15];
-        o->v[16 + l] = IQ4_LEVELS[blk[2 + l] >> 4];
+        out[l] = IQ4_LEVELS[p[l] & 15];
+        out[16 + l] = IQ4_LEVELS[p[l] >> 4];
     }
-    o->fs[0] = o->fs[1] = d;
-    o->fm[0] = o->fm[1] = 0.0f;
+#endif
 }
 
-static void decode_iq4_xs(const uint8_t *blk, Decoded *o) {
+static void decode_iq4_nl(const uint8_t *blk, const Decoded *o) {
+    const float d = f16_to_f32(read_u16(blk));
+    iq4_values(blk + 2, o->v);
+    o->is[0] = o->is[1] = 1;
+    o->im[0] = o->im[1] = 0;
+    o->D[0] = d, o->Dm[0] = 0.0f;
+}
+
+static void decode_iq4_xs(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint16_t sh = read_u16(blk + 2);
     const uint8_t *sl = blk + 4, *qs = blk + 8;
     for (int j = 0; j < 8; j++) {
         const int ls = (((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
-        o->fs[2 * j] = o->fs[2 * j + 1] = d * (float)ls;
-        o->fm[2 * j] = o->fm[2 * j + 1] = 0.0f;
-        for (int l = 0; l < 16; l++) {
-            o->v[32 * j + l] = IQ4_LEVELS[qs[16 * j + l] & 15];
-            o->v[32 * j + 16 + l] = IQ4_LEVELS[qs[16 * j + l] >> 4];
-        }
+        o->is[2 * j] = o->is[2 * j + 1] = (int16_t)ls;
+        o->im[2 * j] = o->im[2 * j + 1] = 0;
+        iq4_values(qs + 16 * j, o->v + 32 * j);
     }
+    o->D[0] = d, o->Dm[0] = 0.0f;
 }
 
-/* The 4-bit scales of IQ2_XS / IQ2_S, one per 16 weights: d (0.5 + s) / 4. */
-static inline void iq2_scales16(const uint8_t *scales, float d, Decoded *o) {
+/* The 4-bit scales of IQ2_XS / IQ2_S, one per 16 weights: d (0.5 + s) / 4 = d / 8 (2 s + 1). */
+static inline void iq2_scales16(const uint8_t *scales, float d, const Decoded *o) {
     for (int j = 0; j < 16; j++) {
-        o->fs[j] = d * (0.5f + (float)((scales[j / 2] >> (4 * (j % 2))) & 15)) * 0.25f;
-        o->fm[j] = 0.0f;
+        o->is[j] = (int16_t)(2 * ((scales[j / 2] >> (4 * (j % 2))) & 15) + 1);
+        o->im[j] = 0;
     }
+    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
 }
 
-static void decode_iq2_xxs(const uint8_t *blk, Decoded *o) {
+static void decode_iq2_xxs(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     for (int s = 0; s < 8; s++) {
         const uint8_t *q = blk + 2 + 8 * s;
         const uint32_t aux = read_u32(q + 4);
         for (int g = 0; g < 4; g++) grid_row(GRID_IQ2_XXS, q[g], ksign((aux >> (7 * g)) & 127), o->v + 32 * s + 8 * g);
-        o->fs[2 * s] = o->fs[2 * s + 1] = d * (0.5f + (float)(aux >> 28)) * 0.25f;
-        o->fm[2 * s] = o->fm[2 * s + 1] = 0.0f;
+        o->is[2 * s] = o->is[2 * s + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        o->im[2 * s] = o->im[2 * s + 1] = 0;
     }
+    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
 }
 
-static void decode_iq2_xs(const uint8_t *blk, Decoded *o) {
+static void decode_iq2_xs(const uint8_t *blk, const Decoded *o) {
     for (int t = 0; t < 32; t++) {
         const uint16_t q = read_u16(blk + 2 + 2 * t);
         grid_row(GRID_IQ2_XS, q & 511, ksign(q >> 9), o->v + 8 * t);
@@ -145,7 +208,7 @@ static void decode_iq2_xs(const uint8_t *blk, Decoded *o) {
     iq2_scales16(blk + 66, f16_to_f32(read_u16(blk)), o);
 }
 
-static void decode_iq2_s(const uint8_t *blk, Decoded *o) {
+static void decode_iq2_s(const uint8_t *blk, const Decoded *o) {
     const uint8_t *qs = blk + 2, *signs = blk + 34, *qh = blk + 66;
     for (int t = 0; t < 32; t++)
         grid_row(GRID_IQ2_S, qs[t] | (((qh[t / 4] >> (2 * (t % 4))) & 3) << 8), signs[t], o->v + 8 * t);
@@ -158,7 +221,7 @@ static inline void grid_row4(GridId g, uint32_t index, uint32_t signs, int8_t *o
     for (int i = 0; i < 4; i++) out[i] = (signs >> i) & 1 ? (int8_t)-row[i] : row[i];
 }
 
-static void decode_iq3_xxs(const uint8_t *blk, Decoded *o) {
+static void decode_iq3_xxs(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint8_t *qs = blk + 2;
     for (int s = 0; s < 8; s++) {
@@ -168,20 +231,22 @@ static void decode_iq3_xxs(const uint8_t *blk, Decoded *o) {
             grid_row4(GRID_IQ3_XXS, qs[8 * s + 2 * g], signs, o->v + 32 * s + 8 * g);
             grid_row4(GRID_IQ3_XXS, qs[8 * s + 2 * g + 1], signs >> 4, o->v + 32 * s + 8 * g + 4);
         }
-        o->fs[2 * s] = o->fs[2 * s + 1] = d * (0.5f + (float)(aux >> 28)) * 0.5f;
-        o->fm[2 * s] = o->fm[2 * s + 1] = 0.0f;
+        o->is[2 * s] = o->is[2 * s + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        o->im[2 * s] = o->im[2 * s + 1] = 0;
     }
+    o->D[0] = d * 0.25f, o->Dm[0] = 0.0f;
 }
 
-static void decode_iq3_s(const uint8_t *blk, Decoded *o) {
+static void decode_iq3_s(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
     for (int u = 0; u < 64; u++)
         grid_row4(GRID_IQ3_S, qs[u] | (((qh[u / 8] >> (u % 8)) & 1) << 8), signs[u / 2] >> (4 * (u % 2)), o->v + 4 * u);
     for (int j = 0; j < 8; j++) {
-        o->fs[2 * j] = o->fs[2 * j + 1] = d * (float)(1 + 2 * ((scales[j / 2] >> (4 * (j % 2))) & 15));
-        o->fm[2 * j] = o->fm[2 * j + 1] = 0.0f;
+        o->is[2 * j] = o->is[2 * j + 1] = (int16_t)(1 + 2 * ((scales[j / 2] >> (4 * (j % 2))) & 15));
+        o->im[2 * j] = o->im[2 * j + 1] = 0;
     }
+    o->D[0] = d, o->Dm[0] = 0.0f;
 }
 
 /* Eight IQ1 values of grid row `index` (-1, 0, 1) with the group's delta: 8 g + 1, or 8 g - 1. */
@@ -190,18 +255,19 @@ static inline void iq1_row(uint32_t index, int negative_delta, int8_t *out) {
     for (int i = 0; i < 8; i++) out[i] = (int8_t)(8 * row[i] + (negative_delta ? -1 : 1));
 }
 
-static void decode_iq1_s(const uint8_t *blk, Decoded *o) {
+static void decode_iq1_s(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint8_t *qs = blk + 2;
     for (int s = 0; s < 8; s++) {
         const uint16_t qh = read_u16(blk + 34 + 2 * s);
         for (int g = 0; g < 4; g++) iq1_row(qs[4 * s + g] | (((qh >> (3 * g)) & 7) << 8), qh >> 15, o->v + 32 * s + 8 * g);
-        o->fs[2 * s] = o->fs[2 * s + 1] = d * (float)(2 * ((qh >> 12) & 7) + 1) * 0.125f;
-        o->fm[2 * s] = o->fm[2 * s + 1] = 0.0f;
+        o->is[2 * s] = o->is[2 * s + 1] = (int16_t)(2 * ((qh >> 12) & 7) + 1);
+        o->im[2 * s] = o->im[2 * s + 1] = 0;
     }
+    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
 }
 
-static void decode_iq1_m(const uint8_t *blk, Decoded *o) {
+static void decode_iq1_m(const uint8_t *blk, const Decoded *o) {
     const uint8_t *qs = blk, *qh = blk + 32;
     uint16_t sc[4];
     for (int i = 0; i < 4; i++) sc[i] = read_u16(blk + 48 + 2 * i);
@@ -212,9 +278,10 @@ static void decode_iq1_m(const uint8_t *blk, Decoded *o) {
         iq1_row(qs[t] | ((nib & 7) << 8), nib >> 3, o->v + 8 * t);
     }
     for (int j = 0; j < 16; j++) {
-        o->fs[j] = d * (float)(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1) * 0.125f;
-        o->fm[j] = 0.0f;
+        o->is[j] = (int16_t)(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1);
+        o->im[j] = 0;
     }
+    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
 }
 
 /* Install grid `name` (rows x width int8 values, the row-major table of gguf.quants' grid): 0, or 1
@@ -254,89 +321,159 @@ const char *weight_type_grid(const char *type_name) {
     return g < 0 ? NULL : GRID_NAMES[g];
 }
 
-/* out[b] = row w (blocks of `block` weights, `bytes` each) . input row b0 + b, b < NB; the input
- * groups are the blocks. The plain C body, and the AVX2 one where the build has it. */
-static inline __attribute__((always_inline)) void dot_decoded_ref(DecodeBlock decode, const int block, const int bytes,
-                                                                 const uint8_t *w, const QuantRows *q, int64_t b0,
-                                                                 const int NB, float *out) {
+/* One thread's decoded weight row (DecodedRow's arrays), grown as needed and kept for its next calls;
+ * NULL where it cannot be had (the caller skips its share and reports it). */
+static _Thread_local void *decoded_row;
+static _Thread_local int64_t decoded_capacity;
+static void *decoded_buffer(int64_t k) {
+    const int64_t bytes = k + 2 * (k / 16) * (int64_t)sizeof(int16_t) + 2 * (k / 32) * (int64_t)sizeof(float) + 64;
+    if (bytes > decoded_capacity) {
+        free(decoded_row);
+        decoded_row = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        decoded_capacity = decoded_row != NULL ? bytes : 0;
+    }
+    return decoded_row;
+}
+
+/* The weight row w of k weights (blocks of `block`, `bytes` each) decoded into buf: values [k],
+ * integer scales and mins [k / 16], block scales and min scales [k / block]. */
+static inline __attribute__((always_inline)) Decoded decode_row(DecodeBlock decode, const int block, const int bytes,
+                                                                const uint8_t *w, int64_t k, void *buf) {
+    int8_t *v = buf;
+    int16_t *is = (int16_t *)(v + k), *im = is + k / 16;
+    float *D = (float *)(im + k / 16), *Dm = D + k / block;
+    for (int64_t i = 0; i < k / block; i++) {
+        const Decoded at = {v + i * block, is + i * (block / 16), D + i, im + i * (block / 16), Dm + i};
+        decode(w + i * bytes, &at);
+    }
+    return (Decoded){v, is, D, im, Dm};
+}
+
+/* The mins' part of block i for input row b: Dm sum_j im[j] S[j], S the input's integer sums of 16. */
+static inline float block_mins(const Decoded *row, int64_t i, const int subs, const int32_t *s16) {
+    int32_t m = 0;
+    for (int j = 0; j < subs; j++) m += row->im[i * subs + j] * s16[j];
+    return row->Dm[i] * (float)m;
+}
+
+/* out[b] = the decoded row . input row b0 + b, b < NB; the input groups are the blocks (`block`
+ * weights); mins: the row has mins. The plain C body, and the AVX2 one where the build has it. */
+static inline __attribute__((always_inline)) void dot_decoded_ref(const Decoded *row, const int block, const int mins,
+                                                                 const QuantRows *q, int64_t b0, const int NB,
+                                                                 float *out) {
     const InputRows in = input_rows(q, b0, NB);
     const int subs = block / 16;
     float acc[QROWS] = {0};
-    Decoded dec;
     for (int64_t i = 0; i < q->k / block; i++) {
-        decode(w + i * bytes, &dec);
+        const int8_t *v = row->v + i * block;
         for (int b = 0; b < NB; b++) {
             const int8_t *xh = in.hi[b] + i * block, *xl = in.lo[b] + i * block;
-            const int32_t *s16 = in.sums[b] + i * subs;
-            float sum = 0.0f;
+            int32_t h = 0, l = 0;
             for (int j = 0; j < subs; j++) {
-                int32_t h = 0, l = 0;
+                int32_t hj = 0, lj = 0;
                 for (int e = 0; e < 16; e++) {
-                    h += dec.v[16 * j + e] * xh[16 * j + e];
-                    l += dec.v[16 * j + e] * xl[16 * j + e];
+                    hj += v[16 * j + e] * xh[16 * j + e];
+                    lj += v[16 * j + e] * xl[16 * j + e];
                 }
-                sum += dec.fs[j] * (float)(127 * h + l) + dec.fm[j] * (float)s16[j];
+                h += row->is[i * subs + j] * hj;
+                l += row->is[i * subs + j] * lj;
             }
-            acc[b] += in.d[b][i] * sum;
+            const float dx = in.d[b][i];
+            acc[b] += dx * (row->D[i] * (127.0f * (float)h + (float)l));
+            if (mins) acc[b] += dx * block_mins(row, i, subs, in.sums[b] + i * subs);
         }
     }
     for (int b = 0; b < NB; b++) out[b] = acc[b];
 }
 
 #if QUANT_SIMD
-static inline __attribute__((always_inline)) void dot_decoded(DecodeBlock decode, const int block, const int bytes,
-                                                             const uint8_t *w, const QuantRows *q, int64_t b0,
-                                                             const int NB, float *out) {
+static inline __attribute__((always_inline)) void dot_decoded(const Decoded *row, const int block, const int mins,
+                                                             const QuantRows *q, int64_t b0, const int NB, float *out) {
     const InputRows in = input_rows(q, b0, NB);
     const int subs = block / 16;
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
-    float mins[QROWS] = {0};
-    Decoded dec;
+    float min_sum[QROWS] = {0};
     for (int64_t i = 0; i < q->k / block; i++) {
-        decode(w + i * bytes, &dec);
-        for (int b = 0; b < NB; b++) {
-            const int8_t *xh = in.hi[b] + i * block, *xl = in.lo[b] + i * block;
-            const int two = in.two[b][i];
-            const __m256 dx = _mm256_set1_ps(in.d[b][i]);
-            for (int c = 0; c < block / 32; c++) {
-                const __m256i v = load_i8(dec.v + 32 * c), av = _mm256_sign_epi8(v, v);
-                /* lanes 0-3: sub-block 2c, lanes 4-7: 2c + 1 (vpmaddubsw and vpmaddwd stay in their 128-bit half) */
-                __m256i s = dot_us(av, _mm256_sign_epi8(load_i8(xh + 32 * c), v));
-                s = _mm256_sub_epi32(_mm256_slli_epi32(s, 7), s);
-                if (two) s = _mm256_add_epi32(s, dot_us(av, _mm256_sign_epi8(load_i8(xl + 32 * c), v)));
-                const __m256 fs = _mm256_setr_m128(_mm_set1_ps(dec.fs[2 * c]), _mm_set1_ps(dec.fs[2 * c + 1]));
-                acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(fs, dx), _mm256_cvtepi32_ps(s), acc[b]);
+        const int8_t *v0 = row->v + i * block;
+        const int16_t *is = row->is + i * subs;
+        __m256i hi[QROWS], lo[QROWS];
+        for (int b = 0; b < NB; b++) hi[b] = lo[b] = _mm256_setzero_si256();
+        for (int c = 0; c < block / 32; c++) {
+            const __m256i v = load_i8(v0 + 32 * c), av = _mm256_sign_epi8(v, v);
+            /* int16 lanes 0-7: sub-block 2c's scale, 8-15: 2c + 1's (vpmaddubsw and vpmaddwd stay in their 128-bit half) */
+            const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(is[2 * c]), _mm_set1_epi16(is[2 * c + 1]));
+            for (int b = 0; b < NB; b++) {
+                const int64_t at = i * block + 32 * c;
+                hi[b] = _mm256_add_epi32(hi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(load_i8(in.hi[b] + at), v)), scale));
+                if (in.two[b][i])
+                    lo[b] = _mm256_add_epi32(lo[b], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(load_i8(in.lo[b] + at), v)), scale));
             }
         }
-        if (decode == decode_q2_k || decode == decode_q5_k)
-            for (int b = 0; b < NB; b++) {
-                const int32_t *s16 = in.sums[b] + i * subs;
-                float m = 0.0f;
-                for (int j = 0; j < subs; j++) m += dec.fm[j] * (float)s16[j];
-                mins[b] += in.d[b][i] * m;
+        for (int b = 0; b < NB; b++) {
+            acc[b] = add_planes(acc[b], in.d[b][i] * row->D[i], hi[b], lo[b]);
+            if (mins) { /* (block == 256: Q2_K, Q5_K) 16 integer mins x the input's 16 sums */
+                const __m256i im = load_i8(row->im + i * 16);
+                const int32_t *s16 = in.sums[b] + i * 16;
+                const __m256i m = _mm256_add_epi32(
+                    _mm256_mullo_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(im)), load_i8(s16)),
+                    _mm256_mullo_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(im, 1)), load_i8(s16 + 8)));
+                min_sum[b] += in.d[b][i] * row->Dm[i] * (float)hsum_epi32(m);
             }
+        }
     }
-    for (int b = 0; b < NB; b++) out[b] = sum8(acc[b]) + mins[b];
+    for (int b = 0; b < NB; b++) out[b] = sum8(acc[b]) + min_sum[b];
 }
 #else
 #define dot_decoded dot_decoded_ref
 #endif
 
-/* The table's rows: (name, weights per block, bytes per block). */
+/* The table's rows: (name, weights per block, bytes per block, has mins). */
 #define DECODED_FORMATS(X)                                                                                       \
-    X(q2_k, 256, 84) X(q3_k, 256, 110) X(q5_k, 256, 176) X(iq4_nl, 32, 18) X(iq4_xs, 256, 136)                  \
-    X(iq2_xxs, 256, 66) X(iq2_xs, 256, 74) X(iq2_s, 256, 82) X(iq3_xxs, 256, 98) X(iq3_s, 256, 110)            \
-    X(iq1_s, 256, 50) X(iq1_m, 256, 56)
+    X(q2_k, 256, 84, 1) X(q3_k, 256, 110, 0) X(q5_k, 256, 176, 1) X(iq4_nl, 32, 18, 0) X(iq4_xs, 256, 136, 0)  \
+    X(iq2_xxs, 256, 66, 0) X(iq2_xs, 256, 74, 0) X(iq2_s, 256, 82, 0) X(iq3_xxs, 256, 98, 0)                   \
+    X(iq3_s, 256, 110, 0) X(iq1_s, 256, 50, 0) X(iq1_m, 256, 56, 0)
 
-#define DEFINE_DECODED(NAME, BLOCK, BYTES)                                                                       \
-    DEFINE_QUANT_LINEAR_ROWS(linear_rows_##NAME, BLOCK, dot_decoded(decode_##NAME, BLOCK, BYTES, w, q, b0, NB, out)) \
+/* A format's LinearRows: the inputs quantized (as DEFINE_QUANT_LINEAR_ROWS), then each thread takes
+ * its share of the weight rows, decoding each once per block of input rows and multiplying it into
+ * them QROWS at a time. */
+#define DEFINE_DECODED(NAME, BLOCK, BYTES, MINS)                                                                 \
+    void linear_rows_##NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) { \
+        QuantRows q;                                                                                             \
+        int no_rows = quantize_rows(x, ldx, rows, m->k, BLOCK, 0, input_mode(m), &q);                            \
+        void *buf = decoded_buffer(m->k);                                                                      \
+        if (buf == NULL) no_rows = 1;                                                                            \
+        if (no_rows) note_kernel_failure();                                                                      \
+        const int64_t rb = row_block(&q, rows, no_rows);                                                         \
+        for (int64_t r0 = 0; r0 < rows; r0 += rb) {                                                              \
+            const int64_t end = r0 + rb < rows ? r0 + rb : rows;                                                 \
+            _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < m->n; r++) {                      \
+                if (no_rows) continue;                                                                           \
+                const Decoded row = decode_row(decode_##NAME, BLOCK, BYTES,                                      \
+                                               (const uint8_t *)m->data + r * m->row_bytes, m->k, buf);          \
+                for (int64_t b0 = r0; b0 < end; b0 += QROWS) {                                                   \
+                    float dot[QROWS];                                                                            \
+                    const int64_t nb = end - b0 < QROWS ? end - b0 : QROWS;                                      \
+                    switch (nb) {                                                                                \
+                    case 1: dot_decoded(&row, BLOCK, MINS, &q, b0, 1, dot); break;                               \
+                    case 2: dot_decoded(&row, BLOCK, MINS, &q, b0, 2, dot); break;                               \
+                    case 3: dot_decoded(&row, BLOCK, MINS, &q, b0, 3, dot); break;                               \
+                    default: dot_decoded(&row, BLOCK, MINS, &q, b0, 4, dot); break;                              \
+                    }                                                                                            \
+                    for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f); \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
     void to_f32_##NAME(const Linear *m, int64_t r, float *out) {                                                 \
+        int8_t v[BLOCK] __attribute__((aligned(32)));                                                            \
+        int16_t is[BLOCK / 16], im[BLOCK / 16];                                                                  \
+        float D, Dm;                                                                                             \
+        const Decoded dec = {v, is, &D, im, &Dm};                                                                \
         const uint8_t *row = (const uint8_t *)m->data + r * m->row_bytes;                                        \
-        Decoded dec;                                                                                             \
         for (int64_t i = 0; i < m->k / BLOCK; i++) {                                                             \
             decode_##NAME(row + i * BYTES, &dec);                                                                \
-            for (int e = 0; e < BLOCK; e++) out[i * BLOCK + e] = dec.fs[e / 16] * (float)dec.v[e] + dec.fm[e / 16]; \
+            for (int e = 0; e < BLOCK; e++) out[i * BLOCK + e] = D * (float)is[e / 16] * (float)v[e] + Dm * (float)im[e / 16]; \
         }                                                                                                        \
     }
 DECODED_FORMATS(DEFINE_DECODED)
