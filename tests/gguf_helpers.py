@@ -58,6 +58,11 @@ def llama_cpp_row_order(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# The formats gguf.quants cannot quantize into: tiny files hold random blocks of them.
+RANDOM_BLOCKS = ("q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs",
+                 "iq3_s", "iq1_s", "iq1_m")
+
+
 def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=512, layers=2, heads=4,
                kv_heads=2, vocab=320, seed=0, untied=False, metadata: dict | None = None) -> Path:
     """A random model as a GGUF file; types: tensor role (attn_q, ffn_down, token_embd, output,
@@ -84,7 +89,7 @@ def write_tiny(path: Path, arch: str, types: dict[str, str], hidden=256, inter=5
         kind = types.get(role, "f32")
         if value.ndim == 1 or kind == "f32":
             w.add_tensor(name, value.astype(np.float32))
-        elif kind in ("q4_k", "q5_k", "q6_k"):  # gguf.quants has no quantizer for these: random blocks
+        elif kind in RANDOM_BLOCKS:  # gguf.quants has no quantizer for these: random blocks
             w.add_tensor(name, random_weights(kind, *value.shape, rng, std=float(value.std())), raw_dtype=qtype(kind))
         else:
             w.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype(kind)), raw_dtype=qtype(kind))
@@ -184,6 +189,11 @@ CASES = {
                               "ffn_gate": "f16", "ffn_up": "bf16", "ffn_down": "q8_0", "token_embd": "q6_k"}),
     "qwen3-q5_k": ("qwen3", {"attn_q": "q5_k", "attn_k": "q5_k", "attn_v": "q6_k", "attn_output": "q5_k",
                              "ffn_gate": "q5_k", "ffn_up": "q5_k", "ffn_down": "q5_k", "token_embd": "q8_0"}),
+    # the decoded-block formats (kernels/cpu_quant_decoded.h), stacked parts in different ones
+    "llama-k-low": ("llama", {"attn_q": "q3_k", "attn_k": "q2_k", "attn_v": "iq4_xs", "attn_output": "iq4_nl",
+                              "ffn_gate": "q3_k", "ffn_up": "iq4_xs", "ffn_down": "q2_k", "token_embd": "q3_k"}),
+    "llama-iq": ("llama", {"attn_q": "iq2_xxs", "attn_k": "iq2_xs", "attn_v": "iq2_s", "attn_output": "iq3_xxs",
+                           "ffn_gate": "iq3_s", "ffn_up": "iq1_s", "ffn_down": "iq1_m", "token_embd": "iq4_xs"}),
     "qwen3-q4_0": ("qwen3", {r: "q4_0" for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                                  "ffn_down", "token_embd", "output")}),
 }

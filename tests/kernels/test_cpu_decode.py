@@ -48,8 +48,8 @@ def test_linear_kernel_rejects_other_weight_dtypes(kernels):
     in the C weight-type table has no type code; a description with a code outside the table, or
     rows of the wrong size, is refused by the C side, not run as fp32."""
     assert dense_c_view(torch.randn(4, 8).half()) is None
-    with pytest.raises(ValueError, match="no weight type 'q3_k'"):
-        kernels.weight_type("q3_k")
+    with pytest.raises(ValueError, match="no weight type 'tq1_0'"):
+        kernels.weight_type("tq1_0")
     w = torch.randn(4, 8)
     good = cpu_kernels.linear_struct(kernels, dense_c_view(w))
     torch.testing.assert_close(cpu_kernels.linear(kernels, good, torch.ones(1, 8), None), w.sum(1, keepdim=True).T)

@@ -16,6 +16,8 @@ def test_derived_lists():
     assert block_formats.ONLINE_FORMATS == ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "mxfp4")
     assert block_formats.CONVERTED_FORMATS == {"q5_k": "q5_1"}
     assert "q5_k" not in block_formats.NATIVE_FORMATS and "q6_k" in block_formats.NATIVE_FORMATS
+    assert {"q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s",
+            "iq1_m"} <= set(block_formats.NATIVE_FORMATS)
     # every format `quantization=` offers has a reference quantizer in gguf.quants (q4_k: ours)
     from gguf import quants
     for name in block_formats.ONLINE_FORMATS:
@@ -26,8 +28,8 @@ def test_row_bytes_names_a_partial_block():
     assert block_formats.row_bytes("q4_k", 512, "x") == 288
     with pytest.raises(ValueError, match=r"layer\.w: 100 inputs are not whole q8_0 blocks of 32"):
         block_formats.row_bytes("q8_0", 100, "layer.w")
-    with pytest.raises(ValueError, match="unknown tensor format 'q3_k'"):
-        block_formats.block_shape("q3_k")
+    with pytest.raises(ValueError, match="unknown tensor format 'tq1_0'"):
+        block_formats.block_shape("tq1_0")
 
 
 def test_the_c_table_agrees():

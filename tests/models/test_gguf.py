@@ -18,6 +18,7 @@ import pytest
 
 from helpers import make_qwen3  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.layers.quantization.block_formats import block_shape  # noqa: E402
 from nanovllm.config import CPU_INPUT_BITS  # noqa: E402
 from nanovllm.kernels import cpu_kernels  # noqa: E402
 from nanovllm.layers.quantization import linear_layers  # noqa: E402
@@ -83,7 +84,7 @@ def kernel_input_groups(types: dict[str, str], tied: bool) -> dict[str, int]:
     roles = {**types, **({"output": types["token_embd"]} if tied and "token_embd" in types else {})}
     for role, kind in roles.items():
         if role in HF_MODULES and kind not in ("f32", "f16", "bf16"):
-            groups[HF_MODULES[role]] = 256 if kind.endswith("_k") else 32
+            groups[HF_MODULES[role]] = block_shape(kind)[0]  # the input groups are the blocks
     return groups
 
 
@@ -217,18 +218,18 @@ def test_bad_files_and_options(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    """A tensor type the kernels do not multiply (here IQ4_NL, written as raw blocks) is refused
+    """A tensor type the kernels do not multiply (here TQ1_0, written as raw blocks) is refused
     before anything is allocated, naming it and the supported list."""
-    path = tmp_path / "iq4.gguf"
+    path = tmp_path / "tq1.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("add_block_count", 1), ("add_context_length", 64), ("add_embedding_length", 32),
                        ("add_feed_forward_length", 64), ("add_head_count", 2), ("add_layer_norm_rms_eps", 1e-6)):
         getattr(w, key)(value)
     w.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
-    w.add_tensor("blk.0.ffn_down.weight", np.zeros((32, 2 * 18), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.add_tensor("blk.0.ffn_down.weight", np.zeros((32, 54), np.uint8), raw_dtype=gguf.GGMLQuantizationType.TQ1_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"tensor types iq4_nl \(e.g. blk.0.ffn_down.weight\).*supported: f32, f16"):
+    with pytest.raises(ValueError, match=r"tensor types tq1_0 \(e.g. blk.0.ffn_down.weight\).*supported: f32, f16"):
         LLM(str(path))
