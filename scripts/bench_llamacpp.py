@@ -45,9 +45,11 @@ from llamacpp_build import BuildError  # noqa: E402
 PROMPT_LEN, DECODE_STEPS, PREFILL_LEN = 64, 64, 128
 PREFILL_REPS = 5  # prefills timed per figure, both engines; the figure is their median
 QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
+# The other llama-quantize presets (K-quants and i-quants; not among the defaults).
+MORE_QUANTS = tuple(p for p in llamacpp_build.PRESETS if p not in QUANTS)
 # mxfp4: a GPT-OSS checkpoint's file as llama.cpp's converter writes it (--outtype q8_0): the MXFP4
 # experts as shipped, the other matrices Q8_0 (the gpt-oss model's row; not among the defaults).
-FORMATS = QUANTS + ("mxfp4",)
+FORMATS = QUANTS + MORE_QUANTS + ("mxfp4",)
 LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "q4_0": "llama.cpp Q4_0",
           "q4_k_m": "llama.cpp Q4_K_M", "mxfp4": "llama.cpp MXFP4 experts + Q8_0", "ours": "nano-vLLM fp32",
           "ours_bf16": "nano-vLLM bf16 weights", "ours_q8_0": "nano-vLLM Q8_0", "ours_q4_0": "nano-vLLM Q4_0",
@@ -56,6 +58,10 @@ LABELS = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_
 # quantized ones).
 RATIOS = {"ours": "f32", "ours_bf16": "f16", "ours_q8_0": "q8_0", "ours_q4_0": "q4_0", "ours_q4_k_m": "q4_k_m",
           "ours_mxfp4": "mxfp4"}
+for _preset in MORE_QUANTS:
+    LABELS[_preset] = f"llama.cpp {llamacpp_build.PRESETS[_preset]}"
+    LABELS[f"ours_{_preset}"] = f"nano-vLLM {llamacpp_build.PRESETS[_preset]}"
+    RATIOS[f"ours_{_preset}"] = _preset
 # The dense rows load the HF folder; the quantized rows the very file llama-quantize wrote.
 OUR_DTYPES = {"ours": "float32", "ours_bf16": "bfloat16"}
 FILE_ROWS = tuple(llamacpp_build.PRESETS)
@@ -380,7 +386,7 @@ def parse_args() -> argparse.Namespace:
                    "-march=native) or avx2 (llama.cpp AVX2 + FMA; ours: C kernels for x86-64-v3 and "
                    "torch's ATen / oneDNN / MKL held to AVX2, llamacpp_build.OUR_ISA_ENV)")
     p.add_argument("--formats", default=",".join(QUANTS),
-                   help=f"comma-separated rows: {', '.join(FORMATS)} (default: all but mxfp4); f32 / f16: llama.cpp's "
+                   help=f"comma-separated rows: {', '.join(FORMATS)} (default: {', '.join(QUANTS)}); f32 / f16: llama.cpp's "
                    "conversions against ours on the HF folder (fp32, bf16 weights); the quantized ones: "
                    "llama-quantize's file from the F32 conversion, loaded by both engines; mxfp4 (gpt-oss): "
                    "the converter's file of the MXFP4 checkpoint, experts as shipped and the rest Q8_0")

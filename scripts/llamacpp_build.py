@@ -254,7 +254,8 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
 
 
 # llama-quantize presets the benchmark writes (from the F32 conversion), by our name for them.
-PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q3_k_m": "Q3_K_M",
+           "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "iq3_s": "IQ3_S", "iq3_xxs": "IQ3_XXS"}
 
 
 def quantize_gguf(cache: Path, bins: dict[str, Path], source: Path, preset: str, embedding_type: str | None = None) -> Path:

@@ -55,7 +55,11 @@ def test_kernel_equals_the_dequantized_matmul(case, m):
 
 
 # ---- GGUF block formats on the Triton kernel (layers/quantization/gguf_triton.py) ----------------
-GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4"]
+GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4", "q2_k", "q3_k", "iq4_nl", "iq4_xs",
+              "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]
+# held as 8-bit values (the rest 4-bit)
+EIGHT_BITS = ("q8_0", "q5_0", "q5_1", "q6_k", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s",
+              "iq1_s", "iq1_m")
 # fp32 products: exact under the interpreter, TF32 (10-bit mantissas) in tl.dot on a GPU
 GGUF_RTOL = 1e-4 if DEVICE == "cpu" else 5e-3
 
@@ -74,8 +78,8 @@ def test_gguf_blocks_unpacked_and_multiplied(name):
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype(name)).reshape(n, k).astype(np.float32))
     assert torch.equal(gguf_triton.dequantize(torch.from_numpy(raw), name, k), want)
     held = gguf_triton.hold(torch.from_numpy(raw).to(DEVICE), name, k, torch.float32)
-    assert held.bits == (8 if name in ("q8_0", "q5_0", "q5_1", "q6_k") else 4)
-    assert (held.mins is not None) == (name in ("q4_1", "q5_1", "q4_k"))
+    assert held.bits == (8 if name in EIGHT_BITS else 4)
+    assert (held.mins is not None) == (name in ("q4_1", "q5_1", "q4_k", "q2_k"))
     assert held.fp4 == (name == "mxfp4")  # MXFP4 held as its 4-bit codes
     for m in (1, 7):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -86,7 +90,7 @@ def test_gguf_blocks_unpacked_and_multiplied(name):
     np.testing.assert_allclose(gguf_triton.rows(held, ids.to(DEVICE)).cpu().numpy(), want[ids].numpy(), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", ["llama-q4_k_m", "qwen2-mixed", "qwen3-q4_0"])
+@pytest.mark.parametrize("case", ["llama-q4_k_m", "qwen2-mixed", "qwen3-q4_0", "llama-k-low", "llama-iq"])
 def test_gguf_file_on_the_triton_kernel_matches_transformers(tmp_path, monkeypatch, case):
     """A whole GGUF model on the Triton kernel (what a GPU runs; here NANOVLLM_TRITON_WEIGHT_ONLY=1
     under the interpreter): Q4_K / Q6_K parts chained in one layer and a Q4_K tied table; every

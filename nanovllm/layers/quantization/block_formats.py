@@ -34,19 +34,20 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     # A Q5_K sub-block of 32 (6-bit scale and min under the super-block's fp16 d and dmin) is a
     # Q5_1 block with d = d sc and m = -dmin mn rounded to fp16.
     BlockFormat("q5_k", 256, 176, converted_to="q5_1"),
-    # Multiplied through a decoded block (kernels/cpu_quant_decoded.h): 2- and 3-bit K-quants, the
-    # 16-level IQ4s, and the grid i-quants of Unsloth's dynamic files (their grids from gguf.quants).
-    BlockFormat("q2_k", 256, 84),
-    BlockFormat("q3_k", 256, 110),
-    BlockFormat("iq4_nl", 32, 18),
-    BlockFormat("iq4_xs", 256, 136),
-    BlockFormat("iq2_xxs", 256, 66),
-    BlockFormat("iq2_xs", 256, 74),
-    BlockFormat("iq2_s", 256, 82),
-    BlockFormat("iq3_xxs", 256, 98),
-    BlockFormat("iq3_s", 256, 110),
-    BlockFormat("iq1_s", 256, 50),
-    BlockFormat("iq1_m", 256, 56),
+    # Multiplied through a decoded block (kernels/cpu_quant_decoded.h; on a GPU gguf_decoded.py): 2-
+    # and 3-bit K-quants, the 16-level IQ4s, and the grid i-quants of Unsloth's dynamic files (their
+    # grids from gguf.quants).
+    BlockFormat("q2_k", 256, 84, triton=True),
+    BlockFormat("q3_k", 256, 110, triton=True),
+    BlockFormat("iq4_nl", 32, 18, triton=True),
+    BlockFormat("iq4_xs", 256, 136, triton=True),
+    BlockFormat("iq2_xxs", 256, 66, triton=True),
+    BlockFormat("iq2_xs", 256, 74, triton=True),
+    BlockFormat("iq2_s", 256, 82, triton=True),
+    BlockFormat("iq3_xxs", 256, 98, triton=True),
+    BlockFormat("iq3_s", 256, 110, triton=True),
+    BlockFormat("iq1_s", 256, 50, triton=True),
+    BlockFormat("iq1_m", 256, 56, triton=True),
 )}
 
 # The formats a .gguf file may hold as they are; those converted at load; what `quantization=` offers.

@@ -14,11 +14,14 @@ What each format's block holds (ggml-common.h), as (values, scale, zero point or
     Q6_K: 6-bit q, d, int8 sc         w = (d sc) (q - 32)     group 16 (a sub-block)
     MXFP4: E2M1 codes, E8M0 e         w = 2^(e - 127) e2m1(q) group 32 (the kernel's fp4 mode: the
                                       codes held as they are, a scale per block)
+    Q2_K, Q3_K, IQ4_NL, IQ4_XS and the grid i-quants: a signed integer per weight and a scale (Q2_K:
+                                      and a min) per 16, gguf_decoded.py       group 16
 F16 / BF16 matrices are held dense in the model's dtype."""
 import torch
 from torch import nn
 
 from nanovllm.kernels.triton_weight_only import PackedWeight, pack, pack_fp4
+from nanovllm.layers.quantization import gguf_decoded
 from nanovllm.layers.quantization.block_formats import TRITON_FORMATS as UNPACKED, block_shape
 
 
@@ -58,6 +61,9 @@ def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
     [n, groups], group, zero points int32 [n, groups] or None, mins fp32 [n, groups] or None)."""
     if type_name not in UNPACKED:
         raise ValueError(f"no GPU unpacking for {type_name}; supported: {list(UNPACKED)} and f16 / bf16")
+    if type_name in gguf_decoded.FORMATS:  # a signed integer and a scale (Q2_K: and a min) per 16 weights
+        values, scales, mins = gguf_decoded.unpack(raw, type_name, k)
+        return values, scales, 16, None, mins
     size, nbytes = block_shape(type_name)
     n = raw.shape[0]
     b = raw.reshape(n, k // size, nbytes)
