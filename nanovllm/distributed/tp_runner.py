@@ -225,6 +225,7 @@ class TensorParallelRunner(Executor):
                                    "`if __name__ == '__main__':` (workers are spawned)") from e
             raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.weight_bytes = self.runner.weight_bytes  # rank 0's (the ranks hold equal shares)
 
     def call(self, method: str, *args):
         """Run ModelRunner.method on every rank; rank 0's result is returned."""

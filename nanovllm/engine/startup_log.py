@@ -28,7 +28,7 @@ def startup_summary(config: Config, runner: Executor, num_blocks: int) -> str:
             for w in windows)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return (f"model {os.path.basename(config.model.rstrip('/'))} ({arch}) on {config.device}{tp}, {dtypes}; "
-            f"KV cache {tokens} tokens in {config.kv_format.name}, {runner.kv_token_bytes()} bytes per token "
+            f"weights {runner.weight_bytes / 2**20:.0f} MiB held per rank; KV cache {tokens} tokens in {config.kv_format.name}, {runner.kv_token_bytes()} bytes per token "
             f"({num_blocks} blocks of {config.kvcache_block_size}{layers}{kinds}), {kv_mib:.0f} MiB per rank "
             f"{config.platform.kv_cache_holding(config.kvcache_prefault)}; "
             f"peak RSS {peak_rss_mib:.0f} MiB")

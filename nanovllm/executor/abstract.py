@@ -26,6 +26,7 @@ class Executor(ABC):
     num_state_slots: int  # recurrent-state slots of linear-attention layers (0 without such layers)
     # What keeps a faster step path (the CPU's C step) off some steps, for the start-up summary's WARNING.
     step_notes: list[str]
+    weight_bytes: int  # the bytes this rank holds its weights in, each tensor once (the start-up summary)
 
     @abstractmethod
     def kv_token_bytes(self) -> int:

@@ -47,6 +47,22 @@ def process_weights(model: torch.nn.Module, platform, kernels: LinearKernels) ->
     return described
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of every tensor the model's layers hold (parameters, buffers, and what their
+    methods multiply from), each storage once."""
+    storages = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "streamed_weights"):
+            tensors += method.streamed_weights(module)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -81,6 +97,7 @@ class ModelRunner(Executor):
         self.model.eval()
         self.kernels = linear_kernels(platform, self.dtype, config.weight_dtype)
         self.linear_methods = process_weights(self.model, platform, self.kernels)
+        self.weight_bytes = held_bytes(self.model)
         if config.compile_ops:
             compile_fused_ops(self.model)
         # The engine's seed drives every draw of requests without a seed of their own.

@@ -228,16 +228,20 @@ def linear_struct(kernels: CpuKernels, view, bias: torch.Tensor | None = None) -
 INTERLEAVE = 8
 
 
-def interleaved(kernels: CpuKernels, type_name: str, data: torch.Tensor, k: int) -> tuple[str, torch.Tensor] | None:
+def interleaved(kernels: CpuKernels, type_name: str, data: torch.Tensor, k: int,
+                in_place: bool = False) -> tuple[str, torch.Tensor] | None:
     """data (uint8 [n, row bytes] of a block format) repacked into the format's 8-row interleaved
     layout (same bytes; the kernels multiply 8 rows at once from it), as (its type name, the new
-    tensor); None when the format has no such layout or n is not a multiple of 8."""
+    tensor, or data itself repacked in_place: the matrix is never held twice); None when the
+    format has no such layout or n is not a multiple of 8."""
     name = f"{type_name}x{INTERLEAVE}"
     n = data.shape[0]
     if n % INTERLEAVE or kernels.weight_type_index(name.encode()) < 0:
         return None
+    if in_place and not data.is_contiguous():
+        raise ValueError("an in-place repack needs contiguous rows")
     src = data.contiguous()
-    out = torch.empty_like(src)
+    out = src if in_place else torch.empty_like(src)
     if kernels.repack_x8(type_name.encode(), src.data_ptr(), n, k, out.data_ptr()):
         raise ValueError(f"cannot interleave a {n} x {k} {type_name} matrix")
     return name, out

@@ -720,7 +720,9 @@ DEFINE_X8_LINEAR_ROWS(linear_rows_q6_kx8, 256, 0, dot_q6_kx8(grp, q, b0, NB, P, 
 #endif
 
 /* dst = the n x k matrix src of a plain block format (named) interleaved by 8 rows (n a multiple
- * of 8). Returns 0, or 1 for a format without an interleaved layout or a bad shape. */
+ * of 8); dst may be src (in place: each 8-row group goes through a buffer of its own bytes, so a
+ * matrix is never held twice). Returns 0, or 1 for a format without an interleaved layout, a bad
+ * shape or no memory for the buffer. */
 int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
     /* the plain format's and its interleaved layout's rows of the table, and which block copy moves it */
     char x8_name[16];
@@ -731,15 +733,21 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
     if (k <= 0 || k % group != 0) return 1;
     const int kq = group == 256, f = kq ? strcmp(name, "q6_k") == 0 : fmt32_of(name);
     const int64_t blocks = k / group, row_bytes = blocks * bytes;
-    for (int64_t g = 0; g < n / IL; g++)
+    uint8_t *copy = src == dst ? malloc((size_t)(IL * row_bytes)) : NULL;
+    if (src == dst && copy == NULL) return 1;
+    for (int64_t g = 0; g < n / IL; g++) {
+        const uint8_t *rows = src + g * IL * row_bytes;
+        if (copy != NULL) rows = memcpy(copy, rows, (size_t)(IL * row_bytes));
         for (int64_t i = 0; i < blocks; i++)
             for (int r = 0; r < IL; r++) {
-                uint8_t *plain = (uint8_t *)src + (g * IL + r) * row_bytes + i * bytes, *x8 = dst + g * IL * row_bytes + i * IL * bytes;
+                uint8_t *plain = (uint8_t *)rows + r * row_bytes + i * bytes, *x8 = dst + g * IL * row_bytes + i * IL * bytes;
                 if (kq)
                     kx8_block(f, 1, plain, x8, r);
                 else
                     x8_block((Fmt32)f, 1, plain, x8, r);
             }
+    }
+    free(copy);
     return 0;
 }
 

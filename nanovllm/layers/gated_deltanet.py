@@ -257,7 +257,6 @@ class GatedDeltaNet(nn.Module):
         """One sequence's new tokens mixed [n, channels]: from its slot's state (zero when fresh or
         without a slot), which it leaves updated."""
         x = mixed.float().t()  # [channels, n]
-        n = x.shape[1]
         state = self.state
         if slot is None or fresh:
             history = x.new_zeros(self.channels, self.kernel - 1)

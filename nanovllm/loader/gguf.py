@@ -1,5 +1,5 @@
 """GGUF files as models: the config, the tokenizer and the tensors read from the file itself
-(llama.cpp's format; the `gguf` package's reader, memory-mapped, nothing executed).
+(llama.cpp's format; gguf_reader.py, memory-mapped, nothing executed).
 
 GGUFFile opens and checks a file once: its architecture (llama, qwen2, qwen3, and the mixtures of
 experts qwen2moe, qwen3moe, whose experts come stacked in 3-D tensors), every tensor's type
@@ -23,6 +23,7 @@ from nanovllm.layers.quantization.block_formats import CONVERTED_FORMATS as CONV
 from nanovllm.layers.quantization.block_formats import NATIVE_FORMATS as NATIVE_TYPES
 from nanovllm.layers.quantization.block_formats import block_shape
 from nanovllm.loader import gguf_hybrid
+from nanovllm.loader.gguf_reader import GGUFMetadata
 from nanovllm.loader.gguf_families import ARCHITECTURES, LAYER, architecture, family_config, hf_name, stored_as_hf
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,12 @@ class GGUFFile:
         if not os.path.isfile(path):
             raise ValueError(f"GGUF file {path!r} does not exist")
         try:
-            from gguf import GGUFReader
+            import gguf  # noqa: F401  (its type codes and block sizes)
         except ImportError as e:
             raise ValueError(f"reading {path!r} needs the `gguf` package: pip install 'nano-vllm[gguf]'") from e
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
+            self.reader = GGUFMetadata(path)
         except Exception as e:  # bad magic, truncated header or tensor data past the end
             raise ValueError(f"{path!r} is not a readable GGUF file: {type(e).__name__}: {e}") from e
         self.arch = self.field("general.architecture")
@@ -131,13 +132,12 @@ class GGUFFile:
                                  f"{' of ' + self.arch if value == 'yarn' else ''}")
 
     def field(self, key: str, default=KeyError):
-        f = self.reader.fields.get(key)
-        if f is None:
+        value = self.reader.fields.get(key)
+        if value is None:
             if default is KeyError:
                 raise ValueError(f"{self.path!r} lacks the GGUF metadata key {key!r}")
             return default
-        value = f.contents()
-        return value
+        return value.tolist() if isinstance(value, np.ndarray) else value
 
     def hf_config(self):
         """The model's config as a plain transformers `PretrainedConfig` holding every setting the
@@ -149,7 +149,7 @@ class GGUFFile:
         hidden = int(self.field(f"{a}.embedding_length"))
         vocab = self.field(f"{a}.vocab_size", None)
         if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+            vocab = len(self.reader.fields["tokenizer.ggml.tokens"])
         kwargs = dict(
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{a}.feed_forward_length", 0) or
@@ -201,6 +201,7 @@ class GGUFFile:
                 tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(*rows, info.row_bytes))
             if self.arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
                 tensor = unpermute_rows(tensor, heads if "q_proj" in name else kv_heads)
+            self.reader.release(by_name[info.gguf_name])  # (a tensor split into several is read again: mapped again)
             if len(info.shape) == 3 or (".mlp.experts." in name and name.endswith(".bias")):
                 # experts.{gate,up,down}_proj.{weight,bias} -> experts.{e}.{part}.{weight,bias}
                 base, part = name.split(".experts.")
@@ -210,6 +211,8 @@ class GGUFFile:
 
     def close(self) -> None:
         """Drop the reader and with it the file's mapping (the tensors yielded are copies)."""
+        if self.reader is not None:
+            self.reader.close()
         self.reader = None
 
 

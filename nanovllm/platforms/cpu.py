@@ -10,7 +10,7 @@ import torch
 
 from nanovllm.platforms.interface import Platform, triton_weight_only_asked
 from nanovllm.utils.cpu_info import available_ram_bytes
-from nanovllm.utils.cpu_memory import keep_freed_memory, release_freed_memory
+from nanovllm.utils.cpu_memory import keep_freed_memory, release_freed_memory, return_freed_memory
 from nanovllm.utils.threads import wait_note
 
 logger = logging.getLogger(__name__)
@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 # The default KV budget: a safe share of free RAM (the model and activations need the rest).
 KV_RAM_SHARE = 0.25
 KV_MAX_BYTES = 8 << 30
+# 2 MiB pages for the KV cache where each layer's K (and V) run is at least this long: a page's first
+# touch maps 2 MiB of every run, 3% of a run this long (docs/performance.md, "The KV cache's memory")
+HUGE_PAGE_RUN_BYTES = 64 << 20
 
 
 def threads_per_rank(tp_size: int) -> int:
@@ -99,13 +102,14 @@ class CpuPlatform(Platform):
         torch.set_num_threads(threads_per_rank(tensor_parallel_size))
 
     def prepare_process(self) -> None:
-        keep_freed_memory()
+        return_freed_memory()  # while the weights load; keep_freed_memory() once they are held
         note = wait_note()
         if note:
             logger.info(note)
 
     def after_weights_processed(self) -> None:
-        release_freed_memory()  # the loading's transient copies, kept by the raised trim threshold
+        release_freed_memory()  # what the heap still holds of the loading
+        keep_freed_memory()
 
     def wants_c_kernels(self, dtype: torch.dtype) -> bool:
         return can_pack_weights(dtype)
@@ -136,12 +140,15 @@ class CpuPlatform(Platform):
         multi-GB cache costs nothing at start-up. Transparent huge pages asked for (MADV_HUGEPAGE,
         where the OS offers them): decode attention streams the cache from memory, and with 4 KiB
         pages the hardware prefetcher stops at every page's end and every page needs its own TLB
-        entry (2 MiB pages: decode attention at 32k tokens 1.2x faster; docs/performance.md, "The KV cache's memory").
+        entry (2 MiB pages: decode attention at 32k tokens 1.2x faster; docs/performance.md, "The KV cache's memory"),
+        where each layer's K and V runs are at least HUGE_PAGE_RUN_BYTES.
         prefault: every page mapped (and zeroed) now, so no KV write of a step waits for a fresh page.
         The tensor keeps the mapping alive."""
         nbytes = int(np.prod(shape)) * dtype.itemsize
         buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        # (not for a small cache: the first token touches a page in each layer's K and V run, so
+        # with 2 MiB pages a 0.6B model's first token mapped 112 of its 224 MiB)
+        if hasattr(mmap, "MADV_HUGEPAGE") and nbytes // max(1, shape[0] * shape[1]) >= HUGE_PAGE_RUN_BYTES:
             try:
                 buffer.madvise(mmap.MADV_HUGEPAGE)
             except OSError:  # a kernel without transparent huge pages: 4 KiB pages

@@ -3,7 +3,10 @@
 By default glibc serves every allocation above 128 KiB-32 MiB with a fresh mmap and unmaps it on
 free, so each prefill activation or logits tensor is page-faulted in again, page by page; in this
 VM that made an allocation-heavy loop 5x slower, and prefill ~10% slower (docs/performance.md, "glibc keeps freed memory").
-ModelRunner calls keep_freed_memory() once when it runs on the CPU.
+The CPU platform returns freed memory at once while the weights load (return_freed_memory: each
+tensor on its way from a file to its layer is unmapped when freed, so the heap never holds the
+copies beside the weights and the peak is the weights plus one tensor), then, once they are held,
+trims the heap and keeps freed memory from there on (keep_freed_memory).
 """
 import ctypes
 import ctypes.util
@@ -26,6 +29,17 @@ def _libc():
     except OSError:
         return None
     return libc if hasattr(libc, "mallopt") else None
+
+
+LOAD_MMAP_THRESHOLD_BYTES = 1 << 20  # while loading: every allocation of 1 MiB or more is its own mapping
+
+
+def return_freed_memory() -> bool:
+    """Serve allocations from 1 MiB up with their own mappings, unmapped when freed (a fixed
+    threshold: glibc's dynamic one rises to 32 MiB after the first such free, and the heap then
+    keeps the freed copies); False where the C library has no mallopt."""
+    libc = _libc()
+    return libc is not None and libc.mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES) == 1
 
 
 def keep_freed_memory() -> bool:

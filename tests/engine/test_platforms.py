@@ -152,12 +152,21 @@ def test_cpu_kv_cache_prefault_maps_every_page_up_front(dtype):
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file() or not huge_pages_advised(),
                     reason="no transparent huge pages for madvised memory here")
 def test_cpu_kv_cache_is_held_in_huge_pages():
-    """The cache asks for 2 MiB pages: a 64 MiB cache, written, adds AnonHugePages to the process
-    (decode attention streams it; docs/performance.md, "The KV cache's memory")."""
+    """A cache whose layers' K and V runs are 64 MiB asks for 2 MiB pages: written, it adds
+    AnonHugePages to the process (decode attention streams it; docs/performance.md, "The KV cache's
+    memory"). One of 2 MiB runs does not (a page touched in each of its 56 runs would map 112 MiB
+    of 4 KiB ones' worth): where huge pages come only when asked for, it adds none."""
+    from nanovllm.platforms.cpu import HUGE_PAGE_RUN_BYTES
     before = anon_huge_kib()
-    cache = CpuPlatform().allocate_kv_cache((32, 2**20), torch.float16, torch.device("cpu"), prefault=True)
+    cache = CpuPlatform().allocate_kv_cache((2, 1, HUGE_PAGE_RUN_BYTES // 2), torch.float16, torch.device("cpu"),
+                                            prefault=True)
     assert anon_huge_kib() - before >= 16 * 1024, "no huge pages behind the KV cache"
     del cache
+    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        before = anon_huge_kib()
+        small = CpuPlatform().allocate_kv_cache((2, 28, 2**20), torch.float16, torch.device("cpu"), prefault=True)
+        assert anon_huge_kib() - before < 8 * 1024, "huge pages behind a cache of short runs"
+        del small
 
 
 # ---- the CUDA platform (its decisions need no GPU) ----------------------------------------------

@@ -69,6 +69,7 @@ def test_start_up_says_what_a_user_wants_to_know(qwen3_gqa, caplog):
             f"{blocks * 16 * token_bytes / 2**20:.0f} MiB per rank reserved, pages touched as used; "
             "cpu_kvcache_bytes (--cpu-kvcache-bytes) bounds it; ") in summary[0]
     assert re.search(r"peak RSS \d+ MiB$", summary[0])
+    assert re.search(r"bfloat16 weights; weights \d+ MiB held per rank; KV cache", summary[0])
     assert not any("decode steps in C" in line for line in lines)
 
 

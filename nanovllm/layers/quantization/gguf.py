@@ -30,21 +30,19 @@ logger = logging.getLogger(__name__)
 def held_parts(kernels, param: nn.Parameter, type_name: str, k: int,
                one_matrix: bool = False) -> list[tuple[str, torch.Tensor]]:
     """The (C type, rows) the kernels multiply param's raw rows as: 8-row groups interleaved once
-    (cpu_kernels.interleaved; in place of the loaded rows, so still one copy), any last rows that
+    (cpu_kernels.interleaved, in place: one copy at every moment), any last rows that
     do not fill a group as they are (one_matrix: then none is interleaved, for an embedding table,
     whose lookups read one matrix). Done once per parameter: a tied table's second user gets the
     first one's result, remembered on the parameter."""
     if getattr(param, "c_parts", None) is None:
-        data, n = param.data, param.shape[0]
+        data, n = param.data.contiguous(), param.shape[0]
+        param.data = data
         whole = 0 if one_matrix and n % cpu_kernels.INTERLEAVE else n - n % cpu_kernels.INTERLEAVE
-        packed = cpu_kernels.interleaved(kernels, type_name, data[:whole], k) if whole else None
+        # the first rows' groups repacked where they are (a 150k-row table copied would be its size again)
+        packed = cpu_kernels.interleaved(kernels, type_name, data[:whole], k, in_place=True) if whole else None
         if packed is None:
             param.c_parts = [(type_name, 0, n)]
         else:
-            held = torch.empty_like(data)
-            held[:whole] = packed[1]
-            held[whole:] = data[whole:]
-            param.data = held
             param.c_parts = [(packed[0], 0, whole)] + ([(type_name, whole, n)] if whole < n else [])
     return [(t, param.data[first:end]) for t, first, end in param.c_parts]
 
