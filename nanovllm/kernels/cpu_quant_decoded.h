@@ -21,8 +21,8 @@ typedef struct {
     int8_t *v;       /* [block] values */
     int16_t *is;     /* [block / 16] integer scales: a sub-block's scale is D is[j] */
     float *D;        /* [1] the block's scale */
-    int16_t *im;     /* [block / 16] integer mins (Q2_K, Q5_K; else 0): a sub-block's min is Dm im[j] */
-    float *Dm;       /* [1] */
+    int16_t *im;     /* [block / 16] integer mins (Q2_K, Q5_K; the others leave it unwritten): Dm im[j] */
+    float *Dm;       /* [1] (likewise) */
 } Decoded;
 
 typedef void (*DecodeBlock)(const uint8_t *blk, const Decoded *o);
@@ -45,13 +45,21 @@ static inline uint32_t read_u32(const uint8_t *p) {
 /* The sign byte of a 7-bit sign index: bit 7 makes the count of negatives even (ggml's ksigns). */
 static inline uint8_t ksign(uint32_t i) { return (uint8_t)(i | ((uint32_t)(__builtin_popcount(i) & 1) << 7)); }
 
+/* SIGN_MASKS[s]: byte i 0xFF where bit i of s is set, else 0 ((x ^ m) - m negates those bytes). */
+static uint64_t SIGN_MASKS[256];
+static void fill_sign_masks(void) {
+    for (int s = 0; s < 256; s++) {
+        uint64_t m = 0;
+        for (int i = 0; i < 8; i++) m |= (uint64_t)((s >> i) & 1 ? 0xFF : 0) << (8 * i);
+        SIGN_MASKS[s] = m;
+    }
+}
+
 /* Eight values of a grid row, each negated where bit i of `signs` is set, at out. */
 static inline void grid_row(GridId g, uint32_t index, uint8_t signs, int8_t *out) {
     const int8_t *row = grids[g] + (size_t)index * 8;
 #if QUANT_SIMD
-    /* bytes of -1 where the bit is set: (x ^ m) - m negates them */
-    const __m128i bits = _mm_and_si128(_mm_set1_epi8((char)signs), _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0));
-    const __m128i m = _mm_cmpeq_epi8(bits, _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i m = _mm_loadl_epi64((const __m128i *)&SIGN_MASKS[signs]);
     const __m128i r = _mm_loadl_epi64((const __m128i *)row);
     _mm_storel_epi64((__m128i *)out, _mm_sub_epi8(_mm_xor_si128(r, m), m));
 #else
@@ -59,7 +67,7 @@ static inline void grid_row(GridId g, uint32_t index, uint8_t signs, int8_t *out
 #endif
 }
 
-static void decode_q2_k(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_q2_k(const uint8_t *blk, const Decoded *o) {
     const uint8_t *sc = blk, *qs = blk + 16;
     const float d = f16_to_f32(read_u16(blk + 80)), dmin = f16_to_f32(read_u16(blk + 82));
 #if QUANT_SIMD
@@ -80,7 +88,7 @@ static void decode_q2_k(const uint8_t *blk, const Decoded *o) {
     o->D[0] = d, o->Dm[0] = -dmin;
 }
 
-static void decode_q3_k(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_q3_k(const uint8_t *blk, const Decoded *o) {
     const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
     const float d = f16_to_f32(read_u16(blk + 108));
 #if QUANT_SIMD
@@ -104,15 +112,17 @@ static void decode_q3_k(const uint8_t *blk, const Decoded *o) {
                 o->v[idx] = (int8_t)(((qs[32 * h + l] >> (2 * s)) & 3) - (high ? 0 : 4));
             }
 #endif
-    for (int j = 0; j < 16; j++) {
-        const int low = (sc[j % 8] >> (4 * (j / 8))) & 15, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-        o->is[j] = (int16_t)((low | (high << 4)) - 32);
-        o->im[j] = 0;
-    }
-    o->D[0] = d, o->Dm[0] = 0.0f;
+    /* scale j: the low 4 bits are nibble j / 8 of byte j % 8, the high 2 bits are bits 2 (j / 4) of
+     * byte 8 + j % 4: four bytes at a time in 32-bit words */
+    const uint32_t a0 = read_u32(sc), a1 = read_u32(sc + 4), a2 = read_u32(sc + 8), m4 = 0x0F0F0F0Fu, m2 = 0x03030303u;
+    const uint32_t words[4] = {(a0 & m4) | ((a2 & m2) << 4), (a1 & m4) | (((a2 >> 2) & m2) << 4),
+                               ((a0 >> 4) & m4) | (((a2 >> 4) & m2) << 4), ((a1 >> 4) & m4) | (((a2 >> 6) & m2) << 4)};
+    const uint8_t *six = (const uint8_t *)words;
+    for (int j = 0; j < 16; j++) o->is[j] = (int16_t)(six[j] - 32);
+    o->D[0] = d;
 }
 
-static void decode_q5_k(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_q5_k(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk)), dmin = f16_to_f32(read_u16(blk + 2));
     const uint8_t *qh = blk + 16, *qs = blk + 48;
     uint8_t sc[8], mn[8];
@@ -158,49 +168,45 @@ static inline void iq4_values(const uint8_t *p, int8_t *out) {
 #endif
 }
 
-static void decode_iq4_nl(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq4_nl(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     iq4_values(blk + 2, o->v);
     o->is[0] = o->is[1] = 1;
-    o->im[0] = o->im[1] = 0;
-    o->D[0] = d, o->Dm[0] = 0.0f;
+    o->D[0] = d;
 }
 
-static void decode_iq4_xs(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq4_xs(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint16_t sh = read_u16(blk + 2);
     const uint8_t *sl = blk + 4, *qs = blk + 8;
     for (int j = 0; j < 8; j++) {
         const int ls = (((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
         o->is[2 * j] = o->is[2 * j + 1] = (int16_t)ls;
-        o->im[2 * j] = o->im[2 * j + 1] = 0;
         iq4_values(qs + 16 * j, o->v + 32 * j);
     }
-    o->D[0] = d, o->Dm[0] = 0.0f;
+    o->D[0] = d;
 }
 
 /* The 4-bit scales of IQ2_XS / IQ2_S, one per 16 weights: d (0.5 + s) / 4 = d / 8 (2 s + 1). */
 static inline void iq2_scales16(const uint8_t *scales, float d, const Decoded *o) {
     for (int j = 0; j < 16; j++) {
         o->is[j] = (int16_t)(2 * ((scales[j / 2] >> (4 * (j % 2))) & 15) + 1);
-        o->im[j] = 0;
     }
-    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
+    o->D[0] = d * 0.125f;
 }
 
-static void decode_iq2_xxs(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq2_xxs(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     for (int s = 0; s < 8; s++) {
         const uint8_t *q = blk + 2 + 8 * s;
         const uint32_t aux = read_u32(q + 4);
         for (int g = 0; g < 4; g++) grid_row(GRID_IQ2_XXS, q[g], ksign((aux >> (7 * g)) & 127), o->v + 32 * s + 8 * g);
         o->is[2 * s] = o->is[2 * s + 1] = (int16_t)(2 * (aux >> 28) + 1);
-        o->im[2 * s] = o->im[2 * s + 1] = 0;
     }
-    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
+    o->D[0] = d * 0.125f;
 }
 
-static void decode_iq2_xs(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq2_xs(const uint8_t *blk, const Decoded *o) {
     for (int t = 0; t < 32; t++) {
         const uint16_t q = read_u16(blk + 2 + 2 * t);
         grid_row(GRID_IQ2_XS, q & 511, ksign(q >> 9), o->v + 8 * t);
@@ -208,45 +214,50 @@ static void decode_iq2_xs(const uint8_t *blk, const Decoded *o) {
     iq2_scales16(blk + 66, f16_to_f32(read_u16(blk)), o);
 }
 
-static void decode_iq2_s(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq2_s(const uint8_t *blk, const Decoded *o) {
     const uint8_t *qs = blk + 2, *signs = blk + 34, *qh = blk + 66;
     for (int t = 0; t < 32; t++)
         grid_row(GRID_IQ2_S, qs[t] | (((qh[t / 4] >> (2 * (t % 4))) & 3) << 8), signs[t], o->v + 8 * t);
     iq2_scales16(blk + 74, f16_to_f32(read_u16(blk)), o);
 }
 
-/* Four values of an IQ3 grid row, each negated where bit i of `signs` is set. */
-static inline void grid_row4(GridId g, uint32_t index, uint32_t signs, int8_t *out) {
-    const int8_t *row = grids[g] + (size_t)index * 4;
-    for (int i = 0; i < 4; i++) out[i] = (signs >> i) & 1 ? (int8_t)-row[i] : row[i];
+/* Two four-value IQ3 grid rows side by side, the 8 values negated where bit i of `signs` is set. */
+static inline void grid_rows4(GridId g, uint32_t first, uint32_t second, uint8_t signs, int8_t *out) {
+    int8_t pair[8];
+    memcpy(pair, grids[g] + (size_t)first * 4, 4);
+    memcpy(pair + 4, grids[g] + (size_t)second * 4, 4);
+#if QUANT_SIMD
+    const __m128i m = _mm_loadl_epi64((const __m128i *)&SIGN_MASKS[signs]);
+    const __m128i r = _mm_loadl_epi64((const __m128i *)pair);
+    _mm_storel_epi64((__m128i *)out, _mm_sub_epi8(_mm_xor_si128(r, m), m));
+#else
+    for (int i = 0; i < 8; i++) out[i] = (signs >> i) & 1 ? (int8_t)-pair[i] : pair[i];
+#endif
 }
 
-static void decode_iq3_xxs(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq3_xxs(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint8_t *qs = blk + 2;
     for (int s = 0; s < 8; s++) {
         const uint32_t aux = read_u32(blk + 66 + 4 * s);
-        for (int g = 0; g < 4; g++) {
-            const uint8_t signs = ksign((aux >> (7 * g)) & 127);
-            grid_row4(GRID_IQ3_XXS, qs[8 * s + 2 * g], signs, o->v + 32 * s + 8 * g);
-            grid_row4(GRID_IQ3_XXS, qs[8 * s + 2 * g + 1], signs >> 4, o->v + 32 * s + 8 * g + 4);
-        }
+        for (int g = 0; g < 4; g++)
+            grid_rows4(GRID_IQ3_XXS, qs[8 * s + 2 * g], qs[8 * s + 2 * g + 1], ksign((aux >> (7 * g)) & 127),
+                       o->v + 32 * s + 8 * g);
         o->is[2 * s] = o->is[2 * s + 1] = (int16_t)(2 * (aux >> 28) + 1);
-        o->im[2 * s] = o->im[2 * s + 1] = 0;
     }
-    o->D[0] = d * 0.25f, o->Dm[0] = 0.0f;
+    o->D[0] = d * 0.25f;
 }
 
-static void decode_iq3_s(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq3_s(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
-    for (int u = 0; u < 64; u++)
-        grid_row4(GRID_IQ3_S, qs[u] | (((qh[u / 8] >> (u % 8)) & 1) << 8), signs[u / 2] >> (4 * (u % 2)), o->v + 4 * u);
+    for (int t = 0; t < 32; t++)
+        grid_rows4(GRID_IQ3_S, qs[2 * t] | (((qh[t / 4] >> (2 * t % 8)) & 1) << 8),
+                   qs[2 * t + 1] | (((qh[t / 4] >> (2 * t % 8 + 1)) & 1) << 8), signs[t], o->v + 8 * t);
     for (int j = 0; j < 8; j++) {
         o->is[2 * j] = o->is[2 * j + 1] = (int16_t)(1 + 2 * ((scales[j / 2] >> (4 * (j % 2))) & 15));
-        o->im[2 * j] = o->im[2 * j + 1] = 0;
     }
-    o->D[0] = d, o->Dm[0] = 0.0f;
+    o->D[0] = d;
 }
 
 /* Eight IQ1 values of grid row `index` (-1, 0, 1) with the group's delta: 8 g + 1, or 8 g - 1. */
@@ -255,19 +266,18 @@ static inline void iq1_row(uint32_t index, int negative_delta, int8_t *out) {
     for (int i = 0; i < 8; i++) out[i] = (int8_t)(8 * row[i] + (negative_delta ? -1 : 1));
 }
 
-static void decode_iq1_s(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq1_s(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
     const uint8_t *qs = blk + 2;
     for (int s = 0; s < 8; s++) {
         const uint16_t qh = read_u16(blk + 34 + 2 * s);
         for (int g = 0; g < 4; g++) iq1_row(qs[4 * s + g] | (((qh >> (3 * g)) & 7) << 8), qh >> 15, o->v + 32 * s + 8 * g);
         o->is[2 * s] = o->is[2 * s + 1] = (int16_t)(2 * ((qh >> 12) & 7) + 1);
-        o->im[2 * s] = o->im[2 * s + 1] = 0;
     }
-    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
+    o->D[0] = d * 0.125f;
 }
 
-static void decode_iq1_m(const uint8_t *blk, const Decoded *o) {
+static inline __attribute__((always_inline)) void decode_iq1_m(const uint8_t *blk, const Decoded *o) {
     const uint8_t *qs = blk, *qh = blk + 32;
     uint16_t sc[4];
     for (int i = 0; i < 4; i++) sc[i] = read_u16(blk + 48 + 2 * i);
@@ -279,9 +289,8 @@ static void decode_iq1_m(const uint8_t *blk, const Decoded *o) {
     }
     for (int j = 0; j < 16; j++) {
         o->is[j] = (int16_t)(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1);
-        o->im[j] = 0;
     }
-    o->D[0] = d * 0.125f, o->Dm[0] = 0.0f;
+    o->D[0] = d * 0.125f;
 }
 
 /* Install grid `name` (rows x width int8 values, the row-major table of gguf.quants' grid): 0, or 1
@@ -290,6 +299,7 @@ int64_t set_quant_grid(const char *name, const int8_t *values, int64_t rows, int
     for (int g = 0; g < NUM_GRIDS; g++) {
         if (strcmp(name, GRID_NAMES[g]) != 0) continue;
         if (rows != GRID_ROWS[g] || width != GRID_WIDTH[g]) return 1;
+        if (SIGN_MASKS[1] == 0) fill_sign_masks();
         int8_t *copy = malloc((size_t)(rows * width));
         if (copy == NULL) return 1;
         memcpy(copy, values, (size_t)(rows * width));
@@ -401,8 +411,12 @@ static inline __attribute__((always_inline)) void dot_decoded(const Decoded *row
         for (int b = 0; b < NB; b++) hi[b] = lo[b] = _mm256_setzero_si256();
         for (int c = 0; c < block / 32; c++) {
             const __m256i v = load_i8(v0 + 32 * c), av = _mm256_sign_epi8(v, v);
-            /* int16 lanes 0-7: sub-block 2c's scale, 8-15: 2c + 1's (vpmaddubsw and vpmaddwd stay in their 128-bit half) */
-            const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(is[2 * c]), _mm_set1_epi16(is[2 * c + 1]));
+            /* int16 lanes 0-7: sub-block 2c's scale, 8-15: 2c + 1's (vpmaddubsw and vpmaddwd stay in their 128-bit
+             * half): the pair broadcast as one 32-bit word, each half taking its own 16 bits */
+            int32_t pair;
+            memcpy(&pair, is + 2 * c, sizeof pair);
+            const __m256i scale = _mm256_shuffle_epi8(_mm256_set1_epi32(pair), _mm256_setr_epi8(
+                0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
             for (int b = 0; b < NB; b++) {
                 const int64_t at = i * block + 32 * c;
                 hi[b] = _mm256_add_epi32(hi[b], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(load_i8(in.hi[b] + at), v)), scale));
@@ -473,7 +487,8 @@ static inline __attribute__((always_inline)) void dot_decoded(const Decoded *row
         const uint8_t *row = (const uint8_t *)m->data + r * m->row_bytes;                                        \
         for (int64_t i = 0; i < m->k / BLOCK; i++) {                                                             \
             decode_##NAME(row + i * BYTES, &dec);                                                                \
-            for (int e = 0; e < BLOCK; e++) out[i * BLOCK + e] = D * (float)is[e / 16] * (float)v[e] + Dm * (float)im[e / 16]; \
+            for (int e = 0; e < BLOCK; e++)                                                                      \
+                out[i * BLOCK + e] = D * (float)is[e / 16] * (float)v[e] + (MINS ? Dm * (float)im[e / 16] : 0.0f); \
         }                                                                                                        \
     }
 DECODED_FORMATS(DEFINE_DECODED)
