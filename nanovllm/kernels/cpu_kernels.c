@@ -464,3 +464,54 @@ int linear_rows_to_f32(const Linear *m, const int64_t *ids, int64_t count, float
     for (int64_t i = 0; i < count; i++) weight_types[m->type].row_to_f32(m, ids[i], out + i * m->k);
     return 0;
 }
+
+/* ---- the machine's read floor (utils/efficiency.py, scripts/read_bandwidth.py) -------------------
+ * Every byte of p[0, bytes) read once by the team, in the widest loads the build has (512-bit with
+ * AVX-512, else 256-bit, else 64-bit) into independent accumulators; returns the xor of all its
+ * 64-bit words (so nothing can be skipped, and a test can check it). bytes a multiple of 256. */
+int64_t read_bytes(const void *p, int64_t bytes) {
+    uint64_t out = 0;
+    const int64_t chunks = bytes / 256;
+#pragma omp parallel
+    {
+        uint64_t mine = 0;
+#if ISA_AVX512F
+        __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
+#pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < chunks; i++) {
+            const uint8_t *q = (const uint8_t *)p + i * 256;
+            a = _mm512_xor_si512(a, _mm512_loadu_si512(q));
+            b = _mm512_xor_si512(b, _mm512_loadu_si512(q + 64));
+            c = _mm512_xor_si512(c, _mm512_loadu_si512(q + 128));
+            d = _mm512_xor_si512(d, _mm512_loadu_si512(q + 192));
+        }
+        uint64_t lanes[8];
+        _mm512_storeu_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d)));
+        for (int l = 0; l < 8; l++) mine ^= lanes[l];
+#elif ISA_AVX2
+        __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+#pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < chunks; i++) {
+            const __m256i *q = (const __m256i *)((const uint8_t *)p + i * 256);
+            a = _mm256_xor_si256(a, _mm256_xor_si256(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 4)));
+            b = _mm256_xor_si256(b, _mm256_xor_si256(_mm256_loadu_si256(q + 1), _mm256_loadu_si256(q + 5)));
+            c = _mm256_xor_si256(c, _mm256_xor_si256(_mm256_loadu_si256(q + 2), _mm256_loadu_si256(q + 6)));
+            d = _mm256_xor_si256(d, _mm256_xor_si256(_mm256_loadu_si256(q + 3), _mm256_loadu_si256(q + 7)));
+        }
+        uint64_t lanes[4];
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d)));
+        for (int l = 0; l < 4; l++) mine ^= lanes[l];
+#else
+#pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < chunks; i++)
+            for (int w = 0; w < 32; w++) {
+                uint64_t v;
+                memcpy(&v, (const uint8_t *)p + i * 256 + 8 * w, sizeof v);
+                mine ^= v;
+            }
+#endif
+#pragma omp atomic
+        out ^= mine;
+    }
+    return (int64_t)out;
+}

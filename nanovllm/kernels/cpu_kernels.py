@@ -138,6 +138,7 @@ class CpuKernels:
         self.repack_x8 = typed("repack_x8", i64, ctypes.c_char_p, ptr, i64, i64, ptr)
         self.linear_is_valid = typed("linear_is_valid", cint, ptr)
         self.set_quant_grid = typed("set_quant_grid", i64, ctypes.c_char_p, ptr, i64, i64)
+        self.read_bytes = typed("read_bytes", i64, ptr, i64)
         self.weight_type_grid = typed("weight_type_grid", ctypes.c_char_p, ctypes.c_char_p)
         self.weight_type_ready = typed("weight_type_ready", i64, ctypes.c_char_p)
         self.decode_check_model = typed("decode_check_model", i64, ptr)

@@ -81,10 +81,16 @@ static inline __attribute__((always_inline)) void decode_q2_k(const uint8_t *blk
         for (int s = 0; s < 4; s++)
             for (int l = 0; l < 32; l++) o->v[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
 #endif
+#if QUANT_SIMD
+    const __m128i b = _mm_loadu_si128((const __m128i *)sc), nib = _mm_set1_epi8(15);
+    _mm256_storeu_si256((__m256i *)o->is, _mm256_cvtepu8_epi16(_mm_and_si128(b, nib)));
+    _mm256_storeu_si256((__m256i *)o->im, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
+#else
     for (int j = 0; j < 16; j++) {
         o->is[j] = sc[j] & 15;
         o->im[j] = sc[j] >> 4;
     }
+#endif
     o->D[0] = d, o->Dm[0] = -dmin;
 }
 
@@ -403,7 +409,8 @@ static inline __attribute__((always_inline)) void dot_decoded(const Decoded *row
     const int subs = block / 16;
     __m256 acc[QROWS];
     for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();
-    float min_sum[QROWS] = {0};
+    __m256 min_sum[QROWS];
+    for (int b = 0; b < NB; b++) min_sum[b] = _mm256_setzero_ps();
     for (int64_t i = 0; i < q->k / block; i++) {
         const int8_t *v0 = row->v + i * block;
         const int16_t *is = row->is + i * subs;
@@ -432,11 +439,11 @@ static inline __attribute__((always_inline)) void dot_decoded(const Decoded *row
                 const __m256i m = _mm256_add_epi32(
                     _mm256_mullo_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(im)), load_i8(s16)),
                     _mm256_mullo_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(im, 1)), load_i8(s16 + 8)));
-                min_sum[b] += in.d[b][i] * row->Dm[i] * (float)hsum_epi32(m);
+                min_sum[b] = _mm256_fmadd_ps(_mm256_set1_ps(in.d[b][i] * row->Dm[i]), _mm256_cvtepi32_ps(m), min_sum[b]);
             }
         }
     }
-    for (int b = 0; b < NB; b++) out[b] = sum8(acc[b]) + min_sum[b];
+    for (int b = 0; b < NB; b++) out[b] = sum8(acc[b]) + (mins ? sum8(min_sum[b]) : 0.0f);
 }
 #else
 #define dot_decoded dot_decoded_ref

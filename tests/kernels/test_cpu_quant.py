@@ -123,8 +123,21 @@ def check_decoded(kernels):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(), err_msg=f"{name} chained")
 
 
+def check_read_kernel(kernels):
+    """The read-floor kernel (cpu_kernels.c, read_bytes) reads every byte: its result is the xor of
+    all the buffer's 64-bit words, and one flipped bit anywhere changes it."""
+    rng = np.random.default_rng(7)
+    buf = rng.integers(0, 2**63, size=(3 << 20) // 8, dtype=np.uint64)
+    assert kernels.read_bytes(buf.ctypes.data, buf.nbytes) == np.bitwise_xor.reduce(buf).astype(np.int64)
+    for at in (0, len(buf) // 2 + 3, len(buf) - 1):
+        flipped = buf.copy()
+        flipped[at] ^= 1 << 40
+        assert kernels.read_bytes(flipped.ctypes.data, flipped.nbytes) != kernels.read_bytes(buf.ctypes.data, buf.nbytes)
+
+
 def check_all(kernels):
     check_input_rounding_matches_the_reference(kernels)
+    check_read_kernel(kernels)
     check_decoded(kernels)
     rng = np.random.default_rng(0)
     for name in TYPES:
