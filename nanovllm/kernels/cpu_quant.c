@@ -754,15 +754,18 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
 /* ---- the table's row loops ---------------------------------------------------------------------
  * A format's LinearRows: every thread quantizes the input rows itself (a few thousand values at
  * decode, so no barrier is needed before the matmul), then takes its share of the weight rows. */
-#define DEFINE_QUANT_LINEAR_ROWS(NAME, GROUP, DOT_CALL)                                                         \
-    static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *w, const QuantRows *q, int64_t b0, \
-                                                                const int NB, float *out) {                     \
+#define DEFINE_QUANT_LINEAR_ROWS_WITH(NAME, GROUP, SCRATCH, ROW, DOT_CALL)                                       \
+    static inline __attribute__((always_inline)) void NAME##_dot(const uint8_t *w, const void *ctx,              \
+                                                                const QuantRows *q, int64_t b0, const int NB,    \
+                                                                float *out) {                                    \
+        (void)w, (void)ctx;                                                                                      \
         DOT_CALL;                                                                                                \
     }                                                                                                            \
     void NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) {               \
         QuantRows q;                                                                                             \
         /* no scratch for the quantized rows: this thread's share is skipped, the caller reports it */     \
-        const int no_rows = quantize_rows(x, ldx, rows, m->k, GROUP, 0, input_mode(m), &q);                     \
+        int no_rows = quantize_rows(x, ldx, rows, m->k, GROUP, 0, input_mode(m), &q);                           \
+        SCRATCH;                                                                                                 \
         if (no_rows) note_kernel_failure();                                                                      \
         const int64_t rb = row_block(&q, rows, no_rows);                                                         \
         for (int64_t r0 = 0; r0 < rows; r0 += rb) {                                                              \
@@ -770,13 +773,15 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
         _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < m->n; r++) {                          \
             if (no_rows) continue;                                                                               \
             const uint8_t *w = (const uint8_t *)m->data + r * m->row_bytes;                                      \
+            const void *ctx = NULL;                                                                              \
+            ROW;                                                                                                 \
             for (int64_t b0 = r0; b0 < end; b0 += QROWS) {                                                       \
                 float dot[QROWS];                                                                                \
                 switch (end - b0 < QROWS ? end - b0 : QROWS) {                                                   \
-                case 1: NAME##_dot(w, &q, b0, 1, dot); break;                                                    \
-                case 2: NAME##_dot(w, &q, b0, 2, dot); break;                                                    \
-                case 3: NAME##_dot(w, &q, b0, 3, dot); break;                                                    \
-                default: NAME##_dot(w, &q, b0, 4, dot); break;                                                   \
+                case 1: NAME##_dot(w, ctx, &q, b0, 1, dot); break;                                               \
+                case 2: NAME##_dot(w, ctx, &q, b0, 2, dot); break;                                               \
+                case 3: NAME##_dot(w, ctx, &q, b0, 3, dot); break;                                               \
+                default: NAME##_dot(w, ctx, &q, b0, 4, dot); break;                                              \
                 }                                                                                                \
                 const int64_t nb = end - b0 < QROWS ? end - b0 : QROWS;                                          \
                 for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f); \
@@ -784,6 +789,9 @@ int64_t repack_x8(const char *name, const uint8_t *src, int64_t n, int64_t k, ui
         }                                                                                                        \
         }                                                                                                        \
     }
+/* SCRATCH: per call, after the inputs are quantized (may set no_rows); ROW: per weight row w (may
+ * point ctx at what DOT_CALL reads). */
+#define DEFINE_QUANT_LINEAR_ROWS(NAME, GROUP, DOT_CALL) DEFINE_QUANT_LINEAR_ROWS_WITH(NAME, GROUP, (void)0, (void)0, DOT_CALL)
 
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q8_0, 32, dot_fmt32(FMT_Q8_0, w, q, b0, NB, out))
 DEFINE_QUANT_LINEAR_ROWS(linear_rows_q4_0, 32, dot_fmt32(FMT_Q4_0, w, q, b0, NB, out))

@@ -455,37 +455,13 @@ static inline __attribute__((always_inline)) void dot_decoded(const Decoded *row
     X(iq2_xxs, 256, 66, 0) X(iq2_xs, 256, 74, 0) X(iq2_s, 256, 82, 0) X(iq3_xxs, 256, 98, 0)                   \
     X(iq3_s, 256, 110, 0) X(iq1_s, 256, 50, 0) X(iq1_m, 256, 56, 0)
 
-/* A format's LinearRows: the inputs quantized (as DEFINE_QUANT_LINEAR_ROWS), then each thread takes
- * its share of the weight rows, decoding each once per block of input rows and multiplying it into
- * them QROWS at a time. */
+/* A format's LinearRows (DEFINE_QUANT_LINEAR_ROWS_WITH): each thread decodes each of its weight rows
+ * once per block of input rows into its buffer, and multiplies it into them QROWS at a time. */
 #define DEFINE_DECODED(NAME, BLOCK, BYTES, MINS)                                                                 \
-    void linear_rows_##NAME(const Linear *m, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy) { \
-        QuantRows q;                                                                                             \
-        int no_rows = quantize_rows(x, ldx, rows, m->k, BLOCK, 0, input_mode(m), &q);                            \
-        void *buf = decoded_buffer(m->k);                                                                      \
-        if (buf == NULL) no_rows = 1;                                                                            \
-        if (no_rows) note_kernel_failure();                                                                      \
-        const int64_t rb = row_block(&q, rows, no_rows);                                                         \
-        for (int64_t r0 = 0; r0 < rows; r0 += rb) {                                                              \
-            const int64_t end = r0 + rb < rows ? r0 + rb : rows;                                                 \
-            _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < m->n; r++) {                      \
-                if (no_rows) continue;                                                                           \
-                const Decoded row = decode_row(decode_##NAME, BLOCK, BYTES,                                      \
-                                               (const uint8_t *)m->data + r * m->row_bytes, m->k, buf);          \
-                for (int64_t b0 = r0; b0 < end; b0 += QROWS) {                                                   \
-                    float dot[QROWS];                                                                            \
-                    const int64_t nb = end - b0 < QROWS ? end - b0 : QROWS;                                      \
-                    switch (nb) {                                                                                \
-                    case 1: dot_decoded(&row, BLOCK, MINS, &q, b0, 1, dot); break;                               \
-                    case 2: dot_decoded(&row, BLOCK, MINS, &q, b0, 2, dot); break;                               \
-                    case 3: dot_decoded(&row, BLOCK, MINS, &q, b0, 3, dot); break;                               \
-                    default: dot_decoded(&row, BLOCK, MINS, &q, b0, 4, dot); break;                              \
-                    }                                                                                            \
-                    for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ldy + r] = dot[b] + (m->bias != NULL ? m->bias[r] : 0.0f); \
-                }                                                                                                \
-            }                                                                                                    \
-        }                                                                                                        \
-    }                                                                                                            \
+    DEFINE_QUANT_LINEAR_ROWS_WITH(linear_rows_##NAME, BLOCK,                                                     \
+                                  void *buf = decoded_buffer(m->k); if (buf == NULL) no_rows = 1,                \
+                                  const Decoded row = decode_row(decode_##NAME, BLOCK, BYTES, w, m->k, buf); ctx = &row, \
+                                  dot_decoded((const Decoded *)ctx, BLOCK, MINS, q, b0, NB, out))                 \
     void to_f32_##NAME(const Linear *m, int64_t r, float *out) {                                                 \
         int8_t v[BLOCK] __attribute__((aligned(32)));                                                            \
         int16_t is[BLOCK / 16], im[BLOCK / 16];                                                                  \
