@@ -204,11 +204,15 @@ def per_token_bytes(llm) -> int:
 
 
 def measured_read_bandwidth(threads: int) -> float:
-    """Bytes/s of one read of 256 MB with `threads` threads, in this process (the floor's denominator)."""
+    """Bytes/s of reading 1 GiB with `threads` threads by the C read kernel, best of 10, in this
+    process (the floor's denominator; scripts/read_bandwidth.py measures it alone)."""
     import torch
-    from nanovllm.utils.efficiency import read_bandwidth
+
+    from nanovllm.kernels import cpu_kernels
+    from nanovllm.utils.efficiency import c_read_bandwidth, read_bandwidth
     torch.set_num_threads(threads)
-    return read_bandwidth(torch.device("cpu"))
+    kernels = cpu_kernels.load()
+    return read_bandwidth(torch.device("cpu")) if kernels is None else c_read_bandwidth(kernels)
 
 
 def ours_point(llm, point: tuple[str, int], rng: random.Random, raw: list) -> float:

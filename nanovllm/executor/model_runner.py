@@ -57,7 +57,11 @@ def held_bytes(model: torch.nn.Module) -> int:
         if method is not None and hasattr(method, "streamed_weights"):
             tensors += method.streamed_weights(module)
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel():
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            continue
+        if t.is_mkldnn:  # oneDNN's packed form: no storage to share, its elements' bytes
+            storages[("packed", id(t))] = t.numel() * t.element_size()
+        else:
             storage = t.untyped_storage()
             storages[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())

@@ -55,69 +55,138 @@ static void fill_sign_masks(void) {
     }
 }
 
-/* Eight values of a grid row, each negated where bit i of `signs` is set, at out. */
-static inline void grid_row(GridId g, uint32_t index, uint8_t signs, int8_t *out) {
-    const int8_t *row = grids[g] + (size_t)index * 8;
+/* ---- the decoders' vector pieces, by instruction set -------------------------------------------- */
 #if QUANT_SIMD
+/* Q2_K's 256 2-bit values (value 128 h + 32 s + l: bits 2 s of qs[32 h + l]). */
+static inline void q2k_values(const uint8_t *qs, int8_t *v) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = load_i8(qs + 32 * h), three = _mm256_set1_epi8(3);
+        for (int s = 0; s < 4; s++)
+            _mm256_storeu_si256((__m256i *)(v + 128 * h + 32 * s), _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), three));
+    }
+}
+
+/* 16 bytes as their low nibbles (lo) and high nibbles (hi), widened to int16. */
+static inline void nibble_pairs16(const uint8_t *p, int16_t *lo, int16_t *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), nib = _mm_set1_epi8(15);
+    _mm256_storeu_si256((__m256i *)lo, _mm256_cvtepu8_epi16(_mm_and_si128(b, nib)));
+    _mm256_storeu_si256((__m256i *)hi, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
+}
+
+/* Q3_K's 256 values, -4..3: Q2_K's layout of the low 2 bits, 4 lower where bit idx / 32 of hmask[l] is clear. */
+static inline void q3k_values(const uint8_t *hmask, const uint8_t *qs, int8_t *v) {
+    const __m256i hm = load_i8(hmask), three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = load_i8(qs + 32 * h);
+        for (int s = 0; s < 4; s++) {
+            const int b = 4 * h + s;
+            const __m256i bit = _mm256_set1_epi8((char)(1 << b));
+            const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), three);
+            _mm256_storeu_si256((__m256i *)(v + 32 * b), _mm256_sub_epi8(low, _mm256_and_si256(clear, _mm256_set1_epi8(4))));
+        }
+    }
+}
+
+/* Q5_K's 256 values, 0..31: nibbles of qs (64 c + 32 a + l: nibble a of qs[32 c + l]), the fifth bit
+ * bit idx / 32 of qh[l]. */
+static inline void q5k_values(const uint8_t *qh, const uint8_t *qs, int8_t *v) {
+    const __m256i h = load_i8(qh), nib = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = load_i8(qs + 32 * c);
+        for (int a = 0; a < 2; a++) {
+            const int b = 2 * c + a;
+            const __m256i bit = _mm256_set1_epi8((char)(1 << b));
+            const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16));
+            _mm256_storeu_si256((__m256i *)(v + 32 * b), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4 * a), nib), high));
+        }
+    }
+}
+
+/* The 32 levels of 16 bytes of IQ4 nibbles (the low nibbles' first) at out. */
+static inline void iq4_values(const uint8_t *p, int8_t *out) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)p), table = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+    const __m128i nib = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)out, _mm_shuffle_epi8(table, _mm_and_si128(q, nib)));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), nib)));
+}
+
+/* Eight grid values at row, negated where bit i of `signs` is set, at out ((x ^ m) - m, m a byte mask). */
+static inline void signed_row(const int8_t *row, uint8_t signs, int8_t *out) {
     const __m128i m = _mm_loadl_epi64((const __m128i *)&SIGN_MASKS[signs]);
     const __m128i r = _mm_loadl_epi64((const __m128i *)row);
     _mm_storel_epi64((__m128i *)out, _mm_sub_epi8(_mm_xor_si128(r, m), m));
-#else
-    for (int i = 0; i < 8; i++) out[i] = (signs >> i) & 1 ? (int8_t)-row[i] : row[i];
-#endif
 }
+#else
+static inline void q2k_values(const uint8_t *qs, int8_t *v) {
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) v[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
+}
+
+static inline void nibble_pairs16(const uint8_t *p, int16_t *lo, int16_t *hi) {
+    for (int j = 0; j < 16; j++) {
+        lo[j] = p[j] & 15;
+        hi[j] = p[j] >> 4;
+    }
+}
+
+static inline void q3k_values(const uint8_t *hmask, const uint8_t *qs, int8_t *v) {
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) {
+                const int idx = 128 * h + 32 * s + l;
+                v[idx] = (int8_t)(((qs[32 * h + l] >> (2 * s)) & 3) - ((hmask[l] >> (idx / 32)) & 1 ? 0 : 4));
+            }
+}
+
+static inline void q5k_values(const uint8_t *qh, const uint8_t *qs, int8_t *v) {
+    for (int c = 0; c < 4; c++)
+        for (int a = 0; a < 2; a++)
+            for (int l = 0; l < 32; l++) {
+                const int idx = 64 * c + 32 * a + l;
+                v[idx] = (int8_t)(((qs[32 * c + l] >> (4 * a)) & 15) | (((qh[l] >> (idx / 32)) & 1) << 4));
+            }
+}
+
+static inline void iq4_values(const uint8_t *p, int8_t *out) {
+    for (int l = 0; l < 16; l++) {
+        out[l] = IQ4_LEVELS[p[l] & 15];
+        out[16 + l] = IQ4_LEVELS[p[l] >> 4];
+    }
+}
+
+static inline void signed_row(const int8_t *row, uint8_t signs, int8_t *out) {
+    for (int i = 0; i < 8; i++) out[i] = (signs >> i) & 1 ? (int8_t)-row[i] : row[i];
+}
+#endif
+
+/* Eight values of a grid row, each negated where bit i of `signs` is set, at out. */
+static inline void grid_row(GridId g, uint32_t index, uint8_t signs, int8_t *out) {
+    signed_row(grids[g] + (size_t)index * 8, signs, out);
+}
+
+/* Two four-value IQ3 grid rows side by side, the 8 values negated where bit i of `signs` is set. */
+static inline void grid_rows4(GridId g, uint32_t first, uint32_t second, uint8_t signs, int8_t *out) {
+    int8_t pair[8];
+    memcpy(pair, grids[g] + (size_t)first * 4, 4);
+    memcpy(pair + 4, grids[g] + (size_t)second * 4, 4);
+    signed_row(pair, signs, out);
+}
+
 
 static inline __attribute__((always_inline)) void decode_q2_k(const uint8_t *blk, const Decoded *o) {
     const uint8_t *sc = blk, *qs = blk + 16;
     const float d = f16_to_f32(read_u16(blk + 80)), dmin = f16_to_f32(read_u16(blk + 82));
-#if QUANT_SIMD
-    for (int h = 0; h < 2; h++) {
-        const __m256i q = load_i8(qs + 32 * h), three = _mm256_set1_epi8(3);
-        for (int s = 0; s < 4; s++)
-            _mm256_storeu_si256((__m256i *)(o->v + 128 * h + 32 * s), _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), three));
-    }
-#else
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) o->v[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
-#endif
-#if QUANT_SIMD
-    const __m128i b = _mm_loadu_si128((const __m128i *)sc), nib = _mm_set1_epi8(15);
-    _mm256_storeu_si256((__m256i *)o->is, _mm256_cvtepu8_epi16(_mm_and_si128(b, nib)));
-    _mm256_storeu_si256((__m256i *)o->im, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
-#else
-    for (int j = 0; j < 16; j++) {
-        o->is[j] = sc[j] & 15;
-        o->im[j] = sc[j] >> 4;
-    }
-#endif
+    q2k_values(qs, o->v);
+    nibble_pairs16(sc, o->is, o->im);
     o->D[0] = d, o->Dm[0] = -dmin;
 }
 
 static inline __attribute__((always_inline)) void decode_q3_k(const uint8_t *blk, const Decoded *o) {
     const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
     const float d = f16_to_f32(read_u16(blk + 108));
-#if QUANT_SIMD
-    const __m256i hm = load_i8(hmask), three = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        const __m256i q = load_i8(qs + 32 * h);
-        for (int s = 0; s < 4; s++) {
-            const int b = 4 * h + s; /* the value is 4 lower where bit b of its hmask byte is clear */
-            const __m256i bit = _mm256_set1_epi8((char)(1 << b));
-            const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
-            const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), three);
-            _mm256_storeu_si256((__m256i *)(o->v + 32 * b), _mm256_sub_epi8(v, _mm256_and_si256(clear, _mm256_set1_epi8(4))));
-        }
-    }
-#else
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) {
-                const int idx = 128 * h + 32 * s + l;
-                const int high = (hmask[l] >> (idx / 32)) & 1; /* the value is 4 lower where the bit is clear */
-                o->v[idx] = (int8_t)(((qs[32 * h + l] >> (2 * s)) & 3) - (high ? 0 : 4));
-            }
-#endif
+    q3k_values(hmask, qs, o->v);
     /* scale j: the low 4 bits are nibble j / 8 of byte j % 8, the high 2 bits are bits 2 (j / 4) of
      * byte 8 + j % 4: four bytes at a time in 32-bit words */
     const uint32_t a0 = read_u32(sc), a1 = read_u32(sc + 4), a2 = read_u32(sc + 8), m4 = 0x0F0F0F0Fu, m2 = 0x03030303u;
@@ -133,25 +202,7 @@ static inline __attribute__((always_inline)) void decode_q5_k(const uint8_t *blk
     const uint8_t *qh = blk + 16, *qs = blk + 48;
     uint8_t sc[8], mn[8];
     q4k_scales(blk + 4, sc, mn);
-#if QUANT_SIMD
-    const __m256i h = load_i8(qh), nib = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; c++) {
-        const __m256i q = load_i8(qs + 32 * c);
-        for (int a = 0; a < 2; a++) {
-            const int b = 2 * c + a; /* the fifth bit: bit b of the qh byte */
-            const __m256i bit = _mm256_set1_epi8((char)(1 << b));
-            const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16));
-            _mm256_storeu_si256((__m256i *)(o->v + 32 * b), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4 * a), nib), high));
-        }
-    }
-#else
-    for (int c = 0; c < 4; c++)
-        for (int a = 0; a < 2; a++)
-            for (int l = 0; l < 32; l++) {
-                const int idx = 64 * c + 32 * a + l;
-                o->v[idx] = (int8_t)(((qs[32 * c + l] >> (4 * a)) & 15) | (((qh[l] >> (idx / 32)) & 1) << 4));
-            }
-#endif
+    q5k_values(qh, qs, o->v);
     for (int j = 0; j < 16; j++) {
         o->is[j] = sc[j / 2];
         o->im[j] = mn[j / 2];
@@ -159,20 +210,6 @@ static inline __attribute__((always_inline)) void decode_q5_k(const uint8_t *blk
     o->D[0] = d, o->Dm[0] = -dmin;
 }
 
-/* The 32 levels of 16 bytes of IQ4 nibbles (the low nibbles' first) at out. */
-static inline void iq4_values(const uint8_t *p, int8_t *out) {
-#if QUANT_SIMD
-    const __m128i q = _mm_loadu_si128((const __m128i *)p), table = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
-    const __m128i nib = _mm_set1_epi8(15);
-    _mm_storeu_si128((__m128i *)out, _mm_shuffle_epi8(table, _mm_and_si128(q, nib)));
-    _mm_storeu_si128((__m128i *)(out + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), nib)));
-#else
-    for (int l = 0; l < 16; l++) {
-        out[l] = IQ4_LEVELS[p[l] & 15];
-        out[16 + l] = IQ4_LEVELS[p[l] >> 4];
-    }
-#endif
-}
 
 static inline __attribute__((always_inline)) void decode_iq4_nl(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));
@@ -227,19 +264,6 @@ static inline __attribute__((always_inline)) void decode_iq2_s(const uint8_t *bl
     iq2_scales16(blk + 74, f16_to_f32(read_u16(blk)), o);
 }
 
-/* Two four-value IQ3 grid rows side by side, the 8 values negated where bit i of `signs` is set. */
-static inline void grid_rows4(GridId g, uint32_t first, uint32_t second, uint8_t signs, int8_t *out) {
-    int8_t pair[8];
-    memcpy(pair, grids[g] + (size_t)first * 4, 4);
-    memcpy(pair + 4, grids[g] + (size_t)second * 4, 4);
-#if QUANT_SIMD
-    const __m128i m = _mm_loadl_epi64((const __m128i *)&SIGN_MASKS[signs]);
-    const __m128i r = _mm_loadl_epi64((const __m128i *)pair);
-    _mm_storel_epi64((__m128i *)out, _mm_sub_epi8(_mm_xor_si128(r, m), m));
-#else
-    for (int i = 0; i < 8; i++) out[i] = (signs >> i) & 1 ? (int8_t)-pair[i] : pair[i];
-#endif
-}
 
 static inline __attribute__((always_inline)) void decode_iq3_xxs(const uint8_t *blk, const Decoded *o) {
     const float d = f16_to_f32(read_u16(blk));

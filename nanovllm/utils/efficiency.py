@@ -48,23 +48,18 @@ def copy_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
 
 def read_bandwidth(device: torch.device, size_bytes: int = 256 << 20,
                    synchronize: Callable[[], None] = lambda: None) -> float:
-    """Bytes/s of reading a large tensor once: the rate a one-sequence decode step, which reads
-    every weight once and writes little, can at best read its weights at. On a CPU with the C
-    kernels: their read kernel (kernels/cpu_kernels.c, read_bytes: the widest loads the build has,
-    every thread of torch's count) over 1 GiB, best of 10 (a torch sum reads at 65-75% of that);
-    elsewhere a sum over size_bytes."""
-    if device.type == "cpu":
-        from nanovllm.kernels import cpu_kernels
-        kernels = cpu_kernels.load()
-        if kernels is not None:
-            return c_read_bandwidth(kernels)
+    """Bytes/s of reading a large tensor once (a sum over it): the rate a one-sequence decode step,
+    which reads every weight once and writes little, can at best read its weights at. On a CPU
+    c_read_bandwidth measures it closer (a torch sum reads at ~90% of the read kernel's rate)."""
     src = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
     t = _best_time(lambda: src.sum(), synchronize)
     return size_bytes / t
 
 
 def c_read_bandwidth(kernels, size_bytes: int = 1 << 30, repeat: int = 10) -> float:
-    """Bytes/s of the C read kernel over size_bytes of touched memory, best of `repeat`."""
+    """Bytes/s of the C kernels' read kernel (kernels/cpu_kernels.c, read_bytes: the widest loads the
+    build has, every thread of torch's count) over size_bytes of touched memory, best of `repeat`:
+    the CPU's read floor."""
     src = torch.ones(size_bytes, dtype=torch.uint8)
     t = _best_time(lambda: kernels.read_bytes(src.data_ptr(), size_bytes), lambda: None, repeat)
     return size_bytes / t

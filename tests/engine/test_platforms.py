@@ -153,8 +153,8 @@ def test_cpu_kv_cache_prefault_maps_every_page_up_front(dtype):
                     reason="no transparent huge pages for madvised memory here")
 def test_cpu_kv_cache_is_held_in_huge_pages():
     """A cache whose layers' K and V runs are 64 MiB asks for 2 MiB pages: written, it adds
-    AnonHugePages to the process (decode attention streams it; docs/performance.md, "The KV cache's
-    memory"). One of 2 MiB runs does not (a page touched in each of its 56 runs would map 112 MiB
+    AnonHugePages to the process (decode attention streams it; docs/performance.md,
+    "The KV cache's memory"). One of 2 MiB runs does not (a page touched in each of its 56 runs would map 112 MiB
     of 4 KiB ones' worth): where huge pages come only when asked for, it adds none."""
     from nanovllm.platforms.cpu import HUGE_PAGE_RUN_BYTES
     before = anon_huge_kib()
