@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 VERSION = "0.3.36"  # llama-cpp-python release; it vendors llama.cpp commit 0c1e570
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity", "llama-lookup",
-           "llama-speculative", "llama-server")
+           "llama-speculative", "llama-server", "llama-imatrix")
 
 
 class Fork(NamedTuple):
@@ -255,7 +255,25 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
 
 # llama-quantize presets the benchmark writes (from the F32 conversion), by our name for them.
 PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q3_k_m": "Q3_K_M",
-           "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "iq3_s": "IQ3_S", "iq3_xxs": "IQ3_XXS"}
+           "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "iq3_s": "IQ3_S", "iq3_xxs": "IQ3_XXS",
+           "iq2_xxs": "IQ2_XXS", "iq2_xs": "IQ2_XS", "iq2_s": "IQ2_S", "iq1_s": "IQ1_S", "iq1_m": "IQ1_M"}
+# The presets llama-quantize writes only with an importance matrix (llama-imatrix's, over the text
+# the perplexity is scored on: tests/data/english.txt).
+NEEDS_IMATRIX = ("iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m")
+
+
+def importance_matrix(cache: Path, bins: dict[str, Path], source: Path) -> Path:
+    """llama-imatrix's importance matrix of source over tests/data/english.txt, cached beside it."""
+    out = source.with_name(source.name.replace(".gguf", "-imatrix.dat"))
+    if out.is_file():
+        return out
+    text = Path(__file__).resolve().parent.parent / "tests" / "data" / "english.txt"
+    tmp = out.with_name(f".{out.name}.tmp")
+    run_step(f"llama-imatrix on {source.name}",
+             [str(bins["llama-imatrix"]), "-m", str(source), "-f", str(text), "-o", str(tmp), "-c", "128",
+              "-t", str(os.cpu_count() or 1)], work_dir(cache) / "logs" / f"imatrix-{source.stem}.log")
+    os.replace(tmp, out)
+    return out
 
 
 def quantize_gguf(cache: Path, bins: dict[str, Path], source: Path, preset: str, embedding_type: str | None = None) -> Path:
@@ -271,6 +289,8 @@ def quantize_gguf(cache: Path, bins: dict[str, Path], source: Path, preset: str,
     tmp = out.with_name(f".{out.name}.tmp")
     print(f"llama-quantize {source.name} -> {out.name} (once) ...", flush=True)
     extra = ["--token-embedding-type", embedding_type, "--output-tensor-type", embedding_type] if embedding_type else []
+    if preset in NEEDS_IMATRIX:
+        extra += ["--imatrix", str(importance_matrix(cache, bins, source))]
     run_step(f"llama-quantize {PRESETS[preset]}",
              [str(bins["llama-quantize"]), *extra, str(source), str(tmp), PRESETS[preset]],
              work_dir(cache) / "logs" / f"quantize-{out.stem}.log")
