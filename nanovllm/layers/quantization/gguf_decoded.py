@@ -30,9 +30,9 @@ def _u(b: torch.Tensor, width: int) -> torch.Tensor:
     return sum(b[..., i] << (8 * i) for i in range(width))
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """fp16 fields b [..., 2] as fp32 [...]."""
-    return b.contiguous().view(torch.float16)[..., 0].float()
+def f16_field(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 field at byte `at` of every block, as fp32 [..., blocks] (gguf_triton's formats too)."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
 def _bits(x: torch.Tensor, count: int, width: int = 1) -> torch.Tensor:
@@ -65,11 +65,11 @@ def unpack(raw: torch.Tensor, type_name: str, k: int):
     B = b.shape[1]
     mins = None
     if type_name == "q2_k":
-        sc, d, dmin = b[..., 0:16].to(torch.int64), _f16(b[..., 80:82]), _f16(b[..., 82:84])
+        sc, d, dmin = b[..., 0:16].to(torch.int64), f16_field(b, 80), f16_field(b, 82)
         v = _bits(b[..., 16:80].reshape(n, B, 2, 32), 4, 2).permute(0, 1, 2, 4, 3)  # [h, s, l]
         scales, mins = d[..., None] * (sc & 15), -dmin[..., None] * (sc >> 4)
     elif type_name == "q3_k":
-        d, sc = _f16(b[..., 108:110]), b[..., 96:108].to(torch.int64)
+        d, sc = f16_field(b, 108), b[..., 96:108].to(torch.int64)
         low = _bits(b[..., 32:96].reshape(n, B, 2, 32), 4, 2).permute(0, 1, 2, 4, 3).reshape(n, B, 256)
         high = _bits(b[..., 0:32], 8).permute(0, 1, 3, 2).reshape(n, B, 256)  # value 32 b + l: bit b of hmask[l]
         v = low - 4 * (1 - high)
@@ -80,39 +80,39 @@ def unpack(raw: torch.Tensor, type_name: str, k: int):
         levels = torch.tensor(IQ4_LEVELS, dtype=torch.int32, device=raw.device)
         q = b[..., 2:18].to(torch.int64)
         v = levels[torch.cat([q & 15, q >> 4], -1)]
-        scales = _f16(b[..., 0:2])[..., None].expand(n, B, 2)
+        scales = f16_field(b, 0)[..., None].expand(n, B, 2)
     elif type_name == "iq4_xs":
         levels = torch.tensor(IQ4_LEVELS, dtype=torch.int32, device=raw.device)
-        d, sh, sl = _f16(b[..., 0:2]), _u(b[..., 2:4], 2)[..., 0], b[..., 4:8].to(torch.int64)
+        d, sh, sl = f16_field(b, 0), _u(b[..., 2:4], 2)[..., 0], b[..., 4:8].to(torch.int64)
         q = b[..., 8:136].reshape(n, B, 8, 16).to(torch.int64)
         v = levels[torch.cat([q & 15, q >> 4], -1)]
         ls = (torch.stack([sl & 15, sl >> 4], -1).reshape(n, B, 8) | (_bits(sh, 8, 2) << 4)) - 32
         scales = (d[..., None] * ls).repeat_interleave(2, -1)
     elif type_name == "iq2_xxs":
-        d, q = _f16(b[..., 0:2]), b[..., 2:66].reshape(n, B, 8, 8)
+        d, q = f16_field(b, 0), b[..., 2:66].reshape(n, B, 8, 8)
         aux = _u(q[..., 4:8], 4)[..., 0]
         signs = _signs(_ksigns((aux[..., None] >> torch.arange(0, 28, 7, device=raw.device)) & 127))
         v = _rows("iq2_xxs", q[..., 0:4]) * signs
         scales = (d[..., None] * (0.5 + (aux >> 28).float()) * 0.25).repeat_interleave(2, -1)
     elif type_name == "iq2_xs":
-        d, q = _f16(b[..., 0:2]), _u(b[..., 2:66], 2)
+        d, q = f16_field(b, 0), _u(b[..., 2:66], 2)
         v = _rows("iq2_xs", q & 511) * _signs(_ksigns(q >> 9))
         scales = d[..., None] * (0.5 + _bits(b[..., 66:74], 2, 4).reshape(n, B, 16).float()) * 0.25
     elif type_name == "iq2_s":
-        d, qs, signs, qh = _f16(b[..., 0:2]), b[..., 2:34].to(torch.int64), b[..., 34:66], b[..., 66:74]
+        d, qs, signs, qh = f16_field(b, 0), b[..., 2:34].to(torch.int64), b[..., 34:66], b[..., 66:74]
         v = _rows("iq2_s", qs | (_bits(qh, 4, 2).reshape(n, B, 32) << 8)) * _signs(signs)
         scales = d[..., None] * (0.5 + _bits(b[..., 74:82], 2, 4).reshape(n, B, 16).float()) * 0.25
     elif type_name == "iq3_xxs":
-        d, qs, aux = _f16(b[..., 0:2]), b[..., 2:66].reshape(n, B, 8, 8), _u(b[..., 66:98], 4)
+        d, qs, aux = f16_field(b, 0), b[..., 2:66].reshape(n, B, 8, 8), _u(b[..., 66:98], 4)
         signs = _signs(_ksigns((aux[..., None] >> torch.arange(0, 28, 7, device=raw.device)) & 127))
         v = _rows("iq3_xxs", qs).reshape(n, B, 8, 4, 8) * signs
         scales = (d[..., None] * (0.5 + (aux >> 28).float()) * 0.5).repeat_interleave(2, -1)
     elif type_name == "iq3_s":
-        d, qs, qh, signs = _f16(b[..., 0:2]), b[..., 2:66].to(torch.int64), b[..., 66:74], b[..., 74:106]
+        d, qs, qh, signs = f16_field(b, 0), b[..., 2:66].to(torch.int64), b[..., 66:74], b[..., 74:106]
         v = _rows("iq3_s", qs | (_bits(qh, 8).reshape(n, B, 64) << 8)).reshape(n, B, 32, 8) * _signs(signs)
         scales = (d[..., None] * (1 + 2 * _bits(b[..., 106:110], 2, 4).reshape(n, B, 8)).float()).repeat_interleave(2, -1)
     elif type_name == "iq1_s":  # w = dl (g +- 1/8) = dl / 8 (8 g +- 1)
-        d, qs, qh = _f16(b[..., 0:2]), b[..., 2:34].to(torch.int64).reshape(n, B, 8, 4), _u(b[..., 34:50], 2)
+        d, qs, qh = f16_field(b, 0), b[..., 2:34].to(torch.int64).reshape(n, B, 8, 4), _u(b[..., 34:50], 2)
         index = qs | (_bits(qh, 4, 3) << 8)
         delta = 1 - 2 * (qh >> 15)
         v = 8 * _rows("iq1_s", index) + delta[..., None, None]

@@ -22,12 +22,8 @@ from torch import nn
 
 from nanovllm.kernels.triton_weight_only import PackedWeight, pack, pack_fp4
 from nanovllm.layers.quantization import gguf_decoded
+from nanovllm.layers.quantization.gguf_decoded import f16_field
 from nanovllm.layers.quantization.block_formats import TRITON_FORMATS as UNPACKED, block_shape
-
-
-def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 field at byte `at` of every block, as fp32 [..., blocks]."""
-    return blocks[..., at:at + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
@@ -73,14 +69,14 @@ def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
         values = torch.tensor(E2M1_DOUBLED, dtype=torch.int32, device=raw.device)[codes]
         return values, e8m0(e, 128), 32, None, None
     if type_name == "q8_0":
-        values, scales, group = b[..., 2:].contiguous().view(torch.int8).to(torch.int32), _f16(b, 0), 32
+        values, scales, group = b[..., 2:].contiguous().view(torch.int8).to(torch.int32), f16_field(b, 0), 32
     elif type_name in ("q4_0", "q5_0"):
-        values, scales, group = _nibbles(b[..., -16:]), _f16(b, 0), 32
+        values, scales, group = _nibbles(b[..., -16:]), f16_field(b, 0), 32
         if type_name == "q5_0":
             values = values | _fifth_bits(b[..., 2:6])
         zeros = torch.full_like(scales, 8 if type_name == "q4_0" else 16, dtype=torch.int32)
     elif type_name in ("q4_1", "q5_1"):
-        values, scales, mins, group = _nibbles(b[..., -16:]), _f16(b, 0), _f16(b, 2), 32
+        values, scales, mins, group = _nibbles(b[..., -16:]), f16_field(b, 0), f16_field(b, 2), 32
         if type_name == "q5_1":
             values = values | _fifth_bits(b[..., 4:8])
     elif type_name == "q4_k":
@@ -89,8 +85,8 @@ def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
         mn = torch.cat([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], -1)
         qs = b[..., 16:].reshape(n, -1, 4, 32)  # per 64 values: low nibbles, then high
         values = torch.stack([qs & 0x0F, qs >> 4], 3).reshape(n, -1, 256).to(torch.int32)
-        scales = (_f16(b, 0)[..., None] * sc).reshape(n, -1)
-        mins = (-_f16(b, 2)[..., None] * mn).reshape(n, -1)
+        scales = (f16_field(b, 0)[..., None] * sc).reshape(n, -1)
+        mins = (-f16_field(b, 2)[..., None] * mn).reshape(n, -1)
         group = 32
     else:  # q6_k
         ql = b[..., 0:128].reshape(n, -1, 2, 2, 32).to(torch.int32)  # [half, low bits of quarters 0-1 / 2-3]
@@ -101,7 +97,7 @@ def unpack_blocks(raw: torch.Tensor, type_name: str, k: int):
             quarters.append(low | (((qh[..., 0, :] >> (2 * t)) & 3) << 4))
         values = torch.stack(quarters, 3).reshape(n, -1, 256)
         sc = b[..., 192:208].contiguous().view(torch.int8).float()
-        scales, group = (_f16(b, 208)[..., None] * sc).reshape(n, -1), 16
+        scales, group = (f16_field(b, 208)[..., None] * sc).reshape(n, -1), 16
         zeros = torch.full_like(scales, 32, dtype=torch.int32)
     return values.reshape(n, k), scales.reshape(n, -1), group, zeros, mins
 
