@@ -236,8 +236,8 @@ def main() -> None:
             name, turns, tokens, rate, total = sessions_row(gguf, args, tier, turns, work)
             print(f"| {name} | {turns} | {tokens} | {rate:.1%} | {total:.0f} | {total / (turns * args.sessions):.1f} |",
                   flush=True)
-    shutil.rmtree(work / "tier", ignore_errors=True)
-    shutil.rmtree(work / "sessions-tier", ignore_errors=True)
+    for big in ("tier", "sessions-tier", "slots"):  # the caches both engines wrote: ~1 GB; the logs stay
+        shutil.rmtree(work / big, ignore_errors=True)
 
 
 if __name__ == "__main__":
