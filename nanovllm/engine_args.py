@@ -144,6 +144,14 @@ class EngineArgs:
     kv_offloading_size: float | None = None
     kv_offloading_dir: str | None = None
     kv_offloading_dir_size: float = 8.0
+    # LoRA adapters (lora/, vLLM's names): enable_lora lets requests name an adapter (lora_request=,
+    # the server's --lora-modules); max_loras adapters run in one step (each a slot of every targeted
+    # layer), max_lora_rank the highest rank they may have, max_cpu_loras how many read adapters are
+    # kept on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if type(self.cpu_input_bits) not in (int, str) or self.cpu_input_bits not in CPU_INPUT_BITS:
@@ -164,7 +172,14 @@ class EngineArgs:
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
                 or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enforce_eager", "enable_prefix_caching", "kvcache_prefault"):
+        for name in ("max_loras", "max_lora_rank"):
+            positive_int(name, getattr(self, name))
+        if self.max_cpu_loras is not None:
+            positive_int("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                                 "every adapter in a slot is also kept on the host")
+        for name in ("enforce_eager", "enable_prefix_caching", "kvcache_prefault", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.compile_ops is not None and not isinstance(self.compile_ops, bool):

@@ -55,12 +55,12 @@ class LLM:
 
     def chat(self, messages: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[dict]:
+             use_tqdm: bool = True, lora_request=None) -> list[dict]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         prompts = [self.apply_chat_template(conv) for conv in messages]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
         """The prompt token ids of one conversation (the tokenizer's chat template, with the
@@ -88,9 +88,10 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Every prompt's output (group_output), in prompt order."""
-        groups = self._make_groups(prompts, sampling_params)
+                 use_tqdm: bool = True, lora_request=None) -> list[dict]:
+        """Every prompt's output (group_output), in prompt order. lora_request: a LoRARequest for every
+        prompt, or a list of one (or None: the base model) per prompt (enable_lora=True engines)."""
+        groups = self._make_groups(prompts, sampling_params, lora_request)
         progress = GenerateProgress([seq for group in groups for seq in group], enabled=use_tqdm)
         try:
             with closing(self._run(groups, stream=False)) as steps:
@@ -102,22 +103,28 @@ class LLM:
 
     def generate_stream(self, prompts: list[str] | list[list[int]],
                         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                        ) -> Iterator[StreamDelta]:
+                        lora_request=None) -> Iterator[StreamDelta]:
         """Like generate(), but yields each request's new tokens and text as they are produced.
 
         A delta's request_id is its prompt's position in `prompts`, its index the completion's
         number among that prompt's n. Closing the iterator early (break, or garbage collection)
         aborts the unfinished requests and frees their KV blocks.
         """
-        groups = self._make_groups(prompts, sampling_params)
+        groups = self._make_groups(prompts, sampling_params, lora_request)
         with closing(self._run(groups, stream=True)) as steps:  # closing this closes _run at once
             for step in steps:
                 yield from step.deltas
 
-    def _make_groups(self, prompts, sampling_params) -> list[list[Sequence]]:
+    def _make_groups(self, prompts, sampling_params, lora_request=None) -> list[list[Sequence]]:
         prompts, sampling_params = self._normalize(prompts, sampling_params)
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"got {len(lora_request)} lora_request entries for {len(prompts)} prompts")
+            adapters = list(lora_request)
+        else:
+            adapters = [lora_request] * len(prompts)
         # Validate everything before queueing anything, so one bad prompt leaves the engine untouched.
-        return [self.llm_engine.make_group(p, sp) for p, sp in zip(prompts, sampling_params)]
+        return [self.llm_engine.make_group(p, sp, lora) for p, sp, lora in zip(prompts, sampling_params, adapters)]
 
     def _run(self, groups: list[list[Sequence]], stream: bool) -> Iterator[StepOutput]:
         """Queue the groups (request_id: their position), then step until all of them finished,

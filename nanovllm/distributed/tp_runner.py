@@ -226,6 +226,7 @@ class TensorParallelRunner(Executor):
             raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.weight_bytes = self.runner.weight_bytes  # rank 0's (the ranks hold equal shares)
+        self.lora = self.runner.lora  # rank 0's: requests' adapters are checked there; each rank reads its own
 
     def call(self, method: str, *args):
         """Run ModelRunner.method on every rank; rank 0's result is returned."""

@@ -99,7 +99,7 @@ class KVCacheManager:
         full = [g for g, w in enumerate(self.windows) if w is None]
         hashes: list[int] = []
         found: list[list[int | None]] = [[] for _ in self.windows]
-        parent = None
+        parent = seq.cache_salt
         # NOTE: at least one token must be computed to get logits: when every block would hit, the
         # last one is recomputed into a fresh block rather than written into a shared one.
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -124,7 +124,7 @@ class KVCacheManager:
         """Past the cache's n hit blocks, each leading full block the tier holds in every group: its
         groups' keys. The same rule as the cache's: the last block is always computed."""
         keys: list[list[BlockKey]] = []
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else seq.cache_salt
         for i in range(n, (seq.num_tokens - 1) // self.block_size):
             tokens = self.block_token_ids(seq, i)
             h = compute_block_hash(tokens, parent)
@@ -264,7 +264,7 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         while len(hashes) < num_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else seq.cache_salt
             tokens = self.block_token_ids(seq, i)
             h = compute_block_hash(tokens, parent)
             for g, table in enumerate(seq.block_tables):

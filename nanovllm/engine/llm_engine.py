@@ -71,31 +71,35 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = structured_outputs.GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_ids)
         self.processor = Processor(config, self.tokenizer, self.grammars, self.num_kvcache_blocks,
-                                   self.scheduler.kv_cache_manager.blocks_held_at_most)
+                                   self.scheduler.kv_cache_manager.blocks_held_at_most, runner.lora)
         self.pending_siblings = PendingSiblings()
         self._step_request_ids: set | None = set()
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams, lora_request=None) -> Sequence:
         if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
             raise ValueError(f"sampling_params.n={sampling_params.n} makes several sequences; "
                              "use add_request_group()")
-        return self.add_request_group(prompt, sampling_params)[0]
+        return self.add_request_group(prompt, sampling_params, lora_request=lora_request)[0]
 
     def add_request_group(self, prompt: str | list[int], sampling_params: SamplingParams,
-                          request_id: object = None, stream: bool = False) -> list[Sequence]:
+                          request_id: object = None, stream: bool = False, lora_request=None) -> list[Sequence]:
         """Queue one prompt's sampling_params.n completions; returns their sequences. With stream,
         step() returns their deltas (StreamDelta, keyed by request_id and completion index)."""
-        seqs = self.make_group(prompt, sampling_params)
+        seqs = self.make_group(prompt, sampling_params, lora_request)
         self.queue_group(seqs, request_id, stream)
         return seqs
 
-    def make_group(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[Sequence]:
-        """One prompt's sampling_params.n sequences, checked (Processor) but not queued."""
-        first = self.processor.make_sequence(prompt, sampling_params)
+    def make_group(self, prompt: str | list[int], sampling_params: SamplingParams,
+                   lora_request=None) -> list[Sequence]:
+        """One prompt's sampling_params.n sequences, checked (Processor) but not queued; lora_request:
+        the adapter they run with (lora/request.py), None for the base model."""
+        first = self.processor.make_sequence(prompt, sampling_params, lora_request)
         params = child_params(sampling_params)
         first.sampling_params = params[0]
         seqs = [first] + [Sequence(first.prompt_token_ids, p) for p in params[1:]]
+        for seq in seqs[1:]:
+            seq.lora_request, seq.cache_salt = first.lora_request, first.cache_salt
         if sampling_params.structured_outputs is not None:
             for seq in seqs:  # each completion walks the grammar on its own
                 seq.grammar = self.grammars.new_matcher(sampling_params.structured_outputs)

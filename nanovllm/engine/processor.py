@@ -12,9 +12,11 @@ from nanovllm.sampling_params import SamplingParams
 
 class Processor:
     def __init__(self, config: Config, tokenizer, grammars: GrammarCache, num_kvcache_blocks: int,
-                 blocks_held_at_most: Callable[[int, int], int]):
+                 blocks_held_at_most: Callable[[int, int], int], loras=None):
         """blocks_held_at_most(prompt_len, num_tokens): the most KV blocks such a sequence holds at
-        once (the KV cache manager's count)."""
+        once (the KV cache manager's count). loras: rank 0's LoRAModel (lora/layers.py) when the engine
+        serves adapters: a request's adapter is read and checked here, before it is queued."""
+        self.loras = loras
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
@@ -46,8 +48,10 @@ class Processor:
             raise ValueError(f"prompt token ids {out_of_vocab[:4]} are outside the vocabulary [0, {self.vocab_size})")
         return token_ids
 
-    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
+    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams,
+                      lora_request=None) -> Sequence:
         """Validate one request and wrap it as a Sequence; raises before touching any engine state."""
+        adapter = self.lora_adapter(lora_request)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if self.config.runner == "pooling":
@@ -70,7 +74,23 @@ class Processor:
                              f"cache holds {self.num_kvcache_blocks}; lower max_tokens or give the cache more memory")
         if sampling_params.structured_outputs is not None:
             self.grammars.compile(sampling_params.structured_outputs)  # a bad spec fails here, unqueued
-        return Sequence(token_ids, sampling_params)
+        seq = Sequence(token_ids, sampling_params)
+        if adapter is not None:
+            seq.lora_request, seq.cache_salt = lora_request, adapter.digest
+        return seq
+
+    def lora_adapter(self, lora_request):
+        """The request's adapter (read and checked on first use), or None for the base model."""
+        if lora_request is None:
+            return None
+        from nanovllm.lora.request import LoRARequest
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a nanovllm.lora.request.LoRARequest, got "
+                            f"{type(lora_request).__name__}")
+        if self.loras is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine serves no adapters; start it "
+                             "with enable_lora=True (`--enable-lora`)")
+        return self.loras.adapter(lora_request)
 
     def embedding_prompts(self, prompts: list) -> list[list[int]]:
         """Prompts to embed, each checked (as generate() checks them) before any is run."""

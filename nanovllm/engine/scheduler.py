@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from nanovllm.config import Config
 from nanovllm.engine.kv_cache_manager import KVCacheManager, needs_prompt_logits
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.lora.slots import LoRASlots
 
 
 @dataclass
@@ -25,6 +26,10 @@ class SchedulerOutput:
     # Decode steps: the KV slots each row holds past its token, which tokens proposed beside the
     # step may fill (within the tokens it may still emit); None: no lookahead this step.
     lookahead: list[int] | None = None
+    # LoRA (lora/slots.py): the adapter each slot holds, and each row's slot (-1: the base model);
+    # None when the engine serves no adapters.
+    lora_slots: tuple | None = None
+    lora_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +59,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_lookahead_tokens, self.lookahead_below = num_lookahead_tokens, lookahead_below
+        self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.loading
@@ -63,9 +69,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule_prefill()
-        if out.seqs:
-            return out
-        return self._schedule_decode()
+        if not out.seqs:
+            out = self._schedule_decode()
+        if self.loras is not None and out.seqs:
+            out.lora_slots, out.lora_rows = tuple(self.loras.table), self.loras.row_slots(out.seqs)
+        return out
 
     def _schedule_prefill(self) -> SchedulerOutput:
         seqs, num_new = [], []
@@ -78,6 +86,10 @@ class Scheduler:
             if not seq.block_table:  # not started yet (new, or preempted)
                 if num_active >= self.max_num_seqs or not self.kv_cache_manager.can_allocate(seq):
                     break
+                if self.loras is not None:  # its adapter needs a slot; without one it (and the queue) waits
+                    if not self.loras.can_admit(seq):
+                        break
+                    self.loras.acquire(seq)
                 num_active += 1
                 if self.kv_cache_manager.allocate(seq):  # its prefix is being read: it waits aside
                     self.loading[seq.seq_id] = self.waiting.popleft()
@@ -140,6 +152,7 @@ class Scheduler:
         """Free seq's blocks and put it at the queue's head: it is prefilled again, generated tokens
         included (deallocate resets its cache state)."""
         self.kv_cache_manager.deallocate(seq)
+        self._release_lora(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -195,6 +208,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv_cache_manager.deallocate(seq)
+        self._release_lora(seq)
         self.running.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -208,5 +222,10 @@ class Scheduler:
         else:
             return
         self.kv_cache_manager.deallocate(seq)
+        self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if self.loras is not None:
+            self.loras.release(seq)

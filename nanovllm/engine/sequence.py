@@ -59,6 +59,11 @@ class Sequence:
         # never pickled); its state follows completion_token_ids, so preemption keeps it.
         self.grammar = None
         self.output_prompt_logprobs: list[dict[int, float] | None] | None = None
+        # LoRA (lora/): the request's adapter, the scheduler's slot for it while it holds KV blocks,
+        # and the seed of its prefix-cache keys (the adapter's digest: its blocks never meet another's).
+        self.lora_request = None
+        self.lora_slot: int | None = None
+        self.cache_salt: int | None = None
 
     @property
     def block_table(self) -> list[int]:

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
     from nanovllm.engine.kv_groups import KVGroup
     from nanovllm.engine.scheduler import SchedulerOutput
+    from nanovllm.lora.layers import LoRAModel
     from nanovllm.sample.sampler import SampledTokens
 
 
@@ -27,6 +28,7 @@ class Executor(ABC):
     # What keeps a faster step path (the CPU's C step) off some steps, for the start-up summary's WARNING.
     step_notes: list[str]
     weight_bytes: int  # the bytes this rank holds its weights in, each tensor once (the start-up summary)
+    lora: "LoRAModel | None"  # rank 0's adapter slots (lora/layers.py) when the engine serves adapters
 
     @abstractmethod
     def kv_token_bytes(self) -> int:

@@ -110,6 +110,11 @@ class ModelRunner(Executor):
         self.sampler = Sampler(RANDOM_SAMPLES[platform.random_sample], generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.state_cache = StateCache(self.model, config)  # linear-attention layers' state slots, if any
+        self.lora = None  # the layers' adapter slots (lora/layers.py) when the engine serves adapters
+        if config.enable_lora:
+            from nanovllm.lora.layers import LoRAModel
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
+                                  config.max_cpu_loras or config.max_loras, self.dtype, self.device, self.to_device)
         self.kv_format = config.kv_format
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype,
                                          self.kv_format)
@@ -380,7 +385,8 @@ class ModelRunner(Executor):
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
                   logits_indices: torch.Tensor | None) -> torch.Tensor | None:
-        for runner in self.step_runners:
+        # NOTE: a step with adapter rows runs eagerly: the faster paths know the base weights only.
+        for runner in self.step_runners if context.lora is None else ():
             if runner.can_run(input_ids.shape[0], context):
                 return runner.run(input_ids, positions, context, logits_indices)
         with forward_context(context):
@@ -401,6 +407,10 @@ class ModelRunner(Executor):
         else:
             input_ids, positions, context = self.prepare_decode(out.seqs, drafts)
             logits_indices = None
+        if out.lora_slots is not None:
+            self.lora.activate(out.lora_slots)
+            rows = out.num_new_tokens if drafts is None else [1 + len(d) for d in drafts]
+            context.lora = self.lora.batch(out.lora_rows, rows)
         logits = self.run_model(input_ids, positions, context, logits_indices)
         if self.rank != 0:
             return None

@@ -16,7 +16,10 @@ class LinearBase(TaggedWeights):
     """y = x W^T (+ b) for this rank's W, logically [output_size, input_size].
 
     tp_dim: which logical dimension is split across ranks (0: output, 1: input, None: replicated).
+    lora: the layer's adapter slots (lora/layers.py LoRALayer) when the engine serves adapters.
     """
+
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "",
@@ -51,7 +54,8 @@ class LinearBase(TaggedWeights):
         copy_checked(param.data, self.rank_part(param, loaded), self.prefix or type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -133,6 +137,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: the bias is added on rank 0 only, so the all_reduce counts it once.
         y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:  # this rank's columns of A: the all-reduce sums the partial updates
+            y = self.lora.add(x, y)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

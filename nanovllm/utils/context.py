@@ -22,6 +22,8 @@ class Context:
     more_groups: tuple[tuple[torch.Tensor | None, Any], ...] = ()
     # Linear-attention layers' state slots (layers/gated_deltanet.py, StateBatch); None: no such layer.
     state: Any = None
+    # The step's rows by LoRA adapter slot (lora/layers.py LoRABatch); None: no row runs an adapter.
+    lora: Any = None
 
     def drop_stores(self) -> None:
         """Nothing of this forward is stored (the warm-up before the cache exists; embeddings)."""

@@ -1,0 +1,171 @@
+"""The model side of LoRA: every linear layer's adapter slots, filled from host adapters (an LRU of
+max_cpu_loras), and the step's rows grouped by slot (LoRABatch, in the forward context). A layer's
+base projection runs once for the whole batch; then each slot's rows get x A^T B^T added
+(LoRALayer.add: Punica's SGMV shape, one shrink and one expand per slot with rows in the step).
+
+Tensor parallelism: an adapter is split as its layer is. Column-parallel layers (outputs split) take
+their rank's rows of B; row-parallel ones (inputs split) their rank's columns of A, and the partial
+products are summed by the layer's own all-reduce."""
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.layers.linear import LinearBase
+from nanovllm.lora.adapter import LoRAAdapter, LoRATarget, load_adapter
+from nanovllm.lora.request import LoRARequest
+from nanovllm.utils.context import get_context
+
+
+@dataclass
+class LoRABatch:
+    """One step's rows by slot: (slot, rows) for each slot with rows in the step, rows a slice where
+    they are contiguous (a prefill's sequence, one decode row) and an index tensor otherwise."""
+
+    groups: list[tuple[int, slice | torch.Tensor]]
+
+
+def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarget]]:
+    """Each projection an adapter may update, by its checkpoint name: (its layer, its target). A stacked
+    layer (qkv_proj, gate_up_proj) holds several, named through the model's packed_modules_mapping."""
+    packed: dict[str, list[tuple[str, object]]] = {}
+    for part, (param_part, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        packed.setdefault(param_part, []).append((part, shard_id))
+    targets = {}
+    for prefix, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        parent, _, leaf = prefix.rpartition(".")
+        in_size = layer.input_size * (layer.tp_size if layer.tp_dim == 1 else 1)
+        outs = [size * (layer.tp_size if layer.tp_dim == 0 else 1) for size in layer.output_partition_sizes]
+        names = [(f"{parent}.{part}", layer.shard_index(shard_id)) for part, shard_id in packed.get(leaf, [])]
+        for name, index in names or [(prefix, 0)]:
+            targets[name] = (layer, LoRATarget(prefix, index, in_size, outs[index]))
+    return targets
+
+
+class LoRALayer:
+    """A linear layer's adapter slots: A [slots, parts x rank, in] and B [slots, out, rank] (this rank's
+    shares), allocated when a first adapter touches the layer. Lower ranks are zero-padded."""
+
+    def __init__(self, layer: LinearBase, max_loras: int, max_rank: int):
+        self.layer = layer
+        self.max_loras, self.rank = max_loras, max_rank
+        offsets = [sum(layer.output_partition_sizes[:i]) for i in range(len(layer.output_partition_sizes))]
+        self.parts = list(zip(offsets, layer.output_partition_sizes))
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self.filled = [[False] * len(self.parts) for _ in range(max_loras)]  # slot -> part -> has weights
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        layer, parts, r = self.layer, len(self.parts), self.rank
+        out = sum(size for _, size in self.parts)
+        self.a = torch.zeros(self.max_loras, parts * r, layer.input_size, dtype=like.dtype, device=like.device)
+        self.b = torch.zeros(self.max_loras, out, r, dtype=like.dtype, device=like.device)
+
+    def clear(self, slot: int) -> None:
+        if self.a is not None and any(self.filled[slot]):
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+        self.filled[slot] = [False] * len(self.parts)
+
+    def fill(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+             device: torch.device) -> None:
+        """Slot's part from the full A [r, in] and B [out, r], split as the layer is."""
+        layer, r = self.layer, a.shape[0]
+        if self.a is None:
+            self._allocate(torch.empty(0, dtype=dtype, device=device))
+        if layer.tp_size > 1 and layer.tp_dim == 1:
+            a = a.chunk(layer.tp_size, dim=1)[layer.tp_rank]
+        if layer.tp_size > 1 and layer.tp_dim == 0:
+            b = b.chunk(layer.tp_size, dim=0)[layer.tp_rank]
+        offset, size = self.parts[part]
+        self.a[slot, part * self.rank: part * self.rank + r].copy_(a)
+        self.b[slot, offset: offset + size, :r].copy_(b)
+        self.filled[slot][part] = True
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base projection of x) plus each row's update from its slot."""
+        batch = get_context().lora
+        if batch is None or self.a is None:
+            return y
+        r = self.rank
+        for slot, rows in batch.groups:
+            filled = self.filled[slot]
+            if not any(filled):
+                continue
+            t = x[rows] @ self.a[slot].t()  # the shrink: [rows, parts x rank]
+            for p, (offset, size) in enumerate(self.parts):
+                if not filled[p]:
+                    continue
+                d = t[:, p * r:(p + 1) * r] @ self.b[slot, offset: offset + size].t()  # the expand
+                if isinstance(rows, slice):
+                    y[rows, offset: offset + size] += d
+                else:
+                    y[:, offset: offset + size].index_add_(0, rows, d)
+        return y
+
+
+class LoRAModel:
+    """The adapters of one rank's model: which request each slot holds, the layers' slots, and the host
+    copies of recently used adapters (at most max_cpu_loras, least recently used dropped first)."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype, device: torch.device, to_device):
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.dtype, self.device, self.to_device = dtype, device, to_device
+        found = lora_targets(model)
+        self.targets = {name: target for name, (_, target) in found.items()}
+        self.layers: dict[str, LoRALayer] = {}
+        for _, (layer, target) in found.items():
+            if target.module not in self.layers:
+                layer.lora = self.layers[target.module] = LoRALayer(layer, max_loras, max_rank)
+        self.slots: list[LoRARequest | None] = [None] * max_loras
+        self.adapters: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()
+
+    def adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The request's adapter, read (and checked) on first use, then kept among the recent ones."""
+        adapter = self.adapters.get(request)
+        if adapter is None:
+            adapter = load_adapter(request, self.targets, self.max_rank)
+            self.adapters[request] = adapter
+            while len(self.adapters) > self.max_cpu_loras:
+                self.adapters.popitem(last=False)
+        self.adapters.move_to_end(request)
+        return adapter
+
+    def forget(self, request: LoRARequest) -> None:
+        self.adapters.pop(request, None)
+
+    def activate(self, slots: tuple[LoRARequest | None, ...]) -> None:
+        """Make each slot hold the scheduler's adapter for it (only slots that changed are written)."""
+        for slot, request in enumerate(slots):
+            if request == self.slots[slot]:
+                continue
+            for layer in self.layers.values():
+                layer.clear(slot)
+            self.slots[slot] = None
+            if request is not None:
+                for name, (a, b) in self.adapter(request).weights.items():
+                    target = self.targets[name]
+                    self.layers[target.module].fill(slot, target.part, a, b, self.dtype, self.device)
+                self.slots[slot] = request
+
+    def batch(self, row_slots: list[int], row_tokens: list[int]) -> LoRABatch | None:
+        """The step's LoRABatch: row i's row_tokens[i] tokens run with slot row_slots[i] (-1: none);
+        None when no row has an adapter."""
+        if all(s < 0 for s in row_slots):
+            return None
+        by_slot: dict[int, list[int]] = {}
+        start = 0
+        for slot, n in zip(row_slots, row_tokens):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        groups = []
+        for slot, rows in by_slot.items():
+            if rows[-1] - rows[0] + 1 == len(rows):
+                groups.append((slot, slice(rows[0], rows[-1] + 1)))
+            else:
+                groups.append((slot, self.to_device(torch.tensor(rows, dtype=torch.int64))))
+        return LoRABatch(groups)
