@@ -1,0 +1,138 @@
+"""LoRA adapters against PEFT: transformers with PeftModel gives the greedy tokens and log-probabilities
+each request must get, with one adapter, with several adapters and the base model in one batch, through
+chunked prefill, preemption and prefix-cache hits, and on Qwen3 and Llama."""
+import pytest
+import torch
+
+from nanovllm import LLM, LoRARequest, SamplingParams
+from lora_adapters import make_peft_adapter, peft_greedy
+from tiny_models import make_tiny
+
+pytest.importorskip("peft")
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+SHARED = [3 + (7 * i) % 200 for i in range(40)]
+# fp32 activations and KV cache: the engine's rounding is then within 1e-4 of transformers' own.
+FP32 = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16)
+PROMPTS = [SHARED + [11, 12, 13], [9, 8, 7, 6, 5, 4, 3], SHARED[:20] + [50 + i for i in range(30)], SHARED + [14]]
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3_gqa, tmp_path_factory):
+    """Three adapters of the Qwen3 checkpoint: every projection at rank 8; attention only at rank 4 with
+    rsLoRA; the MLP only at rank 16 with a per-module rank and alpha."""
+    root = tmp_path_factory.mktemp("adapters")
+    return [
+        make_peft_adapter(qwen3_gqa, str(root / "all"), seed=1),
+        make_peft_adapter(qwen3_gqa, str(root / "attn"), seed=2, r=4, alpha=3,
+                          targets=("q_proj", "k_proj", "v_proj", "o_proj"), use_rslora=True),
+        make_peft_adapter(qwen3_gqa, str(root / "mlp"), seed=3, r=16, alpha=8,
+                          targets=("gate_proj", "up_proj", "down_proj"), rank_pattern={"down_proj": 6},
+                          alpha_pattern={"up_proj": 20}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(qwen3_gqa, adapters):
+    """Per adapter (None: the base model), PEFT's greedy run of every prompt."""
+    return {path: peft_greedy(qwen3_gqa, path, PROMPTS, MAX_NEW) for path in [None, *adapters]}
+
+
+def requests(adapters):
+    return [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(adapters)]
+
+
+def check(outputs, refs, what: str) -> None:
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, refs)):
+        assert out["token_ids"] == tokens, f"{what}, prompt {i}"
+        ours = torch.tensor([next(iter(step.values())) for step in out["logprobs"]])
+        theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert torch.allclose(ours, theirs, atol=1e-4), f"{what}, prompt {i}: {(ours - theirs).abs().max()}"
+
+
+def test_one_adapter_matches_peft(qwen3_gqa, adapters, references):
+    with LLM(qwen3_gqa, enable_lora=True, max_lora_rank=16, **FP32) as llm:
+        for path, request in zip(adapters, requests(adapters)):
+            check(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request), references[path], path)
+        check(llm.generate(PROMPTS, GREEDY, use_tqdm=False), references[None], "base")
+
+
+def test_the_adapters_differ_from_the_base(references, adapters):
+    """The test above can fail: each adapter changes the greedy tokens of some prompt."""
+    base = [tokens for tokens, _ in references[None]]
+    for path in adapters:
+        assert [tokens for tokens, _ in references[path]] != base, path
+
+
+@pytest.mark.parametrize("engine", [
+    dict(),
+    dict(max_num_batched_tokens=24, max_num_seqs=4),  # chunked prefill
+    dict(cpu_kvcache_bytes=14 * 16384),  # preemption (2 layers x K/V x 16 x 2 heads x 32 x 4 bytes a block)
+], ids=["one-batch", "chunked", "preempted"])
+def test_three_adapters_and_the_base_in_one_batch(qwen3_gqa, adapters, references, engine):
+    """Every prompt under each adapter and the base, all in one generate() call: rows of four adapters
+    share steps. Twice: the second pass hits the prefix cache, each adapter's blocks its own."""
+    reqs = [None, *requests(adapters)]
+    prompts = [p for p in PROMPTS for _ in reqs]  # interleaved: neighbours run different adapters
+    loras = [r for _ in PROMPTS for r in reqs]
+    expected = [references[path][i] for i in range(len(PROMPTS)) for path in [None, *adapters]]
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=3, max_lora_rank=16, **FP32, **engine) as llm:
+        steps = []
+        schedule = llm.llm_engine.scheduler.schedule
+        llm.llm_engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+        for attempt in ("first", "second"):
+            check(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), expected, f"{attempt} pass")
+        mixed = [set(out.lora_rows) for out in steps if out.lora_rows]
+        assert any(len(slots) >= 3 for slots in mixed), "no step ran several adapters together"
+        assert max(len(slots - {-1}) for slots in mixed) <= 3  # at most max_loras adapters in a step
+        if "cpu_kvcache_bytes" in engine:
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+        bm = llm.llm_engine.scheduler.kv_cache_manager
+        assert bm.num_free_blocks == llm.llm_engine.num_kvcache_blocks
+
+
+def test_prefix_cache_never_shares_blocks_across_adapters(qwen3_gqa, adapters):
+    reqs = requests(adapters)
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=2, max_lora_rank=16, **FP32) as llm:
+        engine = llm.llm_engine
+        llm.generate([SHARED], GREEDY, use_tqdm=False, lora_request=reqs[0])
+        for lora, hit in ((reqs[1], 0), (None, 0), (reqs[0], 32)):
+            seq = engine.add_request(SHARED + [1], GREEDY, lora_request=lora)
+            engine.scheduler.schedule()
+            assert seq.num_cached_tokens == hit, lora
+            engine.abort_request(seq)
+
+
+def test_one_slot_serves_two_adapters_in_turn(qwen3_gqa, adapters, references):
+    """max_loras=1: requests of a second adapter wait until the first one's are done, then run; the
+    queue stays in order (the base model's request needs no slot)."""
+    reqs = requests(adapters)
+    order = [0, 1, None, 0, 1]
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=1, max_lora_rank=16, **FP32) as llm:
+        outs = llm.generate([PROMPTS[0]] * len(order), GREEDY, use_tqdm=False,
+                            lora_request=[None if i is None else reqs[i] for i in order])
+    for out, i in zip(outs, order):
+        ref = references[None if i is None else adapters[i]][0]
+        check([out], [ref], f"adapter {i}")
+
+
+def test_llama_adapter_matches_peft(tmp_path):
+    """Llama with every bias on (the adapter adds to a biased projection) and head_dim != hidden / heads."""
+    base = make_tiny(str(tmp_path / "llama"), "llama_bias", seed=4)
+    adapter = make_peft_adapter(base, str(tmp_path / "adapter"), seed=5, r=8, alpha=4)
+    refs = peft_greedy(base, adapter, PROMPTS[:2], MAX_NEW)
+    with LLM(base, enable_lora=True, **FP32) as llm:
+        outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=LoRARequest("llama", 1, adapter))
+    check(outs, refs, "llama")
+
+
+def test_tensor_parallel_adapters_match_peft(qwen3_gqa, adapters, references):
+    """TP=2: each rank holds its rows of B (q/k/v, gate/up) or columns of A (o, down) and reads the
+    adapters itself; the row-parallel updates are summed by the layers' all-reduce."""
+    reqs = [None, *requests(adapters)]
+    prompts = [p for p in PROMPTS[:2] for _ in reqs]
+    loras = [r for _ in PROMPTS[:2] for r in reqs]
+    expected = [references[path][i] for i in range(2) for path in [None, *adapters]]
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=3, max_lora_rank=16, tensor_parallel_size=2, **FP32) as llm:
+        check(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), expected, "TP=2")
