@@ -65,6 +65,9 @@ _ENGINE_OPTIONS = [
     ("--kv-offloading-dir-size", "kv_offloading_dir_size", float,
      "GiB the directory may hold (least recently used blocks evicted; default 8)"),
     ("--seed", "seed", int, "engine seed"),
+    ("--max-loras", "max_loras", int, "LoRA adapters run in one step (with --enable-lora)"),
+    ("--max-lora-rank", "max_lora_rank", int, "the highest rank an adapter may have"),
+    ("--max-cpu-loras", "max_cpu_loras", int, "adapters kept read on the host (default: --max-loras)"),
     ("--speculative-config", "speculative_config", json_object,
      'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '
      '"prompt_lookup_max" / "prompt_lookup_min" n-gram sizes) or \'{"method": "draft_model", "model": PATH, '
@@ -153,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     engine.add_argument("--kvcache-prefault", action="store_true", default=None,
                         help="CPU: map every KV cache page at start-up (steadier first steps, slower start)")
+    engine.add_argument("--enable-lora", action="store_true", default=None,
+                        help="serve LoRA adapters: --lora-modules, a request's `model` naming one (docs/lora.md)")
+    engine.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="adapters served under their own names: name=path (a PEFT folder), or vLLM's JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=None, help="turn prefix caching off")
     _add_data_parallel_options(serve)
@@ -220,7 +228,8 @@ def kv_offloading_kwargs(args: argparse.Namespace) -> dict:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine options given on the command line (unset ones keep Config's defaults)."""
-    names = [dest for _, dest, _, _ in _ENGINE_OPTIONS] + ["enforce_eager", "enable_prefix_caching", "kvcache_prefault"]
+    names = [dest for _, dest, _, _ in _ENGINE_OPTIONS] + ["enforce_eager", "enable_prefix_caching", "kvcache_prefault",
+                                                           "enable_lora"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -271,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             return print_error("nanovllm serve", "the server extras are missing: pip install 'nano-vllm[server]'")
         try:  # every engine flag's value, before the model is looked for, fetched or loaded
             EngineArgs(args.model, **engine_kwargs(args))
+            from nanovllm.entrypoints.lora_routes import lora_module_requests
+            lora_modules = lora_module_requests(args.lora_modules)
+            if lora_modules and not args.enable_lora:
+                raise ValueError("--lora-modules needs --enable-lora")
         except (ValueError, TypeError) as e:
             return print_error("nanovllm serve", e)
         if args.data_parallel_size > 1 or args.router:
@@ -292,13 +305,15 @@ def main(argv: list[str] | None = None) -> int:
                                 args.trust_request_chat_template, args.reasoning_parser)
             model = model_path(args)
             llm = LLM(model, **engine_kwargs(args))
+            for request in lora_modules:  # each adapter read and checked before the server listens
+                llm.llm_engine.processor.lora_adapter(request)
         except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
             return print_error("nanovllm serve", e)
         except DefaultModelError as e:  # the default model could not be fetched: not a usage mistake
             return print_error("nanovllm serve", e, status=1)
         name, aliases = served_names(args, model)
         run_server(llm, name, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
-                   limits=limits, chat=chat, model_aliases=aliases)
+                   limits=limits, chat=chat, model_aliases=aliases, lora_modules=lora_modules)
     return 0
 
 

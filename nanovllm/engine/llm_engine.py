@@ -112,6 +112,14 @@ class LLMEngine:
         self.scheduler.add(seqs[0])
         self.pending_siblings.hold(seqs[0], seqs[1:])
 
+    def forget_lora(self, request) -> None:
+        """An adapter unloaded by the server: its idle slot emptied and its host copy dropped (requests
+        still running with it keep it, and read it again if they need it back after a preemption)."""
+        if self.scheduler.loras is not None:
+            self.scheduler.loras.evict(request)
+        if self.model_runner.lora is not None:
+            self.model_runner.lora.forget(request)
+
     def abort_request(self, seq: Sequence) -> None:
         was_held, siblings = self.pending_siblings.forget(seq)
         if was_held:

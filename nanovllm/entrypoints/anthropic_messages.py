@@ -247,7 +247,7 @@ def add_messages_routes(app: FastAPI, service: ChatService) -> None:
     async def messages(body: MessagesRequest, request: Request):
         turn = await service.start_turn(translated(body), "msg", "max_tokens")
         head = {"id": "msg_" + turn.gen.id.split("-", 1)[-1], "type": "message", "role": "assistant",
-                "model": service.served_model_name}
+                "model": turn.gen.model}
         if body.stream:
             return StreamingResponse(_stream(turn, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},

@@ -97,12 +97,12 @@ class AsyncEngine:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def submit(self, request_id: str, prompt: str | list[int] | list[dict],
-                     sampling_params: SamplingParams, out: asyncio.Queue) -> list[int]:
+                     sampling_params: SamplingParams, out: asyncio.Queue, lora_request=None) -> list[int]:
         """Queue one request (a chat conversation if prompt is a list of messages); returns its
         prompt token ids once the engine thread accepted it, or raises the validation error."""
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
-        self._post(("add", _Request(request_id, out, loop), prompt, sampling_params, accepted))
+        self._post(("add", _Request(request_id, out, loop), prompt, sampling_params, accepted, lora_request))
         return await accepted
 
     def abort(self, request_id: str) -> None:
@@ -210,7 +210,7 @@ class AsyncEngine:
                 except Exception as e:
                     _resolve(fut, error=e)
 
-    def _add(self, req: _Request, prompt, sampling_params: SamplingParams, accepted) -> None:
+    def _add(self, req: _Request, prompt, sampling_params: SamplingParams, accepted, lora_request=None) -> None:
         try:
             if self._closed:
                 raise EngineStoppedError("the engine loop is not running")
@@ -218,7 +218,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 prompt = self.llm.apply_chat_template(prompt)
-            req.seqs = self.llm.llm_engine.add_request_group(prompt, sampling_params, req.request_id, stream=True)
+            req.seqs = self.llm.llm_engine.add_request_group(prompt, sampling_params, req.request_id, stream=True,
+                                                             lora_request=lora_request)
         except Exception as e:  # validation errors go back to the caller, not to the loop
             _resolve(accepted, error=e)
             return

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
+from nanovllm.entrypoints.lora_routes import checked_adapter
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from nanovllm.entrypoints.limits import ServerLimits, check_context_length, check_request
 from nanovllm.entrypoints.metrics import MeteredGeneration, ServerMetrics
@@ -30,6 +31,7 @@ class PreparedChat:
     tool_choice: str | None  # "none", "auto", "required" or a tool's name
     conversation: list[dict]
     prompt_ids: list[int]
+    lora_request: object = None  # the adapter the request's `model` names (None: the base model)
 
 
 @dataclass
@@ -58,19 +60,21 @@ class ChatService:
     limits: ServerLimits
     metrics: ServerMetrics
     chat: ChatSettings
-    check_model: Callable[[str | None], None]
+    check_model: Callable[[str | None], object]  # a request's `model` -> its LoRARequest or None; 404 if unknown
     tools_warning: ToolsWarning = field(init=False)
 
     def __post_init__(self) -> None:
         self.tools_warning = ToolsWarning(self.engine.llm.tokenizer, self.chat)
 
-    def generation(self, prefix: str, n: int, logprobs: int | None, arrival: float, **settings) -> Generation:
-        return MeteredGeneration(self.engine, self.engine.new_request_id(prefix), self.served_model_name, n,
-                                 logprobs, metrics=self.metrics, arrival=arrival, **settings)
+    def generation(self, prefix: str, n: int, logprobs: int | None, arrival: float, lora_request=None,
+                   **settings) -> Generation:
+        model = self.served_model_name if lora_request is None else lora_request.lora_name
+        return MeteredGeneration(self.engine, self.engine.new_request_id(prefix), model, n, logprobs,
+                                 metrics=self.metrics, arrival=arrival, lora_request=lora_request, **settings)
 
     async def prepare(self, body: ChatCompletionRequest, max_tokens_param: str = "max_tokens") -> PreparedChat:
         """body checked, its prompt rendered and its length checked (ApiError 400 on any fault)."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         config = self.engine.llm.config
         with as_bad_request():
             body.check_supported()
@@ -86,7 +90,8 @@ class ChatService:
         check_context_length([len(prompt_ids)], body.checked_max_tokens(config.sampling_defaults,
                              config.max_tokens_ceiling), config.max_model_len, "messages", max_tokens_param)
         params = await self._constrain_after_thinking(params, prompt_ids)
-        return PreparedChat(params, tool_choice, conversation, prompt_ids)
+        await checked_adapter(self.engine, lora)
+        return PreparedChat(params, tool_choice, conversation, prompt_ids, lora)
 
     async def _constrain_after_thinking(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
         """With a reasoning parser, a constraint starts after the reply's </think>, unless the prompt
@@ -106,7 +111,7 @@ class ChatService:
         """body prepared and queued (one reply); ApiError if refused."""
         arrival = time.perf_counter()
         chat = await self.prepare(body, max_tokens_param)
-        gen = self.generation(prefix, 1, None, arrival)
+        gen = self.generation(prefix, 1, None, arrival, lora_request=chat.lora_request)
         await submit(gen, [chat.prompt_ids], chat.params)
         reply = ToolReply(chat.tool_choice, self.chat) if chat.tool_choice != "none" else None
         return AssistantTurn(gen, self.chat.reasoning, reply)

@@ -40,12 +40,14 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 
 
 def add_embedding_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str, limits: ServerLimits,
-                         check_model: Callable[[str | None], None]) -> None:
+                         check_model: Callable[[str | None], object]) -> None:
     hidden_size = engine.llm.config.hf_config.hidden_size
 
     @app.post("/v1/embeddings", responses=error_responses(400, 401, 404, 413, 503))
     async def embeddings(body: EmbeddingRequest) -> dict:
-        check_model(body.model)
+        if check_model(body.model) is not None:
+            raise ApiError(400, f"model {body.model!r} is a LoRA adapter; embeddings come from the base model",
+                           param="model")
         prompts = body.prompts()
         if len(prompts) > limits.max_prompts:
             raise ApiError(400, f"input has {len(prompts)} items; this server takes at most {limits.max_prompts} "

@@ -167,7 +167,7 @@ def add_responses_routes(app: FastAPI, service: ChatService, max_stored: int = 1
         conversation = Conversation(previous)
         chat = chat_request(body, tools, conversation)
         turn = await service.start_turn(chat, "resp", "max_output_tokens")
-        run = ResponseRun(body, service.served_model_name, tools)
+        run = ResponseRun(body, turn.gen.model, tools)
 
         def keep(response: dict) -> None:
             if body.store:

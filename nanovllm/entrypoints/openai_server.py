@@ -24,6 +24,7 @@ from nanovllm.entrypoints.anthropic_errors import error_response as anthropic_er
 from nanovllm.entrypoints.anthropic_messages import add_messages_routes
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
 from nanovllm.entrypoints.embeddings import add_embedding_routes
+from nanovllm.entrypoints.lora_routes import ServedModels, add_lora_routes, checked_adapter
 from nanovllm.entrypoints.limits import BodySizeLimit, ServerLimits, check_context_length, check_request
 from nanovllm.entrypoints.chat_turn import ChatService, submit
 from nanovllm.entrypoints.metrics import ServerMetrics
@@ -36,6 +37,7 @@ from nanovllm.entrypoints.sglang_compat import add_sglang_routes
 from nanovllm.entrypoints.tokenization import add_tokenize_routes, echo_texts, prompt_token_ids
 from nanovllm.entrypoints.tool_calls import ChatSettings, ToolReply, tools_note
 from nanovllm.entrypoints.validation_errors import request_fields, validation_body
+from nanovllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +65,10 @@ class ApiKeyMiddleware:
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               limits: ServerLimits | None = None, chat: ChatSettings | None = None,
-              model_aliases: tuple[str, ...] = ()) -> FastAPI:
+              model_aliases: tuple[str, ...] = (), lora_modules: tuple[LoRARequest, ...] = ()) -> FastAPI:
     """The FastAPI app serving one model under `served_model_name` (requests may also name it by
-    one of model_aliases, or leave `model` out). The engine must be started."""
+    one of model_aliases, or leave `model` out), and each of lora_modules under its own name
+    (lora_routes.py; an engine with enable_lora). The engine must be started."""
     limits = limits or ServerLimits()
     chat = chat or ChatSettings()
     app = FastAPI(title="nano-vLLM OpenAI-compatible server")
@@ -78,10 +81,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     _add_error_handlers(app)
     _document_errors_only_as_sent(app)
 
-    accepted = frozenset((served_model_name, *model_aliases))
-
-    def check_model(name: str | None) -> None:
-        _check_model(name, served_model_name, accepted)
+    served = ServedModels(served_model_name, model_aliases)
+    for request in lora_modules:
+        served.add(request)
+    check_model = served.resolve  # a request's `model`: the base model (None) or an adapter; 404 otherwise
 
     @app.get("/health", responses=error_responses(503))
     async def health() -> JSONResponse:
@@ -91,9 +94,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/v1/models", responses={**error_responses(401), 200: {"model": ModelList}}, response_model=None)
     async def models() -> dict:
-        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "nanovllm",
-                "max_model_len": engine.llm.config.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": served.cards(created, engine.llm.config.max_model_len)}
 
     service = ChatService(engine, served_model_name, limits, metrics, chat, check_model)
     _add_generation_routes(app, service)
@@ -103,6 +104,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     add_responses_routes(app, service)
     _add_info_routes(app, engine, metrics)
     add_sglang_routes(app, engine, served_model_name, _version())  # what sglang-router probes
+    add_lora_routes(app, engine, served)
     return app
 
 
@@ -114,7 +116,7 @@ def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
     @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        service.check_model(body.model)
+        lora = service.check_model(body.model)
         with as_bad_request():
             body.check_supported()
             prompts = body.prompts()
@@ -124,7 +126,8 @@ def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
         check_context_length([len(ids) for ids in prompt_ids],
                              body.checked_max_tokens(config.sampling_defaults, config.max_tokens_ceiling), config.max_model_len)
         echoed = await echo_texts(engine, prompts, prompt_ids) if body.echo else None
-        gen = service.generation("cmpl", params.n, params.logprobs, arrival,
+        await checked_adapter(engine, lora)
+        gen = service.generation("cmpl", params.n, params.logprobs, arrival, lora_request=lora,
                                  num_prompt_logprobs=params.prompt_logprobs, echo_texts=echoed,
                                  tokens_as_ids=bool(body.return_tokens_as_token_ids))
         return await _respond(gen, request, body, prompt_ids, params, "completion")
@@ -136,7 +139,7 @@ def _add_generation_routes(app: FastAPI, service: ChatService) -> None:
         chat = await service.prepare(body, asked)
         conversation, tool_choice = chat.conversation, chat.tool_choice
         echoes = body.echo and conversation[-1].get("role") == "assistant"
-        gen = service.generation("chatcmpl", chat.params.n, chat.params.logprobs, arrival,
+        gen = service.generation("chatcmpl", chat.params.n, chat.params.logprobs, arrival, lora_request=chat.lora_request,
                                  echo_prefix=(conversation[-1].get("content") or "") if echoes else "",
                                  tokens_as_ids=bool(body.return_tokens_as_token_ids),
                                  new_tool_reply=((lambda: ToolReply(tool_choice, service.chat))
@@ -227,17 +230,10 @@ async def _respond(gen: Generation, request: Request, body, prompts: list, param
     return completion_response(gen) if kind == "completion" else chat_response(gen)
 
 
-def _check_model(name: str | None, served_model_name: str, accepted: frozenset[str]) -> None:
-    """None (no `model` given: the one model served, as vLLM does) or an accepted name; else 404."""
-    if name is not None and name not in accepted:  # OpenAI's and vLLM's answer: 404, model_not_found
-        raise ApiError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}",
-                       param="model", code="model_not_found")
-
-
 def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log_level: str = "info", limits: ServerLimits | None = None,
           shutdown_timeout: float = 2.0, chat: ChatSettings | None = None,
-          model_aliases: tuple[str, ...] = ()) -> None:
+          model_aliases: tuple[str, ...] = (), lora_modules: tuple[LoRARequest, ...] = ()) -> None:
     """Run the server until SIGINT/SIGTERM (the `nanovllm serve` command); then stop the engine
     loop and the LLM (its workers included) before returning.
 
@@ -257,7 +253,7 @@ def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000
     if note:
         logger.info(note)
     engine = AsyncEngine(llm).start()
-    app = build_app(engine, served_model_name, api_key, limits, chat, model_aliases)
+    app = build_app(engine, served_model_name, api_key, limits, chat, model_aliases, lora_modules)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

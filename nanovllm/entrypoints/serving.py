@@ -104,7 +104,8 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, request_id: str, model: str, n: int, top_logprobs: int | None, *,
                  num_prompt_logprobs: int | None = None, echo_texts: list[str] | None = None,
-                 echo_prefix: str = "", tokens_as_ids: bool = False, new_tool_reply=None, reasoning=None):
+                 echo_prefix: str = "", tokens_as_ids: bool = False, new_tool_reply=None, reasoning=None,
+                 lora_request=None):
         """num_prompt_logprobs: SamplingParams.prompt_logprobs; echo_texts: completions' echo, each
         prompt's text; echo_prefix: chat's echo, the last (assistant) message's content opening the
         reply; tokens_as_ids: return_tokens_as_token_ids; new_tool_reply: chat with tools, () ->
@@ -128,6 +129,7 @@ class Generation:
         self.echo_prefix = echo_prefix
         self.new_tool_reply = new_tool_reply
         self.reasoning = reasoning
+        self.lora_request = lora_request  # the adapter every prompt runs with (None: the base model)
 
     async def submit(self, prompts: list, sampling_params) -> None:
         """Queue every prompt at once (they can share a step); if one is refused, abort the others
@@ -135,7 +137,8 @@ class Generation:
         for i in range(len(prompts)):
             self.prompt_index[f"{self.id}-{i}"] = i
         try:
-            accepted = await asyncio.gather(*(self.engine.submit(rid, prompt, sampling_params, self.out)
+            accepted = await asyncio.gather(*(self.engine.submit(rid, prompt, sampling_params, self.out,
+                                                                 self.lora_request)
                                               for rid, prompt in zip(self.prompt_index, prompts)),
                                             return_exceptions=True)
             errors = [r for r in accepted if isinstance(r, BaseException)]
