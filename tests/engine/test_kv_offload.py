@@ -343,7 +343,7 @@ def test_a_request_whose_prefix_is_read_waits_aside_while_others_decode():
     from nanovllm.engine.sequence import Sequence
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
                              eos_token_ids=frozenset({0}), kvcache_block_size=4, enable_prefix_caching=True,
-                             speculative_config=None)
+                             speculative_config=None, enable_lora=False, max_loras=1)
     tier = FakeTier()
     s = Scheduler(config, 64, tier=tier)
     params = SamplingParams(max_tokens=20, ignore_eos=True)

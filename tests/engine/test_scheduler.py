@@ -13,7 +13,7 @@ def make_scheduler(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32, max
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, eos_token_ids=frozenset({0}),
                              kvcache_block_size=BS, enable_prefix_caching=prefix_caching,
-                             speculative_config=None)
+                             speculative_config=None, enable_lora=False, max_loras=1)
     return Scheduler(config, num_blocks)
 
 
