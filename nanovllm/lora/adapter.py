@@ -1,5 +1,5 @@
-"""Reading an adapter: a PEFT folder (adapter_config.json + adapter_model.safetensors), into one LoRAAdapter: per target module its A [r, in] and its B [out, r]
-with the scale folded in (y += x A^T B^T), checked against the model's targets (what each linear layer
+"""Reading an adapter: a PEFT folder (adapter_config.json + adapter_model.safetensors), into one
+LoRAAdapter: per target module its A [r, in] and its B [out, r] with the scale folded in (y += x A^T B^T), checked against the model's targets (what each linear layer
 LoRA may touch, layers.lora_targets) before anything is queued. Safetensors only: a pickled
 adapter_model.bin is refused, never loaded."""
 import json
