@@ -136,3 +136,21 @@ def test_tensor_parallel_adapters_match_peft(qwen3_gqa, adapters, references):
     expected = [references[path][i] for i in range(2) for path in [None, *adapters]]
     with LLM(qwen3_gqa, enable_lora=True, max_loras=3, max_lora_rank=16, tensor_parallel_size=2, **FP32) as llm:
         check(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), expected, "TP=2")
+
+
+def test_speculative_decoding_verifies_with_the_rows_adapter(qwen3_gqa, adapters):
+    """n-gram proposals verified in one forward: every proposed position runs its row's adapter, so
+    the greedy tokens are PEFT's."""
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
+    reqs = requests(adapters)
+    refs = [peft_greedy(qwen3_gqa, adapters[i], [p], MAX_NEW)[0] for i, p in enumerate(prompts)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=2, max_lora_rank=16, speculative_config=spec, **FP32) as llm:
+        runner = llm.llm_engine.model_runner
+        drafted = []
+        real = runner.run
+        runner.run = lambda out, drafts=None: drafted.append(drafts is not None and any(drafts)) or real(out, drafts)
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate(prompts, greedy, use_tqdm=False, lora_request=reqs[:2])
+    assert any(drafted), "no step verified proposals"
+    assert [o["token_ids"] for o in outs] == [tokens for tokens, _ in refs]
