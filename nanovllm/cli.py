@@ -305,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
                                 args.trust_request_chat_template, args.reasoning_parser)
             model = model_path(args)
             llm = LLM(model, **engine_kwargs(args))
-            for request in lora_modules:  # each adapter read and checked before the server listens
-                llm.llm_engine.processor.lora_adapter(request)
+            try:
+                for request in lora_modules:  # each adapter read and checked before the server listens
+                    llm.llm_engine.processor.lora_adapter(request)
+            except (ValueError, TypeError):
+                llm.exit()
+                raise
         except (ValueError, TypeError) as e:  # our validation of the model folder or an engine flag
             return print_error("nanovllm serve", e)
         except DefaultModelError as e:  # the default model could not be fetched: not a usage mistake

@@ -6,6 +6,7 @@ base projection runs once for the whole batch; then each slot's rows get x A^T B
 Tensor parallelism: an adapter is split as its layer is. Column-parallel layers (outputs split) take
 their rank's rows of B; row-parallel ones (inputs split) their rank's columns of A, and the partial
 products are summed by the layer's own all-reduce."""
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -122,20 +123,25 @@ class LoRAModel:
                 layer.lora = self.layers[target.module] = LoRALayer(layer, max_loras, max_rank)
         self.slots: list[LoRARequest | None] = [None] * max_loras
         self.adapters: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()
+        # NOTE: the server reads adapters on its preparation thread while the engine thread steps.
+        self._lock = threading.Lock()
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The request's adapter, read (and checked) on first use, then kept among the recent ones."""
-        adapter = self.adapters.get(request)
+        with self._lock:
+            adapter = self.adapters.get(request)
         if adapter is None:
-            adapter = load_adapter(request, self.targets, self.max_rank)
+            adapter = load_adapter(request, self.targets, self.max_rank)  # outside the lock: file reads
+        with self._lock:
             self.adapters[request] = adapter
+            self.adapters.move_to_end(request)
             while len(self.adapters) > self.max_cpu_loras:
                 self.adapters.popitem(last=False)
-        self.adapters.move_to_end(request)
         return adapter
 
     def forget(self, request: LoRARequest) -> None:
-        self.adapters.pop(request, None)
+        with self._lock:
+            self.adapters.pop(request, None)
 
     def activate(self, slots: tuple[LoRARequest | None, ...]) -> None:
         """Make each slot hold the scheduler's adapter for it (only slots that changed are written)."""
