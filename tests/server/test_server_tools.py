@@ -255,7 +255,7 @@ class ScriptedEngine:
     def __init__(self, pieces: list[str]):
         self.pieces = pieces
 
-    async def submit(self, request_id, prompt, params, out):
+    async def submit(self, request_id, prompt, params, out, lora_request=None):
         loop = asyncio.get_running_loop()
         for i, piece in enumerate(self.pieces):
             finish = "stop" if i == len(self.pieces) - 1 else None
