@@ -27,7 +27,7 @@ from torch import nn
 
 from nanovllm.executor.step_runner import StepRunner
 from nanovllm.kernels import cpu_kernels
-from nanovllm.kernels.cpu_structs import DecoderLayer, DecoderModel, DecodeStep, Linear, MoeExperts
+from nanovllm.kernels.cpu_structs import DecoderLayer, DecoderModel, DecodeStep, Linear, LoraMatrix, LoraStep, MoeExperts
 from nanovllm.layers.c_description import CDescriber, CModel, CPart, NotInC, Phases, by_field, describe
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.context import Context
@@ -56,6 +56,7 @@ class FusedDecode(StepRunner):
     path, the LM head) and the prefill layers, in C where it can."""
 
     max_rows = cpu_kernels.MAX_ROWS
+    runs_lora = True  # the one call adds adapters itself (lora_step); the matmuls torch runs, their modules
 
     def __init__(self, model: nn.Module, kernels: cpu_kernels.CpuKernels):
         self.kernels = kernels
@@ -114,8 +115,45 @@ class FusedDecode(StepRunner):
         methods += [self.embed.quant_method, self.lm_head.quant_method]
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = cpu_kernels.ALL_ROWS
+        self.lora_seen = -1  # LoRALayer.allocations when the adapters' C description was last made
+        self.lora_mats = self.lora_width = None  # that description (None: some adapter matrix has none)
+
+    def lora_matrices(self):
+        """The adapter slots of each layer's qkv, o, gate_up and down as the one call reads them
+        (cpu_structs.LoraMatrix [layers x 4]), None where an adapter touches a matrix it does not
+        run: a gated, linear-attention or MoE layer run in C (layers run by their modules add their
+        adapters themselves). Redescribed when a layer allocates its slots."""
+        from nanovllm.lora.layers import LoRALayer
+        if self.lora_seen == LoRALayer.allocations:
+            return self.lora_mats
+        self.lora_seen = LoRALayer.allocations
+        self.lora_mats, self.lora_width = None, 0
+        mats = (LoraMatrix * (4 * len(self.modules)))()
+        for i, (layer, phases, desc) in enumerate(zip(self.modules, self.phases, self.layers)):
+            if not desc.in_c:
+                continue
+            plain = not (desc.attn_gate or desc.linear or desc.moe)
+            seats = [phases.qkv, phases.o, phases.gate_up, phases.down] if plain else []
+            for j, module in enumerate(seats):
+                matrix = None if module is None or module.lora is None else module.lora.c_matrix()
+                if matrix is not None:
+                    mats[4 * i + j] = matrix
+                    self.lora_width = max(self.lora_width, matrix.parts * matrix.rank)
+            placed = {id(module) for module in seats}
+            for module in layer.modules():
+                lora = getattr(module, "lora", None)
+                if lora is not None and lora.a is not None and id(module) not in placed:
+                    return None  # an adapter on a matrix the one call runs without it
+        for matrix in mats:
+            if matrix.a and not self.kernels.lora_matrix_is_valid(ctypes.byref(matrix)):
+                raise ValueError("an adapter's C description is not valid")
+        self.lora_mats = mats
+        return mats
 
     def can_run(self, num_tokens: int, context: Context) -> bool:
+        if (context.lora is not None and not context.is_prefill and num_tokens <= self.max_rows
+                and self.lora_matrices() is None):
+            return False  # the one call would miss an adapter's matrix
         if self.hybrid:  # decode steps in the one call, each sequence with its state slot
             return (not context.is_prefill and num_tokens <= self.max_rows and context.state is not None
                     and context.state.slots is not None)
@@ -159,13 +197,22 @@ class FusedDecode(StepRunner):
                 raise MemoryError("the fused CPU decode step could not allocate its buffers")
             return attn
         if num_seqs <= self.max_rows:
-            return self.run_one_call(input_ids, step_ref, attend)
+            return self.run_one_call(input_ids, step_ref, attend, self.lora_step(context))
         return self.lm_head(self.run_layers(self.embed(input_ids).contiguous(), attend))
 
+    def lora_step(self, context: Context) -> LoraStep | None:
+        """The step's adapters for the one call (None: no row has one). NOTE: points into
+        context.lora's row slots, which live until the step returns."""
+        if context.lora is None:
+            return None
+        mats = self.lora_matrices()
+        return LoraStep(mats, context.lora.row_slots.data_ptr(), self.lora_width)
+
     def run_one_call(self, input_ids: torch.Tensor, step_ref,
-                     attend: Callable[[int, Phases, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     attend: Callable[[int, Phases, torch.Tensor], torch.Tensor],
+                     lora: LoraStep | None = None) -> torch.Tensor:
         """Each run of C-described layers one C call (the embedding and LM head inside where they
-        have views), the other layers through run_layer."""
+        have views), the other layers through run_layer. lora: the step's adapters (lora_step)."""
         rows, hidden_size = input_ids.shape[0], self.desc.hidden
         ids = input_ids.to(torch.int64).contiguous()
         # The C call looks the ids up only when it runs the first layer.
@@ -184,7 +231,8 @@ class FusedDecode(StepRunner):
             failed = self.kernels.decode_layers(
                 ctypes.byref(self.desc), step_ref, ids.data_ptr() if first == 0 and embed_in_c else None,
                 first, end, hidden.data_ptr(), resid.data_ptr(), started,
-                None if logits is None else logits.data_ptr(), torch.get_num_threads())
+                None if logits is None else logits.data_ptr(), None if lora is None else ctypes.byref(lora),
+                torch.get_num_threads())
             if failed == 2:
                 raise ValueError(f"a token id of {ids.tolist()} is outside the vocabulary ({self.desc.embed.n})")
             if failed:

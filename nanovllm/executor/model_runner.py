@@ -385,10 +385,11 @@ class ModelRunner(Executor):
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
                   logits_indices: torch.Tensor | None) -> torch.Tensor | None:
-        # NOTE: a step with adapter rows runs eagerly: the faster paths know the base weights only.
-        for runner in self.step_runners if context.lora is None else ():
-            if runner.can_run(input_ids.shape[0], context):
-                return runner.run(input_ids, positions, context, logits_indices)
+        # NOTE: a step with adapter rows runs on a runner that knows adapters (runs_lora), else eagerly.
+        for runner in self.step_runners:
+            if (context.lora is None or runner.runs_lora) and runner.can_run(input_ids.shape[0], context):
+                with forward_context(context):  # the modules a runner calls read its adapter rows
+                    return runner.run(input_ids, positions, context, logits_indices)
         with forward_context(context):
             hidden_states = self.model(input_ids, positions)
         if logits_indices is not None:

@@ -9,6 +9,10 @@ from nanovllm.utils.context import Context
 
 
 class StepRunner:
+    # Whether it runs steps with adapter rows (context.lora: lora/layers.py); others leave those steps
+    # to the eager forward.
+    runs_lora = False
+
     def can_run(self, num_tokens: int, context: Context) -> bool:
         """Whether this step (num_tokens input tokens; prefill or decode per context) is one it runs."""
         raise NotImplementedError

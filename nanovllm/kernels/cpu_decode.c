@@ -218,6 +218,9 @@ int64_t decode_check_model(const DecoderModel *m) {
     return -1;
 }
 
+/* Layer l's adapter slots of its matrix `which` (0 qkv, 1 o, 2 gate_up, 3 down), NULL where none. */
+#define LORA(which) (lora != NULL && lora->mats[l * 4 + (which)].a != NULL ? &lora->mats[l * 4 + (which)] : NULL)
+
 /* ---- layers [first_layer, end_layer) of a decode step in one call ------------------------------
  * The residual stream between layers is (hidden, resid): a layer's input is norm(resid += hidden)
  * (resid = hidden when resid_started is 0, before the first layer). ids != NULL: hidden is the
@@ -225,10 +228,14 @@ int64_t decode_check_model(const DecoderModel *m) {
  * stream so far; with logits != NULL (end_layer == num_layers, head given) the final norm and the
  * LM head fill logits [num_seqs, vocab] instead. Every layer in the range must be in_c. s: the
  * step of each KV group (a layer reads s[its kv_group]).
+ * lora != NULL: rows with an adapter slot add their adapter's update after each matmul it describes
+ * (cpu_lora.c; only attention layers without a gate and dense MLPs: the caller runs other steps
+ * elsewhere).
  * Returns 0; 1 when a buffer could not be allocated, 2 for a token id outside the vocabulary, 3
  * for a range or layer the description cannot run (nothing is computed then). */
 int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids, int64_t first_layer,
-                  int64_t end_layer, float *hidden, float *resid, int resid_started, float *logits, int num_threads) {
+                  int64_t end_layer, float *hidden, float *resid, int resid_started, float *logits,
+                  const LoraStep *lora, int num_threads) {
     const int64_t H = m->hidden, NH = m->num_heads, NKV = m->num_kv_heads, D = m->head_dim;
     const int64_t I = m->intermediate, Q = NH * D, QKV = Q + 2 * NKV * D, B = s->num_seqs;
     if (first_layer < 0 || end_layer > m->num_layers || first_layer >= end_layer ||
@@ -265,12 +272,13 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
     const int64_t moe_total = experts > 0 ? B * (experts + H + 1) + moe_floats : 0;
     const DecodePlan plan = decode_plan(B, NKV, s->max_context, m->block_size, num_threads);
     const int64_t partial = decode_partial_floats(&plan, B, NH, D);
-    const int64_t per_row = QKV + A + 2 * I + P + Cmax + G;
+    const int64_t lora_width = lora != NULL ? lora->width : 0;
+    const int64_t per_row = QKV + A + 2 * I + P + Cmax + G + lora_width;
     float *buf = malloc(sizeof(float) * (size_t)(B * per_row + moe_total + partial));
     if (buf == NULL) return 1;
     float *qkv = buf, *attn = qkv + B * QKV, *gu = attn + B * A, *proj = gu + B * 2 * I, *conv = proj + B * P;
-    float *gate = conv + B * Cmax;
-    float *router_logits = gate + B * G, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
+    float *gate = conv + B * Cmax, *lora_t = gate + B * G;
+    float *router_logits = lora_t + B * lora_width, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
     float *moe_scratch = shared_gate + B, *parts = buf + B * per_row + moe_total;
     int failed = 0;
     const int64_t failures = kernel_failures();
@@ -315,8 +323,10 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     linear_rows_for(&L->o, attn, Q, B, hidden, H);
                 } else {
                     linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
+                    if (LORA(0)) phase_lora(LORA(0), xn, H, B, lora->row_slots, lora_t, qkv, QKV);
                     phase_rope_attention(m, L, qkv, s + L->kv_group, &plan, attn, scratch, parts);
                     linear_rows_for(&L->o, attn, Q, B, hidden, H);
+                    if (LORA(1)) phase_lora(LORA(1), attn, Q, B, lora->row_slots, lora_t, hidden, H);
                 }
                 for (int64_t b = 0; b < B; b++)
                     add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
@@ -336,8 +346,10 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     continue;
                 }
                 linear_rows_for(&L->gate_up, xn, H, B, gu, 2 * Il);
+                if (LORA(2)) phase_lora(LORA(2), xn, H, B, lora->row_slots, lora_t, gu, 2 * Il);
                 for (int64_t b = 0; b < B; b++) silu_mul_span(gu + b * 2 * Il, gu + b * 2 * Il + Il, 0, Il, act + b * Il);
                 linear_rows_for(&L->down, act, Il, B, hidden, H);
+                if (LORA(3)) phase_lora(LORA(3), act, Il, B, lora->row_slots, lora_t, hidden, H);
             }
             if (logits != NULL) {
                 for (int64_t b = 0; b < B; b++)

@@ -369,6 +369,8 @@ int64_t nanovllm_struct_size(const char *name) {
     if (strcmp(name, "DecodeStep") == 0) return (int64_t)sizeof(DecodeStep);
     if (strcmp(name, "MoeExperts") == 0) return (int64_t)sizeof(MoeExperts);
     if (strcmp(name, "DeltaNetLayer") == 0) return (int64_t)sizeof(DeltaNetLayer);
+    if (strcmp(name, "LoraMatrix") == 0) return (int64_t)sizeof(LoraMatrix);
+    if (strcmp(name, "LoraStep") == 0) return (int64_t)sizeof(LoraStep);
     return -1;
 }
 
@@ -402,6 +404,9 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(DecodeStep, positions), FIELD(DecodeStep, slots), FIELD(DecodeStep, block_tables),
     FIELD(DecodeStep, context_lens), FIELD(DecodeStep, num_seqs), FIELD(DecodeStep, max_blocks),
     FIELD(DecodeStep, max_context), FIELD(DecodeStep, store_first), FIELD(DecodeStep, state_slots),
+    FIELD(LoraMatrix, a), FIELD(LoraMatrix, b), FIELD(LoraMatrix, k), FIELD(LoraMatrix, n), FIELD(LoraMatrix, rank),
+    FIELD(LoraMatrix, parts), FIELD(LoraMatrix, slots), FIELD(LoraMatrix, part_ends),
+    FIELD(LoraStep, mats), FIELD(LoraStep, row_slots), FIELD(LoraStep, width),
 };
 #undef FIELD
 

@@ -10,7 +10,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 16
+#define NANOVLLM_ABI_VERSION 17
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -184,6 +184,30 @@ void phase_deltanet(const DeltaNetLayer *X, const float *proj, int64_t proj_stri
 /* phase_deltanet in a parallel region of its own. Returns 0. */
 int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stride, int64_t B, const int64_t *slots,
                     float eps, float *out, float *scratch, int num_threads);
+
+/* ---- LoRA adapters in the decode step (cpu_lora.c) ----------------------------------------------- */
+#define LORA_MAX_PARTS 4
+/* One matrix's adapter slots (lora/layers.py LoRALayer), fp32: A [slots, parts * rank, k] and
+ * B [slots, n, rank], the scale folded into B, lower ranks zero-padded. Output j belongs to part p,
+ * part_ends[p - 1] <= j < part_ends[p] (q | k | v, gate | up), whose A rows are p * rank .. + rank. */
+typedef struct {
+    const float *a, *b;
+    int64_t k, n, rank, parts, slots;   /* inputs and outputs, as a Linear's */
+    int64_t part_ends[LORA_MAX_PARTS];
+} LoraMatrix;
+/* A decode step's adapters: mats [num_layers * 4], each layer's qkv, o, gate_up and down (a NULL:
+ * no adapter touches it); row_slots [rows]: each row's slot, < 0 for the base model; width: the
+ * widest parts * rank (the shrink's scratch per row). */
+typedef struct {
+    const LoraMatrix *mats;
+    const int64_t *row_slots;
+    int64_t width;
+} LoraStep;
+int lora_matrix_is_valid(const LoraMatrix *W);
+/* Orphaned worksharing loops: y [B, ldy] += each slotted row's (x A^T) B^T, x [B, ldx]; t: B * parts
+ * * rank floats, shared. Ends in a barrier. */
+void phase_lora(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, const int64_t *row_slots, float *t,
+                float *y, int64_t ldy);
 
 /* ---- the decode step's description (cpu_decode.c) ---------------------------------------------- */
 typedef struct {

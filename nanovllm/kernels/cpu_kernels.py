@@ -30,7 +30,8 @@ from nanovllm.utils.cpu_info import cpu_flags_line
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_kv_formats.c",
-                                                      "cpu_prefill_attention.c", "cpu_decode.c", "cpu_quant.c", "cpu_moe.c", "cpu_deltanet.c")]
+                                                      "cpu_prefill_attention.c", "cpu_decode.c", "cpu_quant.c", "cpu_moe.c", "cpu_deltanet.c",
+                                                      "cpu_lora.c")]
 # The headers the sources include (cpu_kernels.h; the per-instruction-set bodies of cpu_quant.c).
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 DISABLE_ENV = "NANOVLLM_CPU_KERNEL"
@@ -142,7 +143,8 @@ class CpuKernels:
         self.weight_type_grid = typed("weight_type_grid", ctypes.c_char_p, ctypes.c_char_p)
         self.weight_type_ready = typed("weight_type_ready", i64, ctypes.c_char_p)
         self.decode_check_model = typed("decode_check_model", i64, ptr)
-        self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, cint)
+        self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, ptr, cint)
+        self.lora_matrix_is_valid = typed("lora_matrix_is_valid", cint, ptr)
         self.decode_add_rms_norm = typed("decode_add_rms_norm", None, ptr, ptr, ptr, cint, ptr, i64, ptr, cint)
         self.decode_attention_layer = typed("decode_attention_layer", cint, ptr, i64, ptr, ptr, ptr, cint)
         self.rope_store_layer = typed("rope_store_layer", None, ptr, i64, ptr, ptr, ptr, i64, cint)

@@ -50,8 +50,20 @@ class DecodeStep(ctypes.Structure):
                 ("state_slots", c_void_p)]
 
 
-ABI_VERSION = 16  # cpu_kernels.h, NANOVLLM_ABI_VERSION
-STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep)
+LORA_MAX_PARTS = 4  # cpu_kernels.h
+
+
+class LoraMatrix(ctypes.Structure):
+    _fields_ = [("a", c_void_p), ("b", c_void_p), ("k", c_int64), ("n", c_int64), ("rank", c_int64),
+                ("parts", c_int64), ("slots", c_int64), ("part_ends", c_int64 * LORA_MAX_PARTS)]
+
+
+class LoraStep(ctypes.Structure):
+    _fields_ = [("mats", ctypes.POINTER(LoraMatrix)), ("row_slots", c_void_p), ("width", c_int64)]
+
+
+ABI_VERSION = 17  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
 
 
 def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:

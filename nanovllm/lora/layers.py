@@ -6,12 +6,14 @@ base projection runs once for the whole batch; then each slot's rows get x A^T B
 Tensor parallelism: an adapter is split as its layer is. Column-parallel layers (outputs split) take
 their rank's rows of B; row-parallel ones (inputs split) their rank's columns of A, and the partial
 products are summed by the layer's own all-reduce."""
+import ctypes
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from nanovllm.kernels.cpu_structs import LORA_MAX_PARTS, LoraMatrix
 from nanovllm.layers.linear import LinearBase
 from nanovllm.lora.adapter import LoRAAdapter, LoRATarget, load_adapter
 from nanovllm.lora.request import LoRARequest
@@ -24,6 +26,7 @@ class LoRABatch:
     they are contiguous (a prefill's sequence, one decode row) and an index tensor otherwise."""
 
     groups: list[tuple[int, slice | torch.Tensor]]
+    row_slots: torch.Tensor  # [rows] int64 on the host: each row's slot, -1 for the base model (the C step's)
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarget]]:
@@ -49,6 +52,8 @@ class LoRALayer:
     """A linear layer's adapter slots: A [slots, parts x rank, in] and B [slots, out, rank] (this rank's
     shares), allocated when a first adapter touches the layer. Lower ranks are zero-padded."""
 
+    allocations = 0  # how many layers have allocated their slots, process-wide (the C step redescribes on change)
+
     def __init__(self, layer: LinearBase, max_loras: int, max_rank: int):
         self.layer = layer
         self.max_loras, self.rank = max_loras, max_rank
@@ -63,6 +68,20 @@ class LoRALayer:
         out = sum(size for _, size in self.parts)
         self.a = torch.zeros(self.max_loras, parts * r, layer.input_size, dtype=like.dtype, device=like.device)
         self.b = torch.zeros(self.max_loras, out, r, dtype=like.dtype, device=like.device)
+        LoRALayer.allocations += 1
+
+    def c_matrix(self) -> LoraMatrix | None:
+        """The slots as the C decode step reads them (kernels/cpu_lora.c), None before any adapter
+        touched the layer. NOTE: points into a and b, which live as long as the layer."""
+        if self.a is None:
+            return None
+        if len(self.parts) > LORA_MAX_PARTS or self.a.dtype != torch.float32:
+            raise ValueError(f"{self.layer.prefix}: {len(self.parts)} parts of {self.a.dtype} (the C step takes "
+                             f"up to {LORA_MAX_PARTS} of float32)")
+        ends = [offset + size for offset, size in self.parts]
+        return LoraMatrix(a=self.a.data_ptr(), b=self.b.data_ptr(), k=self.a.shape[2], n=self.b.shape[1],
+                          rank=self.rank, parts=len(self.parts), slots=self.max_loras,
+                          part_ends=(ctypes.c_int64 * LORA_MAX_PARTS)(*ends))
 
     def clear(self, slot: int) -> None:
         if self.a is not None and any(self.filled[slot]):
@@ -168,10 +187,11 @@ class LoRAModel:
             if slot >= 0:
                 by_slot.setdefault(slot, []).extend(range(start, start + n))
             start += n
+        row_slots = torch.tensor([slot for slot, n in zip(row_slots, row_tokens) for _ in range(n)], dtype=torch.int64)
         groups = []
         for slot, rows in by_slot.items():
             if rows[-1] - rows[0] + 1 == len(rows):
                 groups.append((slot, slice(rows[0], rows[-1] + 1)))
             else:
                 groups.append((slot, self.to_device(torch.tensor(rows, dtype=torch.int64))))
-        return LoRABatch(groups)
+        return LoRABatch(groups, row_slots)

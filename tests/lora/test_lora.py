@@ -92,6 +92,29 @@ def test_three_adapters_and_the_base_in_one_batch(qwen3_gqa, adapters, reference
         assert bm.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
+def test_the_c_decode_step_runs_adapter_rows(qwen3_gqa, adapters, references, monkeypatch):
+    """The CPU's C decode step (executor/cpu_decode.py) runs steps with adapter rows: in its one call,
+    rows of three adapters and the base model add their updates in C (kernels/cpu_lora.c); past its
+    rows, between the layers' own matmuls, whose modules add theirs. Both give PEFT's tokens."""
+    from nanovllm.executor.cpu_decode import FusedDecode
+    reqs = [None, *requests(adapters)]
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=3, max_lora_rank=16, **FP32) as llm:
+        fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
+        assert fused is not None
+        calls = []
+        real = fused.kernels.decode_layers
+        monkeypatch.setattr(fused.kernels, "decode_layers", lambda *a: calls.append(a[9] is not None) or real(*a))
+        for max_rows, prompts in ((fused.max_rows, PROMPTS[:1]), (2, PROMPTS[1:3])):
+            fused.max_rows = max_rows
+            calls.clear()
+            outs = llm.generate([p for p in prompts for _ in reqs], GREEDY, use_tqdm=False,
+                                lora_request=[r for _ in prompts for r in reqs])
+            expected = [references[path][PROMPTS.index(p)] for p in prompts for path in [None, *adapters]]
+            check(outs, expected, f"max_rows {max_rows}")
+            # one call per decode step, with the adapters; none where every step has more rows
+            assert calls == ([True] * (MAX_NEW - 1) if max_rows > 2 else []), calls
+
+
 def test_prefix_cache_never_shares_blocks_across_adapters(qwen3_gqa, adapters):
     reqs = requests(adapters)
     with LLM(qwen3_gqa, enable_lora=True, max_loras=2, max_lora_rank=16, **FP32) as llm:
