@@ -188,7 +188,7 @@ int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stri
 /* ---- LoRA adapters in the decode step (cpu_lora.c) ----------------------------------------------- */
 #define LORA_MAX_PARTS 4
 /* One matrix's adapter slots (lora/layers.py LoRALayer), fp32: A [slots, parts * rank, k] and
- * B [slots, n, rank], the scale folded into B, lower ranks zero-padded. Output j belongs to part p,
+ * B^T [slots, rank, n], the scale folded into B, lower ranks zero-padded. Output j belongs to part p,
  * part_ends[p - 1] <= j < part_ends[p] (q | k | v, gate | up), whose A rows are p * rank .. + rank. */
 typedef struct {
     const float *a, *b;

@@ -36,19 +36,31 @@ void phase_lora(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, con
         const int64_t b = item / PR, r = item % PR, slot = row_slots[b];
         if (slot >= 0 && slot < W->slots) t[b * PR + r] = dot_f32(x + b * ldx, W->a + (slot * PR + r) * k, k);
     }
-    /* the expand in chunks of 16 columns (one part search per chunk and part boundary) */
-    const int64_t chunks = (n + 15) / 16;
+    /* the expand, output columns shared out in chunks of 32 (split where a part ends): each row's
+     * columns accumulate its part's rank values of t times B's rows, 8 lanes at a time */
+    const int64_t chunks = (n + 31) / 32;
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
-        const int64_t end = (c + 1) * 16 < n ? (c + 1) * 16 : n;
-        int64_t p = 0;
-        for (int64_t j = c * 16; j < end; j++) {
+        const int64_t end = (c + 1) * 32 < n ? (c + 1) * 32 : n;
+        int64_t j = c * 32, p = 0;
+        while (j < end) {
             while (j >= W->part_ends[p]) p++;
+            const int64_t stop = end < W->part_ends[p] ? end : W->part_ends[p];
             for (int64_t b = 0; b < B; b++) {
                 const int64_t slot = row_slots[b];
                 if (slot < 0 || slot >= W->slots) continue;
-                y[b * ldy + j] += dot_f32(t + b * PR + p * R, W->b + (slot * n + j) * R, R);
+                const float *tb = t + b * PR + p * R, *bs = W->b + slot * R * n;
+                float *yb = y + b * ldy;
+                int64_t i = j;
+                for (; i + VL <= stop; i += VL) {
+                    vf acc = load_f32(yb + i);
+                    for (int64_t r = 0; r < R; r++) acc += tb[r] * load_f32(bs + r * n + i);
+                    store_f32(yb + i, acc);
+                }
+                for (; i < stop; i++)
+                    for (int64_t r = 0; r < R; r++) yb[i] += tb[r] * bs[r * n + i];
             }
+            j = stop;
         }
     }
 }

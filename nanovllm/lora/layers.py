@@ -49,8 +49,9 @@ def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarg
 
 
 class LoRALayer:
-    """A linear layer's adapter slots: A [slots, parts x rank, in] and B [slots, out, rank] (this rank's
-    shares), allocated when a first adapter touches the layer. Lower ranks are zero-padded."""
+    """A linear layer's adapter slots: A [slots, parts x rank, in] and B^T [slots, rank, out] (this
+    rank's shares; B transposed so that the expand runs along the outputs), allocated when a first
+    adapter touches the layer. Lower ranks are zero-padded."""
 
     allocations = 0  # how many layers have allocated their slots, process-wide (the C step redescribes on change)
 
@@ -67,7 +68,7 @@ class LoRALayer:
         layer, parts, r = self.layer, len(self.parts), self.rank
         out = sum(size for _, size in self.parts)
         self.a = torch.zeros(self.max_loras, parts * r, layer.input_size, dtype=like.dtype, device=like.device)
-        self.b = torch.zeros(self.max_loras, out, r, dtype=like.dtype, device=like.device)
+        self.b = torch.zeros(self.max_loras, r, out, dtype=like.dtype, device=like.device)
         LoRALayer.allocations += 1
 
     def c_matrix(self) -> LoraMatrix | None:
@@ -79,7 +80,7 @@ class LoRALayer:
             raise ValueError(f"{self.layer.prefix}: {len(self.parts)} parts of {self.a.dtype} (the C step takes "
                              f"up to {LORA_MAX_PARTS} of float32)")
         ends = [offset + size for offset, size in self.parts]
-        return LoraMatrix(a=self.a.data_ptr(), b=self.b.data_ptr(), k=self.a.shape[2], n=self.b.shape[1],
+        return LoraMatrix(a=self.a.data_ptr(), b=self.b.data_ptr(), k=self.a.shape[2], n=self.b.shape[2],
                           rank=self.rank, parts=len(self.parts), slots=self.max_loras,
                           part_ends=(ctypes.c_int64 * LORA_MAX_PARTS)(*ends))
 
@@ -101,7 +102,7 @@ class LoRALayer:
             b = b.chunk(layer.tp_size, dim=0)[layer.tp_rank]
         offset, size = self.parts[part]
         self.a[slot, part * self.rank: part * self.rank + r].copy_(a)
-        self.b[slot, offset: offset + size, :r].copy_(b)
+        self.b[slot, :r, offset: offset + size].copy_(b.t())
         self.filled[slot][part] = True
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -118,7 +119,7 @@ class LoRALayer:
             for p, (offset, size) in enumerate(self.parts):
                 if not filled[p]:
                     continue
-                d = t[:, p * r:(p + 1) * r] @ self.b[slot, offset: offset + size].t()  # the expand
+                d = t[:, p * r:(p + 1) * r] @ self.b[slot, :, offset: offset + size]  # the expand
                 if isinstance(rows, slice):
                     y[rows, offset: offset + size] += d
                 else:
