@@ -253,6 +253,25 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
     return out
 
 
+def convert_lora(cache: Path, adapter_dir: str, base_dir: str, outfile: Path, outtype: str = "f32") -> Path:
+    """A PEFT adapter folder written as llama.cpp's GGUF adapter by the vendored convert_lora_to_gguf.py
+    (base_dir: the HF folder of its base model, whose config the converter reads)."""
+    llama = fetch_source(cache)
+    tmp = outfile.with_name(f".{outfile.name}.tmp")
+    run_step(f"conversion of the adapter {adapter_dir} to {outtype}",
+             [sys.executable, str(llama / "convert_lora_to_gguf.py"), "--base", base_dir, "--outtype", outtype,
+              "--outfile", str(tmp), adapter_dir],
+             outfile.parent / f"{outfile.name}.log")
+    os.replace(tmp, outfile)
+    return outfile
+
+
+def source_fetched(cache: Path, fork: str = "llama.cpp") -> Path | None:
+    """The fork's vendored source folder where it is already unpacked (nothing is fetched), else None."""
+    llama = work_dir(cache, fork) / "src" / "vendor" / FORKS[fork].vendor
+    return llama if (llama / "CMakeLists.txt").is_file() else None
+
+
 # llama-quantize presets the benchmark writes (from the F32 conversion), by our name for them.
 PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q3_k_m": "Q3_K_M",
            "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "iq3_s": "IQ3_S", "iq3_xxs": "IQ3_XXS",
@@ -337,3 +356,21 @@ def with_qwen2_tokenizer(model_dir: str, llama: Path, dest: Path) -> Path:
     (dest / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "add_bos_token": False}))
     return dest
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="llama.cpp's sources, tools and converters in the nanovllm cache")
+    parser.add_argument("--source", action="store_true",
+                        help="fetch llama.cpp's vendored source (its converters: the GGUF adapter tests' reference "
+                             "writer) and the converters' Python dependencies; build nothing")
+    parser.add_argument("--build", choices=sorted(ISA_FLAGS), help="also build the benchmark tools for this ISA")
+    cli = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from nanovllm.utils.cache import cache_root
+    if not cli.source and not cli.build:
+        parser.error("nothing to do: give --source and / or --build")
+    print(fetch_source(cache_root()))
+    ensure_converter_deps()
+    if cli.build:
+        print(build_llamacpp(cache_root(), isa=cli.build))

@@ -114,7 +114,8 @@ class ModelRunner(Executor):
         if config.enable_lora:
             from nanovllm.lora.layers import LoRAModel
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
-                                  config.max_cpu_loras or config.max_loras, self.dtype, self.device, self.to_device)
+                                  config.max_cpu_loras or config.max_loras, self.dtype, self.device, self.to_device,
+                                  config.hf_config)
         self.kv_format = config.kv_format
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype,
                                          self.kv_format)

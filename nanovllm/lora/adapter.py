@@ -1,4 +1,5 @@
-"""Reading an adapter: a PEFT folder (adapter_config.json + adapter_model.safetensors), into one
+"""Reading an adapter: a PEFT folder (adapter_config.json + adapter_model.safetensors) or llama.cpp's
+GGUF adapter file (loader/gguf_adapter.py), into one
 LoRAAdapter: per target module its A [r, in] and its B [out, r] with the scale folded in (y += x A^T B^T), checked against the model's targets (what each linear layer
 LoRA may touch, layers.lora_targets) before anything is queued. Safetensors only: a pickled
 adapter_model.bin is refused, never loaded."""
@@ -169,13 +170,28 @@ def file_digest(*paths: str) -> int:
     return h.intdigest() or 1
 
 
-def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank: int) -> LoRAAdapter:
-    """The adapter at request.lora_path: a GGUF adapter file or a PEFT folder."""
+def load_gguf(request: LoRARequest, targets: dict[str, LoRATarget], max_rank: int, hf_config) -> LoRAAdapter:
+    """A llama.cpp GGUF adapter file's adapter (loader/gguf_adapter.py reads it), checked as a PEFT one."""
+    from nanovllm.loader.gguf_adapter import read_gguf_adapter
+    what = f"LoRA adapter {request.lora_name!r}"
+    try:
+        pairs = read_gguf_adapter(request.lora_path, what, hf_config)
+    except ValueError as e:
+        raise LoRAError(str(e)) from None
+    return make_adapter(request, pairs, False, targets, max_rank, file_digest(request.lora_path))
+
+
+def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank: int, hf_config=None) -> LoRAAdapter:
+    """The adapter at request.lora_path: a GGUF adapter file (for a model of hf_config) or a PEFT folder."""
+    from nanovllm.loader.gguf_adapter import is_gguf_file
     if not isinstance(request, LoRARequest):
         raise TypeError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
     if os.path.isfile(request.lora_path):
-        raise LoRAError(f"LoRA adapter {request.lora_name!r}: {request.lora_path!r} is a file; adapters are PEFT "
-                        f"folders ({CONFIG_FILE} + {WEIGHTS_FILE})")
+        if not is_gguf_file(request.lora_path):
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {request.lora_path!r} is a file but not a GGUF "
+                            f"adapter; adapters are PEFT folders ({CONFIG_FILE} + {WEIGHTS_FILE}) or llama.cpp's "
+                            "GGUF adapter files")
+        return load_gguf(request, targets, max_rank, hf_config)
     if not os.path.exists(request.lora_path):
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: {request.lora_path!r} does not exist")
     return load_peft(request, targets, max_rank)

@@ -132,8 +132,9 @@ class LoRAModel:
     copies of recently used adapters (at most max_cpu_loras, least recently used dropped first)."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device, to_device):
+                 dtype: torch.dtype, device: torch.device, to_device, hf_config=None):
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.hf_config = hf_config  # the base model's (a GGUF adapter names its architecture and head order)
         self.dtype, self.device, self.to_device = dtype, device, to_device
         found = lora_targets(model)
         self.targets = {name: target for name, (_, target) in found.items()}
@@ -151,7 +152,7 @@ class LoRAModel:
         with self._lock:
             adapter = self.adapters.get(request)
         if adapter is None:
-            adapter = load_adapter(request, self.targets, self.max_rank)  # outside the lock: file reads
+            adapter = load_adapter(request, self.targets, self.max_rank, self.hf_config)  # outside the lock: file reads
         with self._lock:
             self.adapters[request] = adapter
             self.adapters.move_to_end(request)
