@@ -12,6 +12,8 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 RUNNERS = ("auto", "generate", "pooling")
+# EngineArgs.lora_dtype -> the adapter slots' dtype (None: the model's), vLLM's names.
+LORA_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # EngineArgs.cpu_input_bits -> the C kernels' input rounding mode (Linear.input_planes, cpu_quant.c):
 # 1 int8, 2 two int8 planes, 0 per group.
@@ -147,11 +149,13 @@ class EngineArgs:
     # LoRA adapters (lora/, vLLM's names): enable_lora lets requests name an adapter (lora_request=,
     # the server's --lora-modules); max_loras adapters run in one step (each a slot of every targeted
     # layer), max_lora_rank the highest rank they may have, max_cpu_loras how many read adapters are
-    # kept on the host (None: max_loras).
+    # kept on the host (None: max_loras), lora_dtype the slots' precision ("auto": the model's; on a
+    # CPU "bfloat16" halves the bytes a step with many adapters reads, docs/lora.md).
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if type(self.cpu_input_bits) not in (int, str) or self.cpu_input_bits not in CPU_INPUT_BITS:
@@ -174,6 +178,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("max_loras", "max_lora_rank"):
             positive_int(name, getattr(self, name))
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.max_cpu_loras is not None:
             positive_int("max_cpu_loras", self.max_cpu_loras)
             if self.max_cpu_loras < self.max_loras:

@@ -135,10 +135,13 @@ class FusedDecode(StepRunner):
             plain = not (desc.attn_gate or desc.linear or desc.moe)
             seats = [phases.qkv, phases.o, phases.gate_up, phases.down] if plain else []
             for j, module in enumerate(seats):
-                matrix = None if module is None or module.lora is None else module.lora.c_matrix()
-                if matrix is not None:
-                    mats[4 * i + j] = matrix
-                    self.lora_width = max(self.lora_width, matrix.parts * matrix.rank)
+                if module is None or module.lora is None or module.lora.a is None:
+                    continue
+                matrix = module.lora.c_matrix()
+                if matrix is None:
+                    return None  # slots the C step cannot read (float16)
+                mats[4 * i + j] = matrix
+                self.lora_width = max(self.lora_width, matrix.parts * matrix.rank)
             placed = {id(module) for module in seats}
             for module in layer.modules():
                 lora = getattr(module, "lora", None)

@@ -112,10 +112,11 @@ class ModelRunner(Executor):
         self.state_cache = StateCache(self.model, config)  # linear-attention layers' state slots, if any
         self.lora = None  # the layers' adapter slots (lora/layers.py) when the engine serves adapters
         if config.enable_lora:
+            from nanovllm.engine_args import LORA_DTYPES
             from nanovllm.lora.layers import LoRAModel
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
-                                  config.max_cpu_loras or config.max_loras, self.dtype, self.device, self.to_device,
-                                  config.hf_config)
+                                  config.max_cpu_loras or config.max_loras, LORA_DTYPES[config.lora_dtype] or self.dtype,
+                                  self.device, self.to_device, config.hf_config)
         self.kv_format = config.kv_format
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype,
                                          self.kv_format)

@@ -12,20 +12,6 @@
 
 #include "cpu_kernels.h"
 
-typedef uint16_t vh_u __attribute__((vector_size(2 * VL), aligned(2), may_alias));
-typedef uint32_t vu __attribute__((vector_size(4 * VL)));
-
-/* bf16 is the top half of an fp32: widen each lane and shift it into place. One vpmovzxwd does the
- * widening; GCC's generic form of it took four instructions with AVX2, which made the bf16 kernel
- * compute-bound. */
-#if ISA_AVX2
-static inline vf load_bf16(const uint16_t *p) {
-    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-#else
-static inline vf load_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh_u *)p, vu) << 16); }
-#endif
-
 /* dst[0..n) = the bf16 values src[0..n) as fp32 (exact: bf16 is the top half of an fp32). */
 static void widen_bf16_from(const uint16_t *src, int64_t i, int64_t n, float *dst) {
     for (; i + VL <= n; i += VL) store_f32(dst + i, load_bf16(src + i));
@@ -405,7 +391,7 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(DecodeStep, context_lens), FIELD(DecodeStep, num_seqs), FIELD(DecodeStep, max_blocks),
     FIELD(DecodeStep, max_context), FIELD(DecodeStep, store_first), FIELD(DecodeStep, state_slots),
     FIELD(LoraMatrix, a), FIELD(LoraMatrix, b), FIELD(LoraMatrix, k), FIELD(LoraMatrix, n), FIELD(LoraMatrix, rank),
-    FIELD(LoraMatrix, parts), FIELD(LoraMatrix, slots), FIELD(LoraMatrix, part_ends),
+    FIELD(LoraMatrix, parts), FIELD(LoraMatrix, slots), FIELD(LoraMatrix, part_ends), FIELD(LoraMatrix, dtype),
     FIELD(LoraStep, mats), FIELD(LoraStep, row_slots), FIELD(LoraStep, width),
 };
 #undef FIELD

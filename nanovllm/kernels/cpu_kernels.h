@@ -187,13 +187,15 @@ int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stri
 
 /* ---- LoRA adapters in the decode step (cpu_lora.c) ----------------------------------------------- */
 #define LORA_MAX_PARTS 4
-/* One matrix's adapter slots (lora/layers.py LoRALayer), fp32: A [slots, parts * rank, k] and
+/* One matrix's adapter slots (lora/layers.py LoRALayer): A [slots, parts * rank, k] and
  * B^T [slots, rank, n], the scale folded into B, lower ranks zero-padded. Output j belongs to part p,
  * part_ends[p - 1] <= j < part_ends[p] (q | k | v, gate | up), whose A rows are p * rank .. + rank. */
+enum { LORA_F32 = 0, LORA_BF16 = 1 };
 typedef struct {
-    const float *a, *b;
+    const void *a, *b;                  /* fp32 or bf16 (dtype) */
     int64_t k, n, rank, parts, slots;   /* inputs and outputs, as a Linear's */
     int64_t part_ends[LORA_MAX_PARTS];
+    int64_t dtype;                      /* LORA_F32 or LORA_BF16 */
 } LoraMatrix;
 /* A decode step's adapters: mats [num_layers * 4], each layer's qkv, o, gate_up and down (a NULL:
  * no adapter touches it); row_slots [rows]: each row's slot, < 0 for the base model; width: the
@@ -317,6 +319,20 @@ static inline float scalar_bf16(uint16_t h) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
+
+typedef uint16_t vh_u __attribute__((vector_size(2 * VL), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+
+/* bf16 is the top half of an fp32: widen each lane and shift it into place. One vpmovzxwd does the
+ * widening; GCC's generic form of it took four instructions with AVX2, which made the bf16 kernel
+ * compute-bound. */
+#if ISA_AVX2
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#else
+static inline vf load_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh_u *)p, vu) << 16); }
+#endif
 
 /* e^x of one float, the same function as vexp's lanes. */
 static inline float sexp(float x) { return vexp((vf){0} + x)[0]; }

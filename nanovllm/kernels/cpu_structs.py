@@ -55,7 +55,11 @@ LORA_MAX_PARTS = 4  # cpu_kernels.h
 
 class LoraMatrix(ctypes.Structure):
     _fields_ = [("a", c_void_p), ("b", c_void_p), ("k", c_int64), ("n", c_int64), ("rank", c_int64),
-                ("parts", c_int64), ("slots", c_int64), ("part_ends", c_int64 * LORA_MAX_PARTS)]
+                ("parts", c_int64), ("slots", c_int64), ("part_ends", c_int64 * LORA_MAX_PARTS),
+                ("dtype", c_int64)]
+
+
+LORA_DTYPES = {"float32": 0, "bfloat16": 1}  # LoraMatrix.dtype (cpu_kernels.h LORA_F32, LORA_BF16)
 
 
 class LoraStep(ctypes.Structure):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.kernels.cpu_structs import LORA_MAX_PARTS, LoraMatrix
+from nanovllm.kernels.cpu_structs import LORA_DTYPES, LORA_MAX_PARTS, LoraMatrix
 from nanovllm.layers.linear import LinearBase
 from nanovllm.lora.adapter import LoRAAdapter, LoRATarget, load_adapter
 from nanovllm.lora.request import LoRARequest
@@ -72,17 +72,16 @@ class LoRALayer:
         LoRALayer.allocations += 1
 
     def c_matrix(self) -> LoraMatrix | None:
-        """The slots as the C decode step reads them (kernels/cpu_lora.c), None before any adapter
-        touched the layer. NOTE: points into a and b, which live as long as the layer."""
-        if self.a is None:
+        """The slots as the C decode step reads them (kernels/cpu_lora.c), None where it cannot (more
+        than LORA_MAX_PARTS parts, float16). Only once allocated. NOTE: points into a and b, which live
+        as long as the layer."""
+        dtype = str(self.a.dtype).removeprefix("torch.")
+        if len(self.parts) > LORA_MAX_PARTS or dtype not in LORA_DTYPES:
             return None
-        if len(self.parts) > LORA_MAX_PARTS or self.a.dtype != torch.float32:
-            raise ValueError(f"{self.layer.prefix}: {len(self.parts)} parts of {self.a.dtype} (the C step takes "
-                             f"up to {LORA_MAX_PARTS} of float32)")
         ends = [offset + size for offset, size in self.parts]
         return LoraMatrix(a=self.a.data_ptr(), b=self.b.data_ptr(), k=self.a.shape[2], n=self.b.shape[2],
                           rank=self.rank, parts=len(self.parts), slots=self.max_loras,
-                          part_ends=(ctypes.c_int64 * LORA_MAX_PARTS)(*ends))
+                          part_ends=(ctypes.c_int64 * LORA_MAX_PARTS)(*ends), dtype=LORA_DTYPES[dtype])
 
     def clear(self, slot: int) -> None:
         if self.a is not None and any(self.filled[slot]):
@@ -115,11 +114,12 @@ class LoRALayer:
             filled = self.filled[slot]
             if not any(filled):
                 continue
-            t = x[rows] @ self.a[slot].t()  # the shrink: [rows, parts x rank]
+            # (slots held in another dtype than the activations, lora_dtype: widened per step)
+            t = x[rows] @ self.a[slot].t().to(x.dtype)  # the shrink: [rows, parts x rank]
             for p, (offset, size) in enumerate(self.parts):
                 if not filled[p]:
                     continue
-                d = t[:, p * r:(p + 1) * r] @ self.b[slot, :, offset: offset + size]  # the expand
+                d = t[:, p * r:(p + 1) * r] @ self.b[slot, :, offset: offset + size].to(x.dtype)  # the expand
                 if isinstance(rows, slice):
                     y[rows, offset: offset + size] += d
                 else:

@@ -115,6 +115,29 @@ def test_the_c_decode_step_runs_adapter_rows(qwen3_gqa, adapters, references, mo
             assert calls == ([True] * (MAX_NEW - 1) if max_rows > 2 else []), calls
 
 
+def rounded_to_bf16(adapter: str, dest) -> str:
+    """A copy of a PEFT folder with its weights rounded to bfloat16 (kept as fp32)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(adapter, dest)
+    weights = load_file(f"{adapter}/adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16).float() for k, v in weights.items()}, f"{dest}/adapter_model.safetensors")
+    return str(dest)
+
+
+def test_bfloat16_slots_give_peft_on_the_rounded_adapter(qwen3_gqa, adapters, tmp_path):
+    """lora_dtype="bfloat16": the slots hold A and B in bf16 (the C step widens them as it reads, the
+    torch path per step), so the tokens and log-probabilities are PEFT's with the adapter's weights
+    rounded to bf16 (its scale, 2, folded into B, rounds alike), not with the weights as saved."""
+    rounded = rounded_to_bf16(adapters[0], tmp_path / "bf16")
+    refs = peft_greedy(qwen3_gqa, rounded, PROMPTS, MAX_NEW)
+    with LLM(qwen3_gqa, enable_lora=True, max_lora_rank=16, lora_dtype="bfloat16", **FP32) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests(adapters)[0])
+    check(outs, refs, "bf16 slots")
+    with pytest.raises(AssertionError):  # the rounding shows: the unrounded adapter's figures differ
+        check(outs, peft_greedy(qwen3_gqa, adapters[0], PROMPTS, MAX_NEW), "fp32 adapter")
+
+
 def test_prefix_cache_never_shares_blocks_across_adapters(qwen3_gqa, adapters):
     reqs = requests(adapters)
     with LLM(qwen3_gqa, enable_lora=True, max_loras=2, max_lora_rank=16, **FP32) as llm:

@@ -90,6 +90,7 @@ def test_requests_need_an_engine_with_enable_lora(qwen3_gqa, good):
     (dict(max_lora_rank=-1), "max_lora_rank"),
     (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
     (dict(enable_lora="yes"), "enable_lora"),
+    (dict(lora_dtype="int8"), "lora_dtype"),
 ])
 def test_engine_options_are_checked(qwen3_gqa, kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
