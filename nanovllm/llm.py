@@ -68,9 +68,9 @@ class LLM:
         return render_chat(self.tokenizer, conversation)
 
     def embed(self, prompts: list[str] | list[list[int]] | str, pooling: str | None = None,
-              normalize: bool = True) -> list[list[float]]:
-        """One embedding per prompt (LLMEngine.embed)."""
-        return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize)
+              normalize: bool = True, lora_request=None) -> list[list[float]]:
+        """One embedding per prompt (LLMEngine.embed); lora_request: the adapter they run with."""
+        return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize, lora_request)
 
     def _normalize(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         """One prompt or a list of them, and one SamplingParams or one per prompt -> two lists."""

@@ -249,7 +249,8 @@ class TensorParallelRunner(Executor):
     def run(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> SampledTokens | None:
         return self.call("run", out, drafts)
 
-    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> torch.Tensor:
+    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True,
+              lora: tuple | None = None) -> torch.Tensor:
         raise ValueError("embed() runs with tensor_parallel_size=1")
 
     @property

@@ -215,13 +215,29 @@ class LLMEngine:
         return dict(outputs[0], outputs=outputs)
 
     def embed(self, prompts: list[str] | list[list[int]], pooling: str | None = None,
-              normalize: bool = True) -> list[list[float]]:
+              normalize: bool = True, lora_request=None) -> list[list[float]]:
         """One embedding per prompt: its final hidden states pooled (pooling: "last", "mean" or
         "cls"; None: what the checkpoint says, else the last token) and L2-normalised. Every prompt
-        is checked first (as generate() checks them); nothing enters the KV cache."""
+        is checked first (as generate() checks them); nothing enters the KV cache. lora_request: the
+        adapter every prompt runs with (a slot of the scheduler's, held for the call)."""
         token_lists = self.processor.embedding_prompts(prompts)
         method = pooling or self.config.checkpoint.pooling
-        return self.model_runner.embed(token_lists, method, normalize).tolist()
+        if lora_request is None:
+            return self.model_runner.embed(token_lists, method, normalize).tolist()
+        self.processor.lora_adapter(lora_request)  # read and checked, or a LoRAError naming it
+        holder = Sequence([0])
+        holder.lora_request = lora_request
+        slots = self.scheduler.loras
+        if not slots.can_admit(holder):
+            from nanovllm.lora.slots import LoRASlotsBusy
+            raise LoRASlotsBusy(f"lora_request {lora_request.lora_name!r}: all {len(slots.table)} adapter slots are "
+                                "held by running requests' adapters (max_loras); embed once they finish")
+        slots.acquire(holder)
+        try:
+            return self.model_runner.embed(token_lists, method, normalize,
+                                           (tuple(slots.table), holder.lora_slot)).tolist()
+        finally:
+            slots.release(holder)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's sampling defaults (Config.generation_config), what

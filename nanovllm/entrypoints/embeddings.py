@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from nanovllm.entrypoints.limits import ServerLimits
+from nanovllm.entrypoints.lora_routes import checked_adapter
 from nanovllm.entrypoints.protocol import ApiError, TokenIds, error_responses
 from nanovllm.entrypoints.tokenization import prepared
+from nanovllm.lora.slots import LoRASlotsBusy
 
 
 class EmbeddingRequest(BaseModel):
@@ -45,9 +47,7 @@ def add_embedding_routes(app: FastAPI, engine: AsyncEngine, served_model_name: s
 
     @app.post("/v1/embeddings", responses=error_responses(400, 401, 404, 413, 503))
     async def embeddings(body: EmbeddingRequest) -> dict:
-        if check_model(body.model) is not None:
-            raise ApiError(400, f"model {body.model!r} is a LoRA adapter; embeddings come from the base model",
-                           param="model")
+        lora = check_model(body.model)  # an adapter's name: its embeddings
         prompts = body.prompts()
         if len(prompts) > limits.max_prompts:
             raise ApiError(400, f"input has {len(prompts)} items; this server takes at most {limits.max_prompts} "
@@ -56,17 +56,20 @@ def add_embedding_routes(app: FastAPI, engine: AsyncEngine, served_model_name: s
             raise ApiError(400, f"dimensions must be this model's size ({hidden_size}) or unset, got "
                            f"{body.dimensions}", param="dimensions")
         token_lists = await prepared(engine, lambda llm: [llm.tokenize(p) for p in prompts])
+        await checked_adapter(engine, lora)
 
         def embed(llm):
-            return llm.embed(token_lists)
+            return llm.embed(token_lists, lora_request=lora)
         try:
             vectors = await engine.call(embed)
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e), param="input") from e
+        except LoRASlotsBusy as e:
+            raise ApiError(503, str(e), "server_error") from e
         except EngineStoppedError as e:
             raise ApiError(503, str(e), "server_error") from e
         used = sum(map(len, token_lists))
-        return {"object": "list", "model": served_model_name,
+        return {"object": "list", "model": served_model_name if lora is None else lora.lora_name,
                 "data": [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": used, "total_tokens": used}}

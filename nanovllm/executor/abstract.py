@@ -60,8 +60,10 @@ class Executor(ABC):
         target's own after them."""
 
     @abstractmethod
-    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> "torch.Tensor":
-        """The prompts' pooled final hidden states; ValueError where this executor cannot embed."""
+    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True,
+              lora: tuple | None = None) -> "torch.Tensor":
+        """The prompts' pooled final hidden states; ValueError where this executor cannot embed.
+        lora: (the scheduler's slot table, the slot every prompt runs with) for an adapter's embeddings."""
 
     # ---- health and end -------------------------------------------------------------------------
     @abstractmethod

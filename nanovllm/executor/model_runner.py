@@ -279,10 +279,11 @@ class ModelRunner(Executor):
         self.platform.synchronize(self.device)
 
     @torch.inference_mode()
-    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True) -> torch.Tensor:
+    def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool = True,
+              lora: tuple | None = None) -> torch.Tensor:
         """The prompts' pooled final hidden states [len(token_lists), hidden] (executor/pooling.py),
         in forwards of at most max_num_batched_tokens tokens (a longer prompt alone); nothing is
-        stored in the KV cache."""
+        stored in the KV cache. lora: (slot table, slot) to run every prompt with that slot's adapter."""
         from nanovllm.executor.pooling import pool
         out, batch, batch_tokens = [], [], 0
         budget = self.config.max_num_batched_tokens
@@ -291,6 +292,9 @@ class ModelRunner(Executor):
             seqs = [Sequence(list(p)) for p in prompts]
             input_ids, positions, context, _ = self.prepare_prefill(seqs, [len(p) for p in prompts])
             context.drop_stores()
+            if lora is not None:
+                self.lora.activate(lora[0])
+                context.lora = self.lora.batch([lora[1]] * len(prompts), [len(p) for p in prompts])
             with forward_context(context):
                 hidden_states = self.model(input_ids, positions)
             out.append(pool(hidden_states, [len(p) for p in prompts], pooling, normalize))

@@ -6,6 +6,10 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.lora.request import LoRARequest
 
 
+class LoRASlotsBusy(RuntimeError):
+    """Every slot runs another adapter's sequences (an embedding call cannot wait in the queue)."""
+
+
 class LoRASlots:
     def __init__(self, max_loras: int):
         self.table: list[LoRARequest | None] = [None] * max_loras

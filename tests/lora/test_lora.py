@@ -138,6 +138,33 @@ def test_bfloat16_slots_give_peft_on_the_rounded_adapter(qwen3_gqa, adapters, tm
         check(outs, peft_greedy(qwen3_gqa, adapters[0], PROMPTS, MAX_NEW), "fp32 adapter")
 
 
+def test_embeddings_with_an_adapter_match_peft(qwen3_gqa, adapters):
+    """LLM.embed(lora_request=): the prompts' last hidden states under the adapter, as PEFT's model
+    gives them (normalised last-token pooling), while another adapter's request holds a slot."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3_gqa, dtype=torch.float32),
+                                      adapters[0]).eval()
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0, -1]
+                           for p in PROMPTS])
+    ref = torch.nn.functional.normalize(ref, dim=-1)
+    reqs = requests(adapters)
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=2, max_lora_rank=16, **FP32) as llm:
+        running = llm.llm_engine.add_request(PROMPTS[1], GREEDY, lora_request=reqs[1])
+        llm.llm_engine.step()  # admitted: its adapter holds a slot
+        ours = torch.tensor(llm.embed(PROMPTS, pooling="last", lora_request=reqs[0]))
+        base = torch.tensor(llm.embed(PROMPTS, pooling="last"))
+        held = llm.llm_engine.add_request(PROMPTS[0], GREEDY, lora_request=reqs[0])
+        llm.llm_engine.step()  # both slots held by running requests: a third adapter must wait
+        with pytest.raises(RuntimeError, match="slots"):
+            llm.embed(PROMPTS[:1], lora_request=reqs[2])
+        for seq in (running, held):
+            llm.llm_engine.abort_request(seq)
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).min() > 0.9999
+    assert torch.nn.functional.cosine_similarity(base, ref, dim=-1).min() < 0.999  # the adapter shows
+
+
 def test_prefix_cache_never_shares_blocks_across_adapters(qwen3_gqa, adapters):
     reqs = requests(adapters)
     with LLM(qwen3_gqa, enable_lora=True, max_loras=2, max_lora_rank=16, **FP32) as llm:

@@ -106,8 +106,18 @@ def test_bad_adapters_and_names_are_refused(served_lora, tmp_path):
         client.chat.completions.create(model="no-such-adapter", messages=CHAT, max_tokens=4)
     base = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": MODEL, "lora_path": str(tmp_path)})
     assert base.status_code == 400
-    embedded = httpx.post(url + "/v1/embeddings", json={"model": "sql", "input": "hello"})
-    assert embedded.status_code == 400 and "adapter" in embedded.json()["error"]["message"]
+
+
+def test_embeddings_per_adapter(served_lora, qwen3_gqa, adapter_paths):
+    """/v1/embeddings with an adapter's name: the offline engine's embeddings under that adapter."""
+    with LLM(qwen3_gqa, **ENGINE_OPTIONS, **LORA) as llm:
+        expected = {model: llm.embed(["hello"], lora_request=lora)[0]
+                    for model, lora in ((MODEL, None), ("sql", LoRARequest("sql", 1, adapter_paths[0])))}
+    assert expected[MODEL] != expected["sql"]
+    client = client_of(served_lora[0])
+    for model, vector in expected.items():
+        got = client.embeddings.create(model=model, input="hello")
+        assert got.model == model and got.data[0].embedding == pytest.approx(vector, abs=1e-5)
 
 
 def test_runtime_updates_need_the_environment_variable(served_lora, adapter_paths):
