@@ -82,6 +82,12 @@ def read_peft_config(request: LoRARequest) -> dict:
                         "base model; only low-rank updates of linear projections are supported")
     if config.get("bias", "none") not in ("none", None):
         raise LoRAError(f"{what}: bias={config['bias']!r} trains biases; only bias='none' adapters are supported")
+    if config.get("target_parameters"):
+        raise LoRAError(f"{what}: target_parameters {config['target_parameters']} puts LoRA on a mixture of "
+                        "experts' stacked expert weights (PEFT adds it for gate_proj / up_proj / down_proj on such "
+                        "models); adapters on the experts are not supported yet: target the attention, dense MLP "
+                        "and shared-expert projections only (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', "
+                        "'o_proj', 'shared_expert.gate_proj', ...])")
     if config.get("fan_in_fan_out"):
         raise LoRAError(f"{what}: fan_in_fan_out is set (GPT-2 Conv1D layers); the supported models' "
                         "projections are plain linear layers")
