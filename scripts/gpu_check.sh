@@ -15,7 +15,7 @@ if $PY -c "import pytest" 2>/dev/null; then
     timeout 330 $PY -m pytest -q -p no:cacheprovider --junitxml="$work/junit.xml" \
         tests/engine/test_gpu.py tests/kernels/test_store_kvcache.py tests/engine/test_cuda_graph.py tests/kernels/test_fused_moe.py \
         "tests/kernels/test_triton_attention.py::test_decode_reads_fp8_caches" "tests/kernels/test_triton_attention.py::test_prefill_over_fp8_caches" \
-        tests/kernels/test_triton_weight_only.py tests/kernels/test_triton_deltanet.py "tests/models/test_prequantized.py::test_on_a_gpu_the_triton_kernels_run_the_checkpoints" \
+        tests/kernels/test_triton_weight_only.py tests/kernels/test_triton_deltanet.py tests/kernels/test_triton_lora.py "tests/models/test_prequantized.py::test_on_a_gpu_the_triton_kernels_run_the_checkpoints" \
         "tests/spec_decode/test_spec_engine.py::test_cuda_verification_with_and_without_graphs" \
         "tests/kernels/test_sliding_window.py::test_triton_kernels" "tests/kernels/test_sliding_window.py::test_attention_sinks" \
         >"$work/pytest.log" 2>&1

@@ -27,6 +27,7 @@ class LoRABatch:
 
     groups: list[tuple[int, slice | torch.Tensor]]
     row_slots: torch.Tensor  # [rows] int64 on the host: each row's slot, -1 for the base model (the C step's)
+    device_row_slots: torch.Tensor  # the same on the model's device (the Triton kernels')
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarget]]:
@@ -63,6 +64,8 @@ class LoRALayer:
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
         self.filled = [[False] * len(self.parts) for _ in range(max_loras)]  # slot -> part -> has weights
+        self.triton = False  # the update by kernels/triton_lora.py (a GPU; the interpreter in tests)
+        self.column_parts: torch.Tensor | None = None
 
     def _allocate(self, like: torch.Tensor) -> None:
         layer, parts, r = self.layer, len(self.parts), self.rank
@@ -109,6 +112,11 @@ class LoRALayer:
         batch = get_context().lora
         if batch is None or self.a is None:
             return y
+        if self.triton:
+            from nanovllm.kernels import triton_lora
+            if self.column_parts is None:
+                self.column_parts = triton_lora.column_parts([size for _, size in self.parts], y.device)
+            return triton_lora.lora_add(x, y.contiguous(), self.a, self.b, batch.device_row_slots, self.column_parts)
         r = self.rank
         for slot, rows in batch.groups:
             filled = self.filled[slot]
@@ -160,6 +168,11 @@ class LoRAModel:
                 self.adapters.popitem(last=False)
         return adapter
 
+    def use_triton(self, on: bool) -> None:
+        """Whether the layers' updates run the Triton kernels (kernels/triton_lora.py) or torch's products."""
+        for layer in self.layers.values():
+            layer.triton = on
+
     def forget(self, request: LoRARequest) -> None:
         with self._lock:
             self.adapters.pop(request, None)
@@ -196,4 +209,4 @@ class LoRAModel:
                 groups.append((slot, slice(rows[0], rows[-1] + 1)))
             else:
                 groups.append((slot, self.to_device(torch.tensor(rows, dtype=torch.int64))))
-        return LoRABatch(groups, row_slots)
+        return LoRABatch(groups, row_slots, self.to_device(row_slots))

@@ -76,8 +76,8 @@ class CudaPlatform(Platform):
                               has_c_kernels: bool) -> dict:
         """Block-format and pre-quantized weights through the Triton weight-only kernels, dense
         experts through the Triton grouped kernel, linear-attention decode steps through the Triton
-        delta-rule step (the `cuda` extra)."""
-        return {"triton_weight_only": True, "fused_moe_triton": True, "deltanet_triton": True}
+        delta-rule step, LoRA updates through the Triton BGMV kernels (the `cuda` extra)."""
+        return {"triton_weight_only": True, "fused_moe_triton": True, "deltanet_triton": True, "lora_triton": True}
 
     def kv_cache_budget_bytes(self, device: torch.device, warmup: Callable[[], None], cpu_kvcache_bytes: int | None,
                               gpu_memory_utilization: float) -> int:

@@ -26,6 +26,7 @@ class LinearKernels:
     triton_weight_only: bool = False
     fused_moe_triton: bool = False        # dense experts run by the Triton grouped kernel (a GPU)
     deltanet_triton: bool = False         # linear-attention decode steps in Triton (kernels/triton_deltanet.py; a GPU)
+    lora_triton: bool = False             # LoRA updates by the Triton BGMV kernels (kernels/triton_lora.py; a GPU)
 
 
 @dataclass(frozen=True)

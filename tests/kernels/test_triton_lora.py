@@ -1,0 +1,77 @@
+"""The Triton LoRA update (kernels/triton_lora.py, the CUDA platform's) against the torch formula under
+TRITON_INTERPRET=1 on a CPU: rows of several adapter slots and of the base model (slot -1) in any order,
+stacked parts (q | k | v, gate | up) of sizes off a power of two, A and B in fp32 and bf16; and an
+engine whose adapter layers run the kernel giving PEFT's tokens."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from nanovllm.kernels.triton_lora import column_parts, lora_add  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(x, y, a, b, row_slots, part_sizes):
+    rank = b.shape[1]
+    out = y.clone()
+    offsets = [sum(part_sizes[:p]) for p in range(len(part_sizes))]
+    for i, slot in enumerate(row_slots.tolist()):
+        if slot < 0:
+            continue
+        t = a[slot].float() @ x[i]
+        for p, (offset, size) in enumerate(zip(offsets, part_sizes)):
+            out[i, offset:offset + size] += t[p * rank:(p + 1) * rank] @ b[slot, :, offset:offset + size].float()
+    return out
+
+
+@pytest.mark.parametrize("part_sizes,k,rank", [([48, 16, 16], 72, 8), ([40, 40], 64, 16), ([100], 130, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_matches_torch(part_sizes, k, rank, dtype):
+    g = torch.Generator().manual_seed(k + rank)
+    slots, n = 3, sum(part_sizes)
+    row_slots = torch.tensor([2, -1, 0, 2, 1, -1])
+    x = torch.randn(len(row_slots), k, generator=g)
+    y = torch.randn(len(row_slots), n, generator=g)
+    a = torch.randn(slots, len(part_sizes) * rank, k, generator=g).to(dtype)
+    b = torch.randn(slots, rank, n, generator=g).to(dtype)
+    want = reference(x, y, a, b, row_slots, part_sizes)
+    got = lora_add(*(t.to(DEVICE) for t in (x, y.clone(), a, b, row_slots)), column_parts(part_sizes, DEVICE))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.cpu()[[1, 5]], y[[1, 5]])  # the base model's rows untouched
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        lora_add(torch.zeros(2, 8), torch.zeros(2, 5), torch.zeros(1, 4, 8), torch.zeros(1, 4, 6),
+                 torch.zeros(2, dtype=torch.int64), column_parts([6], "cpu"))
+
+
+def test_engine_runs_its_adapters_through_the_kernel(qwen3_gqa, tmp_path):
+    """Every adapter layer on the kernel (the C step set aside): PEFT's greedy tokens, with rows of two
+    adapters and the base model in each step."""
+    from lora_adapters import make_peft_adapter, peft_greedy
+    from nanovllm import LLM, LoRARequest, SamplingParams
+    pytest.importorskip("peft")
+    import nanovllm.kernels.triton_lora as module
+    adapters = [make_peft_adapter(qwen3_gqa, str(tmp_path / f"a{i}"), seed=i, r=8) for i in range(2)]
+    prompts = [[3, 5, 7, 9, 11], [20, 30, 40, 50], [8, 9, 10]]
+    want = [peft_greedy(qwen3_gqa, path, [p], 6)[0][0] for path, p in zip([adapters[0], adapters[1], None], prompts)]
+    calls = []
+    real = module.lora_add
+    module.lora_add = lambda *args: calls.append(1) or real(*args)
+    try:
+        with LLM(qwen3_gqa, enable_lora=True, max_loras=2, dtype="float32", kv_cache_dtype="float32") as llm:
+            runner = llm.llm_engine.model_runner
+            runner.step_runners = []
+            runner.lora.use_triton(True)
+            sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            got = llm.generate(prompts, sp, use_tqdm=False,
+                               lora_request=[LoRARequest("a", 1, adapters[0]), LoRARequest("b", 2, adapters[1]), None])
+    finally:
+        module.lora_add = real
+    assert calls and [o["token_ids"] for o in got] == want
