@@ -135,7 +135,7 @@ class FusedDecode(StepRunner):
             plain = not (desc.attn_gate or desc.linear or desc.moe)
             seats = [phases.qkv, phases.o, phases.gate_up, phases.down] if plain else []
             for j, module in enumerate(seats):
-                if module is None or module.lora is None or module.lora.a is None:
+                if module is None or module.lora is None or not module.lora.allocated:
                     continue
                 matrix = module.lora.c_matrix()
                 if matrix is None:
@@ -145,7 +145,7 @@ class FusedDecode(StepRunner):
             placed = {id(module) for module in seats}
             for module in layer.modules():
                 lora = getattr(module, "lora", None)
-                if lora is not None and lora.a is not None and id(module) not in placed:
+                if lora is not None and lora.allocated and id(module) not in placed:
                     return None  # an adapter on a matrix the one call runs without it
         for matrix in mats:
             if matrix.a and not self.kernels.lora_matrix_is_valid(ctypes.byref(matrix)):

@@ -39,7 +39,10 @@ class ExpertActivation:
 class FusedMoE(TaggedWeights):
     """The experts of one layer: forward(x, router_logits) -> [T, hidden], summed over the ranks.
     bias: every expert's gate / up and down have biases (w13_bias [E, 2I], w2_bias [E, H], fp32;
-    with tensor parallelism only rank 0 holds the down biases' values, so the sum adds them once)."""
+    with tensor parallelism only rank 0 holds the down biases' values, so the sum adds them once).
+    lora: the experts' adapter slots (lora/experts.py) when the engine serves adapters on them."""
+
+    lora = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  quant_config: QuantizationConfig | None = None, prefix: str = "", bias: bool = False,
@@ -83,6 +86,8 @@ class FusedMoE(TaggedWeights):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, router_logits)
+        if self.lora is not None:
+            y = self.lora.add(x, router_logits, y)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

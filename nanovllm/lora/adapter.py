@@ -15,6 +15,7 @@ import xxhash
 from nanovllm.lora.request import LoRARequest
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+EXPERT_PARTS = ("gate_up_proj", "down_proj")  # the stacked experts' parameters (transformers' MoE blocks)
 PEFT_PREFIX = "base_model.model."
 
 
@@ -31,6 +32,8 @@ class LoRATarget:
     part: int
     input_size: int
     output_size: int
+    experts: int = 0  # > 0: a mixture of experts' stacked gate_up_proj (part 0) or down_proj (part 1)
+    dense: bool = True  # the experts' weights are held dense (an adapter on quantized experts is refused)
 
 
 @dataclass
@@ -82,12 +85,11 @@ def read_peft_config(request: LoRARequest) -> dict:
                         "base model; only low-rank updates of linear projections are supported")
     if config.get("bias", "none") not in ("none", None):
         raise LoRAError(f"{what}: bias={config['bias']!r} trains biases; only bias='none' adapters are supported")
-    if config.get("target_parameters"):
-        raise LoRAError(f"{what}: target_parameters {config['target_parameters']} puts LoRA on a mixture of "
-                        "experts' stacked expert weights (PEFT adds it for gate_proj / up_proj / down_proj on such "
-                        "models); adapters on the experts are not supported yet: target the attention, dense MLP "
-                        "and shared-expert projections only (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', "
-                        "'o_proj', 'shared_expert.gate_proj', ...])")
+    params = config.get("target_parameters") or []
+    unknown = [p for p in params if str(p).rsplit(".", 1)[-1] not in EXPERT_PARTS]
+    if unknown:
+        raise LoRAError(f"{what}: target_parameters {unknown}: only a mixture of experts' stacked "
+                        f"{' / '.join(EXPERT_PARTS)} take adapters on parameters")
     if config.get("fan_in_fan_out"):
         raise LoRAError(f"{what}: fan_in_fan_out is set (GPT-2 Conv1D layers); the supported models' "
                         "projections are plain linear layers")
@@ -127,10 +129,46 @@ def load_peft(request: LoRARequest, targets: dict[str, LoRATarget], max_rank: in
     for module, ab in tensors.items():
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"{what}: {module} has lora_{''.join(ab)} without its other half")
-        alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
-        pairs[module] = (ab["A"], ab["B"], float(alpha))
+        name = parameter_name(module, ab["A"], ab["B"], targets, what)
+        alpha = _pattern_value(config.get("alpha_pattern"), name, config["lora_alpha"])
+        pairs[name] = (ab["A"], ab["B"], float(alpha))
     return make_adapter(request, pairs, rslora, targets, max_rank,
                         file_digest(os.path.join(request.lora_path, CONFIG_FILE), weights_path))
+
+
+def parameter_name(module: str, a: torch.Tensor, b: torch.Tensor, targets: dict[str, "LoRATarget"],
+                   what: str) -> str:
+    """The target name of a saved module: itself, or for PEFT's wrappers of a MoE block's experts
+    (target_parameters: each parameter wraps `experts` once more, `experts.lora_A`,
+    `experts.base_layer.lora_A`, ... in an order the file does not state) `<experts>.<parameter>`,
+    the parameter whose shape the pair has (gate_up_proj: hidden -> 2 x intermediate; down_proj:
+    intermediate -> hidden)."""
+    wrapped = module
+    while wrapped.endswith(".base_layer"):
+        wrapped = wrapped[: -len(".base_layer")]
+    if wrapped.rsplit(".", 1)[-1] != "experts":
+        return module
+    for part in EXPERT_PARTS:
+        target = targets.get(f"{wrapped}.{part}")
+        if target is not None and a.dim() == 2 and b.dim() == 2 and \
+                (a.shape[1], b.shape[0]) == (target.input_size, target.output_size):
+            return f"{wrapped}.{part}"
+    raise LoRAError(f"{what}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, the shape of "
+                    f"none of the model's {wrapped}.{{{', '.join(EXPERT_PARTS)}}}")
+
+
+def expert_factors(what: str, module: str, target: LoRATarget, a: torch.Tensor, b: torch.Tensor):
+    """PEFT's factors of a stacked-experts parameter (ParamWrapper.get_delta_factors): lora_A
+    [r E, in] and lora_B [out, r E] as each expert's A [E, r, in] and B [E, out, r]."""
+    experts = target.experts
+    if not target.dense:
+        raise LoRAError(f"{what}: {module} updates experts held quantized; adapters on the experts need them "
+                        "dense (an HF checkpoint's weights)")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] % experts:
+        raise LoRAError(f"{what}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, not [r x "
+                        f"{experts} experts, in] and [out, r x {experts}]")
+    r = a.shape[0] // experts
+    return a.reshape(experts, r, a.shape[1]), b.reshape(b.shape[0], r, experts).permute(2, 0, 1)
 
 
 def make_adapter(request: LoRARequest, pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], rslora: bool,
@@ -147,12 +185,14 @@ def make_adapter(request: LoRARequest, pairs: dict[str, tuple[torch.Tensor, torc
         if target is None:
             raise LoRAError(f"{what}: targets {module!r}, which this model has no linear projection LoRA applies "
                             f"to (it has e.g. {sorted(targets)[:4]})")
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        if target.experts:
+            a, b = expert_factors(what, module, target, a, b)
+        elif a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"{what}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
                             "not [r, in] and [out, r]")
-        r = a.shape[0]
-        if (a.shape[1], b.shape[0]) != (target.input_size, target.output_size):
-            raise LoRAError(f"{what}: {module} maps {a.shape[1]} -> {b.shape[0]} features, but the model's "
+        r = a.shape[-2]
+        if (a.shape[-1], b.shape[-2]) != (target.input_size, target.output_size):
+            raise LoRAError(f"{what}: {module} maps {a.shape[-1]} -> {b.shape[-2]} features, but the model's "
                             f"projection maps {target.input_size} -> {target.output_size} (an adapter of "
                             "another base model?)")
         if r > max_rank:

@@ -15,7 +15,9 @@ import torch
 
 from nanovllm.kernels.cpu_structs import LORA_DTYPES, LORA_MAX_PARTS, LoraMatrix
 from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.moe import FusedMoE
 from nanovllm.lora.adapter import LoRAAdapter, LoRATarget, load_adapter
+from nanovllm.lora.experts import PARTS, ExpertsLoRA, has_dense_experts
 from nanovllm.lora.request import LoRARequest
 from nanovllm.utils.context import get_context
 
@@ -38,6 +40,12 @@ def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarg
         packed.setdefault(param_part, []).append((part, shard_id))
     targets = {}
     for prefix, layer in model.named_modules():
+        if isinstance(layer, FusedMoE):  # PEFT's target_parameters on the stacked experts
+            hidden, inter = layer.hidden_size, layer.intermediate_size * layer.tp_size
+            for index, (part, size_in, size_out) in enumerate(((PARTS[0], hidden, 2 * inter), (PARTS[1], inter, hidden))):
+                targets[f"{prefix}.{part}"] = (layer, LoRATarget(prefix, index, size_in, size_out, layer.num_experts,
+                                                                 has_dense_experts(layer)))
+            continue
         if not isinstance(layer, LinearBase):
             continue
         parent, _, leaf = prefix.rpartition(".")
@@ -85,6 +93,10 @@ class LoRALayer:
         return LoraMatrix(a=self.a.data_ptr(), b=self.b.data_ptr(), k=self.a.shape[2], n=self.b.shape[2],
                           rank=self.rank, parts=len(self.parts), slots=self.max_loras,
                           part_ends=(ctypes.c_int64 * LORA_MAX_PARTS)(*ends), dtype=LORA_DTYPES[dtype])
+
+    @property
+    def allocated(self) -> bool:
+        return self.a is not None
 
     def clear(self, slot: int) -> None:
         if self.a is not None and any(self.filled[slot]):
@@ -149,7 +161,8 @@ class LoRAModel:
         self.layers: dict[str, LoRALayer] = {}
         for _, (layer, target) in found.items():
             if target.module not in self.layers:
-                layer.lora = self.layers[target.module] = LoRALayer(layer, max_loras, max_rank)
+                kind = ExpertsLoRA if target.experts else LoRALayer
+                layer.lora = self.layers[target.module] = kind(layer, max_loras, max_rank)
         self.slots: list[LoRARequest | None] = [None] * max_loras
         self.adapters: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()
         # NOTE: the server reads adapters on its preparation thread while the engine thread steps.

@@ -1,7 +1,8 @@
-"""Adapters on mixture-of-experts models against PEFT: attention, the dense MLP layers and Qwen2-MoE's
-shared expert, mixed with the base model in one batch; an adapter on the experts themselves (PEFT's
-target_parameters, which it adds for gate_proj / up_proj / down_proj on these models) is refused by
-name."""
+"""Adapters on mixture-of-experts models against PEFT: attention, the dense MLP layers, Qwen2-MoE's
+shared expert and the experts themselves (PEFT's target_parameters on the stacked gate_up_proj /
+down_proj), mixed with the base model in one batch; other target_parameters are refused by name."""
+import json
+
 import pytest
 import torch
 
@@ -31,16 +32,46 @@ def test_moe_model_adapters_match_peft(name, tmp_path):
     with LLM(base, enable_lora=True, **FP32) as llm:
         outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False,
                             lora_request=[LoRARequest("moe", 1, adapter)] * 2 + [None] * 2)
-    for out, (tokens, logprobs) in zip(outs, refs + plain):
+    check(outs, refs + plain)
+
+
+def check(outs, refs) -> None:
+    for out, (tokens, logprobs) in zip(outs, refs):
         assert out["token_ids"] == tokens
         ours = torch.tensor([next(iter(step.values())) for step in out["logprobs"]])
         theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
         assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
 
 
-def test_an_adapter_on_the_experts_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_on_the_experts_match_peft(tp, tmp_path):
+    """PEFT adds its target_parameters (the stacked experts' gate_up_proj and down_proj, each expert
+    its own rank-r update) for gate_proj / up_proj / down_proj on a transformers MoE block: every
+    expert's update applies to the rows routed to it, beside the attention's and the dense layer's;
+    rows of the base model in the same steps keep the C experts. TP=2: each rank takes its gate / up
+    rows of B and its down columns of A, summed by the layer's all-reduce."""
     base = make_moe(str(tmp_path / "moe"), "qwen3_moe_norm", seed=1)
-    adapter = make_peft_adapter(base, str(tmp_path / "experts"), seed=2, r=4)  # PEFT adds the experts
+    adapter = make_peft_adapter(base, str(tmp_path / "experts"), seed=2, r=4, alpha=8)
+    with open(f"{adapter}/adapter_config.json") as f:
+        assert json.load(f)["target_parameters"]  # the experts are targeted
+    refs, plain = peft_greedy(base, adapter, PROMPTS, MAX_NEW), peft_greedy(base, None, PROMPTS, MAX_NEW)
+    without = make_peft_adapter(base, str(tmp_path / "no-experts"), seed=2, r=4, alpha=8,
+                                targets=TARGETS["qwen3_moe_norm"])
+    assert [t for t, _ in refs] != [t for t, _ in peft_greedy(base, without, PROMPTS, MAX_NEW)]  # the experts' share
+    with LLM(base, enable_lora=True, max_lora_rank=8, tensor_parallel_size=tp, **FP32) as llm:
+        outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False,
+                            lora_request=[LoRARequest("experts", 1, adapter)] * 2 + [None] * 2)
+    check(outs, refs + plain)
+
+
+def test_an_adapter_on_other_parameters_is_refused_by_name(tmp_path):
+    base = make_moe(str(tmp_path / "moe"), "qwen3_moe_norm", seed=1)
+    adapter = make_peft_adapter(base, str(tmp_path / "experts"), seed=2, r=4)
+    with open(f"{adapter}/adapter_config.json") as f:
+        config = json.load(f)
+    config["target_parameters"] = ["gate.weight"]
+    with open(f"{adapter}/adapter_config.json", "w") as f:
+        json.dump(config, f)
     with LLM(base, enable_lora=True, **FP32) as llm:
-        with pytest.raises(LoRAError, match="target_parameters .*experts"):
-            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("experts", 1, adapter))
+        with pytest.raises(LoRAError, match="target_parameters .*gate.weight"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("odd", 1, adapter))

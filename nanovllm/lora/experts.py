@@ -1,0 +1,110 @@
+"""LoRA on a mixture of experts' experts: PEFT's `target_parameters` on the stacked `gate_up_proj` and
+`down_proj` of a transformers MoE block, each expert with its own low-rank update of its gate|up and
+down matrices. A FusedMoE layer's `lora` seat holds them per slot; rows whose adapter has such
+updates run their experts through the grouped torch loop with each chosen expert's update added
+(the other rows keep the layer's own method). The experts must be held dense (an HF checkpoint's
+fp32 / bf16 weights): adapters on quantized experts are refused when read.
+
+Tensor parallelism splits every expert's intermediate dimension: gate|up updates take their rank's
+rows of B, down updates their rank's columns of A, and the layer's all-reduce sums the partial
+outputs as it sums the base ones."""
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.quantization.moe_ops import activate, select_experts
+from nanovllm.utils.context import get_context
+
+PARTS = ("gate_up_proj", "down_proj")
+
+
+def has_dense_experts(layer) -> bool:
+    return isinstance(getattr(layer, "w13_weight", None), torch.Tensor) and layer.w13_weight.is_floating_point()
+
+
+class ExpertsLoRA:
+    """A FusedMoE layer's adapter slots: per slot and expert, gate|up's A [r, hidden] and B [2I, r]
+    and down's A [r, I] and B [hidden, r] (this rank's shares, the scale folded into B, ranks
+    zero-padded to max_rank), allocated when a first adapter touches the layer."""
+
+    def __init__(self, layer, max_loras: int, max_rank: int):
+        self.layer, self.max_loras, self.rank = layer, max_loras, max_rank
+        self.w: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.filled = [False] * max_loras
+
+    def _allocate(self, dtype: torch.dtype, device) -> None:
+        layer, slots, r = self.layer, self.max_loras, self.rank
+        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        self.w = {"gate_up_proj": (zeros(slots, e, r, h), zeros(slots, e, 2 * i, r)),
+                  "down_proj": (zeros(slots, e, r, i), zeros(slots, e, h, r))}
+        from nanovllm.lora.layers import LoRALayer  # (its module imports this one)
+        LoRALayer.allocations += 1  # the C step redescribes: its one call does not run these
+
+    @property
+    def allocated(self) -> bool:
+        return self.w is not None
+
+    def clear(self, slot: int) -> None:
+        if self.w is not None and self.filled[slot]:
+            for a, b in self.w.values():
+                a[slot].zero_()
+                b[slot].zero_()
+        self.filled[slot] = False
+
+    def fill(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, device) -> None:
+        """Slot's gate_up_proj (index 0) or down_proj (1) from the full A [E, r, in] and B [E, out, r],
+        split as the layer is (gate|up: the rank's gate rows and up rows; down: its input columns)."""
+        layer, r, part = self.layer, a.shape[1], PARTS[index]
+        if self.w is None:
+            self._allocate(dtype, device)
+        if layer.tp_size > 1:
+            if part == "gate_up_proj":
+                gate, up = b.chunk(2, dim=1)
+                b = torch.cat([gate.chunk(layer.tp_size, dim=1)[layer.tp_rank],
+                               up.chunk(layer.tp_size, dim=1)[layer.tp_rank]], dim=1)
+            else:
+                a = a.chunk(layer.tp_size, dim=2)[layer.tp_rank]
+        wa, wb = self.w[part]
+        wa[slot, :, :r].copy_(a)
+        wb[slot, :, :, :r].copy_(b)
+        self.filled[slot] = True
+
+    def add(self, x: torch.Tensor, router_logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the layer's method's output) with each adapter row's experts rerun with their updates."""
+        batch = get_context().lora
+        if batch is None or self.w is None:
+            return y
+        for slot, rows in batch.groups:
+            if self.filled[slot]:
+                y[rows] = self.experts(x[rows], router_logits[rows], slot).to(y.dtype)
+        return y
+
+    def experts(self, x: torch.Tensor, router_logits: torch.Tensor, slot: int) -> torch.Tensor:
+        """The experts of x's rows under slot's updates: the grouped loop of moe_ops.experts_reference,
+        each expert's gate|up and down products plus their low-rank updates."""
+        layer = self.layer
+        weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        (a13, b13), (a2, b2) = ((a[slot].to(x.dtype), b[slot].to(x.dtype)) for a, b in self.w.values())
+        biases = layer.biases
+        out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            tokens = pairs // ids.shape[1]
+            b13e, b2e = (None, None) if biases is None else (biases[0][e].to(x.dtype), biases[1][e].to(x.dtype))
+            xt = x[tokens]
+            gate_up = F.linear(xt, w13[e], b13e) + (xt @ a13[e].t()) @ b13[e].t()
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = activate(gate, up, layer.activation)
+            ye = F.linear(h, w2[e], b2e) + (h @ a2[e].t()) @ b2[e].t()
+            out.index_add_(0, tokens, ye.float() * weights.flatten()[pairs, None])
+        return out
