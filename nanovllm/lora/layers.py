@@ -62,7 +62,9 @@ class LoRALayer:
     rank's shares; B transposed so that the expand runs along the outputs), allocated when a first
     adapter touches the layer. Lower ranks are zero-padded."""
 
-    allocations = 0  # how many layers have allocated their slots, process-wide (the C step redescribes on change)
+    # How many layers (LoRALayer or ExpertsLoRA) have allocated their slots, process-wide: the C step
+    # redescribes the slots when it changes (LoRAModel.activate counts).
+    allocations = 0
 
     def __init__(self, layer: LinearBase, max_loras: int, max_rank: int):
         self.layer = layer
@@ -80,7 +82,6 @@ class LoRALayer:
         out = sum(size for _, size in self.parts)
         self.a = torch.zeros(self.max_loras, parts * r, layer.input_size, dtype=like.dtype, device=like.device)
         self.b = torch.zeros(self.max_loras, r, out, dtype=like.dtype, device=like.device)
-        LoRALayer.allocations += 1
 
     def c_matrix(self) -> LoraMatrix | None:
         """The slots as the C decode step reads them (kernels/cpu_lora.c), None where it cannot (more
@@ -201,7 +202,11 @@ class LoRAModel:
             if request is not None:
                 for name, (a, b) in self.adapter(request).weights.items():
                     target = self.targets[name]
-                    self.layers[target.module].fill(slot, target.part, a, b, self.dtype, self.device)
+                    layer = self.layers[target.module]
+                    allocated = layer.allocated
+                    layer.fill(slot, target.part, a, b, self.dtype, self.device)
+                    if not allocated:
+                        LoRALayer.allocations += 1  # a layer's first slots (the C step redescribes them)
                 self.slots[slot] = request
 
     def batch(self, row_slots: list[int], row_tokens: list[int]) -> LoRABatch | None:
