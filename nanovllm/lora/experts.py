@@ -9,9 +9,8 @@ Tensor parallelism splits every expert's intermediate dimension: gate|up updates
 rows of B, down updates their rank's columns of A, and the layer's all-reduce sums the partial
 outputs as it sums the base ones."""
 import torch
-import torch.nn.functional as F
 
-from nanovllm.layers.quantization.moe_ops import activate, select_experts
+from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
 from nanovllm.utils.context import get_context
 
 PARTS = ("gate_up_proj", "down_proj")
@@ -76,33 +75,13 @@ class ExpertsLoRA:
             return y
         for slot, rows in batch.groups:
             if self.filled[slot]:
-                y[rows] = self.experts(x[rows], router_logits[rows], slot).to(y.dtype)
+                y[rows] = self.experts(x[rows], router_logits[rows], slot)
         return y
 
     def experts(self, x: torch.Tensor, router_logits: torch.Tensor, slot: int) -> torch.Tensor:
-        """The experts of x's rows under slot's updates: the grouped loop of moe_ops.experts_reference,
-        each expert's gate|up and down products plus their low-rank updates."""
+        """The experts of x's rows under slot's updates (moe_ops.experts_reference's grouped loop)."""
         layer = self.layer
         weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
-        w13, w2 = layer.w13_weight, layer.w2_weight
-        (a13, b13), (a2, b2) = ((a[slot].to(x.dtype), b[slot].to(x.dtype)) for a, b in self.w.values())
-        biases = layer.biases
-        out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start:start + count]
-            start += count
-            tokens = pairs // ids.shape[1]
-            b13e, b2e = (None, None) if biases is None else (biases[0][e].to(x.dtype), biases[1][e].to(x.dtype))
-            xt = x[tokens]
-            gate_up = F.linear(xt, w13[e], b13e) + (xt @ a13[e].t()) @ b13[e].t()
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = activate(gate, up, layer.activation)
-            ye = F.linear(h, w2[e], b2e) + (h @ a2[e].t()) @ b2[e].t()
-            out.index_add_(0, tokens, ye.float() * weights.flatten()[pairs, None])
-        return out
+        lora = tuple(t[slot].to(x.dtype) for pair in self.w.values() for t in pair)
+        return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases, layer.activation,
+                                 lora)

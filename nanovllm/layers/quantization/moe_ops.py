@@ -26,10 +26,12 @@ def activate(gate: torch.Tensor, up: torch.Tensor, activation=None) -> torch.Ten
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      activation=None) -> torch.Tensor:
+                      activation=None, lora: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, expert e's MLP being
     w2[e] act(gate, up) (+ b2[e]) with gate | up = w13[e] x (+ b13[e]): tokens grouped by expert,
-    each expert that receives a token run once over its tokens."""
+    each expert that receives a token run once over its tokens. lora: each expert's low-rank updates
+    (A13 [E, r, H], B13 [E, 2I, r], A2 [E, r, I], B2 [E, H, r]; lora/experts.py) added to its gate | up
+    and down products."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -42,9 +44,15 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         start += count
         tokens = pairs // ids.shape[1]
         b13, b2 = (None, None) if biases is None else (biases[0][e].to(x.dtype), biases[1][e].to(x.dtype))
-        gate, up = F.linear(x[tokens], w13[e], b13).chunk(2, dim=-1)
-        y = F.linear(activate(gate, up, activation), w2[e], b2).float()
-        out.index_add_(0, tokens, y * weights.flatten()[pairs, None])
+        xt = x[tokens]
+        gate_up = F.linear(xt, w13[e], b13)
+        if lora is not None:
+            gate_up = gate_up + (xt @ lora[0][e].t()) @ lora[1][e].t()
+        h = activate(*gate_up.chunk(2, dim=-1), activation)
+        y = F.linear(h, w2[e], b2)
+        if lora is not None:
+            y = y + (h @ lora[2][e].t()) @ lora[3][e].t()
+        out.index_add_(0, tokens, y.float() * weights.flatten()[pairs, None])
     return out.to(x.dtype)
 
 
