@@ -11,9 +11,8 @@ outputs as it sums the base ones."""
 import torch
 
 from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
+from nanovllm.lora.adapter import EXPERT_PARTS
 from nanovllm.utils.context import get_context
-
-PARTS = ("gate_up_proj", "down_proj")
 
 
 def has_dense_experts(layer) -> bool:
@@ -53,7 +52,7 @@ class ExpertsLoRA:
     def fill(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, device) -> None:
         """Slot's gate_up_proj (index 0) or down_proj (1) from the full A [E, r, in] and B [E, out, r],
         split as the layer is (gate|up: the rank's gate rows and up rows; down: its input columns)."""
-        layer, r, part = self.layer, a.shape[1], PARTS[index]
+        layer, r, part = self.layer, a.shape[1], EXPERT_PARTS[index]
         if self.w is None:
             self._allocate(dtype, device)
         if layer.tp_size > 1:

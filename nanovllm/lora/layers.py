@@ -16,8 +16,8 @@ import torch
 from nanovllm.kernels.cpu_structs import LORA_DTYPES, LORA_MAX_PARTS, LoraMatrix
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.moe import FusedMoE
-from nanovllm.lora.adapter import LoRAAdapter, LoRATarget, load_adapter
-from nanovllm.lora.experts import PARTS, ExpertsLoRA, has_dense_experts
+from nanovllm.lora.adapter import EXPERT_PARTS, LoRAAdapter, LoRATarget, load_adapter
+from nanovllm.lora.experts import ExpertsLoRA, has_dense_experts
 from nanovllm.lora.request import LoRARequest
 from nanovllm.utils.context import get_context
 
@@ -42,7 +42,7 @@ def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarg
     for prefix, layer in model.named_modules():
         if isinstance(layer, FusedMoE):  # PEFT's target_parameters on the stacked experts
             hidden, inter = layer.hidden_size, layer.intermediate_size * layer.tp_size
-            for index, (part, size_in, size_out) in enumerate(((PARTS[0], hidden, 2 * inter), (PARTS[1], inter, hidden))):
+            for index, (part, size_in, size_out) in enumerate(((EXPERT_PARTS[0], hidden, 2 * inter), (EXPERT_PARTS[1], inter, hidden))):
                 targets[f"{prefix}.{part}"] = (layer, LoRATarget(prefix, index, size_in, size_out, layer.num_experts,
                                                                  has_dense_experts(layer)))
             continue
@@ -77,11 +77,11 @@ class LoRALayer:
         self.triton = False  # the update by kernels/triton_lora.py (a GPU; the interpreter in tests)
         self.column_parts: torch.Tensor | None = None
 
-    def _allocate(self, like: torch.Tensor) -> None:
+    def _allocate(self, dtype: torch.dtype, device: torch.device) -> None:
         layer, parts, r = self.layer, len(self.parts), self.rank
         out = sum(size for _, size in self.parts)
-        self.a = torch.zeros(self.max_loras, parts * r, layer.input_size, dtype=like.dtype, device=like.device)
-        self.b = torch.zeros(self.max_loras, r, out, dtype=like.dtype, device=like.device)
+        self.a = torch.zeros(self.max_loras, parts * r, layer.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(self.max_loras, r, out, dtype=dtype, device=device)
 
     def c_matrix(self) -> LoraMatrix | None:
         """The slots as the C decode step reads them (kernels/cpu_lora.c), None where it cannot (more
@@ -110,7 +110,7 @@ class LoRALayer:
         """Slot's part from the full A [r, in] and B [out, r], split as the layer is."""
         layer, r = self.layer, a.shape[0]
         if self.a is None:
-            self._allocate(torch.empty(0, dtype=dtype, device=device))
+            self._allocate(dtype, device)
         if layer.tp_size > 1 and layer.tp_dim == 1:
             a = a.chunk(layer.tp_size, dim=1)[layer.tp_rank]
         if layer.tp_size > 1 and layer.tp_dim == 0:
@@ -159,7 +159,7 @@ class LoRAModel:
         self.dtype, self.device, self.to_device = dtype, device, to_device
         found = lora_targets(model)
         self.targets = {name: target for name, (_, target) in found.items()}
-        self.layers: dict[str, LoRALayer] = {}
+        self.layers: dict[str, LoRALayer | ExpertsLoRA] = {}
         for _, (layer, target) in found.items():
             if target.module not in self.layers:
                 kind = ExpertsLoRA if target.experts else LoRALayer

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, LoRARequest, SamplingParams
-from lora_adapters import make_peft_adapter, peft_greedy
+from lora_adapters import assert_like_peft, make_peft_adapter, peft_greedy
 from tiny_models import make_tiny
 
 pytest.importorskip("peft")
@@ -43,19 +43,11 @@ def requests(adapters):
     return [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(adapters)]
 
 
-def check(outputs, refs, what: str) -> None:
-    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, refs)):
-        assert out["token_ids"] == tokens, f"{what}, prompt {i}"
-        ours = torch.tensor([next(iter(step.values())) for step in out["logprobs"]])
-        theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
-        assert torch.allclose(ours, theirs, atol=1e-4), f"{what}, prompt {i}: {(ours - theirs).abs().max()}"
-
-
 def test_one_adapter_matches_peft(qwen3_gqa, adapters, references):
     with LLM(qwen3_gqa, enable_lora=True, max_lora_rank=16, **FP32) as llm:
         for path, request in zip(adapters, requests(adapters)):
-            check(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request), references[path], path)
-        check(llm.generate(PROMPTS, GREEDY, use_tqdm=False), references[None], "base")
+            assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request), references[path], path)
+        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), references[None], "base")
 
 
 def test_the_adapters_differ_from_the_base(references, adapters):
@@ -82,7 +74,7 @@ def test_three_adapters_and_the_base_in_one_batch(qwen3_gqa, adapters, reference
         schedule = llm.llm_engine.scheduler.schedule
         llm.llm_engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
         for attempt in ("first", "second"):
-            check(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), expected, f"{attempt} pass")
+            assert_like_peft(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), expected, f"{attempt} pass")
         mixed = [set(out.lora_rows) for out in steps if out.lora_rows]
         assert any(len(slots) >= 3 for slots in mixed), "no step ran several adapters together"
         assert max(len(slots - {-1}) for slots in mixed) <= 3  # at most max_loras adapters in a step
@@ -110,7 +102,7 @@ def test_the_c_decode_step_runs_adapter_rows(qwen3_gqa, adapters, references, mo
             outs = llm.generate([p for p in prompts for _ in reqs], GREEDY, use_tqdm=False,
                                 lora_request=[r for _ in prompts for r in reqs])
             expected = [references[path][PROMPTS.index(p)] for p in prompts for path in [None, *adapters]]
-            check(outs, expected, f"max_rows {max_rows}")
+            assert_like_peft(outs, expected, f"max_rows {max_rows}")
             # one call per decode step, with the adapters; none where every step has more rows
             assert calls == ([True] * (MAX_NEW - 1) if max_rows > 2 else []), calls
 
@@ -133,9 +125,9 @@ def test_bfloat16_slots_give_peft_on_the_rounded_adapter(qwen3_gqa, adapters, tm
     refs = peft_greedy(qwen3_gqa, rounded, PROMPTS, MAX_NEW)
     with LLM(qwen3_gqa, enable_lora=True, max_lora_rank=16, lora_dtype="bfloat16", **FP32) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests(adapters)[0])
-    check(outs, refs, "bf16 slots")
+    assert_like_peft(outs, refs, "bf16 slots")
     with pytest.raises(AssertionError):  # the rounding shows: the unrounded adapter's figures differ
-        check(outs, peft_greedy(qwen3_gqa, adapters[0], PROMPTS, MAX_NEW), "fp32 adapter")
+        assert_like_peft(outs, peft_greedy(qwen3_gqa, adapters[0], PROMPTS, MAX_NEW), "fp32 adapter")
 
 
 def test_embeddings_with_an_adapter_match_peft(qwen3_gqa, adapters):
@@ -187,7 +179,7 @@ def test_one_slot_serves_two_adapters_in_turn(qwen3_gqa, adapters, references):
                             lora_request=[None if i is None else reqs[i] for i in order])
     for out, i in zip(outs, order):
         ref = references[None if i is None else adapters[i]][0]
-        check([out], [ref], f"adapter {i}")
+        assert_like_peft([out], [ref], f"adapter {i}")
 
 
 def test_llama_adapter_matches_peft(tmp_path):
@@ -197,7 +189,7 @@ def test_llama_adapter_matches_peft(tmp_path):
     refs = peft_greedy(base, adapter, PROMPTS[:2], MAX_NEW)
     with LLM(base, enable_lora=True, **FP32) as llm:
         outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=LoRARequest("llama", 1, adapter))
-    check(outs, refs, "llama")
+    assert_like_peft(outs, refs, "llama")
 
 
 def test_tensor_parallel_adapters_match_peft(qwen3_gqa, adapters, references):
@@ -208,7 +200,7 @@ def test_tensor_parallel_adapters_match_peft(qwen3_gqa, adapters, references):
     loras = [r for _ in PROMPTS[:2] for r in reqs]
     expected = [references[path][i] for i in range(2) for path in [None, *adapters]]
     with LLM(qwen3_gqa, enable_lora=True, max_loras=3, max_lora_rank=16, tensor_parallel_size=2, **FP32) as llm:
-        check(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), expected, "TP=2")
+        assert_like_peft(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), expected, "TP=2")
 
 
 def test_speculative_decoding_verifies_with_the_rows_adapter(qwen3_gqa, adapters):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gguf_helpers import write_tiny
-from lora_adapters import make_peft_adapter, peft_greedy
+from lora_adapters import assert_like_peft, make_peft_adapter, peft_greedy
 from nanovllm import LLM, LoRARequest, SamplingParams
 from nanovllm.lora.adapter import LoRAError
 from nanovllm.utils.cache import cache_root
@@ -78,11 +78,7 @@ def test_llama_gguf_adapter_on_a_gguf_base_matches_peft(case):
     with LLM(str(base), enable_lora=True, **FP32) as llm:
         for i, path in enumerate((adapter, peft)):  # llama.cpp's file and the PEFT folder it came from
             outs = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=LoRARequest(f"a{i}", i + 1, str(path)))
-            for out, (tokens, logprobs) in zip(outs, refs):
-                assert out["token_ids"] == tokens, path
-                ours = torch.tensor([next(iter(step.values())) for step in out["logprobs"]])
-                theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
-                assert torch.allclose(ours, theirs, atol=1e-4), (path, (ours - theirs).abs().max())
+            assert_like_peft(outs, refs, str(path))
 
 
 def teacher_forced(llm_or_model, sequence: list[int], lora=None) -> torch.Tensor:

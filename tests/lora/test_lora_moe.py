@@ -4,9 +4,8 @@ down_proj), mixed with the base model in one batch; other target_parameters are 
 import json
 
 import pytest
-import torch
 
-from lora_adapters import make_peft_adapter, peft_greedy
+from lora_adapters import assert_like_peft, make_peft_adapter, peft_greedy
 from moe_checkpoints import make_moe
 from nanovllm import LLM, LoRARequest, SamplingParams
 from nanovllm.lora.adapter import LoRAError
@@ -32,15 +31,7 @@ def test_moe_model_adapters_match_peft(name, tmp_path):
     with LLM(base, enable_lora=True, **FP32) as llm:
         outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False,
                             lora_request=[LoRARequest("moe", 1, adapter)] * 2 + [None] * 2)
-    check(outs, refs + plain)
-
-
-def check(outs, refs) -> None:
-    for out, (tokens, logprobs) in zip(outs, refs):
-        assert out["token_ids"] == tokens
-        ours = torch.tensor([next(iter(step.values())) for step in out["logprobs"]])
-        theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
-        assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+    assert_like_peft(outs, refs + plain, name)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -61,7 +52,7 @@ def test_adapters_on_the_experts_match_peft(tp, tmp_path):
     with LLM(base, enable_lora=True, max_lora_rank=8, tensor_parallel_size=tp, **FP32) as llm:
         outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False,
                             lora_request=[LoRARequest("experts", 1, adapter)] * 2 + [None] * 2)
-    check(outs, refs + plain)
+    assert_like_peft(outs, refs + plain, f"experts, TP={tp}")
 
 
 def test_an_adapter_on_other_parameters_is_refused_by_name(tmp_path):
