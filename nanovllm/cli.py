@@ -68,7 +68,7 @@ _ENGINE_OPTIONS = [
     ("--max-loras", "max_loras", int, "LoRA adapters run in one step (with --enable-lora)"),
     ("--max-lora-rank", "max_lora_rank", int, "the highest rank an adapter may have"),
     ("--max-cpu-loras", "max_cpu_loras", int, "adapters kept read on the host (default: --max-loras)"),
-    ("--lora-dtype", "lora_dtype", str, "the adapters' precision: auto (the model's), float32, bfloat16, float16"),
+    ("--lora-dtype", "lora_dtype", str, "the adapters' precision: auto (int8 on a CPU over a quantized model, else the model's), float32, bfloat16, float16, int8"),
     ("--speculative-config", "speculative_config", json_object,
      'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '
      '"prompt_lookup_max" / "prompt_lookup_min" n-gram sizes) or \'{"method": "draft_model", "model": PATH, '

@@ -13,7 +13,8 @@ DTYPES = {
 }
 RUNNERS = ("auto", "generate", "pooling")
 # EngineArgs.lora_dtype -> the adapter slots' dtype (None: the model's), vLLM's names.
-LORA_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "int8": torch.int8}
 
 # EngineArgs.cpu_input_bits -> the C kernels' input rounding mode (Linear.input_planes, cpu_quant.c):
 # 1 int8, 2 two int8 planes, 0 per group.
@@ -149,8 +150,9 @@ class EngineArgs:
     # LoRA adapters (lora/, vLLM's names): enable_lora lets requests name an adapter (lora_request=,
     # the server's --lora-modules); max_loras adapters run in one step (each a slot of every targeted
     # layer), max_lora_rank the highest rank they may have, max_cpu_loras how many read adapters are
-    # kept on the host (None: max_loras), lora_dtype the slots' precision ("auto": the model's; on a
-    # CPU "bfloat16" halves the bytes a step with many adapters reads, docs/lora.md).
+    # kept on the host (None: max_loras), lora_dtype the slots' precision ("auto": int8 with a scale
+    # per row on a CPU with a quantized base model, else the model's; "int8" / "bfloat16" quarter /
+    # halve the bytes a CPU step with many adapters reads, docs/lora.md).
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -113,9 +113,10 @@ class ModelRunner(Executor):
         self.lora = None  # the layers' adapter slots (lora/layers.py) when the engine serves adapters
         if config.enable_lora:
             from nanovllm.engine_args import LORA_DTYPES
-            from nanovllm.lora.layers import LoRAModel
+            from nanovllm.lora.layers import LoRAModel, slot_dtype
+            lora_dtype = slot_dtype(LORA_DTYPES[config.lora_dtype], self.model, self.dtype, self.kernels.lora_triton)
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
-                                  config.max_cpu_loras or config.max_loras, LORA_DTYPES[config.lora_dtype] or self.dtype,
+                                  config.max_cpu_loras or config.max_loras, lora_dtype,
                                   self.device, self.to_device, config.hf_config)
             self.lora.use_triton(self.kernels.lora_triton)
         self.kv_format = config.kv_format

@@ -392,6 +392,7 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(DecodeStep, max_context), FIELD(DecodeStep, store_first), FIELD(DecodeStep, state_slots),
     FIELD(LoraMatrix, a), FIELD(LoraMatrix, b), FIELD(LoraMatrix, k), FIELD(LoraMatrix, n), FIELD(LoraMatrix, rank),
     FIELD(LoraMatrix, parts), FIELD(LoraMatrix, slots), FIELD(LoraMatrix, part_ends), FIELD(LoraMatrix, dtype),
+    FIELD(LoraMatrix, a_scale), FIELD(LoraMatrix, b_scale),
     FIELD(LoraStep, mats), FIELD(LoraStep, row_slots), FIELD(LoraStep, width),
 };
 #undef FIELD

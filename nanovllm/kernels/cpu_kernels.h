@@ -10,7 +10,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 17
+#define NANOVLLM_ABI_VERSION 18
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -190,12 +190,15 @@ int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stri
 /* One matrix's adapter slots (lora/layers.py LoRALayer): A [slots, parts * rank, k] and
  * B^T [slots, rank, n], the scale folded into B, lower ranks zero-padded. Output j belongs to part p,
  * part_ends[p - 1] <= j < part_ends[p] (q | k | v, gate | up), whose A rows are p * rank .. + rank. */
-enum { LORA_F32 = 0, LORA_BF16 = 1 };
+enum { LORA_F32 = 0, LORA_BF16 = 1, LORA_I8 = 2 };
 typedef struct {
-    const void *a, *b;                  /* fp32 or bf16 (dtype) */
+    const void *a, *b;                  /* fp32, bf16 or int8 (dtype) */
     int64_t k, n, rank, parts, slots;   /* inputs and outputs, as a Linear's */
     int64_t part_ends[LORA_MAX_PARTS];
-    int64_t dtype;                      /* LORA_F32 or LORA_BF16 */
+    int64_t dtype;                      /* LORA_F32, LORA_BF16 or LORA_I8 */
+    /* LORA_I8 (else NULL): each row's scale, A's [slots, parts * rank] and B^T's per part
+     * [slots, rank, parts] (a value is its int8 times its row's scale) */
+    const float *a_scale, *b_scale;
 } LoraMatrix;
 /* A decode step's adapters: mats [num_layers * 4], each layer's qkv, o, gate_up and down (a NULL:
  * no adapter touches it); row_slots [rows]: each row's slot, < 0 for the base model; width: the

@@ -4,39 +4,43 @@
  * worksharing loops, Punica's SGMV shape over the step's few rows: the shrink (one work item per
  * row and adapter rank row, t [B, parts * rank] shared) and the expand (output columns shared out,
  * each row's columns accumulating its part's rank values of t times B^T's rows).
- * Rows without a slot cost nothing. A and B are fp32 or bf16 (lora_dtype: half the bytes, which is
- * what a step with many adapters pays for). */
+ * Rows without a slot cost nothing. A and B are fp32, bf16 or int8 with a scale per row (lora_dtype:
+ * a half or a quarter of the bytes, which is what a step with many adapters pays for). */
 #include <omp.h>
 
 #include "cpu_kernels.h"
+#include "cpu_kv_formats.h" /* i8x8 */
 
-/* One 8-lane load of A or B, widened to fp32. */
-static inline vf load_ab(const void *p, int64_t i, int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)p + i) : load_f32((const float *)p + i);
+/* One 8-lane load of A or B, widened to fp32 (int8: before its row's scale). */
+static inline vf load_ab(const void *p, int64_t i, int64_t dtype) {
+    if (dtype == LORA_I8) return i8x8((const uint8_t *)p + i);
+    return dtype == LORA_BF16 ? load_bf16((const uint16_t *)p + i) : load_f32((const float *)p + i);
 }
 
-static inline float scalar_ab(const void *p, int64_t i, int bf16) {
-    return bf16 ? scalar_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+static inline float scalar_ab(const void *p, int64_t i, int64_t dtype) {
+    if (dtype == LORA_I8) return (float)((const int8_t *)p)[i];
+    return dtype == LORA_BF16 ? scalar_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* x [n] . w [n], w fp32 or bf16 */
-static float dot_ab(const float *x, const void *w, int64_t n, int bf16) {
+/* x [n] . w [n] */
+static float dot_ab(const float *x, const void *w, int64_t n, int64_t dtype) {
     vf acc0 = {0}, acc1 = {0};
     int64_t i = 0;
     for (; i + 2 * VL <= n; i += 2 * VL) {
-        acc0 += load_f32(x + i) * load_ab(w, i, bf16);
-        acc1 += load_f32(x + i + VL) * load_ab(w, i + VL, bf16);
+        acc0 += load_f32(x + i) * load_ab(w, i, dtype);
+        acc1 += load_f32(x + i + VL) * load_ab(w, i + VL, dtype);
     }
-    for (; i + VL <= n; i += VL) acc0 += load_f32(x + i) * load_ab(w, i, bf16);
+    for (; i + VL <= n; i += VL) acc0 += load_f32(x + i) * load_ab(w, i, dtype);
     float s = hsum(acc0 + acc1);
-    for (; i < n; i++) s += x[i] * scalar_ab(w, i, bf16);
+    for (; i < n; i++) s += x[i] * scalar_ab(w, i, dtype);
     return s;
 }
 
 int lora_matrix_is_valid(const LoraMatrix *W) {
     if (W->a == NULL || W->b == NULL || W->k <= 0 || W->n <= 0 || W->rank <= 0 || W->slots <= 0 ||
         W->parts <= 0 || W->parts > LORA_MAX_PARTS || W->part_ends[W->parts - 1] != W->n ||
-        (W->dtype != LORA_F32 && W->dtype != LORA_BF16))
+        (W->dtype != LORA_F32 && W->dtype != LORA_BF16 && W->dtype != LORA_I8) ||
+        (W->dtype == LORA_I8 && (W->a_scale == NULL || W->b_scale == NULL)))
         return 0;
     for (int64_t p = 0; p < W->parts; p++)
         if (W->part_ends[p] <= (p > 0 ? W->part_ends[p - 1] : 0)) return 0;
@@ -46,42 +50,47 @@ int lora_matrix_is_valid(const LoraMatrix *W) {
 void phase_lora(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, const int64_t *row_slots, float *t,
                 float *y, int64_t ldy) {
     const int64_t R = W->rank, PR = W->parts * R, k = W->k, n = W->n;
-    const int bf16 = W->dtype == LORA_BF16;
-    const size_t size = bf16 ? 2 : 4;
+    const int64_t dtype = W->dtype;
+    const size_t size = dtype == LORA_I8 ? 1 : dtype == LORA_BF16 ? 2 : 4;
     const char *a = W->a, *bt = W->b;
+    const int scaled = dtype == LORA_I8;
+    const float *a_scale = scaled ? W->a_scale : NULL, *b_scale = scaled ? W->b_scale : NULL;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < B * PR; item++) {
         const int64_t b = item / PR, r = item % PR, slot = row_slots[b];
-        if (slot >= 0 && slot < W->slots) t[b * PR + r] = dot_ab(x + b * ldx, a + (size_t)((slot * PR + r) * k) * size, k, bf16);
+        if (slot < 0 || slot >= W->slots) continue;
+        const float dot = dot_ab(x + b * ldx, a + (size_t)((slot * PR + r) * k) * size, k, dtype);
+        t[b * PR + r] = a_scale != NULL ? dot * a_scale[slot * PR + r] : dot;
     }
-    /* the expand: the output columns split in one contiguous range per thread (at 8-lane bounds),
-     * each range cut where a part ends. Per row, each rank row r of its B^T streams along the range
-     * (y's range stays in L1 across the rank rows): one sequential read per row of B^T, where short
-     * chunks of all R rows at once left the hardware prefetchers behind (2x slower at 8 slots). */
-    const int64_t ranges = omp_get_num_threads();
+    /* the expand: work items of one row's column range (at 8-lane bounds): whole rows when the step
+     * has a row per thread, else each row's columns split so that every thread has a range. Per
+     * item, each rank row r of its slot's B^T streams along the range, part after part (a part's
+     * scale changes where it ends), y's range staying in L1 across the rank rows: over whole rows
+     * B^T is read as one sequential stream. (One range per thread across all rows left each row's
+     * B^T in short chunks, a DRAM latency each: 2.6 ms a step of 8 int8 adapters, 30 layers.) */
+    const int64_t threads = omp_get_num_threads();
+    const int64_t chunks = B >= threads ? 1 : (threads + B - 1) / B, lanes = (n + VL - 1) / VL;
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < ranges; c++) {
-        const int64_t lanes = (n + VL - 1) / VL;
-        const int64_t first = lanes * c / ranges * VL, last = lanes * (c + 1) / ranges * VL;
-        int64_t j = first, p = 0;
+    for (int64_t item = 0; item < B * chunks; item++) {
+        const int64_t b = item / chunks, c = item % chunks, slot = row_slots[b];
+        if (slot < 0 || slot >= W->slots) continue;
+        const int64_t first = lanes * c / chunks * VL, last = lanes * (c + 1) / chunks * VL;
         const int64_t end = last < n ? last : n;
-        while (j < end) {
-            while (j >= W->part_ends[p]) p++;
-            const int64_t stop = end < W->part_ends[p] ? end : W->part_ends[p];
-            for (int64_t b = 0; b < B; b++) {
-                const int64_t slot = row_slots[b];
-                if (slot < 0 || slot >= W->slots) continue;
-                const float *tb = t + b * PR + p * R;
-                const char *bs = bt + (size_t)(slot * R * n) * size;
-                float *yb = y + b * ldy;
-                for (int64_t r = 0; r < R; r++) {
-                    const float tr = tb[r];
-                    int64_t i = j;
-                    for (; i + VL <= stop; i += VL) store_f32(yb + i, load_f32(yb + i) + tr * load_ab(bs, r * n + i, bf16));
-                    for (; i < stop; i++) yb[i] += tr * scalar_ab(bs, r * n + i, bf16);
-                }
+        if (first >= end) continue;
+        int64_t p0 = 0;
+        while (first >= W->part_ends[p0]) p0++;
+        const float *tb = t + b * PR;
+        const char *bs = bt + (size_t)(slot * R * n) * size;
+        float *yb = y + b * ldy;
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t j = first, p = p0; j < end; p++) {
+                const int64_t stop = end < W->part_ends[p] ? end : W->part_ends[p];
+                const float tr = b_scale != NULL ? tb[p * R + r] * b_scale[(slot * R + r) * W->parts + p] : tb[p * R + r];
+                int64_t i = j;
+                for (; i + VL <= stop; i += VL) store_f32(yb + i, load_f32(yb + i) + tr * load_ab(bs, r * n + i, dtype));
+                for (; i < stop; i++) yb[i] += tr * scalar_ab(bs, r * n + i, dtype);
+                j = stop;
             }
-            j = stop;
         }
     }
 }

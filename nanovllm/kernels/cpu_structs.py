@@ -56,17 +56,17 @@ LORA_MAX_PARTS = 4  # cpu_kernels.h
 class LoraMatrix(ctypes.Structure):
     _fields_ = [("a", c_void_p), ("b", c_void_p), ("k", c_int64), ("n", c_int64), ("rank", c_int64),
                 ("parts", c_int64), ("slots", c_int64), ("part_ends", c_int64 * LORA_MAX_PARTS),
-                ("dtype", c_int64)]
+                ("dtype", c_int64), ("a_scale", c_void_p), ("b_scale", c_void_p)]
 
 
-LORA_DTYPES = {"float32": 0, "bfloat16": 1}  # LoraMatrix.dtype (cpu_kernels.h LORA_F32, LORA_BF16)
+LORA_DTYPES = {"float32": 0, "bfloat16": 1, "int8": 2}  # LoraMatrix.dtype (cpu_kernels.h LORA_F32, LORA_BF16, LORA_I8)
 
 
 class LoraStep(ctypes.Structure):
     _fields_ = [("mats", ctypes.POINTER(LoraMatrix)), ("row_slots", c_void_p), ("width", c_int64)]
 
 
-ABI_VERSION = 17  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 18  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
 
 

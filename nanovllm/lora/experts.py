@@ -53,8 +53,8 @@ class ExpertsLoRA:
         """Slot's gate_up_proj (index 0) or down_proj (1) from the full A [E, r, in] and B [E, out, r],
         split as the layer is (gate|up: the rank's gate rows and up rows; down: its input columns)."""
         layer, r, part = self.layer, a.shape[1], EXPERT_PARTS[index]
-        if self.w is None:
-            self._allocate(dtype, device)
+        if self.w is None:  # (int8 slots are the C step's; the experts' grouped torch loop reads fp32 ones)
+            self._allocate(torch.float32 if dtype == torch.int8 else dtype, device)
         if layer.tp_size > 1:
             if part == "gate_up_proj":
                 gate, up = b.chunk(2, dim=1)

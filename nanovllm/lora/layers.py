@@ -16,6 +16,7 @@ import torch
 from nanovllm.kernels.cpu_structs import LORA_DTYPES, LORA_MAX_PARTS, LoraMatrix
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.moe import FusedMoE
+from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from nanovllm.lora.adapter import EXPERT_PARTS, LoRAAdapter, LoRATarget, load_adapter
 from nanovllm.lora.experts import ExpertsLoRA, has_dense_experts
 from nanovllm.lora.request import LoRARequest
@@ -57,6 +58,29 @@ def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarg
     return targets
 
 
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, n] as int8 [rows, n] times a scale per row (symmetric, the row's largest magnitude to
+    127): int8 slots, lora_dtype."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).to(torch.int8), scale
+
+
+def slot_dtype(lora_dtype: torch.dtype | None, model: torch.nn.Module, model_dtype: torch.dtype,
+               triton: bool) -> torch.dtype:
+    """The slots' dtype for EngineArgs.lora_dtype (None: "auto"): auto is int8 where the base layers are
+    quantized and the CPU's kernels run the updates (the base layer's precision, a quarter of fp32's
+    bytes), else the model's dtype. int8 with the Triton kernels is refused."""
+    if lora_dtype == torch.int8 and triton:
+        raise ValueError("lora_dtype 'int8' is read by the CPU's kernels only; on this device use 'auto', "
+                         "'bfloat16' or 'float16'")
+    if lora_dtype is not None:
+        return lora_dtype
+    quantized = any(not isinstance(layer.quant_method, UnquantizedLinearMethod)
+                    for _, (layer, target) in lora_targets(model).items() if not target.experts)
+    return torch.int8 if quantized and not triton else model_dtype
+
+
 class LoRALayer:
     """A linear layer's adapter slots: A [slots, parts x rank, in] and B^T [slots, rank, out] (this
     rank's shares; B transposed so that the expand runs along the outputs), allocated when a first
@@ -73,6 +97,7 @@ class LoRALayer:
         self.parts = list(zip(offsets, layer.output_partition_sizes))
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
+        self.a_scale = self.b_scale = None  # int8 slots: A's and B^T's scale per row (per part for B^T)
         self.filled = [[False] * len(self.parts) for _ in range(max_loras)]  # slot -> part -> has weights
         self.triton = False  # the update by kernels/triton_lora.py (a GPU; the interpreter in tests)
         self.column_parts: torch.Tensor | None = None
@@ -82,18 +107,23 @@ class LoRALayer:
         out = sum(size for _, size in self.parts)
         self.a = torch.zeros(self.max_loras, parts * r, layer.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(self.max_loras, r, out, dtype=dtype, device=device)
+        if dtype == torch.int8:
+            self.a_scale = torch.zeros(self.max_loras, parts * r, dtype=torch.float32, device=device)
+            self.b_scale = torch.zeros(self.max_loras, r, parts, dtype=torch.float32, device=device)
 
     def c_matrix(self) -> LoraMatrix | None:
         """The slots as the C decode step reads them (kernels/cpu_lora.c), None where it cannot (more
-        than LORA_MAX_PARTS parts, float16). Only once allocated. NOTE: points into a and b, which live
-        as long as the layer."""
+        than LORA_MAX_PARTS parts, float16). Only once allocated. NOTE: points into a and b (and their
+        scales), which live as long as the layer."""
         dtype = str(self.a.dtype).removeprefix("torch.")
         if len(self.parts) > LORA_MAX_PARTS or dtype not in LORA_DTYPES:
             return None
         ends = [offset + size for offset, size in self.parts]
+        scales = (self.a_scale.data_ptr(), self.b_scale.data_ptr()) if self.a_scale is not None else (None, None)
         return LoraMatrix(a=self.a.data_ptr(), b=self.b.data_ptr(), k=self.a.shape[2], n=self.b.shape[2],
                           rank=self.rank, parts=len(self.parts), slots=self.max_loras,
-                          part_ends=(ctypes.c_int64 * LORA_MAX_PARTS)(*ends), dtype=LORA_DTYPES[dtype])
+                          part_ends=(ctypes.c_int64 * LORA_MAX_PARTS)(*ends), dtype=LORA_DTYPES[dtype],
+                          a_scale=scales[0], b_scale=scales[1])
 
     @property
     def allocated(self) -> bool:
@@ -116,9 +146,27 @@ class LoRALayer:
         if layer.tp_size > 1 and layer.tp_dim == 0:
             b = b.chunk(layer.tp_size, dim=0)[layer.tp_rank]
         offset, size = self.parts[part]
-        self.a[slot, part * self.rank: part * self.rank + r].copy_(a)
-        self.b[slot, :r, offset: offset + size].copy_(b.t())
+        rows, bt = slice(part * self.rank, part * self.rank + r), b.t()
+        if self.a_scale is not None:
+            a, self.a_scale[slot, rows] = quantize_rows(a)
+            bt, self.b_scale[slot, :r, part] = quantize_rows(bt)
+        self.a[slot, rows].copy_(a)
+        self.b[slot, :r, offset: offset + size].copy_(bt)
         self.filled[slot][part] = True
+
+    def slot_a(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slot's A [parts x rank, in] in dtype."""
+        if self.a_scale is None:
+            return self.a[slot].to(dtype)
+        return (self.a[slot].float() * self.a_scale[slot, :, None]).to(dtype)
+
+    def slot_bt(self, slot: int, part: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slot's part of B^T [rank, its outputs] in dtype."""
+        offset, size = self.parts[part]
+        bt = self.b[slot, :, offset: offset + size]
+        if self.b_scale is None:
+            return bt.to(dtype)
+        return (bt.float() * self.b_scale[slot, :, part, None]).to(dtype)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x) plus each row's update from its slot."""
@@ -136,11 +184,11 @@ class LoRALayer:
             if not any(filled):
                 continue
             # (slots held in another dtype than the activations, lora_dtype: widened per step)
-            t = x[rows] @ self.a[slot].t().to(x.dtype)  # the shrink: [rows, parts x rank]
+            t = x[rows] @ self.slot_a(slot, x.dtype).t()  # the shrink: [rows, parts x rank]
             for p, (offset, size) in enumerate(self.parts):
                 if not filled[p]:
                     continue
-                d = t[:, p * r:(p + 1) * r] @ self.b[slot, :, offset: offset + size].to(x.dtype)  # the expand
+                d = t[:, p * r:(p + 1) * r] @ self.slot_bt(slot, p, x.dtype)  # the expand
                 if isinstance(rows, slice):
                     y[rows, offset: offset + size] += d
                 else:

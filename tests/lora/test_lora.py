@@ -107,25 +107,42 @@ def test_the_c_decode_step_runs_adapter_rows(qwen3_gqa, adapters, references, mo
             assert calls == ([True] * (MAX_NEW - 1) if max_rows > 2 else []), calls
 
 
-def rounded_to_bf16(adapter: str, dest) -> str:
-    """A copy of a PEFT folder with its weights rounded to bfloat16 (kept as fp32)."""
+def rounded(adapter: str, dest, round_a, round_b) -> str:
+    """A copy of a PEFT folder with each lora_A weight [r, in] rounded by round_a and each lora_B
+    [out, r] by round_b (kept as fp32)."""
     import shutil
     from safetensors.torch import load_file, save_file
     shutil.copytree(adapter, dest)
     weights = load_file(f"{adapter}/adapter_model.safetensors")
-    save_file({k: v.to(torch.bfloat16).float() for k, v in weights.items()}, f"{dest}/adapter_model.safetensors")
+    save_file({k: (round_a if "lora_A" in k else round_b)(v.float()) for k, v in weights.items()},
+              f"{dest}/adapter_model.safetensors")
     return str(dest)
 
 
-def test_bfloat16_slots_give_peft_on_the_rounded_adapter(qwen3_gqa, adapters, tmp_path):
-    """lora_dtype="bfloat16": the slots hold A and B in bf16 (the C step widens them as it reads, the
-    torch path per step), so the tokens and log-probabilities are PEFT's with the adapter's weights
-    rounded to bf16 (its scale, 2, folded into B, rounds alike), not with the weights as saved."""
-    rounded = rounded_to_bf16(adapters[0], tmp_path / "bf16")
-    refs = peft_greedy(qwen3_gqa, rounded, PROMPTS, MAX_NEW)
-    with LLM(qwen3_gqa, enable_lora=True, max_lora_rank=16, lora_dtype="bfloat16", **FP32) as llm:
+def to_bf16(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.bfloat16).float()
+
+
+def int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """w's rows each as 255 steps of its largest magnitude / 127 (symmetric int8 with a row scale)."""
+    step = w.abs().max(dim=1, keepdim=True).values / 127
+    return torch.clamp(torch.round(w / step), -127, 127) * step
+
+
+@pytest.mark.parametrize("lora_dtype, round_a, round_b", [
+    ("bfloat16", to_bf16, to_bf16),
+    # int8: A per rank row; B^T per rank row of each projection's outputs (B's columns)
+    ("int8", int8_rows, lambda b: int8_rows(b.t()).t()),
+])
+def test_narrow_slots_give_peft_on_the_rounded_adapter(qwen3_gqa, adapters, tmp_path, lora_dtype, round_a, round_b):
+    """lora_dtype="bfloat16" / "int8": the slots hold A and B in bf16, or in int8 with a scale per row
+    (the C step widens them as it reads, the torch path per step), so the tokens and log-probabilities
+    are PEFT's with the adapter's weights rounded alike (its scale, 2, folded into B, rounds alike),
+    not with the weights as saved."""
+    refs = peft_greedy(qwen3_gqa, rounded(adapters[0], tmp_path / lora_dtype, round_a, round_b), PROMPTS, MAX_NEW)
+    with LLM(qwen3_gqa, enable_lora=True, max_lora_rank=16, lora_dtype=lora_dtype, **FP32) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests(adapters)[0])
-    assert_like_peft(outs, refs, "bf16 slots")
+    assert_like_peft(outs, refs, f"{lora_dtype} slots")
     with pytest.raises(AssertionError):  # the rounding shows: the unrounded adapter's figures differ
         assert_like_peft(outs, peft_greedy(qwen3_gqa, adapters[0], PROMPTS, MAX_NEW), "fp32 adapter")
 

@@ -90,11 +90,19 @@ def test_requests_need_an_engine_with_enable_lora(qwen3_gqa, good):
     (dict(max_lora_rank=-1), "max_lora_rank"),
     (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
     (dict(enable_lora="yes"), "enable_lora"),
-    (dict(lora_dtype="int8"), "lora_dtype"),
+    (dict(lora_dtype="int4"), "lora_dtype"),
 ])
 def test_engine_options_are_checked(qwen3_gqa, kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         LLM(qwen3_gqa, **kwargs)
+
+
+def test_int8_slots_are_refused_where_the_triton_kernels_run():
+    """int8 slots are read by the CPU's C step and torch path only (kernels/cpu_lora.c)."""
+    import torch
+    from nanovllm.lora.layers import slot_dtype
+    with pytest.raises(ValueError, match="lora_dtype 'int8'"):
+        slot_dtype(torch.int8, torch.nn.Module(), torch.bfloat16, triton=True)
 
 
 def test_lora_request_fields_are_checked():

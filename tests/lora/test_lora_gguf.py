@@ -76,6 +76,7 @@ def test_llama_gguf_adapter_on_a_gguf_base_matches_peft(case):
     assert [t for t, _ in refs] != [t for t, _ in plain]  # the adapter changes the answer
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     with LLM(str(base), enable_lora=True, **FP32) as llm:
+        assert llm.llm_engine.model_runner.lora.dtype == torch.float32  # "auto" over dense layers: the model's
         for i, path in enumerate((adapter, peft)):  # llama.cpp's file and the PEFT folder it came from
             outs = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=LoRARequest(f"a{i}", i + 1, str(path)))
             assert_like_peft(outs, refs, str(path))
@@ -96,7 +97,9 @@ def test_qwen3_gguf_adapters_on_a_q8_0_base_within_quantization(case):
     """A Q8_0 base: on PEFT's greedy sequences, our log-probabilities with llama.cpp's F32 adapter
     equal ours with the PEFT folder it came from; with its Q8_0 adapter (--outtype q8_0) they are
     transformers + PEFT's on the dequantized base within what Q8_0 rounding moves: about the base
-    model's own error (our kernels round activations to 8 bits), far below the adapter's effect."""
+    model's own error (our kernels round activations to 8 bits), far below the adapter's effect. The
+    slots are int8 ("auto" over a quantized base): the F32 file's equality with the folder holds
+    because both are rounded alike."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base, hf, peft, adapter_f32 = case("qwen3", "q8_0", "f32")
@@ -105,6 +108,9 @@ def test_qwen3_gguf_adapters_on_a_q8_0_base_within_quantization(case):
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), peft).eval()
     plain = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with LLM(str(base), enable_lora=True, **FP32) as llm:
+        assert llm.llm_engine.model_runner.lora.dtype == torch.int8  # "auto" over a quantized base
+        from nanovllm.lora.layers import slot_dtype  # (where the Triton kernels run, the model's dtype)
+        assert slot_dtype(None, llm.llm_engine.model_runner.model, torch.bfloat16, triton=True) == torch.bfloat16
         for prompt, (tokens, _) in zip(PROMPTS, refs):
             seq = prompt + tokens
             folder = teacher_forced(llm, seq, LoRARequest("peft", 1, peft))
