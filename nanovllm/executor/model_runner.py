@@ -118,7 +118,8 @@ class ModelRunner(Executor):
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras or config.max_loras, lora_dtype,
                                   self.device, self.to_device, config.hf_config)
-            self.lora.use_triton(self.kernels.lora_triton)
+            self.lora.use_kernels(self.kernels.lora_triton,
+                                  self.kernels.c_kernels if self.dtype == torch.float32 else None)
         self.kv_format = config.kv_format
         backend_name = pick_backend_name(config.attention_backend, config.device, self.block_size, self.dtype,
                                          self.kv_format)

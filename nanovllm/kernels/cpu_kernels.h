@@ -213,6 +213,10 @@ int lora_matrix_is_valid(const LoraMatrix *W);
  * * rank floats, shared. Ends in a barrier. */
 void phase_lora(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, const int64_t *row_slots, float *t,
                 float *y, int64_t ldy);
+/* phase_lora in a parallel region of its own (the torch forward's steps: prefills, and decode steps
+ * the one call does not run). Returns 0, or -1 for a matrix lora_matrix_is_valid refuses. */
+int lora_apply(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, const int64_t *row_slots, float *t,
+               float *y, int64_t ldy, int num_threads);
 
 /* ---- the decode step's description (cpu_decode.c) ---------------------------------------------- */
 typedef struct {

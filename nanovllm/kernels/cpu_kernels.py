@@ -145,6 +145,7 @@ class CpuKernels:
         self.decode_check_model = typed("decode_check_model", i64, ptr)
         self.decode_layers = typed("decode_layers", cint, ptr, ptr, ptr, i64, i64, ptr, ptr, cint, ptr, ptr, cint)
         self.lora_matrix_is_valid = typed("lora_matrix_is_valid", cint, ptr)
+        self.lora_apply = typed("lora_apply", cint, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, cint)
         self.decode_add_rms_norm = typed("decode_add_rms_norm", None, ptr, ptr, ptr, cint, ptr, i64, ptr, cint)
         self.decode_attention_layer = typed("decode_attention_layer", cint, ptr, i64, ptr, ptr, ptr, cint)
         self.rope_store_layer = typed("rope_store_layer", None, ptr, i64, ptr, ptr, ptr, i64, cint)

@@ -94,3 +94,11 @@ void phase_lora(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, con
         }
     }
 }
+
+int lora_apply(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, const int64_t *row_slots, float *t,
+               float *y, int64_t ldy, int num_threads) {
+    if (!lora_matrix_is_valid(W)) return -1;
+#pragma omp parallel num_threads(num_threads)
+    phase_lora(W, x, ldx, B, row_slots, t, y, ldy);
+    return 0;
+}

@@ -100,6 +100,8 @@ class LoRALayer:
         self.a_scale = self.b_scale = None  # int8 slots: A's and B^T's scale per row (per part for B^T)
         self.filled = [[False] * len(self.parts) for _ in range(max_loras)]  # slot -> part -> has weights
         self.triton = False  # the update by kernels/triton_lora.py (a GPU; the interpreter in tests)
+        self.c_kernels = None  # the CPU's C kernels (fp32 activations: cpu_lora.c's lora_apply)
+        self.c_desc: LoraMatrix | None = None  # c_matrix(), made on the first update through them
         self.column_parts: torch.Tensor | None = None
 
     def _allocate(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -178,6 +180,8 @@ class LoRALayer:
             if self.column_parts is None:
                 self.column_parts = triton_lora.column_parts([size for _, size in self.parts], y.device)
             return triton_lora.lora_add(x, y.contiguous(), self.a, self.b, batch.device_row_slots, self.column_parts)
+        if self.c_kernels is not None and x.dtype == y.dtype == torch.float32 and self.apply_c(x, y, batch):
+            return y
         r = self.rank
         for slot, rows in batch.groups:
             filled = self.filled[slot]
@@ -194,6 +198,25 @@ class LoRALayer:
                 else:
                     y[:, offset: offset + size].index_add_(0, rows, d)
         return y
+
+
+    def apply_c(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> bool:
+        """y += every row's update by the C kernel (one call for all slots: per row and rank row a dot
+        with A, then B^T streamed per row); False where it cannot (the slots' dtype, a strided y)."""
+        if self.c_desc is None:
+            self.c_desc = self.c_matrix()
+            if self.c_desc is None:
+                self.c_kernels = None
+                return False
+        if x.stride(-1) != 1 or y.stride(-1) != 1 or x.dim() != 2 or y.dim() != 2:
+            return False
+        rows = x.shape[0]
+        scratch = torch.empty(rows * self.a.shape[1], dtype=torch.float32)
+        if self.c_kernels.lora_apply(ctypes.byref(self.c_desc), x.data_ptr(), x.stride(0), rows,
+                                     batch.row_slots.data_ptr(), scratch.data_ptr(), y.data_ptr(), y.stride(0),
+                                     torch.get_num_threads()):
+            raise RuntimeError(f"the C kernels refused the LoRA slots of {self.layer.__class__.__name__}")
+        return True
 
 
 class LoRAModel:
@@ -230,10 +253,12 @@ class LoRAModel:
                 self.adapters.popitem(last=False)
         return adapter
 
-    def use_triton(self, on: bool) -> None:
-        """Whether the layers' updates run the Triton kernels (kernels/triton_lora.py) or torch's products."""
+    def use_kernels(self, triton: bool = False, c_kernels=None) -> None:
+        """Which kernels run the layers' updates outside the C decode step: the Triton ones
+        (kernels/triton_lora.py), the CPU's C ones (c_kernels, for fp32 activations: cpu_lora.c's
+        lora_apply), else torch's products per slot."""
         for layer in self.layers.values():
-            layer.triton = on
+            layer.triton, layer.c_kernels = triton, c_kernels
 
     def forget(self, request: LoRARequest) -> None:
         with self._lock:

@@ -68,7 +68,7 @@ def test_engine_runs_its_adapters_through_the_kernel(qwen3_gqa, tmp_path):
         with LLM(qwen3_gqa, enable_lora=True, max_loras=2, dtype="float32", kv_cache_dtype="float32") as llm:
             runner = llm.llm_engine.model_runner
             runner.step_runners = []
-            runner.lora.use_triton(True)
+            runner.lora.use_kernels(triton=True)
             sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
             got = llm.generate(prompts, sp, use_tqdm=False,
                                lora_request=[LoRARequest("a", 1, adapters[0]), LoRARequest("b", 2, adapters[1]), None])

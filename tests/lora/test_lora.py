@@ -84,6 +84,19 @@ def test_three_adapters_and_the_base_in_one_batch(qwen3_gqa, adapters, reference
         assert bm.num_free_blocks == llm.llm_engine.num_kvcache_blocks
 
 
+def test_torch_products_give_peft_too(qwen3_gqa, adapters, references):
+    """The updates as torch's products per slot (the path of bf16 / fp16 activations), with the C
+    decode step and cpu_lora.c's lora_apply set aside: PEFT's tokens for rows of four adapters."""
+    reqs = [None, *requests(adapters)]
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=3, max_lora_rank=16, **FP32) as llm:
+        runner = llm.llm_engine.model_runner
+        runner.step_runners = []
+        runner.lora.use_kernels()
+        outs = llm.generate([p for p in PROMPTS for _ in reqs], GREEDY, use_tqdm=False,
+                            lora_request=[r for _ in PROMPTS for r in reqs])
+    assert_like_peft(outs, [references[path][i] for i in range(len(PROMPTS)) for path in [None, *adapters]], "torch")
+
+
 def test_the_c_decode_step_runs_adapter_rows(qwen3_gqa, adapters, references, monkeypatch):
     """The CPU's C decode step (executor/cpu_decode.py) runs steps with adapter rows: in its one call,
     rows of three adapters and the base model add their updates in C (kernels/cpu_lora.c); past its
