@@ -225,3 +225,41 @@ def gguf_writer(path: str, arch: str, config, layers: int | None = None):
     w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     w.add_vocab_size(config.vocab_size)
     return w
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: replay re-runs the model over the static buffers
+    with the Context seen at capture, which is what a real graph replays."""
+
+    def __init__(self):
+        self.replays = 0
+        self.pool = self.model = self.buffers = self.context = self.graph_bs = None
+
+    def replay(self):
+        self.replays += 1
+        from nanovllm.utils.context import forward_context
+        buf = self.buffers
+        with torch.inference_mode(), forward_context(self.context):
+            buf.outputs[:self.graph_bs] = self.model(buf.input_ids[:self.graph_bs], buf.positions[:self.graph_bs])
+
+
+def fake_cuda_graphs(monkeypatch) -> list[FakeGraph]:
+    """torch.cuda's graph API faked on CPU (capture records the Context; the test then sets each
+    graph's model and buffers): the graphs captured, in order."""
+    import contextlib
+    from nanovllm.utils.context import get_context
+    captures = []
+
+    @contextlib.contextmanager
+    def fake_capture(graph, pool=None):
+        graph.pool, graph.context = pool, get_context()
+        graph.graph_bs = graph.context.slot_mapping.shape[0]
+        captures.append(graph)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    return captures

@@ -45,11 +45,14 @@ class DecodeBuffers:
     slot_mapping: torch.Tensor  # [max_bs] int64, -1 = do not store
     outputs: torch.Tensor       # [max_bs, hidden_size] model dtype
     backend: AttentionBackend
+    lora_slots: torch.Tensor | None = None  # [max_bs] int64: each row's adapter slot, -1 none (adapters served)
 
     @classmethod
     def allocate(cls, backend: AttentionBackend, max_bs: int, max_blocks_per_seq: int, max_seqlen_k: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> "DecodeBuffers":
-        """max_seqlen_k: the bound every captured graph is built with (max_model_len)."""
+                 hidden_size: int, dtype: torch.dtype, device: torch.device | str,
+                 lora: bool = False) -> "DecodeBuffers":
+        """max_seqlen_k: the bound every captured graph is built with (max_model_len); lora: the
+        graphs read each row's adapter slot."""
         backend.init_graph_buffers(max_bs, max_blocks_per_seq, max_seqlen_k, device)
         buffers = cls(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
@@ -57,6 +60,7 @@ class DecodeBuffers:
             slot_mapping=torch.empty(max_bs, dtype=torch.int64, device=device),
             outputs=torch.zeros(max_bs, hidden_size, dtype=dtype, device=device),
             backend=backend,
+            lora_slots=torch.empty(max_bs, dtype=torch.int64, device=device) if lora else None,
         )
         buffers.pad_rows(0, max_bs)
         return buffers
@@ -67,6 +71,8 @@ class DecodeBuffers:
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
         self.slot_mapping[start:end] = -1
+        if self.lora_slots is not None:
+            self.lora_slots[start:end] = -1
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context, graph_bs: int) -> None:
         """Copy one decode batch (bs <= graph_bs rows, block table of any width up to the buffer's)
@@ -76,27 +82,42 @@ class DecodeBuffers:
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         self.slot_mapping[:bs].copy_(context.slot_mapping)
+        if self.lora_slots is not None:  # (a decode row is one token: the rows' slots are the tokens')
+            if context.lora is None:
+                self.lora_slots[:bs] = -1
+            else:
+                self.lora_slots[:bs].copy_(context.lora.device_row_slots)
         self.pad_rows(bs, graph_bs)
         self.backend.fill_graph_buffers(context.attn_metadata, graph_bs)
 
-    def context(self, graph_bs: int) -> Context:
+    def context(self, graph_bs: int, lora=None) -> Context:
         """The decode Context a graph of graph_bs rows is captured with. NOTE: everything in it is
-        frozen into the graph: views of the static tensors, and host-side ints at their bounds."""
+        frozen into the graph: views of the static tensors, and host-side ints at their bounds.
+        lora: the LoRAModel whose slots the graphs read (its graph_batch over lora_slots)."""
+        batch = None if lora is None else lora.graph_batch(self.lora_slots[:graph_bs])
         return Context(is_prefill=False, slot_mapping=self.slot_mapping[:graph_bs],
-                       attn_metadata=self.backend.graph_metadata(graph_bs))
+                       attn_metadata=self.backend.graph_metadata(graph_bs), lora=batch)
 
 
 class DecodeGraphs(StepRunner):
-    """Captures the model's decode forward for each bucket and replays the right one."""
+    """Captures the model's decode forward for each bucket and replays the right one. With adapters
+    (lora: a LoRAModel whose updates the graphs can hold, graph_ready), every graph is captured with
+    the adapter kernels reading each row's slot from a static buffer: steps with adapter rows and
+    without replay the same graphs."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, max_num_seqs: int, max_model_len: int,
-                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, lora=None):
         self.model = model
         self.device = device
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.lora = lora if lora is not None and lora.graph_ready() else None
+        self.runs_lora = self.lora is not None
+        if lora is not None and self.lora is None:
+            logger.warning("decode steps with adapter rows run eagerly: the adapters' updates need the Triton "
+                           "kernels and no adapter on MoE experts to be captured")
         max_blocks_per_seq = -(-max_model_len // block_size)
         self.buffers = DecodeBuffers.allocate(backend, self.sizes[-1], max_blocks_per_seq, max_model_len,
-                                              hidden_size, dtype, device)
+                                              hidden_size, dtype, device, lora=self.runs_lora)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -104,13 +125,15 @@ class DecodeGraphs(StepRunner):
     def capture(self) -> None:
         """Largest bucket first: later (smaller) graphs reuse its memory from the one shared pool."""
         buf = self.buffers
+        if self.lora is not None:  # the slots the graphs read, all in place before any is captured
+            self.lora.allocate_all()
         # NOTE: replays and Triton launches use the current device, so TP workers must set it
         # (torch.cuda.set_device); capture selects it here.
         with torch.cuda.device(self.device):
             self.pool = torch.cuda.graph_pool_handle()
             for graph_bs in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
-                with forward_context(buf.context(graph_bs)):
+                with forward_context(buf.context(graph_bs, self.lora)):
                     # Warm-up outside the graph: lazy inits (cuBLAS handles, Triton/inductor compiles).
                     buf.outputs[:graph_bs] = self.model(buf.input_ids[:graph_bs], buf.positions[:graph_bs])
                     with torch.cuda.graph(graph, pool=self.pool):

@@ -149,7 +149,7 @@ class ModelRunner(Executor):
                 return []
             from nanovllm.executor.cuda_graph import DecodeGraphs
             graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
-                                  self.block_size, config.hf_config.hidden_size, self.dtype, self.device)
+                                  self.block_size, config.hf_config.hidden_size, self.dtype, self.device, self.lora)
             graphs.capture()
             return [graphs]
         if not platform.has_c_decode_step:

@@ -260,6 +260,23 @@ class LoRAModel:
         for layer in self.layers.values():
             layer.triton, layer.c_kernels = triton, c_kernels
 
+    def graph_ready(self) -> bool:
+        """Whether CUDA graphs can hold the updates: every layer's by the Triton kernels, which read
+        the rows' slots from a tensor (the experts' grouped loop reads them on the host)."""
+        return all(isinstance(layer, LoRALayer) and layer.triton for layer in self.layers.values())
+
+    def allocate_all(self) -> None:
+        """Every layer's slots now (graphs capture the slots' addresses before any adapter is read)."""
+        for layer in self.layers.values():
+            if not layer.allocated:
+                layer._allocate(self.dtype, self.device)
+                LoRALayer.allocations += 1
+
+    def graph_batch(self, row_slots: torch.Tensor) -> LoRABatch:
+        """A captured graph's LoRABatch: row_slots the graph's static buffer of each row's slot (no
+        host-side groups: only the Triton kernels, which read the buffer, run in a graph)."""
+        return LoRABatch([], row_slots, row_slots)
+
     def forget(self, request: LoRARequest) -> None:
         with self._lock:
             self.adapters.pop(request, None)

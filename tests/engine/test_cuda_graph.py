@@ -1,7 +1,6 @@
 """Decode CUDA-graph logic that needs no GPU: bucket sizes, bucket choice, static-buffer padding, a
 padded static-buffer forward giving the eager decode's logits, and capture order / replay dispatch
 with torch.cuda's graph API faked on CPU."""
-import contextlib
 
 import pytest
 import torch
@@ -10,9 +9,8 @@ from nanovllm.executor.cuda_graph import DecodeBuffers, DecodeGraphs, graph_batc
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.layers.backends.torch_backend import TorchBackend, TorchMetadata
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import Context, forward_context, get_context
-from nanovllm.executor.cuda_graph import DecodeGraphs
-from tests.helpers import make_qwen3
+from nanovllm.utils.context import Context, forward_context
+from tests.helpers import fake_cuda_graphs, make_qwen3
 
 
 @pytest.mark.parametrize("max_num_seqs,expected", [
@@ -130,39 +128,11 @@ def test_padded_static_forward_matches_eager_decode(tmp_path):
     engine.exit()
 
 
-class FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph on CPU: replay re-runs the model over the static buffers
-    with the Context seen at capture, which is what a real graph replays."""
-
-    def __init__(self):
-        self.replays = 0
-        self.pool = self.model = self.buffers = self.context = self.graph_bs = None
-
-    def replay(self):
-        self.replays += 1
-        buf = self.buffers
-        with torch.inference_mode(), forward_context(self.context):
-            buf.outputs[:self.graph_bs] = self.model(buf.input_ids[:self.graph_bs], buf.positions[:self.graph_bs])
-
-
 def test_decode_graphs_capture_order_and_replay_dispatch(tmp_path, monkeypatch):
     engine = LLMEngine(make_qwen3(str(tmp_path / "m")), device="cpu", dtype="float32", kv_cache_dtype="float32", max_model_len=128,
                        max_num_seqs=20, kvcache_block_size=16, cpu_kvcache_bytes=1 << 22)
     runner = engine.model_runner
-    captures = []
-
-    @contextlib.contextmanager
-    def fake_capture(graph, pool=None):
-        graph.pool, graph.context = pool, get_context()
-        graph.graph_bs = graph.context.slot_mapping.shape[0]
-        captures.append(graph)
-        yield
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    captures = fake_cuda_graphs(monkeypatch)
     graphs = DecodeGraphs(runner.model, runner.backend, 20, 128, 16, engine.config.hf_config.hidden_size,
                           torch.float32, torch.device("cpu"))
     graphs.capture()

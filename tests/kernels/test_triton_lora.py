@@ -75,3 +75,59 @@ def test_engine_runs_its_adapters_through_the_kernel(qwen3_gqa, tmp_path):
     finally:
         module.lora_add = real
     assert calls and [o["token_ids"] for o in got] == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes torch.cuda's graph API on a CPU")
+def test_decode_graphs_read_the_rows_slots_from_their_buffer(qwen3_gqa, tmp_path, monkeypatch):
+    """With adapters, every decode graph is captured with the Triton updates reading each row's slot
+    from a static buffer (torch.cuda's graph API faked: a replay reruns the captured Context, as a
+    real graph would). Replayed steps with rows of two adapters and the base model give PEFT's tokens,
+    so each replay used the slots its step copied in, not those of the capture."""
+    from helpers import fake_cuda_graphs
+    from lora_adapters import make_peft_adapter, peft_greedy
+    from nanovllm import LLM, LoRARequest, SamplingParams
+    from nanovllm.executor.cuda_graph import DecodeGraphs
+    pytest.importorskip("peft")
+    adapters = [make_peft_adapter(qwen3_gqa, str(tmp_path / f"a{i}"), seed=i, r=8) for i in range(2)]
+    prompts = [[3, 5, 7, 9, 11], [20, 30, 40, 50], [8, 9, 10]]
+    want = [peft_greedy(qwen3_gqa, path, [p], 6)[0][0] for path, p in zip([adapters[0], adapters[1], None], prompts)]
+    captures = fake_cuda_graphs(monkeypatch)
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=2, max_num_seqs=4, dtype="float32",
+             kv_cache_dtype="float32") as llm:
+        runner = llm.llm_engine.model_runner
+        runner.lora.use_kernels(triton=True)
+        config = llm.llm_engine.config
+        graphs = DecodeGraphs(runner.model, runner.backend, 4, config.max_model_len, runner.block_size,
+                              config.hf_config.hidden_size, torch.float32, torch.device("cpu"), runner.lora)
+        graphs.capture()
+        assert graphs.runs_lora and all(layer.allocated for layer in runner.lora.layers.values())
+        for graph in captures:
+            graph.model, graph.buffers = runner.model, graphs.buffers
+            assert graph.context.lora.device_row_slots.data_ptr() == graphs.buffers.lora_slots.data_ptr()
+        runner.step_runners = [graphs]
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        got = llm.generate(prompts, sp, use_tqdm=False,
+                           lora_request=[LoRARequest("a", 1, adapters[0]), LoRARequest("b", 2, adapters[1]), None])
+    assert sum(g.replays for g in captures) >= 5  # every decode step replayed a graph
+    assert [o["token_ids"] for o in got] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_on_a_gpu_adapter_steps_match_peft_with_and_without_graphs(qwen3_gqa, tmp_path, enforce_eager):
+    """On CUDA: rows of two adapters and the base model give PEFT's tokens, eagerly and with the decode
+    steps replaying real CUDA graphs captured with the adapter slots as inputs."""
+    from lora_adapters import make_peft_adapter, peft_greedy
+    from nanovllm import LLM, LoRARequest, SamplingParams
+    from nanovllm.executor.cuda_graph import DecodeGraphs
+    pytest.importorskip("peft")
+    adapters = [make_peft_adapter(qwen3_gqa, str(tmp_path / f"a{i}"), seed=i, r=8) for i in range(2)]
+    prompts = [[3, 5, 7, 9, 11], [20, 30, 40, 50], [8, 9, 10]]
+    want = [peft_greedy(qwen3_gqa, path, [p], 6)[0][0] for path, p in zip([adapters[0], adapters[1], None], prompts)]
+    with LLM(qwen3_gqa, device="cuda", enable_lora=True, max_loras=2, max_num_seqs=4, dtype="float32",
+             kv_cache_dtype="float32", enforce_eager=enforce_eager) as llm:
+        graphs = llm.llm_engine.model_runner.step_runner(DecodeGraphs)
+        assert (graphs is None) == enforce_eager and (enforce_eager or graphs.runs_lora)
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False,
+                           lora_request=[LoRARequest("a", 1, adapters[0]), LoRARequest("b", 2, adapters[1]), None])
+    assert [o["token_ids"] for o in got] == want
