@@ -97,6 +97,24 @@ def test_torch_products_give_peft_too(qwen3_gqa, adapters, references):
     assert_like_peft(outs, [references[path][i] for i in range(len(PROMPTS)) for path in [None, *adapters]], "torch")
 
 
+def test_a_long_prompt_takes_torch_products_beside_the_c_kernel(qwen3_gqa, adapters, monkeypatch):
+    """One prefill step holding a prompt of C_GROUP_ROWS+ tokens under one adapter and short prompts
+    under others: the long one's rows take torch's products, the short ones' the C kernel, in the
+    same layer calls. PEFT's tokens for all."""
+    from nanovllm.lora import layers
+    long_prompt = [3 + (5 * i) % 250 for i in range(layers.C_GROUP_ROWS + 12)]
+    prompts, reqs = [long_prompt, PROMPTS[1], PROMPTS[2]], requests(adapters)
+    expected = [peft_greedy(qwen3_gqa, path, [p], MAX_NEW)[0] for path, p in zip([adapters[0], adapters[1], None], prompts)]
+    seen = {"c": 0, "torch": 0}
+    real_c, real_a = layers.LoRALayer.apply_c, layers.LoRALayer.slot_a
+    monkeypatch.setattr(layers.LoRALayer, "apply_c", lambda self, *a: seen.__setitem__("c", seen["c"] + 1) or real_c(self, *a))
+    monkeypatch.setattr(layers.LoRALayer, "slot_a", lambda self, *a: seen.__setitem__("torch", seen["torch"] + 1) or real_a(self, *a))
+    with LLM(qwen3_gqa, enable_lora=True, max_loras=3, max_lora_rank=16, max_model_len=512, **FP32) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[reqs[0], reqs[1], None])
+    assert_like_peft(outs, expected, "long and short prompts")
+    assert seen["c"] > 0 and seen["torch"] > 0, seen
+
+
 def test_the_c_decode_step_runs_adapter_rows(qwen3_gqa, adapters, references, monkeypatch):
     """The CPU's C decode step (executor/cpu_decode.py) runs steps with adapter rows: in its one call,
     rows of three adapters and the base model add their updates in C (kernels/cpu_lora.c); past its
