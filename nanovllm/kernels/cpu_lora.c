@@ -1,9 +1,10 @@
 /* LoRA adapters inside the C decode step (lora/layers.py holds the slots; executor/cpu_decode.py
  * points this at them): after a matrix's base product y = x W^T, each row b with an adapter slot
  * s = row_slots[b] gets y[b] += (x[b] A_s^T) B_s^T, the scale already folded into B. Two orphaned
- * worksharing loops, Punica's SGMV shape over the step's few rows: the shrink (one work item per
- * row and adapter rank row, t [B, parts * rank] shared) and the expand (output columns shared out,
- * each row's columns accumulating its part's rank values of t times B^T's rows).
+ * worksharing loops, Punica's SGMV shape over the step's few rows: the shrink (a work item per row
+ * and four rank rows of A, t [B, parts * rank] shared) and the expand (a work item per row, or per
+ * column range of a row when rows are fewer than threads, accumulating each part's rank values of t
+ * times B^T's rows).
  * Rows without a slot cost nothing. A and B are fp32, bf16 or int8 with a scale per row (lora_dtype:
  * a half or a quarter of the bytes, which is what a step with many adapters pays for). */
 #include <omp.h>
@@ -55,12 +56,40 @@ void phase_lora(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, con
     const char *a = W->a, *bt = W->b;
     const int scaled = dtype == LORA_I8;
     const float *a_scale = scaled ? W->a_scale : NULL, *b_scale = scaled ? W->b_scale : NULL;
+    /* the shrink: a work item per row and group of four rank rows of A (x's row loaded once for
+     * the four; a last group of fewer where parts x rank is not a multiple of four) */
+    const int64_t groups = (PR + 3) / 4;
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < B * PR; item++) {
-        const int64_t b = item / PR, r = item % PR, slot = row_slots[b];
+    for (int64_t item = 0; item < B * groups; item++) {
+        const int64_t b = item / groups, r0 = item % groups * 4, slot = row_slots[b];
         if (slot < 0 || slot >= W->slots) continue;
-        const float dot = dot_ab(x + b * ldx, a + (size_t)((slot * PR + r) * k) * size, k, dtype);
-        t[b * PR + r] = a_scale != NULL ? dot * a_scale[slot * PR + r] : dot;
+        const float *xb = x + b * ldx;
+        if (r0 + 4 <= PR) {
+            const char *a0 = a + (size_t)((slot * PR + r0) * k) * size, *a1 = a0 + (size_t)k * size;
+            const char *a2 = a1 + (size_t)k * size, *a3 = a2 + (size_t)k * size;
+            vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+            int64_t i = 0;
+            for (; i + VL <= k; i += VL) {
+                const vf xv = load_f32(xb + i);
+                s0 += xv * load_ab(a0, i, dtype);
+                s1 += xv * load_ab(a1, i, dtype);
+                s2 += xv * load_ab(a2, i, dtype);
+                s3 += xv * load_ab(a3, i, dtype);
+            }
+            float d[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};
+            for (; i < k; i++) {
+                d[0] += xb[i] * scalar_ab(a0, i, dtype);
+                d[1] += xb[i] * scalar_ab(a1, i, dtype);
+                d[2] += xb[i] * scalar_ab(a2, i, dtype);
+                d[3] += xb[i] * scalar_ab(a3, i, dtype);
+            }
+            for (int q = 0; q < 4; q++) t[b * PR + r0 + q] = a_scale != NULL ? d[q] * a_scale[slot * PR + r0 + q] : d[q];
+        } else {
+            for (int64_t r = r0; r < PR; r++) {
+                const float dot = dot_ab(xb, a + (size_t)((slot * PR + r) * k) * size, k, dtype);
+                t[b * PR + r] = a_scale != NULL ? dot * a_scale[slot * PR + r] : dot;
+            }
+        }
     }
     /* the expand: work items of one row's column range (at 8-lane bounds): whole rows when the step
      * has a row per thread, else each row's columns split so that every thread has a range. Per
@@ -82,7 +111,28 @@ void phase_lora(const LoraMatrix *W, const float *x, int64_t ldx, int64_t B, con
         const float *tb = t + b * PR;
         const char *bs = bt + (size_t)(slot * R * n) * size;
         float *yb = y + b * ldy;
-        for (int64_t r = 0; r < R; r++) {
+        /* four rank rows a pass where the rank allows (y's range loaded and stored once for four
+         * rows of B^T), then one at a time */
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) {
+            for (int64_t j = first, p = p0; j < end; p++) {
+                const int64_t stop = end < W->part_ends[p] ? end : W->part_ends[p];
+                float c[4];
+                for (int q = 0; q < 4; q++)
+                    c[q] = b_scale != NULL ? tb[p * R + r + q] * b_scale[(slot * R + r + q) * W->parts + p] : tb[p * R + r + q];
+                const char *b0 = bs + (size_t)(r * n) * size, *b1 = b0 + (size_t)n * size;
+                const char *b2 = b1 + (size_t)n * size, *b3 = b2 + (size_t)n * size;
+                int64_t i = j;
+                for (; i + VL <= stop; i += VL)
+                    store_f32(yb + i, load_f32(yb + i) + c[0] * load_ab(b0, i, dtype) + c[1] * load_ab(b1, i, dtype) +
+                                          c[2] * load_ab(b2, i, dtype) + c[3] * load_ab(b3, i, dtype));
+                for (; i < stop; i++)
+                    yb[i] += c[0] * scalar_ab(b0, i, dtype) + c[1] * scalar_ab(b1, i, dtype) +
+                             c[2] * scalar_ab(b2, i, dtype) + c[3] * scalar_ab(b3, i, dtype);
+                j = stop;
+            }
+        }
+        for (; r < R; r++) {
             for (int64_t j = first, p = p0; j < end; p++) {
                 const int64_t stop = end < W->part_ends[p] ? end : W->part_ends[p];
                 const float tr = b_scale != NULL ? tb[p * R + r] * b_scale[(slot * R + r) * W->parts + p] : tb[p * R + r];

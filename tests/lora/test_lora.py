@@ -50,6 +50,15 @@ def test_one_adapter_matches_peft(qwen3_gqa, adapters, references):
         assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), references[None], "base")
 
 
+def test_a_rank_off_the_kernels_groups_of_four(qwen3_gqa, tmp_path):
+    """A rank-6 adapter on every projection: the C kernels' groups of four rank rows leave remainders
+    (B^T's 6 rows, and the stacked qkv's 18 rows of A). PEFT's tokens, decode steps in the C call."""
+    adapter = make_peft_adapter(qwen3_gqa, str(tmp_path / "r6"), seed=4, r=6, alpha=5)
+    with LLM(qwen3_gqa, enable_lora=True, max_lora_rank=6, **FP32) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("r6", 1, adapter))
+    assert_like_peft(outs, peft_greedy(qwen3_gqa, adapter, PROMPTS, MAX_NEW), "rank 6")
+
+
 def test_the_adapters_differ_from_the_base(references, adapters):
     """The test above can fail: each adapter changes the greedy tokens of some prompt."""
     base = [tokens for tokens, _ in references[None]]
