@@ -39,9 +39,9 @@ class LoRABatch:
 
 
 # The rows of one slot from which torch's products (a few ops per slot and layer, then BLAS) beat the
-# C kernel's per-row dots: at 64 rows a slot, 8 slots, the C kernel was still 1.4-3x faster on the
-# default model's and Qwen3-0.6B's projections (int8 slots, 2 threads).
-C_GROUP_ROWS = 128
+# C kernel's per-row dots: one slot's rows on the default model's and Qwen3-0.6B's projections (int8
+# slots, 2 threads), C / torch: 1.3-3x faster at 128 rows, level at 256, down to 0.86x at 512.
+C_GROUP_ROWS = 256
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, tuple[LinearBase, LoRATarget]]:
