@@ -18,7 +18,8 @@ def workers_of(llm: LLM) -> list[mp.Process]:
 def kv_block_bytes(path: str, tp: int, kv: str = "float32") -> int:
     """One block's bytes on one rank, by hand: fp32 rows of head_dim, or int8's 34 bytes per 32."""
     cfg = Config(path).hf_config
-    row = cfg.head_dim * 4 if kv == "float32" else cfg.head_dim // 32 * 34
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    row = head_dim * 4 if kv == "float32" else head_dim // 32 * 34
     return 2 * cfg.num_hidden_layers * BLOCK * (cfg.num_key_value_heads // tp) * row
 
 

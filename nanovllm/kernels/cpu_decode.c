@@ -78,7 +78,7 @@ static void rope_store_heads(const DecoderModel *m, const DecoderLayer *L, float
     const int64_t D = m->head_dim, NH = m->num_heads, NKV = m->num_kv_heads, group = NH / NKV;
     const int64_t Q = NH * D, KV = NKV * D;
     float *row = qkv + b * (Q + 2 * KV);
-    const int64_t R = m->rotary_dim;
+    const int64_t R = L->no_rope ? 0 : m->rotary_dim; /* 0: no rotation (norm_rope_head) */
     const float *cs = m->cos_sin + positions[b] * R;
     for (int64_t h = kv_first * group; h < kv_end * group; h++) norm_rope_head(row + h * D, L->q_norm, m->eps, cs, D, R);
     for (int64_t kh = kv_first; kh < kv_end; kh++) {

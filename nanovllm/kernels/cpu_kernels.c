@@ -380,7 +380,7 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(DecoderLayer, down), FIELD(DecoderLayer, k_cache), FIELD(DecoderLayer, v_cache),
     FIELD(DecoderLayer, in_c), FIELD(DecoderLayer, moe), FIELD(DecoderLayer, window),
     FIELD(DecoderLayer, sinks), FIELD(DecoderLayer, kv_group), FIELD(DecoderLayer, attn_gate),
-    FIELD(DecoderLayer, linear),
+    FIELD(DecoderLayer, linear), FIELD(DecoderLayer, no_rope),
     FIELD(DecoderModel, num_layers), FIELD(DecoderModel, hidden), FIELD(DecoderModel, num_heads),
     FIELD(DecoderModel, num_kv_heads), FIELD(DecoderModel, head_dim), FIELD(DecoderModel, intermediate),
     FIELD(DecoderModel, block_size), FIELD(DecoderModel, kv_type), FIELD(DecoderModel, eps),

@@ -10,7 +10,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 18
+#define NANOVLLM_ABI_VERSION 19
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -235,6 +235,7 @@ typedef struct {
     int64_t attn_gate;
     /* non-NULL: a Gated DeltaNet layer (qkv its in_proj, o its out_proj; no KV cache, no norms of q/k) */
     const DeltaNetLayer *linear;
+    int64_t no_rope;                     /* 1: a NoPE layer (SmolLM3's): q and k are not rotated */
 } DecoderLayer;
 
 typedef struct {

@@ -33,7 +33,7 @@ class DecoderLayer(ctypes.Structure):
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts)),
                 ("window", c_int64), ("sinks", c_void_p), ("kv_group", c_int64), ("attn_gate", c_int64),
-                ("linear", ctypes.POINTER(DeltaNetLayer))]
+                ("linear", ctypes.POINTER(DeltaNetLayer)), ("no_rope", c_int64)]
 
 
 class DecoderModel(ctypes.Structure):
@@ -66,7 +66,7 @@ class LoraStep(ctypes.Structure):
     _fields_ = [("mats", ctypes.POINTER(LoraMatrix)), ("row_slots", c_void_p), ("width", c_int64)]
 
 
-ABI_VERSION = 18  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 19  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
 
 

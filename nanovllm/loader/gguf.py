@@ -24,7 +24,8 @@ from nanovllm.layers.quantization.block_formats import NATIVE_FORMATS as NATIVE_
 from nanovllm.layers.quantization.block_formats import block_shape
 from nanovllm.loader import gguf_hybrid
 from nanovllm.loader.gguf_reader import GGUFMetadata
-from nanovllm.loader.gguf_families import ARCHITECTURES, LAYER, architecture, family_config, hf_name, stored_as_hf
+from nanovllm.loader.gguf_families import (ARCHITECTURES, LAYER, PERMUTED_QK, architecture, family_config, hf_name,
+                                           stored_as_hf)
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class GGUFFile:
             else:
                 # the reader gives F16 / BF16 data as 16-bit values: their bytes, as for the blocks
                 tensor = torch.from_numpy(np.array(data).view(np.uint8).reshape(*rows, info.row_bytes))
-            if self.arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            if self.arch in PERMUTED_QK and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
                 tensor = unpermute_rows(tensor, heads if "q_proj" in name else kv_heads)
             self.reader.release(by_name[info.gguf_name])  # (a tensor split into several is read again: mapped again)
             if len(info.shape) == 3 or (".mlp.experts." in name and name.endswith(".bias")):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from nanovllm.loader.gguf import unpermute_rows
-from nanovllm.loader.gguf_families import ARCHITECTURES, hf_name
+from nanovllm.loader.gguf_families import ARCHITECTURES, PERMUTED_QK, hf_name
 from nanovllm.loader.gguf_reader import PLAIN, GGUFMetadata
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def read_gguf_adapter(path: str, what: str, hf_config) -> dict[str, tuple[torch.
         if set(ab) != {"a", "b"}:
             raise ValueError(f"{what}: {module} has lora_{''.join(ab)} without its other half")
         a, b = ab["a"], ab["b"]
-        if arch == "llama" and module.endswith(("q_proj", "k_proj")):
+        if arch in PERMUTED_QK and module.endswith(("q_proj", "k_proj")):
             b = unpermute_rows(b, heads if module.endswith("q_proj") else kv_heads)
         rank = a.shape[0] if a.dim() == 2 else 0
         pairs[module] = (a, b, alpha if alpha else float(rank))  # no alpha: scale 1, as llama.cpp

@@ -6,10 +6,14 @@ import re
 
 from nanovllm.loader import gguf_hybrid
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
                  **gguf_hybrid.ARCHITECTURES}
+# The files whose q / k rows llama.cpp's converter permuted for its rotation (its LlamaModel and the
+# families built on it): read back in HF order.
+PERMUTED_QK = {"llama", "smollm3"}
 # Gemma files (llama.cpp's conventions): norms stored as 1 + w; the norm before the MLP is ffn_norm,
 # the ones after attention and the MLP have their own names; every `pattern`-th layer is full
 # attention, the others slide (llama.cpp's set_swa_pattern), with sliding layers' rope base 10000.
@@ -161,6 +165,8 @@ def family_config(file, a: str, kwargs: dict) -> dict:
         kwargs.update(gemma_config(file, a, kwargs))
     if a == "gpt-oss":
         kwargs.update(gpt_oss_config(file, a, kwargs))
+    if a == "smollm3":  # the file states no NoPE layers: llama.cpp takes every 4th (n_no_rope_layer_step)
+        kwargs["no_rope_layer_interval"] = 4
     if a in gguf_hybrid.ARCHITECTURES:
         kwargs.update(gguf_hybrid.hybrid_config(file, a, kwargs))
     if is_mixtral(file):  # llama.cpp's Mixtral: a llama file whose layers all hold experts

@@ -9,6 +9,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": "nanovllm.models.qwen_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "nanovllm.models.mixtral:MixtralForCausalLM",
     "MistralForCausalLM": "nanovllm.models.mistral:MistralForCausalLM",
+    "SmolLM3ForCausalLM": "nanovllm.models.smollm3:SmolLM3ForCausalLM",
     "GptOssForCausalLM": "nanovllm.models.gpt_oss:GptOssForCausalLM",
     "Gemma2ForCausalLM": "nanovllm.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "nanovllm.models.gemma:Gemma3ForCausalLM",

@@ -99,6 +99,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb if rotary_emb is not None else build_rope(config)
+        self.use_rope = True  # False: a NoPE layer (SmolLM3's), whose q and k keep their positions out
         self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim ** -0.5, self.num_kv_heads,
                               sliding_window, logit_softcap)
         self.use_qk_norm = use_qk_norm
@@ -114,7 +115,8 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.use_rope:
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
@@ -264,7 +266,8 @@ def attention_part(a: nn.Module, c: CDescriber, gated: bool = False) -> CPart:
     its output gated, its q and k always normed): projections, q/k norms, heads and rotary cache, over
     its Attention's own part."""
     qkv, o = c.linear(a.qkv_proj, "its qkv_proj"), c.linear(a.o_proj, "its o_proj")
-    fields = {"qkv": qkv or Linear(), "o": o or Linear(), "attn_gate": int(gated)}
+    fields = {"qkv": qkv or Linear(), "o": o or Linear(), "attn_gate": int(gated),
+              "no_rope": int(not getattr(a, "use_rope", True))}
     if gated or a.use_qk_norm:
         fields |= {"q_norm": c.norm(a.q_norm, "its q_norm"), "k_norm": c.norm(a.k_norm, "its k_norm")}
     cos_sin = a.rotary_emb.cos_sin_cache
