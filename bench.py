@@ -115,6 +115,15 @@ def random_qwen3_checkpoint() -> str:
     return random_checkpoint("qwen3-0.6b", "Qwen3", QWEN3_0_6B)
 
 
+# SmolLM3's blocks (NoPE every 4th layer) at Qwen3-0.6B's size and vocabulary (the GGUF converter's
+# vendored Qwen2 vocabulary fits it): the 3B model's layers at a size this bench's machines hold.
+SMOLLM3_BENCH = {k: v for k, v in QWEN3_0_6B.items() if k != "head_dim"}
+
+
+def random_smollm3_checkpoint() -> str:
+    return random_checkpoint("smollm3-0.6b", "SmolLM3", SMOLLM3_BENCH)
+
+
 def random_qwen3_moe_checkpoint() -> str:
     return random_checkpoint("qwen3-moe", "Qwen3Moe", QWEN3_MOE_BENCH)
 
