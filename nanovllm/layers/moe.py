@@ -40,18 +40,29 @@ class FusedMoE(TaggedWeights):
     """The experts of one layer: forward(x, router_logits) -> [T, hidden], summed over the ranks.
     bias: every expert's gate / up and down have biases (w13_bias [E, 2I], w2_bias [E, H], fp32;
     with tensor parallelism only rank 0 holds the down biases' values, so the sum adds them once).
-    lora: the experts' adapter slots (lora/experts.py) when the engine serves adapters on them."""
+    lora: the experts' adapter slots (lora/experts.py) when the engine serves adapters on them.
+    grouped: DeepSeek-V3 / GLM-4.5's router (moe_ops.GroupedTopK; None: softmax top-k), with its
+    e_score_correction_bias [num_experts] (fp32, every rank whole; the checkpoint names it beside the
+    router's weight: the model's loader renames it)."""
 
     lora = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  quant_config: QuantizationConfig | None = None, prefix: str = "", bias: bool = False,
-                 activation: ExpertActivation = ExpertActivation()):
+                 activation: ExpertActivation = ExpertActivation(), grouped=None):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"{prefix}: num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]")
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        if grouped is not None and (num_experts % grouped.n_group or not 0 < grouped.topk_group <= grouped.n_group
+                                    or top_k > grouped.topk_group * (num_experts // grouped.n_group)):
+            raise ValueError(f"{prefix}: n_group {grouped.n_group} / topk_group {grouped.topk_group} do not split "
+                             f"{num_experts} experts into groups leaving top_k {top_k} to choose from")
+        self.grouped = grouped
+        if grouped is not None:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
         self.hidden_size = hidden_size
         self.intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
         self.prefix = prefix

@@ -10,7 +10,7 @@ rows of B, down updates their rank's columns of A, and the layer's all-reduce su
 outputs as it sums the base ones."""
 import torch
 
-from nanovllm.layers.quantization.moe_ops import experts_reference, select_experts
+from nanovllm.layers.quantization.moe_ops import experts_reference, route
 from nanovllm.lora.adapter import EXPERT_PARTS
 from nanovllm.utils.context import get_context
 
@@ -80,7 +80,7 @@ class ExpertsLoRA:
     def experts(self, x: torch.Tensor, router_logits: torch.Tensor, slot: int) -> torch.Tensor:
         """The experts of x's rows under slot's updates (moe_ops.experts_reference's grouped loop)."""
         layer = self.layer
-        weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+        weights, ids = route(layer, router_logits)
         lora = tuple(t[slot].to(x.dtype) for pair in self.w.values() for t in pair)
         return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases, layer.activation,
                                  lora)

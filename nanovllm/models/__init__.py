@@ -11,6 +11,7 @@ _MODELS = {
     "MistralForCausalLM": "nanovllm.models.mistral:MistralForCausalLM",
     "SmolLM3ForCausalLM": "nanovllm.models.smollm3:SmolLM3ForCausalLM",
     "GptOssForCausalLM": "nanovllm.models.gpt_oss:GptOssForCausalLM",
+    "Glm4MoeForCausalLM": "nanovllm.models.glm4_moe:Glm4MoeForCausalLM",
     "Gemma2ForCausalLM": "nanovllm.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "nanovllm.models.gemma:Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM": "nanovllm.models.qwen3_next:Qwen3_5ForCausalLM",

@@ -70,9 +70,12 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
 
 
 def build_rope(config, layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary embedding, over the first partial_rotary_factor of each head (1: all of it)."""
     theta, scaling = rope_settings(config, layer_type)
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
     head_dim = head_dim_of(config)
-    return get_rope(head_dim, head_dim, config.max_position_embeddings, theta, scaling)
+    return get_rope(head_dim, int(head_dim * factor), config.max_position_embeddings, theta, scaling)
 
 
 class DecoderAttention(nn.Module):

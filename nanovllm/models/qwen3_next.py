@@ -16,11 +16,11 @@ from nanovllm.layers.gated_deltanet import GatedDeltaNet
 from nanovllm.layers.layernorm import GemmaRMSNorm
 from nanovllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanovllm.layers.quantization.base import QuantizationConfig
-from nanovllm.layers.rotary_embedding import get_rope, rope_settings
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.loader.weights import load_weights
 from nanovllm.layers.c_description import CDescriber, CPart, describes
-from nanovllm.models.decoder import DecoderForCausalLM, attention_part, gated_mlp, head_dim_of, pre_norm_layer_part
+from nanovllm.models.decoder import (DecoderForCausalLM, attention_part, build_rope, gated_mlp, head_dim_of,
+                                     pre_norm_layer_part)
 from nanovllm.models.qwen_moe import MoeMixin
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -39,15 +39,6 @@ def hybrid_layer_types(config) -> list[str]:
         if kind not in (LINEAR, FULL):
             raise ValueError(f"layer_types[{i}] is {kind!r}, not a layer type this model runs ({LINEAR!r}, {FULL!r})")
     return types
-
-
-def partial_rope(config):
-    """The full layers' rotary embedding over the first partial_rotary_factor of each head."""
-    params = getattr(config, "rope_parameters", None) or {}
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-    head_dim = head_dim_of(config)
-    theta, scaling = rope_settings(config)
-    return get_rope(head_dim, int(head_dim * factor), config.max_position_embeddings, theta, scaling)
 
 
 class GatedAttention(nn.Module):
@@ -124,7 +115,7 @@ class HybridModel(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None, make_mlp, prefix: str = "model"):
         super().__init__()
         kinds = hybrid_layer_types(config)
-        rope = partial_rope(config)
+        rope = build_rope(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config,
                                                    f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(HybridLayer(config, i, kind, rope, quant_config, f"{prefix}.layers.{i}", make_mlp)
@@ -236,7 +227,7 @@ class MultiTokenPredictor(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None, make_mlp, prefix: str = "model"):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        rope = partial_rope(config)
+        rope = build_rope(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, quant_config, f"{prefix}.embed_tokens")
         self.pre_fc_norm_embedding = GemmaRMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = GemmaRMSNorm(hidden, eps=eps)

@@ -18,7 +18,7 @@ from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import CWeightView, FusedMoEMethodBase, LinearKernels
 from nanovllm.layers.quantization.block_formats import row_bytes
 from nanovllm.layers.quantization.gguf_dense import dequantized
-from nanovllm.layers.quantization.moe_ops import activate, c_experts, experts_reference, select_experts
+from nanovllm.layers.quantization.moe_ops import activate, c_experts, experts_reference, route
 from nanovllm.layers.quantization.quantizers import quantize_rows
 
 
@@ -100,11 +100,11 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.triton_experts is not None:
             from nanovllm.kernels.fused_moe import fused_experts
-            weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+            weights, ids = route(layer, router_logits)
             return fused_experts(x, *self.triton_experts, weights, ids, layer.biases,
                                  lambda gate, up: activate(gate, up, layer.activation))
         if self.c_moe is None:  # dequantized: no C kernels here
-            weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+            weights, ids = route(layer, router_logits)
             return experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases,
                                      layer.activation)
         dtype = x.dtype

@@ -1,6 +1,8 @@
 """The routing and the reference of a mixture of experts, in plain torch: select_experts (the
 router's top-k) and experts_reference (the grouped loop every experts kernel is tested against,
 and the dense method's path where no kernel runs)."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +15,45 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+@dataclass(frozen=True)
+class GroupedTopK:
+    """DeepSeek-V3 / GLM-4.5's router: each expert scores sigmoid(logit); the experts are chosen by
+    score + correction bias, only among the topk_group groups (num_experts / n_group experts each)
+    whose two best biased scores sum highest; the weights are the chosen experts' unbiased scores
+    (renormalized over them when asked), times scale (routed_scaling_factor)."""
+
+    n_group: int
+    topk_group: int
+    scale: float
+
+
+def select_grouped(router_logits: torch.Tensor, top_k: int, renormalize: bool, grouped: GroupedTopK,
+                   correction_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, top_k], expert ids int64 [T, top_k]) by GroupedTopK's rule."""
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores + correction_bias.float()
+    tokens, experts = choice.shape
+    per_group = experts // grouped.n_group
+    best_two = choice.view(tokens, grouped.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+    groups = best_two.topk(grouped.topk_group, dim=-1)[1]
+    allowed = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * grouped.scale, ids
+
+
+def route(layer, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FusedMoE layer's (weights, ids) for its router logits: its grouped rule where it has one,
+    else the softmax top-k (select_experts)."""
+    if layer.grouped is not None:
+        return select_grouped(router_logits, layer.top_k, layer.renormalize, layer.grouped,
+                              layer.e_score_correction_bias)
+    return select_experts(router_logits, layer.top_k, layer.renormalize)
 
 
 def activate(gate: torch.Tensor, up: torch.Tensor, activation=None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 from nanovllm.kernels import cpu_kernels
 from nanovllm.layers.quantization.base import (CWeightView, EmbeddingMethodBase, FusedMoEMethodBase, LinearKernels,
                                                LinearMethodBase, QuantizationConfig, register_dense_method)
-from nanovllm.layers.quantization.moe_ops import activate, c_experts, experts_reference, select_experts
+from nanovllm.layers.quantization.moe_ops import activate, c_experts, experts_reference, route
 
 # The C kernels' name of a dense weight's element type (kernels/cpu_kernels.c, weight_types).
 C_TYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -155,7 +155,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         self.use_triton = kernels.fused_moe_triton
-        if kernels.c_kernels is None:
+        if kernels.c_kernels is None or layer.grouped is not None:  # (the C kernel routes by softmax only)
             return
         for param in (layer.w13_weight, layer.w2_weight):
             param.data = param.data.to(kernels.c_weight_dtype).contiguous()
@@ -166,7 +166,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.c_moe is not None and x.dtype == torch.float32:
             return cpu_kernels.moe_experts(self.c_kernels, self.c_moe, x, router_logits)
-        weights, ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+        weights, ids = route(layer, router_logits)
         if self.use_triton:
             from nanovllm.kernels.fused_moe import fused_experts
             return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.biases,
