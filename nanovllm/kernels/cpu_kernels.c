@@ -371,6 +371,8 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(MoeExperts, intermediate), FIELD(MoeExperts, router), FIELD(MoeExperts, shared_gate_up),
     FIELD(MoeExperts, shared_down), FIELD(MoeExperts, shared_gate), FIELD(MoeExperts, activation),
     FIELD(MoeExperts, alpha), FIELD(MoeExperts, limit),
+    FIELD(MoeExperts, n_group), FIELD(MoeExperts, topk_group), FIELD(MoeExperts, correction_bias),
+    FIELD(MoeExperts, routed_scale),
     FIELD(DeltaNetLayer, conv_w), FIELD(DeltaNetLayer, conv_state), FIELD(DeltaNetLayer, state),
     FIELD(DeltaNetLayer, A_log), FIELD(DeltaNetLayer, dt_bias), FIELD(DeltaNetLayer, norm),
     FIELD(DeltaNetLayer, nk), FIELD(DeltaNetLayer, nv), FIELD(DeltaNetLayer, dk), FIELD(DeltaNetLayer, dv),

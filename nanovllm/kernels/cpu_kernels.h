@@ -10,7 +10,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 19
+#define NANOVLLM_ABI_VERSION 20
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -152,6 +152,14 @@ typedef struct {
      * biases, where a model has them, are their Linears' own.) */
     int64_t activation;
     float alpha, limit;
+    /* The router's rule: n_group 0, the softmax top-k (renormalized over the chosen when asked);
+     * n_group > 0, DeepSeek-V3 / GLM-4.5's (layers/quantization/moe_ops.py GroupedTopK): scores
+     * sigmoid(logit), experts chosen by score + correction_bias[e] among the topk_group groups of
+     * num_experts / n_group whose two best biased scores sum highest, weights the chosen scores
+     * (renormalized when asked) times routed_scale. */
+    int64_t n_group, topk_group;
+    const float *correction_bias; /* [num_experts] fp32 */
+    float routed_scale;
 } MoeExperts;
 enum { MOE_SILU, MOE_SWIGLU_OAI };
 

@@ -348,11 +348,13 @@ def store_kv(kernels: CpuKernels, k: torch.Tensor, v: torch.Tensor, k_cache: tor
 
 def moe_experts_struct(kernels: CpuKernels, gate_up: list, down: list, top_k: int, renormalize: bool,
                        router=None, shared: tuple | None = None, biases: tuple | None = None,
-                       activation: tuple = ("silu", 0.0, 0.0)) -> MoeExperts:
+                       activation: tuple = ("silu", 0.0, 0.0), grouped=None,
+                       correction_bias: torch.Tensor | None = None) -> MoeExperts:
     """The C description of a layer's experts from their weight views (one per expert: gate_up
     [2I, H], down [H, I]), optionally with the router's view and the shared expert's (gate_up,
     down, gate) views, checked by moe_is_valid. biases: (gate_up [E, 2I], down [E, H]) fp32, or
-    None; activation: (name in MOE_ACTIVATIONS, alpha, limit). NOTE: it points into the views'
+    None; activation: (name in MOE_ACTIVATIONS, alpha, limit); grouped: the layer's moe_ops.GroupedTopK
+    (None: the softmax router) with its correction_bias [E] fp32. NOTE: it points into the views'
     tensors and the biases, which the layer keeps alive; the per-expert descriptions are kept alive
     by the returned structure."""
     up_bias, down_bias = biases if biases is not None else (None, None)
@@ -365,6 +367,9 @@ def moe_experts_struct(kernels: CpuKernels, gate_up: list, down: list, top_k: in
                      extra[0] if router is not None else Linear(),
                      *(extra[-3:] if shared else [Linear()] * 3),
                      MOE_ACTIVATIONS[activation[0]], activation[1], activation[2])
+    if grouped is not None:
+        moe.n_group, moe.topk_group, moe.routed_scale = grouped.n_group, grouped.topk_group, grouped.scale
+        moe.correction_bias = correction_bias.data_ptr()
     moe.keep = (ups, downs, ups_array, downs_array, extra)
     if not kernels.moe_is_valid(ctypes.byref(moe)):
         raise ValueError(f"the experts' weights ({len(ups)} x [{gate_up[0].outputs}, {gate_up[0].k}] and "

@@ -16,7 +16,7 @@
 
 /* Row b's top-k experts by logit (ties: the lower index), their softmax probabilities over all
  * experts, renormalized over the k when asked. */
-static void route_row(const float *logits, int64_t E, int64_t k, int renormalize, int64_t *ids, float *w) {
+static void route_softmax(const float *logits, int64_t E, int64_t k, int renormalize, int64_t *ids, float *w) {
     float max = logits[0];
     for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
     float sum = 0.0f;
@@ -37,6 +37,57 @@ static void route_row(const float *logits, int64_t E, int64_t k, int renormalize
         for (int64_t j = 0; j < k; j++) w[j] /= chosen_sum;
 }
 
+/* The index of the largest of v[0..n) not excluded (ties: the lower index), or -1. */
+static int64_t best_of(const float *v, int64_t n, const unsigned char *excluded) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!excluded[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+/* The grouped rule (MoeExperts.n_group > 0) for one row. */
+static void route_grouped(const MoeExperts *m, const float *logits, int64_t *ids, float *w) {
+    const int64_t E = m->num_experts, k = m->top_k, G = m->n_group, per = E / G;
+    float score[E], choice[E], group[G];
+    unsigned char closed[E], skip[G];
+    for (int64_t e = 0; e < E; e++) {
+        score[e] = 1.0f / (1.0f + expf(-logits[e]));
+        choice[e] = score[e] + m->correction_bias[e];
+    }
+    for (int64_t g = 0; g < G; g++) { /* the sum of the group's two best biased scores */
+        const float *c = choice + g * per;
+        int64_t first = 0;
+        for (int64_t i = 1; i < per; i++) first = c[i] > c[first] ? i : first;
+        int64_t second = -1;
+        for (int64_t i = 0; i < per; i++)
+            if (i != first && (second < 0 || c[i] > c[second])) second = i;
+        group[g] = c[first] + (second >= 0 ? c[second] : 0.0f);
+        skip[g] = 0;
+    }
+    memset(closed, 1, (size_t)E);
+    for (int64_t j = 0; j < m->topk_group; j++) { /* open the best topk_group groups */
+        const int64_t g = best_of(group, G, skip);
+        skip[g] = 1;
+        memset(closed + g * per, 0, (size_t)per);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t e = best_of(choice, E, closed);
+        closed[e] = 1;
+        ids[j] = e;
+        w[j] = score[e];
+        sum += score[e];
+    }
+    for (int64_t j = 0; j < k; j++) w[j] = (m->renormalize ? w[j] / (sum + 1e-20f) : w[j]) * m->routed_scale;
+}
+
+static void route_row(const MoeExperts *m, const float *logits, int64_t *ids, float *w) {
+    if (m->n_group > 0)
+        route_grouped(m, logits, ids, w);
+    else
+        route_softmax(logits, m->num_experts, m->top_k, (int)m->renormalize, ids, w);
+}
+
 int64_t moe_scratch_floats(const MoeExperts *m, int64_t B) {
     const int64_t P = B * m->top_k, H = m->hidden, I = m->intermediate;
     /* ids, order, position and start (int64: 2 floats each), the weights, the pairs' rows */
@@ -54,7 +105,7 @@ void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logi
     float *w = (float *)(start + E + 1), *xg = w + P, *gu = xg + P * H, *act = gu + P * 2 * I, *yd = act + P * I;
 #pragma omp single
     {
-        for (int64_t b = 0; b < B; b++) route_row(logits + b * E, E, k, (int)m->renormalize, ids + b * k, w + b * k);
+        for (int64_t b = 0; b < B; b++) route_row(m, logits + b * E, ids + b * k, w + b * k);
         /* counting sort of the pairs by expert: start[e] is expert e's first place in order */
         for (int64_t e = 0; e <= E; e++) start[e] = 0;
         for (int64_t p = 0; p < P; p++) start[ids[p] + 1]++;
@@ -111,6 +162,9 @@ int moe_is_valid(const MoeExperts *m) {
     const int64_t E = m->num_experts, H = m->hidden, I = m->intermediate;
     if (E <= 0 || m->top_k <= 0 || m->top_k > E || m->gate_up == NULL || m->down == NULL ||
         (m->activation != MOE_SILU && m->activation != MOE_SWIGLU_OAI))
+        return 0;
+    if (m->n_group < 0 || (m->n_group > 0 && (E % m->n_group || m->topk_group <= 0 || m->topk_group > m->n_group ||
+                                              m->top_k > m->topk_group * (E / m->n_group) || m->correction_bias == NULL)))
         return 0;
     if (m->router.data != NULL && !(linear_is_valid(&m->router) && m->router.k == H && linear_outputs(&m->router) == E))
         return 0;

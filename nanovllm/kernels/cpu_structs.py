@@ -16,7 +16,8 @@ class MoeExperts(ctypes.Structure):
     _fields_ = [("gate_up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear)), ("num_experts", c_int64),
                 ("top_k", c_int64), ("renormalize", c_int64), ("hidden", c_int64), ("intermediate", c_int64),
                 ("router", Linear), ("shared_gate_up", Linear), ("shared_down", Linear), ("shared_gate", Linear),
-                ("activation", c_int64), ("alpha", c_float), ("limit", c_float)]
+                ("activation", c_int64), ("alpha", c_float), ("limit", c_float),
+                ("n_group", c_int64), ("topk_group", c_int64), ("correction_bias", c_void_p), ("routed_scale", c_float)]
 
 # MoeExperts.activation (cpu_kernels.h): the experts' activation by the name layers/moe.py gives it.
 MOE_ACTIVATIONS = {"silu": 0, "swigluoai": 1}
@@ -66,7 +67,7 @@ class LoraStep(ctypes.Structure):
     _fields_ = [("mats", ctypes.POINTER(LoraMatrix)), ("row_slots", c_void_p), ("width", c_int64)]
 
 
-ABI_VERSION = 19  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 20  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
 
 

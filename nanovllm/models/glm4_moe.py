@@ -6,7 +6,7 @@ the weights renormalized where `norm_topk_prob`, times `routed_scaling_factor`) 
 `n_shared_experts` shared experts (one MLP of their summed size, ungated).
 
 The C decode step runs the attention and norms; the MoE blocks run through their modules between
-its phases (the C experts kernel routes by softmax only)."""
+its phases, whose experts the C experts kernel runs (its grouped rule: cpu_moe.c route_grouped)."""
 from collections.abc import Iterable
 
 import torch

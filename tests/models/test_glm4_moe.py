@@ -48,6 +48,7 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine):
     path, refs = checkpoint
     with LLM(path, **FP32, **engine) as llm:
         # the C step runs attention and norms (partial rotary, q/k norm), the MoE blocks their modules
+        # (whose experts the C experts kernel runs, routing by the grouped rule)
         assert llm.llm_engine.model_runner.step_runner(FusedDecode) is not None
         layers = llm.llm_engine.model_runner.model.model.layers
         assert layers[0].self_attn.rotary_emb.rotary_dim == 16  # half of head_dim 32
@@ -58,13 +59,32 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{attempt} pass")
 
 
-def test_the_grouped_router_matters(checkpoint, monkeypatch):
-    """The softmax top-k router in its place: not transformers' answers."""
-    from nanovllm.layers.quantization import moe_ops
+def experts_layers(llm):
+    from nanovllm.layers.moe import FusedMoE
+    return [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def test_the_experts_in_torch_match_too(checkpoint):
+    """With the C experts kernel set aside, the experts and moe_ops.select_grouped in torch."""
     path, refs = checkpoint
-    monkeypatch.setattr("nanovllm.layers.quantization.unquantized.route",
-                        lambda layer, logits: moe_ops.select_experts(logits, layer.top_k, True))
     with LLM(path, **FP32) as llm:
+        for layer in experts_layers(llm):
+            assert layer.quant_method.c_moe is not None and layer.quant_method.c_moe.n_group == 4
+            layer.quant_method.c_moe = None
+        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "torch experts")
+
+
+@pytest.mark.parametrize("where", ["c", "torch"])
+def test_the_grouped_router_matters(checkpoint, where):
+    """The softmax top-k router in its place (in C: n_group 0; in torch: no grouped rule): not
+    transformers' answers."""
+    path, refs = checkpoint
+    with LLM(path, **FP32) as llm:
+        for layer in experts_layers(llm):
+            if where == "c":
+                layer.quant_method.c_moe.n_group = 0
+            else:
+                layer.quant_method.c_moe, layer.grouped = None, None
         with pytest.raises(AssertionError):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "softmax router")
 

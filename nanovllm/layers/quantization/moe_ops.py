@@ -99,8 +99,13 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 def c_experts(kernels, layer, gate_up_views: list, down_views: list):
     """The C description (kernels/cpu_kernels.py, MoeExperts) of a FusedMoE layer's experts from
-    their weight views, with the layer's routing, biases and activation."""
+    their weight views, with the layer's routing (its grouped rule and correction bias too), biases
+    and activation."""
     from nanovllm.kernels import cpu_kernels
     act = layer.activation
+    bias = None
+    if layer.grouped is not None:
+        bias = layer.e_score_correction_bias.data = layer.e_score_correction_bias.data.float().contiguous()
     return cpu_kernels.moe_experts_struct(kernels, gate_up_views, down_views, layer.top_k, layer.renormalize,
-                                          biases=layer.biases, activation=(act.name, act.alpha, act.limit))
+                                          biases=layer.biases, activation=(act.name, act.alpha, act.limit),
+                                          grouped=layer.grouped, correction_bias=bias)

@@ -155,7 +155,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: LinearKernels, is_shared: bool) -> None:
         self.use_triton = kernels.fused_moe_triton
-        if kernels.c_kernels is None or layer.grouped is not None:  # (the C kernel routes by softmax only)
+        if kernels.c_kernels is None:
             return
         for param in (layer.w13_weight, layer.w2_weight):
             param.data = param.data.to(kernels.c_weight_dtype).contiguous()
