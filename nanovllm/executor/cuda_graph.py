@@ -113,8 +113,9 @@ class DecodeGraphs(StepRunner):
         self.lora = lora if lora is not None and lora.graph_ready() else None
         self.runs_lora = self.lora is not None
         if lora is not None and self.lora is None:
-            logger.warning("decode steps with adapter rows run eagerly: the adapters' updates need the Triton "
-                           "kernels and no adapter on MoE experts to be captured")
+            logger.warning("decode steps with adapter rows run eagerly: graphs hold the adapters' updates by the "
+                           "Triton kernels on models without MoE experts (the experts' adapters read the rows' "
+                           "slots on the host)")
         max_blocks_per_seq = -(-max_model_len // block_size)
         self.buffers = DecodeBuffers.allocate(backend, self.sizes[-1], max_blocks_per_seq, max_model_len,
                                               hidden_size, dtype, device, lora=self.runs_lora)

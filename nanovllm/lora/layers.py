@@ -332,7 +332,9 @@ class LoRAModel:
                 groups.append((slot, self.to_device(torch.tensor(rows, dtype=torch.int64))))
         few = [slot for slot, rows in by_slot.items() if len(rows) < C_GROUP_ROWS]
         c_row_slots = None
-        if few:
+        if len(few) == len(by_slot):  # (the usual case: every slot's rows to the C kernel)
+            c_row_slots = row_slots
+        elif few:
             c_row_slots = torch.where(torch.isin(row_slots, torch.tensor(few)), row_slots, -1)
         return LoRABatch(groups, row_slots, self.to_device(row_slots), c_row_slots,
                          [group for group in groups if group[0] not in few])
