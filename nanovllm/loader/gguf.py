@@ -24,8 +24,8 @@ from nanovllm.layers.quantization.block_formats import NATIVE_FORMATS as NATIVE_
 from nanovllm.layers.quantization.block_formats import block_shape
 from nanovllm.loader import gguf_hybrid
 from nanovllm.loader.gguf_reader import GGUFMetadata
-from nanovllm.loader.gguf_families import (ARCHITECTURES, LAYER, PERMUTED_QK, architecture, family_config, hf_name,
-                                           stored_as_hf)
+from nanovllm.loader.gguf_families import (ARCHITECTURES, LAYER, MTP_LAST, PERMUTED_QK, architecture, family_config,
+                                           hf_name, stored_as_hf)
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,13 @@ class GGUFFile:
         unsupported, unknown = {}, []
         size = os.path.getsize(path)
         hybrid = self.arch in gguf_hybrid.ARCHITECTURES
-        # a hybrid file's MTP head: its last layers (read back as the checkpoint's mtp.* tensors)
-        first_mtp = self.target_layers() if hybrid else None
+        # a hybrid file's MTP head: its last layers (read back as the checkpoint's mtp.* tensors);
+        # another family's (MTP_LAST) is left out
+        first_mtp = self.target_layers() if hybrid or self.arch in MTP_LAST else None
         for t in self.reader.tensors:
+            layer = LAYER.fullmatch(t.name)
+            if self.arch in MTP_LAST and layer is not None and int(layer.group(1)) >= first_mtp:
+                continue
             type_name = t.tensor_type.name.lower()
             if t.data_offset + t.n_bytes > size:
                 raise ValueError(f"{path!r}: tensor {t.name} lies past the end of the file (truncated?)")
@@ -173,9 +177,10 @@ class GGUFFile:
         return PretrainedConfig(**family_config(self, a, kwargs))
 
     def target_layers(self) -> int:
-        """The model's layers: block_count, less a hybrid file's MTP head's (gguf_hybrid.mtp_layers)."""
+        """The model's layers: block_count, less an MTP head's (gguf_hybrid.mtp_layers)."""
         layers = int(self.field(f"{self.arch}.block_count"))
-        return layers - gguf_hybrid.mtp_layers(self, self.arch) if self.arch in gguf_hybrid.ARCHITECTURES else layers
+        mtp = self.arch in gguf_hybrid.ARCHITECTURES or self.arch in MTP_LAST
+        return layers - gguf_hybrid.mtp_layers(self, self.arch) if mtp else layers
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every tensor, copied out of the file (which is closed afterwards)."""

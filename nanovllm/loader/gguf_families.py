@@ -6,7 +6,7 @@ import re
 
 from nanovllm.loader import gguf_hybrid
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
@@ -32,6 +32,16 @@ _GPT_OSS_LAYER_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.
                         "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias", "ffn_up_exps.bias": "mlp.experts.up_proj.bias",
                         "ffn_down_exps.bias": "mlp.experts.down_proj.bias"}
 GPT_OSS_SWIGLU = dict(swiglu_alpha=1.702, swiglu_limit=7.0)
+# GLM-4.5 files (llama.cpp's glm4moe): the norm before the MLP is post_attention_norm, the router's
+# correction bias exp_probs_b, the shared experts *_shexp (one MLP), the MTP layers (nextn) last.
+_GLM_LAYER_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}
+# The architectures whose files end in an MTP head's layers that the model itself does not run
+# (nextn_predict_layers; the hybrids' are read as their MTP head, gguf_hybrid.py).
+MTP_LAST = {"glm4moe"}
 # llama.cpp renormalizes the chosen experts' weights for qwen3moe and not for qwen2moe (its
 # build_moe_ffn's norm_w); the files carry no key for it.
 NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen35moe": True, "qwen3next": True}
@@ -59,6 +69,7 @@ _LAYER_NAMES = {
 # The layer names of the architectures whose files name some tensors their own way.
 _ARCH_LAYER_NAMES = {**{a: {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} for a in GEMMA},
                      "gpt-oss": {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES},
+                     "glm4moe": {**_LAYER_NAMES, **_GLM_LAYER_NAMES},
                      **{a: {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES} for a in gguf_hybrid.ARCHITECTURES}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -143,6 +154,26 @@ def moe_config(file, a: str, layers: int) -> dict:
     return out
 
 
+def glm4moe_config(file, a: str, kwargs: dict) -> dict:
+    """A GLM-4.5 file's settings: DeepSeek-V3's router (sigmoid gating, groups, scale), the shared
+    experts, the leading dense layers, q/k norms where the file holds them, the rotary share."""
+    gating = file.field(f"{a}.expert_gating_func", 2)
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ValueError(f"{file.path!r}: {a}.expert_gating_func={gating} is not supported (GLM-4.5's is 2, sigmoid)")
+    rotary = int(file.field(f"{a}.rope.dimension_count", kwargs["head_dim"]))
+    return dict(n_routed_experts=int(file.field(f"{a}.expert_count")),
+                num_experts_per_tok=int(file.field(f"{a}.expert_used_count")),
+                moe_intermediate_size=int(file.field(f"{a}.expert_feed_forward_length")),
+                n_shared_experts=int(file.field(f"{a}.expert_shared_count", 0)),
+                first_k_dense_replace=int(file.field(f"{a}.leading_dense_block_count", 0)),
+                n_group=int(file.field(f"{a}.expert_group_count", 1) or 1),
+                topk_group=int(file.field(f"{a}.expert_group_used_count", 1) or 1),
+                routed_scaling_factor=float(file.field(f"{a}.expert_weights_scale", 1.0)),
+                norm_topk_prob=bool(file.field(f"{a}.expert_weights_norm", True)),
+                use_qk_norm="model.layers.0.self_attn.q_norm.weight" in file.tensors,
+                partial_rotary_factor=rotary / kwargs["head_dim"])
+
+
 def is_mixtral(file) -> bool:
     """A llama file with experts (llama.cpp writes Mixtral as llama with ffn_*_exps tensors)."""
     return file.arch == "llama" and bool(file.field("llama.expert_count", 0))
@@ -165,6 +196,8 @@ def family_config(file, a: str, kwargs: dict) -> dict:
         kwargs.update(gemma_config(file, a, kwargs))
     if a == "gpt-oss":
         kwargs.update(gpt_oss_config(file, a, kwargs))
+    if a == "glm4moe":
+        kwargs.update(glm4moe_config(file, a, kwargs))
     if a == "smollm3":  # the file states no NoPE layers: llama.cpp takes every 4th (n_no_rope_layer_step)
         kwargs["no_rope_layer_interval"] = 4
     if a in gguf_hybrid.ARCHITECTURES:

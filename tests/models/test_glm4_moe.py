@@ -2,7 +2,12 @@
 rotary, q/k norm, biased q/k/v, a dense first layer, and MoE blocks under DeepSeek-V3's router
 (sigmoid scores, a correction bias, expert groups, routed_scaling_factor) with a shared expert;
 whole and chunked prefills, prefix hits, preemption and TP=2. The router alone against
-transformers' own router module."""
+transformers' own router module; llama.cpp's glm4moe GGUF files (F32, Q8_0) of a checkpoint."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,3 +126,62 @@ def test_bad_groups_are_named():
 
 def test_tp2_matches_tp1_with_prefix_hits_chunks_and_preemption(tmp_path):
     check_tp2_equals_tp1(make_glm4_moe(str(tmp_path)))
+
+
+def llamacpp_file(tmp_path, outtype: str, hf: str) -> Path:
+    """hf written by llama.cpp's convert_hf_to_gguf.py as a glm4moe file. Its GLM vocabulary step
+    wants a tokenizer it knows: the vendored Qwen2 one (llamacpp_build.with_qwen2_tokenizer), with
+    the GLM special tokens it looks up added on unused ids."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import llamacpp_build
+    from nanovllm.utils.cache import cache_root
+    llama = llamacpp_build.source_fetched(cache_root())
+    if llama is None:
+        pytest.skip("llama.cpp's converters are not fetched: run `python scripts/llamacpp_build.py --source` "
+                    "(the README's test command does)")
+    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / f"{outtype}-vocab")
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] += [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                                   "normalized": False, "special": True}
+                                  for i, t in zip((151646, 151647, 151648), ("[gMASK]", "<|user|>", "<|observation|>"))]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    out = tmp_path / f"glm4moe-{outtype}.gguf"
+    done = subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+                           "--outfile", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_llamacpp_gguf_files(tmp_path):
+    """llama.cpp's glm4moe files of a checkpoint (the Qwen2 vocabulary's size; its config names an MTP
+    layer, which the file's block count includes and the model leaves out): F32 gives transformers'
+    tokens and log-probabilities (1e-4); Q8_0, whose experts run quantized under the C grouped
+    router, transformers' log-probabilities within Q8_0's rounding."""
+    import transformers
+    config = transformers.Glm4MoeConfig(**{**CONFIG, "vocab_size": 151936, "num_nextn_predict_layers": 1})
+    config.architectures = ["Glm4MoeForCausalLM"]
+    torch.manual_seed(4)
+    model = transformers.Glm4MoeForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 or p.abs().sum() == 0:
+                p.normal_(0, 0.1)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    hf = str(tmp_path / "hf")
+    model.save_pretrained(hf)  # no tokenizer: the converter gets the Qwen2 one
+    prompts = PROMPTS[1:3]
+    refs = peft_greedy(hf, None, prompts, MAX_NEW)
+    with LLM(str(llamacpp_file(tmp_path, "f32", hf)), **FP32) as llm:
+        assert llm.llm_engine.config.hf_config.num_hidden_layers == 3  # the MTP layer left out
+        assert_like_peft(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "F32 file")
+    # Q8_0: teacher-forced on transformers' greedy sequences (this random model's 151936-way
+    # distributions are near flat, so rounding flips near-tied argmaxes)
+    with LLM(str(llamacpp_file(tmp_path, "q8_0", hf)), **FP32) as llm:
+        for prompt, (tokens, logprobs) in zip(prompts, refs):
+            seq = prompt + tokens
+            out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                               use_tqdm=False)[0]
+            ours = torch.tensor([entry[t] for entry, t in zip(out["prompt_logprobs"][len(prompt):], tokens)])
+            theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+            assert (ours - theirs).abs().max() < 0.06, (ours - theirs).abs().max()
