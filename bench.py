@@ -35,6 +35,14 @@ QWEN3_5_BENCH = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers
                      num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
                      linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                      vocab_size=151936, max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# GLM-4.5-Air's kind (a dense first layer, then 64 routed experts of which 8 a token plus one shared,
+# the sigmoid router, biased q/k/v, half of each head rotated) at QWEN3_MOE_BENCH's size.
+GLM4_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=24,
+                      num_attention_heads=12, num_key_value_heads=4, head_dim=64, n_routed_experts=64,
+                      num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                      routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True, partial_rotary_factor=0.5,
+                      num_nextn_predict_layers=0, vocab_size=151936, max_position_embeddings=40960,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False)
 RANDOM_MODELS = {"qwen3-moe": "a random Qwen3-MoE (24 layers, 64 experts, 8 active; 1.5B parameters, bf16)"}
 
 # GPT-OSS-20B's kind (24 layers of 32 experts, 4 active; sinks; windows of 128 on every other layer;
@@ -122,6 +130,10 @@ SMOLLM3_BENCH = {k: v for k, v in QWEN3_0_6B.items() if k != "head_dim"}
 
 def random_smollm3_checkpoint() -> str:
     return random_checkpoint("smollm3-0.6b", "SmolLM3", SMOLLM3_BENCH)
+
+
+def random_glm4_moe_checkpoint() -> str:
+    return random_checkpoint("glm4.5-moe", "Glm4Moe", GLM4_MOE_BENCH)
 
 
 def random_qwen3_moe_checkpoint() -> str:

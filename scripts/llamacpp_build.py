@@ -237,7 +237,10 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        model_dir = str(with_qwen2_tokenizer(model_dir, llama, work_dir(cache) / f"{name}-with-vocab"))
+        with open(Path(model_dir) / "config.json") as f:
+            glm = any(a.startswith("Glm4Moe") for a in json.load(f).get("architectures", []))
+        model_dir = str(with_qwen2_tokenizer(model_dir, llama, work_dir(cache) / f"{name}-with-vocab",
+                                             GLM_SPECIALS if glm else ()))
     print(f"converting {model_dir} to {out.name} (once) ...", flush=True)
     # The converter expects a Qwen3.5 / Qwen3-Next checkpoint's MTP head unless told there is none.
     with open(Path(model_dir) / "config.json") as f:
@@ -322,8 +325,14 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def with_qwen2_tokenizer(model_dir: str, llama: Path, dest: Path) -> Path:
-    """dest: model_dir's files linked, plus a HF tokenizer.json rebuilt from the vendored Qwen2 vocab."""
+# The special tokens llama.cpp's converter looks up in a GLM-4.5 tokenizer (its _set_vocab_glm),
+# placed on ids the Qwen2 vocabulary leaves unused (its [PAD...] entries from 151646).
+GLM_SPECIALS = ("[gMASK]", "<|user|>", "<|observation|>")
+
+
+def with_qwen2_tokenizer(model_dir: str, llama: Path, dest: Path, specials: tuple[str, ...] = ()) -> Path:
+    """dest: model_dir's files linked, plus a HF tokenizer.json rebuilt from the vendored Qwen2 vocab
+    (with specials added on its unused ids)."""
     sys.path.insert(0, str(llama / "gguf-py"))
     import gguf  # the vendored gguf-py, the one the converter uses
 
@@ -336,7 +345,8 @@ def with_qwen2_tokenizer(model_dir: str, llama: Path, dest: Path) -> Path:
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": True}
-                         for i, (t, ty) in enumerate(zip(tokens, types)) if ty == control],
+                         for i, t in [(i, t) for i, (t, ty) in enumerate(zip(tokens, types)) if ty == control]
+                         + list(enumerate(specials, start=151646))],
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},

@@ -3,7 +3,6 @@ rotary, q/k norm, biased q/k/v, a dense first layer, and MoE blocks under DeepSe
 (sigmoid scores, a correction bias, expert groups, routed_scaling_factor) with a shared expert;
 whole and chunked prefills, prefix hits, preemption and TP=2. The router alone against
 transformers' own router module; llama.cpp's glm4moe GGUF files (F32, Q8_0) of a checkpoint."""
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -139,12 +138,7 @@ def llamacpp_file(tmp_path, outtype: str, hf: str) -> Path:
     if llama is None:
         pytest.skip("llama.cpp's converters are not fetched: run `python scripts/llamacpp_build.py --source` "
                     "(the README's test command does)")
-    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / f"{outtype}-vocab")
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokenizer["added_tokens"] += [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                                   "normalized": False, "special": True}
-                                  for i, t in zip((151646, 151647, 151648), ("[gMASK]", "<|user|>", "<|observation|>"))]
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / f"{outtype}-vocab", llamacpp_build.GLM_SPECIALS)
     out = tmp_path / f"glm4moe-{outtype}.gguf"
     done = subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
                            "--outfile", str(out)], capture_output=True, text=True)
