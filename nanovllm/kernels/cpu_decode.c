@@ -337,7 +337,7 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     linear_rows_for(&X->router, xn, H, B, router_logits, X->num_experts);
                     if (Is > 0) {
                         linear_rows_for(&X->shared_gate_up, xn, H, B, gu, 2 * Is);
-                        linear_rows_for(&X->shared_gate, xn, H, B, shared_gate, 1);
+                        if (X->shared_gate.data != NULL) linear_rows_for(&X->shared_gate, xn, H, B, shared_gate, 1);
                         for (int64_t b = 0; b < B; b++)
                             silu_mul_span(gu + b * 2 * Is, gu + b * 2 * Is + Is, 0, Is, act + b * Is);
                         linear_rows_for(&X->shared_down, act, Is, B, shared_y, H);

@@ -145,7 +145,8 @@ typedef struct {
     const Linear *down;     /* [num_experts]: expert e's [hidden, intermediate] */
     int64_t num_experts, top_k, renormalize, hidden, intermediate;
     Linear router;          /* [num_experts, hidden]; data NULL: the logits come from outside */
-    /* Qwen2-MoE's shared expert, added with weight sigmoid(shared_gate x); data NULL: none. */
+    /* The shared expert (shared_down data NULL: none), added with weight sigmoid(shared_gate x)
+     * (Qwen2-MoE), or 1 where shared_gate's data is NULL (GLM-4.5, DeepSeek-V3). */
     Linear shared_gate_up, shared_down, shared_gate;
     /* The experts' activation of gate g and up u: MOE_SILU silu(g) u; MOE_SWIGLU_OAI (GPT-OSS)
      * (clamp(u, -limit, limit) + 1) g' sigmoid(alpha g') with g' = min(g, limit). (The experts'

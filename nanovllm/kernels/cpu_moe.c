@@ -147,7 +147,7 @@ void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logi
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) {
         float *o = out + b * H;
-        const float gate = shared != NULL ? 1.0f / (1.0f + expf(-shared_gate[b])) : 0.0f;
+        const float gate = shared == NULL ? 0.0f : m->shared_gate.data == NULL ? 1.0f : 1.0f / (1.0f + expf(-shared_gate[b]));
         for (int64_t i = 0; i < H; i++) o[i] = shared != NULL ? gate * shared[b * H + i] : 0.0f;
         for (int64_t j = 0; j < k; j++) {
             const float wj = w[b * k + j], *y = yd + position[b * k + j] * H;
@@ -157,7 +157,7 @@ void phase_moe(const MoeExperts *m, const float *x, int64_t B, const float *logi
 }
 
 /* Whether every expert's matrices are valid and shaped [2I, H] / [H, I], the router [E, H], and
- * the shared expert's (where given) [2 Is, H], [H, Is] and [1, H]. */
+ * the shared expert's (where given) [2 Is, H], [H, Is] and its gate's (where given) [1, H]. */
 int moe_is_valid(const MoeExperts *m) {
     const int64_t E = m->num_experts, H = m->hidden, I = m->intermediate;
     if (E <= 0 || m->top_k <= 0 || m->top_k > E || m->gate_up == NULL || m->down == NULL ||
@@ -176,8 +176,8 @@ int moe_is_valid(const MoeExperts *m) {
     }
     if (m->shared_down.data != NULL) {
         const Linear *g = &m->shared_gate_up, *d = &m->shared_down, *s = &m->shared_gate;
-        if (!linear_is_valid(g) || !linear_is_valid(d) || !linear_is_valid(s) || g->k != H ||
-            linear_outputs(g) != 2 * d->k || linear_outputs(d) != H || s->k != H || linear_outputs(s) != 1)
+        if (!linear_is_valid(g) || !linear_is_valid(d) || g->k != H || linear_outputs(g) != 2 * d->k ||
+            linear_outputs(d) != H || (s->data != NULL && (!linear_is_valid(s) || s->k != H || linear_outputs(s) != 1)))
             return 0;
     }
     return 1;

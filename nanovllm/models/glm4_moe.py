@@ -5,18 +5,20 @@ DeepSeek-V3's router (sigmoid scores, a correction bias in the choice, groups: m
 the weights renormalized where `norm_topk_prob`, times `routed_scaling_factor`) plus
 `n_shared_experts` shared experts (one MLP of their summed size, ungated).
 
-The C decode step runs the attention and norms; the MoE blocks run through their modules between
-its phases, whose experts the C experts kernel runs (its grouped rule: cpu_moe.c route_grouped)."""
+The C decode step runs the whole layer in its one call: the MoE block's router, experts (their
+grouped rule: cpu_moe.c route_grouped) and ungated shared experts as Qwen-MoE's are."""
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from nanovllm.layers.c_description import CDescriber, CPart, describes
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.quantization.moe_ops import GroupedTopK
 from nanovllm.models.decoder import DecoderForCausalLM, GatedMLP, gated_mlp
+from nanovllm.models.moe_block import describe_experts_block
 from nanovllm.models.qwen_moe import MoeMixin
 
 
@@ -37,6 +39,12 @@ class Glm4MoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, self.gate(x))
         return y if self.shared_experts is None else y + self.shared_experts(x)
+
+
+@describes(Glm4MoeBlock)
+def _c_block(block: Glm4MoeBlock, c: CDescriber) -> CPart:
+    """Its router, experts (their grouped rule) and ungated shared experts in the C step's one call."""
+    return describe_experts_block(block, block.experts, block.gate, block.shared_experts, None, c)
 
 
 class Glm4MoeForCausalLM(MoeMixin, DecoderForCausalLM):

@@ -92,21 +92,28 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 
 def describe_moe_block(block: SparseMoeBlock, c: CDescriber) -> CPart:
-    """To the C decode step: its experts' method's description with the router and the shared expert
-    filled in, as the layer's `moe` (not in C where a part has no view: the block then runs whole)."""
-    experts = block.experts.quant_method.c_struct(block.experts)
-    parts = [("gate", block.gate)]
-    if block.shared_expert is not None:
-        parts += [("shared_expert.gate_up_proj", block.shared_expert.gate_up_proj),
-                  ("shared_expert.down_proj", block.shared_expert.down_proj),
-                  ("shared_expert_gate", block.shared_expert_gate)]
+    return describe_experts_block(block, block.experts, block.gate, block.shared_expert, block.shared_expert_gate, c)
+
+
+def describe_experts_block(block: nn.Module, experts: FusedMoE, gate: nn.Module, shared: nn.Module | None,
+                           shared_gate: nn.Module | None, c: CDescriber) -> CPart:
+    """To the C decode step: a MoE block (its experts, router gate, shared expert MLP and that one's
+    gate, each optional but the first two) as its experts' method's description with the router and
+    the shared expert filled in, the layer's `moe` (not in C where a part has no view: the block then
+    runs whole)."""
+    described_experts = experts.quant_method.c_struct(experts)
+    parts = [("gate", gate)]
+    if shared is not None:
+        parts += [("shared expert's gate_up_proj", shared.gate_up_proj), ("shared expert's down_proj", shared.down_proj)]
+        parts += [("shared expert's gate", shared_gate)] if shared_gate is not None else []
     described = [c.linear(m, f"its {name}") for name, m in parts]
-    if experts is None or any(d is None for d in described):
+    if described_experts is None or any(d is None for d in described):
         return CPart(in_c=False, phases=Phases(mlp=block))
-    moe = MoeExperts.from_buffer_copy(experts)
+    experts, moe = described_experts, MoeExperts.from_buffer_copy(described_experts)
     moe.router = described[0]
-    if block.shared_expert is not None:
-        moe.shared_gate_up, moe.shared_down, moe.shared_gate = described[1:]
+    if shared is not None:
+        moe.shared_gate_up, moe.shared_down = described[1:3]
+        moe.shared_gate = described[3] if shared_gate is not None else Linear()
     c.kept.append(experts)  # the copy's expert arrays and chained parts live in the original
     if not c.kernels.moe_is_valid(ctypes.byref(moe)):
         raise NotInC("its C description is not valid")

@@ -51,9 +51,10 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine):
     from nanovllm.executor.cpu_decode import FusedDecode
     path, refs = checkpoint
     with LLM(path, **FP32, **engine) as llm:
-        # the C step runs attention and norms (partial rotary, q/k norm), the MoE blocks their modules
-        # (whose experts the C experts kernel runs, routing by the grouped rule)
-        assert llm.llm_engine.model_runner.step_runner(FusedDecode) is not None
+        # the C step runs whole layers in its one call: attention (partial rotary, q/k norm), the dense
+        # MLP, and the MoE blocks (router, experts by the grouped rule, ungated shared experts)
+        fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
+        assert [(bool(layer.moe), layer.in_c) for layer in fused.layers] == [(False, 1), (True, 1), (True, 1)]
         layers = llm.llm_engine.model_runner.model.model.layers
         assert layers[0].self_attn.rotary_emb.rotary_dim == 16  # half of head_dim 32
         from safetensors.torch import load_file
