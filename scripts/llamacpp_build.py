@@ -236,16 +236,16 @@ def convert_to_gguf(cache: Path, model_dir: str, name: str, outtype: str) -> Pat
     ensure_converter_deps()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
+    with open(Path(model_dir) / "config.json") as f:
+        config = json.load(f)
+    architectures = config.get("architectures", [])
     if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        with open(Path(model_dir) / "config.json") as f:
-            glm = any(a.startswith("Glm4Moe") for a in json.load(f).get("architectures", []))
+        glm = any(a.startswith("Glm4Moe") for a in architectures)
         model_dir = str(with_qwen2_tokenizer(model_dir, llama, work_dir(cache) / f"{name}-with-vocab",
                                              GLM_SPECIALS if glm else ()))
     print(f"converting {model_dir} to {out.name} (once) ...", flush=True)
     # The converter expects a Qwen3.5 / Qwen3-Next checkpoint's MTP head unless told there is none.
-    with open(Path(model_dir) / "config.json") as f:
-        config = json.load(f)
-    no_mtp = ["--no-mtp"] if any(a.startswith(("Qwen3_5", "Qwen3Next")) for a in config.get("architectures", [])) \
+    no_mtp = ["--no-mtp"] if any(a.startswith(("Qwen3_5", "Qwen3Next")) for a in architectures) \
         and not config.get("mtp_num_hidden_layers") else []
     # The converter puts its own (vendored) gguf-py first on sys.path.
     run_step(f"conversion of {name} to {outtype}",

@@ -98,7 +98,7 @@ class GGUFFile:
                 raise ValueError(f"{path!r}: tensor {t.name} lies past the end of the file (truncated?)")
             name = hf_name(t.name, self.arch)
             if hybrid:
-                name = gguf_hybrid.mtp_name(LAYER.fullmatch(t.name), name, first_mtp)
+                name = gguf_hybrid.mtp_name(layer, name, first_mtp)
             if name is None:
                 if t.name != "rope_freqs.weight":
                     unknown.append(t.name)

@@ -109,12 +109,12 @@ def describe_experts_block(block: nn.Module, experts: FusedMoE, gate: nn.Module,
     described = [c.linear(m, f"its {name}") for name, m in parts]
     if described_experts is None or any(d is None for d in described):
         return CPart(in_c=False, phases=Phases(mlp=block))
-    experts, moe = described_experts, MoeExperts.from_buffer_copy(described_experts)
+    moe = MoeExperts.from_buffer_copy(described_experts)
     moe.router = described[0]
     if shared is not None:
         moe.shared_gate_up, moe.shared_down = described[1:3]
         moe.shared_gate = described[3] if shared_gate is not None else Linear()
-    c.kept.append(experts)  # the copy's expert arrays and chained parts live in the original
+    c.kept.append(described_experts)  # the copy's expert arrays and chained parts live in the original
     if not c.kernels.moe_is_valid(ctypes.byref(moe)):
         raise NotInC("its C description is not valid")
     return CPart({"moe": c.struct_pointer(moe), "gate_up": Linear(), "down": Linear()}, phases=Phases(mlp=block))
