@@ -35,7 +35,7 @@ class KVCacheManager:
                  windows: list[int | None] | None = None, num_state_slots: int = 0,
                  on_evict: Callable[[Block], None] | None = None, tier=None):
         """windows: each KV group's sliding window (None: full attention); default one full group.
-        num_state_slots: linear-attention state slots, one per sequence holding blocks.
+        num_state_slots: the state layers' slots, one per sequence holding blocks.
         on_evict: sees each hashed block before its K/V are overwritten (block_pool.py).
         tier: a KVTier (kv_offload/tier.py) under the prefix cache, for models whose layers all attend
         in full (a window's blocks would need their own rules); None: none."""

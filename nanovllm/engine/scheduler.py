@@ -41,7 +41,7 @@ class Scheduler:
                  num_state_slots: int = 0, num_lookahead_tokens: int = 0, lookahead_below: int = 0, tier=None):
         """kv_windows: each KV group's sliding window, None for full attention (engine/kv_groups.py);
         a sliding group's blocks behind its window are freed. Default: one full-attention group.
-        num_state_slots: the linear-attention state slots (0: the model has no such layer); prefix
+        num_state_slots: the state layers' slots (0: the model has no such layer); prefix
         caching is off with them (a hit would need the state at the hit's end).
         num_lookahead_tokens: KV slots held past each decoding sequence's token where the cache has
         room, while fewer than lookahead_below sequences decode (the speculator's proposals).

@@ -1,5 +1,5 @@
-"""StatePool: the linear-attention layers' recurrent-state slots (layers/gated_deltanet.py), one per
-sequence holding blocks; the KV cache manager admits a sequence only with a free one."""
+"""StatePool: the state layers' slots (layers/sequence_state.py: linear attention, short
+convolutions), one per sequence holding blocks; the KV cache manager admits a sequence only with a free one."""
 
 
 class StatePool:

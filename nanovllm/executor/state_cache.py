@@ -1,6 +1,6 @@
-"""The linear-attention layers' state slots (layers/gated_deltanet.py) beside the paged KV cache:
-one slot per sequence the scheduler admits (the KVCacheManager hands them out), each holding every
-linear layer's conv inputs and delta state; ModelRunner allocates them from its memory budget and
+"""The state layers' slots (layers/sequence_state.py: Gated DeltaNet, short convolutions) beside
+the paged KV cache: one slot per sequence the scheduler admits (the KVCacheManager hands them out),
+each holding every state layer's state; ModelRunner allocates them from its memory budget and
 builds each step's StateBatch."""
 import logging
 
@@ -11,17 +11,17 @@ from torch import nn
 from nanovllm.config import Config
 from nanovllm.distributed.parallel import get_tp_size
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.gated_deltanet import GatedDeltaNet, StateBatch
+from nanovllm.layers.sequence_state import SequenceStateLayer, StateBatch
 
 logger = logging.getLogger(__name__)
 
 
 class StateCache:
     def __init__(self, model: nn.Module, config: Config):
-        self.layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.layers = [m for m in model.modules() if isinstance(m, SequenceStateLayer)]
         if self.layers and config.speculative_config is not None:
-            raise ValueError("speculative decoding is not supported for models with linear-attention layers "
-                             "(a rejected proposal would have to roll their state back)")
+            raise ValueError("speculative decoding is not supported for models with state layers (linear "
+                             "attention, short convolutions: a rejected proposal would have to roll their state back)")
         self.config = config
         self.num_slots = 0
 
@@ -40,10 +40,10 @@ class StateCache:
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             slots = int(count.item())
         if slots < 1:
-            raise ValueError(f"not even one linear-attention state slot ({per_slot} bytes) fits half the memory "
+            raise ValueError(f"not even one sequence-state slot ({per_slot} bytes) fits half the memory "
                              f"budget ({budget} bytes); raise cpu_kvcache_bytes / gpu_memory_utilization")
         if slots < self.config.max_num_seqs and rank == 0:
-            logger.info("linear-attention state for %d sequences at once (max_num_seqs %d): half the KV budget",
+            logger.info("sequence state (linear attention, short convolutions) for %d sequences at once (max_num_seqs %d): half the KV budget",
                         slots, self.config.max_num_seqs)
         for layer in self.layers:
             layer.attach_state(layer.new_state(slots, device), c_kernels, triton)
@@ -51,7 +51,7 @@ class StateCache:
         return slots * per_slot
 
     def batch(self, seqs: list[Sequence], num_new_tokens: list[int], to_device) -> StateBatch | None:
-        """The linear-attention layers' view of a step (None without such layers; slots None for
+        """The state layers' view of a step (None without such layers; slots None for
         sequences the scheduler did not admit: the warm-up's, embeddings', each run from zero state)."""
         if not self.layers:
             return None

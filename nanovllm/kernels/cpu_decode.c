@@ -186,13 +186,21 @@ int64_t decode_check_model(const DecoderModel *m) {
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecoderLayer *L = &m->layers[l];
         const DeltaNetLayer *X = L->linear;
+        const ShortConvLayer *S = L->short_conv;
         const int64_t H = m->hidden, Q = m->num_heads * m->head_dim, KV = m->num_kv_heads * m->head_dim;
         int64_t proj_out = (L->attn_gate ? 2 * Q : Q) + 2 * KV, o_in = Q;
         if (L->kv_group < 0) return l;
-        /* a gated or linear layer has no phases for run_layer: it runs in the one call only */
+        /* a gated, linear or short-conv layer has no phases for run_layer: it runs in the one call only */
         if (!L->in_c) {
-            if (L->attn_gate || X != NULL) return l;
+            if (L->attn_gate || X != NULL || S != NULL) return l;
             continue;
+        }
+        if (S != NULL) {
+            if (S->conv_w == NULL || S->conv_state == NULL || S->C <= 0 || S->K < 2 || S->K > 8 || X != NULL ||
+                L->attn_gate)
+                return l;
+            proj_out = 3 * S->C;
+            o_in = S->C;
         }
         if (X != NULL) {
             if (X->conv_w == NULL || X->conv_state == NULL || X->state == NULL || X->A_log == NULL ||
@@ -248,8 +256,10 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
     int64_t P = 0, Cmax = 0, G = 0, A = Q;
     for (int64_t l = first_layer; l < end_layer; l++) {
         const DecoderLayer *L = &m->layers[l];
-        if (!L->in_c || (L->linear != NULL && s[L->kv_group].state_slots == NULL)) return 3;
-        if (L->linear != NULL || L->attn_gate) P = linear_outputs(&L->qkv) > P ? linear_outputs(&L->qkv) : P;
+        const int stateful = L->linear != NULL || L->short_conv != NULL;
+        if (!L->in_c || (stateful && s[L->kv_group].state_slots == NULL)) return 3;
+        if (stateful || L->attn_gate) P = linear_outputs(&L->qkv) > P ? linear_outputs(&L->qkv) : P;
+        if (L->short_conv != NULL) A = L->short_conv->C > A ? L->short_conv->C : A;
         if (L->attn_gate) G = Q;
         if (L->linear != NULL) {
             const DeltaNetLayer *X = L->linear;
@@ -315,6 +325,11 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     linear_rows_for(&L->qkv, xn, H, B, proj, Pl);
                     phase_deltanet(X, proj, Pl, B, s[L->kv_group].state_slots, m->eps, attn, conv);
                     linear_rows_for(&L->o, attn, X->nv * X->dv, B, hidden, H);
+                } else if (L->short_conv != NULL) {  /* short convolution: in_proj, C * conv(B * x), out_proj */
+                    const ShortConvLayer *X = L->short_conv;
+                    linear_rows_for(&L->qkv, xn, H, B, proj, 3 * X->C);
+                    phase_short_conv(X, proj, B, s[L->kv_group].state_slots, attn);
+                    linear_rows_for(&L->o, attn, X->C, B, hidden, H);
                 } else if (L->attn_gate) {  /* attention with an output gate */
                     linear_rows_for(&L->qkv, xn, H, B, proj, 2 * Q + 2 * NKV * D);
                     phase_split_gate(proj, B, NH, NKV, D, qkv, gate);
@@ -381,7 +396,7 @@ void decode_add_rms_norm(const DecoderModel *m, const float *x, float *resid, in
 int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, const DecodeStep *s, float *attn,
                            int num_threads) {
     const DecoderLayer *L = &m->layers[layer];
-    if (L->attn_gate || L->linear != NULL) return 3;  /* those run in decode_layers only */
+    if (L->attn_gate || L->linear != NULL || L->short_conv != NULL) return 3;  /* those run in decode_layers only */
     const DecodePlan plan = decode_plan(s->num_seqs, m->num_kv_heads, s->max_context, m->block_size, num_threads);
     const int64_t partial = decode_partial_floats(&plan, s->num_seqs, m->num_heads, m->head_dim);
     float *parts = NULL;

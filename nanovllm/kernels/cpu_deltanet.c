@@ -1,4 +1,4 @@
-/* Gated DeltaNet's decode step (layers/gated_deltanet.py): one token of each of B sequences through
+/* The state layers' decode steps. Gated DeltaNet's (layers/gated_deltanet.py): one token of each of B sequences through
  * the causal convolution (with its state), the per-head L2 norms, the gated delta rule on each
  * sequence's d_k x d_v state, read and written in place in its slot, and the gated RMSNorm; a phase
  * of the C one-call decode step (cpu_decode.c) and, as deltanet_decode, a call of its own. The torch step did ~40 small
@@ -8,6 +8,9 @@
  *   pass 1: u = S^T k            (S decayed by exp(g) on the fly)
  *           delta = beta (v - exp(g) u)
  *   pass 2: S <- exp(g) S + k delta^T,  o = S^T q   (o from the updated rows as they are written)
+ *
+ * LFM2's short convolution (layers/short_conv.py): C * conv(B * x), the conv's state the last K - 1
+ * products B * x.
  */
 #include "cpu_kernels.h"
 
@@ -110,4 +113,27 @@ int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stri
 #pragma omp parallel num_threads(num_threads)
     phase_deltanet(X, proj, proj_stride, B, slots, eps, out, scratch);
     return 0;
+}
+
+/* Channels per work item of the short convolution: a row's 2048 channels (LFM2-1.2B) in 8 items. */
+#define SHORT_CONV_SPAN 256
+
+void phase_short_conv(const ShortConvLayer *X, const float *proj, int64_t B, const int64_t *slots, float *out) {
+    const int64_t C = X->C, K = X->K, spans = (C + SHORT_CONV_SPAN - 1) / SHORT_CONV_SPAN;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * spans; item++) {
+        const int64_t b = item / spans, first = (item % spans) * SHORT_CONV_SPAN;
+        const int64_t end = first + SHORT_CONV_SPAN < C ? first + SHORT_CONV_SPAN : C;
+        const float *gate_b = proj + b * 3 * C, *gate_c = gate_b + C, *x = gate_c + C;
+        float *state = X->conv_state + slots[b] * C * (K - 1), *y = out + b * C;
+        for (int64_t c = first; c < end; c++) {
+            float *h = state + c * (K - 1);
+            const float *w = X->conv_w + c * K, bx = gate_b[c] * x[c];
+            float acc = (X->conv_bias != NULL ? X->conv_bias[c] : 0.0f) + bx * w[K - 1];
+            for (int64_t j = 0; j < K - 1; j++) acc += h[j] * w[j];
+            for (int64_t j = 0; j + 1 < K - 1; j++) h[j] = h[j + 1];
+            h[K - 2] = bx;
+            y[c] = gate_c[c] * acc;
+        }
+    }
 }

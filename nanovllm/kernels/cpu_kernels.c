@@ -355,6 +355,7 @@ int64_t nanovllm_struct_size(const char *name) {
     if (strcmp(name, "DecodeStep") == 0) return (int64_t)sizeof(DecodeStep);
     if (strcmp(name, "MoeExperts") == 0) return (int64_t)sizeof(MoeExperts);
     if (strcmp(name, "DeltaNetLayer") == 0) return (int64_t)sizeof(DeltaNetLayer);
+    if (strcmp(name, "ShortConvLayer") == 0) return (int64_t)sizeof(ShortConvLayer);
     if (strcmp(name, "LoraMatrix") == 0) return (int64_t)sizeof(LoraMatrix);
     if (strcmp(name, "LoraStep") == 0) return (int64_t)sizeof(LoraStep);
     return -1;
@@ -377,12 +378,14 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(DeltaNetLayer, A_log), FIELD(DeltaNetLayer, dt_bias), FIELD(DeltaNetLayer, norm),
     FIELD(DeltaNetLayer, nk), FIELD(DeltaNetLayer, nv), FIELD(DeltaNetLayer, dk), FIELD(DeltaNetLayer, dv),
     FIELD(DeltaNetLayer, K), FIELD(DeltaNetLayer, tiled),
+    FIELD(ShortConvLayer, conv_w), FIELD(ShortConvLayer, conv_bias), FIELD(ShortConvLayer, conv_state),
+    FIELD(ShortConvLayer, C), FIELD(ShortConvLayer, K),
     FIELD(DecoderLayer, input_norm), FIELD(DecoderLayer, post_norm), FIELD(DecoderLayer, q_norm),
     FIELD(DecoderLayer, k_norm), FIELD(DecoderLayer, qkv), FIELD(DecoderLayer, o), FIELD(DecoderLayer, gate_up),
     FIELD(DecoderLayer, down), FIELD(DecoderLayer, k_cache), FIELD(DecoderLayer, v_cache),
     FIELD(DecoderLayer, in_c), FIELD(DecoderLayer, moe), FIELD(DecoderLayer, window),
     FIELD(DecoderLayer, sinks), FIELD(DecoderLayer, kv_group), FIELD(DecoderLayer, attn_gate),
-    FIELD(DecoderLayer, linear), FIELD(DecoderLayer, no_rope),
+    FIELD(DecoderLayer, linear), FIELD(DecoderLayer, no_rope), FIELD(DecoderLayer, short_conv),
     FIELD(DecoderModel, num_layers), FIELD(DecoderModel, hidden), FIELD(DecoderModel, num_heads),
     FIELD(DecoderModel, num_kv_heads), FIELD(DecoderModel, head_dim), FIELD(DecoderModel, intermediate),
     FIELD(DecoderModel, block_size), FIELD(DecoderModel, kv_type), FIELD(DecoderModel, eps),

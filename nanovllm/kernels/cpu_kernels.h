@@ -10,7 +10,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 20
+#define NANOVLLM_ABI_VERSION 21
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -194,6 +194,19 @@ void phase_deltanet(const DeltaNetLayer *X, const float *proj, int64_t proj_stri
 int deltanet_decode(const DeltaNetLayer *X, const float *proj, int64_t proj_stride, int64_t B, const int64_t *slots,
                     float eps, float *out, float *scratch, int num_threads);
 
+/* ---- LFM2's short convolution in the decode step (cpu_deltanet.c) ------------------------------ */
+/* A short-convolution layer (layers/short_conv.py): its in_proj (the layer's qkv Linear) gives each
+ * row [B | C | x] of C channels each; out_proj is the layer's o Linear. */
+typedef struct {
+    const float *conv_w;    /* [C, K] */
+    const float *conv_bias; /* [C], or NULL */
+    float *conv_state;      /* [slots, C, K - 1]: each sequence's last K - 1 products B * x */
+    int64_t C, K;
+} ShortConvLayer;
+/* Orphaned worksharing loop: out [B, C] = C * conv(B * x) of proj [B, 3 C] (one token of each
+ * sequence, state slot slots[b]), the states shifted in place. */
+void phase_short_conv(const ShortConvLayer *X, const float *proj, int64_t B, const int64_t *slots, float *out);
+
 /* ---- LoRA adapters in the decode step (cpu_lora.c) ----------------------------------------------- */
 #define LORA_MAX_PARTS 4
 /* One matrix's adapter slots (lora/layers.py LoRALayer): A [slots, parts * rank, k] and
@@ -245,6 +258,8 @@ typedef struct {
     /* non-NULL: a Gated DeltaNet layer (qkv its in_proj, o its out_proj; no KV cache, no norms of q/k) */
     const DeltaNetLayer *linear;
     int64_t no_rope;                     /* 1: a NoPE layer (SmolLM3's): q and k are not rotated */
+    /* non-NULL: a short-convolution layer (LFM2; qkv its in_proj, o its out_proj; no KV cache) */
+    const ShortConvLayer *short_conv;
 } DecoderLayer;
 
 typedef struct {

@@ -29,12 +29,18 @@ class DeltaNetLayer(ctypes.Structure):
                 ("dv", c_int64), ("K", c_int64), ("tiled", c_int64)]
 
 
+class ShortConvLayer(ctypes.Structure):
+    _fields_ = [("conv_w", c_void_p), ("conv_bias", c_void_p), ("conv_state", c_void_p), ("C", c_int64),
+                ("K", c_int64)]
+
+
 class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts)),
                 ("window", c_int64), ("sinks", c_void_p), ("kv_group", c_int64), ("attn_gate", c_int64),
-                ("linear", ctypes.POINTER(DeltaNetLayer)), ("no_rope", c_int64)]
+                ("linear", ctypes.POINTER(DeltaNetLayer)), ("no_rope", c_int64),
+                ("short_conv", ctypes.POINTER(ShortConvLayer))]
 
 
 class DecoderModel(ctypes.Structure):
@@ -67,8 +73,8 @@ class LoraStep(ctypes.Structure):
     _fields_ = [("mats", ctypes.POINTER(LoraMatrix)), ("row_slots", c_void_p), ("width", c_int64)]
 
 
-ABI_VERSION = 20  # cpu_kernels.h, NANOVLLM_ABI_VERSION
-STRUCTS = (Linear, MoeExperts, DeltaNetLayer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
+ABI_VERSION = 21  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+STRUCTS = (Linear, MoeExperts, DeltaNetLayer, ShortConvLayer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
 
 
 def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:

@@ -20,7 +20,6 @@ solved with one unit-lower-triangular solve per chunk; decode runs the one-token
 batch at once. Plain torch (fp32 state and arithmetic); tested against the one-token rule and
 against transformers' models (tests/models/test_hybrid_linear.py)."""
 import ctypes
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,20 +29,10 @@ from nanovllm.distributed.parallel import get_tp_rank, get_tp_size
 from nanovllm.kernels.cpu_structs import DeltaNetLayer, Linear
 from nanovllm.layers.c_description import CDescriber, CPart, NotInC, describes
 from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from nanovllm.layers.sequence_state import SequenceStateLayer, causal_conv, causal_conv_step
 from nanovllm.utils.context import get_context
 
 CHUNK = 64
-
-
-@dataclass
-class StateBatch:
-    """What a step's linear-attention layers read (Context.state): each sequence's state slot, its
-    new tokens this step (in order, as the step's rows lie) and whether it starts from zero state
-    (its first tokens: a fresh or a recomputed sequence, so a reused slot never leaks)."""
-
-    slots: torch.Tensor | None  # [num_seqs] int64; None: no slots (nothing kept, every sequence fresh)
-    query_lens: list[int]
-    fresh: list[bool]
 
 
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -119,7 +108,7 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(SequenceStateLayer):
     """A linear-attention layer. Checkpoint names (Qwen3.5): in_proj_qkv (cut into its q, k and v
     rows by the model's loader), in_proj_z, in_proj_b, in_proj_a: one stacked in_proj here, shards
     0-5; conv1d.weight [channels, 1, kernel], A_log, dt_bias [value heads], norm.weight [dv],
@@ -263,22 +252,21 @@ class GatedDeltaNet(nn.Module):
             delta = x.new_zeros(self.num_v_heads, self.dk, self.dv)
         else:
             history, delta = state.conv[slot], state.delta[slot].clone()
-        padded = torch.cat((history, x), dim=1)
-        conv = F.silu(F.conv1d(padded.unsqueeze(0), self.conv_weight().unsqueeze(1), groups=self.channels)[0])
+        conv, history = causal_conv(history, x, self.conv_weight())
+        conv = F.silu(conv)
         q, k, v = self.split_heads(conv.t())  # [n, heads, d]
         out = delta_rule_chunked(delta, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t())
         if slot is not None:
-            state.conv[slot] = padded[:, -(self.kernel - 1):]
+            state.conv[slot] = history
             state.delta[slot] = delta
         return out.transpose(0, 1)  # [n, heads, dv]
 
     def run_decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token of each sequence, mixed [B, channels], all at once (the rule in Triton where the
         platform offers it, else torch; the reference of run_decode_c)."""
-        history = self.state.conv.index_select(0, slots)  # [B, channels, kernel - 1]
-        padded = torch.cat((history, mixed.float().unsqueeze(-1)), dim=-1)
-        conv = F.silu((padded * self.conv_weight()).sum(-1))
-        self.state.conv.index_copy_(0, slots, padded[..., 1:])
+        conv, history = causal_conv_step(self.state.conv.index_select(0, slots), mixed.float(), self.conv_weight())
+        conv = F.silu(conv)
+        self.state.conv.index_copy_(0, slots, history)
         q, k, v = self.split_heads(conv)
         if self.use_triton:
             from nanovllm.kernels.triton_deltanet import deltanet_decode_step

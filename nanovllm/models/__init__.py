@@ -12,6 +12,8 @@ _MODELS = {
     "SmolLM3ForCausalLM": "nanovllm.models.smollm3:SmolLM3ForCausalLM",
     "GptOssForCausalLM": "nanovllm.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "nanovllm.models.glm4_moe:Glm4MoeForCausalLM",
+    "Lfm2ForCausalLM": "nanovllm.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "nanovllm.models.lfm2:Lfm2MoeForCausalLM",
     "Gemma2ForCausalLM": "nanovllm.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "nanovllm.models.gemma:Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM": "nanovllm.models.qwen3_next:Qwen3_5ForCausalLM",
