@@ -23,14 +23,14 @@ def make_peft_adapter(base: str, path: str, seed: int, r: int = 8, alpha: float 
     return path
 
 
-def assert_like_peft(outputs, refs, what: str) -> None:
+def assert_like_peft(outputs, refs, what: str, atol: float = 1e-4) -> None:
     """Each output (LLM.generate with logprobs) has its PEFT reference's greedy tokens and the
-    log-probability of each within 1e-4 (refs: peft_greedy's (tokens, log-probabilities) pairs)."""
+    log-probability of each within atol (refs: peft_greedy's (tokens, log-probabilities) pairs)."""
     for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, refs)):
         assert out["token_ids"] == tokens, f"{what}, prompt {i}"
         ours = torch.tensor([next(iter(step.values())) for step in out["logprobs"]])
         theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
-        assert torch.allclose(ours, theirs, atol=1e-4), f"{what}, prompt {i}: {(ours - theirs).abs().max()}"
+        assert torch.allclose(ours, theirs, atol=atol), f"{what}, prompt {i}: {(ours - theirs).abs().max()}"
 
 
 def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]], max_new_tokens: int):

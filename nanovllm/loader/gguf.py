@@ -25,7 +25,7 @@ from nanovllm.layers.quantization.block_formats import block_shape
 from nanovllm.loader import gguf_hybrid
 from nanovllm.loader.gguf_reader import GGUFMetadata
 from nanovllm.loader.gguf_families import (ARCHITECTURES, LAYER, MTP_LAST, PERMUTED_QK, architecture, family_config,
-                                           hf_name, stored_as_hf)
+                                           hf_name, split_rows, stored_as_hf)
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,7 @@ class GGUFFile:
                 per_block, nbytes = block_shape(type_name)
                 row_bytes = shape[-1] // per_block * nbytes
             info = TensorInfo(t.name, type_name, shape, row_bytes)
-            if hybrid:
-                self.tensors.update(gguf_hybrid.split_rows(self, name, info))
-            else:
-                self.tensors[name] = info
+            self.tensors.update(split_rows(self, name, info))
         if unsupported:
             listed = ", ".join(f"{k} (e.g. {v})" for k, v in sorted(unsupported.items()))
             raise ValueError(f"{path!r} holds tensor types {listed} that nano-vLLM does not multiply; supported: "
@@ -161,7 +158,7 @@ class GGUFFile:
                                   self.field(f"{a}.expert_feed_forward_length")),
             num_hidden_layers=self.target_layers(),
             num_attention_heads=heads,
-            num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            num_key_value_heads=self.kv_heads(heads),
             head_dim=int(self.field(f"{a}.attention.key_length", hidden // heads)),
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon")),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
@@ -176,6 +173,12 @@ class GGUFFile:
         )
         return PretrainedConfig(**family_config(self, a, kwargs))
 
+    def kv_heads(self, heads: int) -> int:
+        """The attention layers' KV heads: head_count_kv, or the largest entry where the file gives one
+        per layer (LFM2's, 0 on its short-convolution layers)."""
+        kv = self.field(f"{self.arch}.attention.head_count_kv", heads)
+        return int(max(kv) if isinstance(kv, list) else kv)
+
     def target_layers(self) -> int:
         """The model's layers: block_count, less an MTP head's (gguf_hybrid.mtp_layers)."""
         layers = int(self.field(f"{self.arch}.block_count"))
@@ -185,7 +188,7 @@ class GGUFFile:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every tensor, copied out of the file (which is closed afterwards)."""
         heads = int(self.field(f"{self.arch}.attention.head_count"))
-        kv_heads = int(self.field(f"{self.arch}.attention.head_count_kv", heads))
+        kv_heads = self.kv_heads(heads)
         by_name = {t.name: t for t in self.reader.tensors}
         for kind, names in self.converted.items():
             logger.info("%s: %d %s tensors (e.g. %s) converted at load to %s, the nearest format the kernels "
@@ -199,7 +202,8 @@ class GGUFFile:
             if by_name[info.gguf_name].tensor_type.name.lower() == "q5_k":
                 data = q5_k_as_q5_1(np.asarray(data).reshape(-1, 176)).reshape(*rows, info.row_bytes)
             hybrid = self.arch in gguf_hybrid.ARCHITECTURES
-            if info.type_name == "f32" or (hybrid and len(info.shape) < 2) or name.endswith("conv1d.weight"):
+            if (info.type_name == "f32" or (hybrid and len(info.shape) < 2)
+                    or name.endswith(("conv1d.weight", ".conv.conv.weight"))):
                 tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(info.shape))
                 tensor = stored_as_hf(self.arch, name, tensor)
             else:

@@ -6,11 +6,6 @@ import re
 
 from nanovllm.loader import gguf_hybrid
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 **gguf_hybrid.ARCHITECTURES}
 # The files whose q / k rows llama.cpp's converter permuted for its rotation (its LlamaModel and the
 # families built on it): read back in HF order.
 PERMUTED_QK = {"llama", "smollm3"}
@@ -39,6 +34,13 @@ _GLM_LAYER_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weig
                     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
                     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
                     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}
+# LFM2 files (llama.cpp's lfm2 / lfm2moe): the short convolutions shortconv.*, the final norm
+# token_embd_norm, the router's bias exp_probs_b; a layer's kind from its head_count_kv entry (0: a
+# short convolution); the dense MLP's width as adjusted (feed_forward_length).
+LFM2 = {"lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM"}
+_LFM2_LAYER_NAMES = {"shortconv.conv.weight": "conv.conv.weight", "shortconv.in_proj.weight": "conv.in_proj.weight",
+                     "shortconv.out_proj.weight": "conv.out_proj.weight",
+                     "exp_probs_b.bias": "mlp.experts.e_score_correction_bias"}
 # The architectures whose files end in an MTP head's layers that the model itself does not run
 # (nextn_predict_layers; the hybrids' are read as their MTP head, gguf_hybrid.py).
 MTP_LAST = {"glm4moe"}
@@ -70,9 +72,16 @@ _LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {**{a: {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} for a in GEMMA},
                      "gpt-oss": {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES},
                      "glm4moe": {**_LAYER_NAMES, **_GLM_LAYER_NAMES},
+                     **{a: {**_LAYER_NAMES, **_LFM2_LAYER_NAMES} for a in LFM2},
                      **{a: {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES} for a in gguf_hybrid.ARCHITECTURES}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+_ARCH_GLOBAL_NAMES = {a: {**_GLOBAL_NAMES, "token_embd_norm.weight": "model.norm.weight"} for a in LFM2}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+                 **LFM2, **gguf_hybrid.ARCHITECTURES}
 LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -84,8 +93,9 @@ def swa_layer_types(window: int | None, layers: int, pattern: int) -> list[str]:
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """The HuggingFace parameter name of a GGUF tensor name, or None for one the model lacks."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    globals_ = _ARCH_GLOBAL_NAMES.get(arch, _GLOBAL_NAMES)
+    if name in globals_:
+        return globals_[name]
     match = LAYER.fullmatch(name)
     names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     if match and match.group(2) in names:
@@ -174,6 +184,29 @@ def glm4moe_config(file, a: str, kwargs: dict) -> dict:
                 partial_rotary_factor=rotary / kwargs["head_dim"])
 
 
+def lfm2_config(file, a: str, kwargs: dict) -> dict:
+    """An LFM2 file's settings: each layer's kind, the convolution's taps, LFM2-MoE's experts (a
+    sigmoid router with the bias in its choice, renormalized; expert_weights_scale where given)."""
+    if file.field(f"{a}.attention.sliding_window", 0):
+        raise ValueError(f"{file.path!r}: an {a} file with sliding-window attention layers is not supported")
+    kv = file.field(f"{a}.attention.head_count_kv")
+    layers = kwargs["num_hidden_layers"]
+    kinds = ["conv" if n == 0 else "full_attention" for n in (kv if isinstance(kv, list) else [kv] * layers)]
+    out = dict(layer_types=kinds[:layers], conv_L_cache=int(file.field(f"{a}.shortconv.l_cache")),
+               block_auto_adjust_ff_dim=False, norm_eps=kwargs["rms_norm_eps"])
+    if a == "lfm2moe":
+        gating = file.field(f"{a}.expert_gating_func", 2)
+        if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+            raise ValueError(f"{file.path!r}: {a}.expert_gating_func={gating} is not supported (LFM2-MoE's is 2, sigmoid)")
+        out.update(num_experts=int(file.field(f"{a}.expert_count")),
+                   num_experts_per_tok=int(file.field(f"{a}.expert_used_count")),
+                   moe_intermediate_size=int(file.field(f"{a}.expert_feed_forward_length")),
+                   num_dense_layers=int(file.field(f"{a}.leading_dense_block_count", 0)),
+                   routed_scaling_factor=float(file.field(f"{a}.expert_weights_scale", 0.0)) or 1.0,
+                   norm_topk_prob=True)
+    return out
+
+
 def is_mixtral(file) -> bool:
     """A llama file with experts (llama.cpp writes Mixtral as llama with ffn_*_exps tensors)."""
     return file.arch == "llama" and bool(file.field("llama.expert_count", 0))
@@ -198,6 +231,8 @@ def family_config(file, a: str, kwargs: dict) -> dict:
         kwargs.update(gpt_oss_config(file, a, kwargs))
     if a == "glm4moe":
         kwargs.update(glm4moe_config(file, a, kwargs))
+    if a in LFM2:
+        kwargs.update(lfm2_config(file, a, kwargs))
     if a == "smollm3":  # the file states no NoPE layers: llama.cpp takes every 4th (n_no_rope_layer_step)
         kwargs["no_rope_layer_interval"] = 4
     if a in gguf_hybrid.ARCHITECTURES:
@@ -210,6 +245,19 @@ def family_config(file, a: str, kwargs: dict) -> dict:
         for key in ("norm_topk_prob", "decoder_sparse_step"):
             kwargs.pop(key)
     return kwargs
+
+
+def split_rows(file, name: str, info) -> list:
+    """(HF name, info) pairs of one file tensor: the parts of a tensor the model splits over ranks
+    apart (the hybrids' attn_qkv, gguf_hybrid.split_rows; LFM2's in_proj as its B, C and x rows),
+    any other as itself."""
+    if file.arch in gguf_hybrid.ARCHITECTURES:
+        return gguf_hybrid.split_rows(file, name, info)
+    if file.arch in LFM2 and name.endswith(".conv.in_proj.weight"):
+        third = info.shape[0] // 3
+        return gguf_hybrid.row_parts(name.removesuffix("in_proj.weight") + "in_proj_", info,
+                                     {"b": third, "c": third, "x": third})
+    return [(name, info)]
 
 
 def stored_as_hf(arch: str, name: str, tensor):

@@ -99,8 +99,12 @@ def split_rows(file, name: str, info):
     a = file.arch
     key_total = int(file.field(f"{a}.ssm.group_count")) * int(file.field(f"{a}.ssm.state_size"))
     sizes = {"q": key_total, "k": key_total, "v": info.shape[0] - 2 * key_total}
+    return row_parts(name[: -len("qkv.weight")], info, sizes)
+
+
+def row_parts(base: str, info, sizes: dict[str, int]) -> list:
+    """(base + part + ".weight", info of its rows) of a file tensor stacked from parts of these sizes."""
     out, start = [], 0
-    base = name[: -len("qkv.weight")]
     for part, size in sizes.items():
         out.append((f"{base}{part}.weight", dataclasses.replace(info, shape=(size, *info.shape[1:]),
                                                                 rows=(start, start + size))))
