@@ -43,6 +43,11 @@ GLM4_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_
                       routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True, partial_rotary_factor=0.5,
                       num_nextn_predict_layers=0, vocab_size=151936, max_position_embeddings=40960,
                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+# LFM2-700M's shape (16 layers: 10 short convolutions and attention at 2, 5, 8, 10, 12 and 14; the
+# MLP at its adjusted width) with the Qwen2 vocabulary the GGUF converter's tokenizer step knows.
+LFM2_BENCH = dict(hidden_size=1536, intermediate_size=6912, block_auto_adjust_ff_dim=False, num_hidden_layers=16,
+                  num_attention_heads=24, num_key_value_heads=8, conv_L_cache=3, full_attn_idxs=[2, 5, 8, 10, 12, 14],
+                  vocab_size=151936, max_position_embeddings=128000, norm_eps=1e-5, tie_word_embeddings=True)
 RANDOM_MODELS = {"qwen3-moe": "a random Qwen3-MoE (24 layers, 64 experts, 8 active; 1.5B parameters, bf16)"}
 
 # GPT-OSS-20B's kind (24 layers of 32 experts, 4 active; sinks; windows of 128 on every other layer;
@@ -134,6 +139,10 @@ def random_smollm3_checkpoint() -> str:
 
 def random_glm4_moe_checkpoint() -> str:
     return random_checkpoint("glm4.5-moe", "Glm4Moe", GLM4_MOE_BENCH)
+
+
+def random_lfm2_checkpoint() -> str:
+    return random_checkpoint("lfm2-700m", "Lfm2", LFM2_BENCH)
 
 
 def random_qwen3_moe_checkpoint() -> str:
