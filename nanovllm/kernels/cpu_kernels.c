@@ -356,6 +356,7 @@ int64_t nanovllm_struct_size(const char *name) {
     if (strcmp(name, "MoeExperts") == 0) return (int64_t)sizeof(MoeExperts);
     if (strcmp(name, "DeltaNetLayer") == 0) return (int64_t)sizeof(DeltaNetLayer);
     if (strcmp(name, "ShortConvLayer") == 0) return (int64_t)sizeof(ShortConvLayer);
+    if (strcmp(name, "Mamba2Layer") == 0) return (int64_t)sizeof(Mamba2Layer);
     if (strcmp(name, "LoraMatrix") == 0) return (int64_t)sizeof(LoraMatrix);
     if (strcmp(name, "LoraStep") == 0) return (int64_t)sizeof(LoraStep);
     return -1;
@@ -380,6 +381,11 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(DeltaNetLayer, K), FIELD(DeltaNetLayer, tiled),
     FIELD(ShortConvLayer, conv_w), FIELD(ShortConvLayer, conv_bias), FIELD(ShortConvLayer, conv_state),
     FIELD(ShortConvLayer, C), FIELD(ShortConvLayer, K),
+    FIELD(Mamba2Layer, conv_w), FIELD(Mamba2Layer, conv_b), FIELD(Mamba2Layer, conv_state), FIELD(Mamba2Layer, ssm),
+    FIELD(Mamba2Layer, A_log), FIELD(Mamba2Layer, D), FIELD(Mamba2Layer, dt_bias), FIELD(Mamba2Layer, norm),
+    FIELD(Mamba2Layer, heads), FIELD(Mamba2Layer, p), FIELD(Mamba2Layer, n), FIELD(Mamba2Layer, groups),
+    FIELD(Mamba2Layer, heads_per_group), FIELD(Mamba2Layer, K), FIELD(Mamba2Layer, norm_width),
+    FIELD(Mamba2Layer, dt_min), FIELD(Mamba2Layer, dt_max),
     FIELD(DecoderLayer, input_norm), FIELD(DecoderLayer, post_norm), FIELD(DecoderLayer, q_norm),
     FIELD(DecoderLayer, k_norm), FIELD(DecoderLayer, qkv), FIELD(DecoderLayer, o), FIELD(DecoderLayer, gate_up),
     FIELD(DecoderLayer, down), FIELD(DecoderLayer, k_cache), FIELD(DecoderLayer, v_cache),

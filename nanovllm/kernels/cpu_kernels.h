@@ -10,7 +10,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 21
+#define NANOVLLM_ABI_VERSION 22
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -206,6 +206,24 @@ typedef struct {
 /* Orphaned worksharing loop: out [B, C] = C * conv(B * x) of proj [B, 3 C] (one token of each
  * sequence, state slot slots[b]), the states shifted in place. */
 void phase_short_conv(const ShortConvLayer *X, const float *proj, int64_t B, const int64_t *slots, float *out);
+
+/* ---- Mamba-2's decode step (cpu_deltanet.c) ----------------------------------------------------- */
+/* A Mamba-2 layer (layers/mamba2.py): each row [x (heads P) | B (groups N) | C (groups N) | dt (heads)
+ * | z (heads P)]; the conv runs over x, B and C (C_ch = heads P + 2 groups N channels). */
+typedef struct {
+    const float *conv_w, *conv_b;   /* [C_ch, K], [C_ch] */
+    float *conv_state;              /* [slots, C_ch, K - 1]: the last K - 1 inputs of each sequence */
+    float *ssm;                     /* [slots, heads, P, N]: each sequence's state, fp32 */
+    const float *A_log, *D, *dt_bias; /* [heads] */
+    const float *norm;              /* [heads P]: the gated RMSNorm's weight */
+    int64_t heads, p, n, groups, heads_per_group, K;
+    int64_t norm_width;             /* the channels of each of the norm's groups */
+    float dt_min, dt_max;           /* the time step's clamp */
+} Mamba2Layer;
+/* out [B, heads P] = the gated-normed Mamba-2 outputs of rows [B, stride] (one token of each
+ * sequence, state slot slots[b]), the states updated in place; scratch: B * C_ch floats. Returns 0. */
+int mamba2_decode(const Mamba2Layer *X, const float *rows, int64_t stride, int64_t B, const int64_t *slots, float eps,
+                  float *out, float *scratch, int num_threads);
 
 /* ---- LoRA adapters in the decode step (cpu_lora.c) ----------------------------------------------- */
 #define LORA_MAX_PARTS 4

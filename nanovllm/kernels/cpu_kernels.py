@@ -153,6 +153,7 @@ class CpuKernels:
         self.moe_is_valid = typed("moe_is_valid", cint, ptr)
         self.moe_experts = typed("moe_experts_f32", cint, ptr, ptr, i64, ptr, ptr, cint)
         self.deltanet_decode = typed("deltanet_decode", cint, ptr, ptr, i64, i64, ptr, c_float, ptr, ptr, cint)
+        self.mamba2_decode = typed("mamba2_decode", cint, ptr, ptr, i64, i64, ptr, c_float, ptr, ptr, cint)
 
     def weight_type(self, name: str) -> int:
         """The type code of a row of the C weight-type table (an i-quant's grid installed first)."""

@@ -34,6 +34,13 @@ class ShortConvLayer(ctypes.Structure):
                 ("K", c_int64)]
 
 
+class Mamba2Layer(ctypes.Structure):
+    _fields_ = [("conv_w", c_void_p), ("conv_b", c_void_p), ("conv_state", c_void_p), ("ssm", c_void_p),
+                ("A_log", c_void_p), ("D", c_void_p), ("dt_bias", c_void_p), ("norm", c_void_p), ("heads", c_int64),
+                ("p", c_int64), ("n", c_int64), ("groups", c_int64), ("heads_per_group", c_int64), ("K", c_int64),
+                ("norm_width", c_int64), ("dt_min", c_float), ("dt_max", c_float)]
+
+
 class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
@@ -73,8 +80,8 @@ class LoraStep(ctypes.Structure):
     _fields_ = [("mats", ctypes.POINTER(LoraMatrix)), ("row_slots", c_void_p), ("width", c_int64)]
 
 
-ABI_VERSION = 21  # cpu_kernels.h, NANOVLLM_ABI_VERSION
-STRUCTS = (Linear, MoeExperts, DeltaNetLayer, ShortConvLayer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
+ABI_VERSION = 22  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+STRUCTS = (Linear, MoeExperts, DeltaNetLayer, ShortConvLayer, Mamba2Layer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
 
 
 def check_abi(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> None:

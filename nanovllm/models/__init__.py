@@ -13,6 +13,7 @@ _MODELS = {
     "GptOssForCausalLM": "nanovllm.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "nanovllm.models.glm4_moe:Glm4MoeForCausalLM",
     "Lfm2ForCausalLM": "nanovllm.models.lfm2:Lfm2ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "nanovllm.models.granite_hybrid:GraniteMoeHybridForCausalLM",
     "Lfm2MoeForCausalLM": "nanovllm.models.lfm2:Lfm2MoeForCausalLM",
     "Gemma2ForCausalLM": "nanovllm.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "nanovllm.models.gemma:Gemma3ForCausalLM",

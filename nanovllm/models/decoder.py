@@ -320,7 +320,7 @@ def _c_causal_lm(model: DecoderForCausalLM, c: CDescriber) -> CModel:
     embedding is the table's rows (no family's own scaling)."""
     name = type(model).__name__
     if type(model).compute_logits is not DecoderForCausalLM.compute_logits:
-        raise NotInC(f"{name}'s logits are not its head's alone (its own compute_logits: a soft cap)")
+        raise NotInC(f"{name}'s logits are not its head's alone (its own compute_logits: a soft cap, a scale)")
     inner = model.model
     if getattr(type(inner), "embed", DecoderModel.embed) is not DecoderModel.embed:
         raise NotInC(f"{name}'s embedding is not the table's rows (its own embed: a scale)")

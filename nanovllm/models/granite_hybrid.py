@@ -1,0 +1,169 @@
+"""Granite 4.0-H (GraniteMoeHybridForCausalLM): pre-norm layers, each either a Mamba-2 mixer
+(layers/mamba2.py: its conv and SSM states a slot per sequence) or attention (scale
+attention_multiplier; rotary only where position_embedding_type is "rope", else no positions at
+all), then a sparse MoE block (a softmax top-k router, renormalized) beside an ungated shared MLP
+(or the shared MLP alone where num_local_experts is 0). Granite's multipliers: the embeddings times
+embedding_multiplier, each branch's output times residual_multiplier before it joins the stream,
+the logits divided by logits_scaling. config.layer_types (`mamba` / `linear_attention`,
+`attention` / `full_attention`) says which mixer a layer has.
+
+The C one-call decode step does not run this family (its embedding and logits are scaled, a start-up
+WARNING says so); its Mamba-2 layers' decode steps are one C call each (mamba2_decode)."""
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.mamba2 import Mamba2Mixer
+from nanovllm.layers.moe import FusedMoE
+from nanovllm.layers.quantization.base import QuantizationConfig
+from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope
+from nanovllm.models.moe_block import expert_stacked_params
+
+MAMBA, ATTENTION = "mamba", "attention"
+_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+
+
+def granite_layer_kinds(config) -> list[str]:
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    if types is None or len(types) != config.num_hidden_layers:
+        raise ValueError(f"layer_types must name each of the {config.num_hidden_layers} layers' mixer, got {types!r}")
+    for i, kind in enumerate(types):
+        if kind not in _KINDS:
+            raise ValueError(f"layer_types[{i}] is {kind!r}, not a layer type Granite 4.0-H runs {sorted(_KINDS)}")
+    return [_KINDS[kind] for kind in types]
+
+
+class GraniteMoeBlock(nn.Module):
+    """gate (the router), experts (renormalized top-k: the softmax of the chosen logits) and the
+    ungated shared MLP; the shared MLP alone without experts."""
+
+    def __init__(self, config, prefix: str, quant_config: QuantizationConfig | None):
+        super().__init__()
+        experts = int(getattr(config, "num_local_experts", 0) or 0)
+        self.gate = self.experts = None
+        if experts:
+            self.gate = ReplicatedLinear(config.hidden_size, experts, bias=False, prefix=f"{prefix}.gate")
+            self.experts = FusedMoE(experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
+                                    True, quant_config, f"{prefix}.experts")
+        self.shared_mlp = GatedMLP(config, quant_config, f"{prefix}.shared_mlp", config.shared_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.shared_mlp(x)
+        return y if self.experts is None else y + self.experts(x, self.gate(x))
+
+
+class GraniteHybridLayer(nn.Module):
+    def __init__(self, config, kind: str, rope, quant_config, prefix: str):
+        super().__init__()
+        self.kind = kind
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        if kind == MAMBA:
+            self.mamba = Mamba2Mixer(config, quant_config, f"{prefix}.mamba")
+        else:
+            self.self_attn = DecoderAttention(config, *(2 * [bool(getattr(config, "attention_bias", False))]), False,
+                                              rope, quant_config, f"{prefix}.self_attn",
+                                              scale=float(getattr(config, "attention_multiplier", 0) or 0) or None)
+            self.self_attn.use_rope = getattr(config, "position_embedding_type", None) == "rope"
+        self.mlp = GraniteMoeBlock(config, f"{prefix}.mlp", quant_config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.kind == MAMBA:
+            hidden_states = self.mamba(hidden_states)
+        else:
+            hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states * self.residual_multiplier, residual)
+        return self.mlp(hidden_states) * self.residual_multiplier, residual
+
+
+class GraniteHybridModel(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None, prefix: str = "model"):
+        super().__init__()
+        rope = build_rope(config)
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config,
+                                                   f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(GraniteHybridLayer(config, kind, rope, quant_config, f"{prefix}.layers.{i}")
+                                    for i, kind in enumerate(granite_layer_kinds(config)))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids) * self.embedding_multiplier, None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
+    packed_modules_mapping = {**DecoderForCausalLM.packed_modules_mapping,
+                              "in_proj_z": ("in_proj", 0), "in_proj_x": ("in_proj", 1), "in_proj_dt": ("in_proj", 2),
+                              "in_proj_B": ("bc_proj", 0), "in_proj_C": ("bc_proj", 1)}
+
+    def __init__(self, config, quant_config: QuantizationConfig | None = None):
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = GraniteHybridModel(config, quant_config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden_states)
+        return None if logits is None else logits / self.logits_scaling
+
+    def stacked_params(self):
+        experts = max((layer.mlp.experts.num_experts for layer in self.model.layers if layer.mlp.experts is not None),
+                      default=0)
+        return expert_stacked_params(experts) + super().stacked_params()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self.renamed(weights))
+
+    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Checkpoint names as ours: the Mamba-2 in_proj cut into z, x, B, C and dt rows (each split
+        over the ranks on its own, or B and C whole); the shared MLP's and each expert's input_linear
+        into gate and up rows; the router as the MoE block's gate."""
+        config = self.config
+        inner = int(config.mamba_expand * config.hidden_size)
+        bc = int(config.mamba_n_groups) * int(config.mamba_d_state)
+        for name, tensor in weights:
+            name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
+            name = name.replace(".shared_mlp.", ".mlp.shared_mlp.")
+            if name.endswith(".mamba.in_proj.weight") or name.endswith(".mamba.in_proj.bias"):
+                base, kind = name.rsplit(".in_proj.", 1)
+                parts = tensor.split([inner, inner, bc, bc, tensor.shape[0] - 2 * inner - 2 * bc])
+                for part, rows in zip(("z", "x", "B", "C", "dt"), parts):
+                    yield f"{base}.in_proj_{part}.{kind}", rows
+            elif name.endswith(".input_linear.weight"):  # gate rows then up rows
+                gate, up = tensor.chunk(2, dim=-2)
+                base = name[: -len("input_linear.weight")]
+                if ".block_sparse_moe." in name:
+                    base = base.replace(".block_sparse_moe.", ".mlp.experts.")
+                    for e in range(tensor.shape[0]):
+                        yield f"{base}{e}.gate_proj.weight", gate[e]
+                        yield f"{base}{e}.up_proj.weight", up[e]
+                else:
+                    yield base + "gate_proj.weight", gate
+                    yield base + "up_proj.weight", up
+            elif name.endswith(".output_linear.weight"):
+                base = name[: -len("output_linear.weight")]
+                if ".block_sparse_moe." in name:
+                    base = base.replace(".block_sparse_moe.", ".mlp.experts.")
+                    for e in range(tensor.shape[0]):
+                        yield f"{base}{e}.down_proj.weight", tensor[e]
+                else:
+                    yield base + "down_proj.weight", tensor
+            else:
+                yield name, tensor

@@ -1,0 +1,160 @@
+"""Granite 4.0-H (GraniteMoeHybridForCausalLM: models/granite_hybrid.py, layers/mamba2.py) against
+transformers (fp32, its torch SSD fallback; greedy tokens and log-probabilities within 1e-4):
+Mamba-2 layers beside attention, MoE blocks with the shared MLP, Granite's multipliers; prompts past
+one and two 64-token SSD chunks, whole and chunked prefills (a chunk split across steps), a second
+pass, forced preemption, TP=2 (one group: B and C whole on each rank, the norm summed across them;
+two groups: split), the decode step in C and in torch. Each checked to fail with the SSM state or
+the conv state dropped between steps. The chunked scan against the one-token rule."""
+import random
+
+import pytest
+import torch
+
+from helpers import save_decisive
+from lora_adapters import assert_like_peft, peft_greedy
+from nanovllm import LLM, SamplingParams
+
+VOCAB, MAX_NEW = 256, 10
+FP32 = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, cpu_kvcache_bytes=8 << 20)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 9, 70, 150)]  # past one and two chunks
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+             layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8, mamba_n_groups=1,
+             mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+             position_embedding_type="rope", embedding_multiplier=12.0, logits_scaling=4.0, residual_multiplier=0.22,
+             attention_multiplier=0.0078125, max_position_embeddings=512, eos_token_id=1, bos_token_id=2,
+             pad_token_id=0)
+
+
+def make(path: str, **overrides) -> str:
+    import transformers
+    config = transformers.GraniteMoeHybridConfig(**{**SHAPE, **overrides})
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(3)
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    with torch.no_grad():  # time steps of a useful size (softplus(dt + dt_bias) near 0.1-1), decays of A
+        for layer in model.model.layers:
+            if layer.mamba is not None:
+                layer.mamba.dt_bias.uniform_(-2.0, 0.5)
+                layer.mamba.A_log.uniform_(-1.0, 1.0)
+                layer.mamba.D.normal_(1.0, 0.3)
+    return save_decisive(model, path, VOCAB)
+
+
+@pytest.fixture(scope="module", params=["groups1", "groups2"])
+def checkpoint(request, tmp_path_factory):
+    extra = dict(mamba_n_groups=2) if request.param == "groups2" else dict(num_local_experts=0,
+                                                                          position_embedding_type=None)
+    path = make(str(tmp_path_factory.mktemp(request.param)), **extra)
+    return path, peft_greedy(path, None, PROMPTS, MAX_NEW)
+
+
+def mixers(llm):
+    from nanovllm.layers.mamba2 import Mamba2Mixer
+    return [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=40, max_num_seqs=2)], ids=["whole", "chunked"])
+def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch):
+    """The Mamba-2 decode steps in C (their calls counted), a second pass of the same prompts."""
+    path, refs = checkpoint
+    with LLM(path, **FP32, **engine) as llm:
+        layers = mixers(llm)
+        assert len(layers) == 2 and all(m.c_desc is not None for m in layers)
+        kernels = layers[0].c_kernels
+        calls = []
+        real = kernels.mamba2_decode
+        monkeypatch.setattr(kernels, "mamba2_decode", lambda *args: calls.append(1) or real(*args))
+        for attempt in ("first", "second"):
+            assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{attempt} pass")
+        assert len(calls) >= 2 * 2 * (MAX_NEW - 1)
+
+
+def test_the_torch_decode_matches_too(checkpoint):
+    path, refs = checkpoint
+    with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
+        for m in mixers(llm):
+            m.c_desc = None
+        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "torch decode")
+
+
+@pytest.mark.parametrize("which", ["ssm", "conv"])
+@pytest.mark.parametrize("where", ["c", "torch"])
+def test_each_state_matters(checkpoint, which, where, monkeypatch):
+    """The SSM states, or the conv states, zeroed before each step: not transformers' answers."""
+    from nanovllm.engine.llm_engine import LLMEngine
+    path, refs = checkpoint
+    with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
+        layers = mixers(llm)
+        if where == "torch":
+            for m in layers:
+                m.c_desc = None
+        states = [getattr(m.state, which) for m in layers]
+        real = LLMEngine.step
+        monkeypatch.setattr(LLMEngine, "step", lambda self: [s.zero_() for s in states] and real(self))
+        with pytest.raises(AssertionError):
+            assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"no {which} state")
+
+
+def generate(path: str, batch, **engine) -> tuple[list[list[int]], int]:
+    with LLM(path, **{**FP32, **engine}) as llm:
+        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+        return [o["token_ids"] for o in outs], llm.llm_engine.scheduler.num_preemptions
+
+
+def test_preemption_recomputes_the_state(checkpoint):
+    path, _ = checkpoint
+    rng = random.Random(1)
+    batch = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(4)]
+    want, _ = generate(path, batch)
+    with LLM(path, **FP32) as llm:
+        slot = sum(m.slot_bytes() for m in mixers(llm))
+    # 4 state slots, and 33 blocks of 16 tokens of the two attention layers (K and V, 2 heads of 16,
+    # fp32): 8 blocks each at admission, 9 by the end
+    got, preempted = generate(path, batch, max_num_seqs=4, cpu_kvcache_bytes=4 * slot + 33 * (2 * 2 * 16 * 2 * 16 * 4))
+    assert preempted > 0
+    assert got == want
+
+
+def test_tp2_matches_tp1(checkpoint):
+    """Two ranks, each half the Mamba-2 heads (their x, z, dt, conv channels, A_log, D, dt_bias and
+    norm weights) and half the attention heads: one rank's tokens, chunked and mixed."""
+    path, _ = checkpoint
+    engine = dict(max_num_batched_tokens=40, max_num_seqs=2)
+    want, _ = generate(path, PROMPTS, **engine)
+    got, _ = generate(path, PROMPTS, tensor_parallel_size=2, **engine)
+    assert got == want
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 150])
+def test_chunked_scan_matches_the_one_token_rule(length):
+    """ssd_chunked from a nonzero state against ssd_step token by token: outputs and final state."""
+    from nanovllm.layers.mamba2 import ssd_chunked, ssd_step
+    torch.manual_seed(length)
+    heads, p, n = 3, 4, 5
+    x, B, C = torch.randn(length, heads, p), torch.randn(length, heads, n), torch.randn(length, heads, n)
+    dt, A = torch.rand(length, heads) * 0.5, -torch.rand(heads) * 2
+    start = torch.randn(heads, p, n)
+    state = start.clone()
+    got = ssd_chunked(state, x, dt, A, B, C, chunk=64)
+    ref_state = start.clone()[None]
+    want = torch.stack([ssd_step(ref_state, x[t][None], dt[t][None], A, B[t][None], C[t][None])[0]
+                        for t in range(length)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state[0], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_configs_are_named():
+    from types import SimpleNamespace
+    from nanovllm.layers.mamba2 import Mamba2Mixer
+    from nanovllm.models.granite_hybrid import granite_layer_kinds
+    with pytest.raises(ValueError, match="layer_types\\[1\\] is 'conv'"):
+        granite_layer_kinds(SimpleNamespace(num_hidden_layers=2, layer_types=["mamba", "conv"]))
+    config = SimpleNamespace(hidden_size=64, mamba_n_heads=8, mamba_n_groups=3, mamba_d_head=16, mamba_d_state=16,
+                             mamba_d_conv=4, mamba_expand=2, rms_norm_eps=1e-6)
+    with pytest.raises(ValueError, match="mamba_n_groups \\(3\\) must divide mamba_n_heads \\(8\\)"):
+        Mamba2Mixer(config)
+    with pytest.raises(ValueError, match="mamba_n_heads x mamba_d_head \\(8 x 8\\)"):
+        Mamba2Mixer(SimpleNamespace(**{**vars(config), "mamba_n_groups": 1, "mamba_d_head": 8}))
