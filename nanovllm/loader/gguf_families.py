@@ -4,11 +4,13 @@ beyond the common ones (loader/gguf.py's GGUFFile.hf_config builds the common on
 family_config). The hybrid linear-attention families have a module of their own, gguf_hybrid.py."""
 import re
 
+import torch
+
 from nanovllm.loader import gguf_hybrid
 
 # The files whose q / k rows llama.cpp's converter permuted for its rotation (its LlamaModel and the
 # families built on it): read back in HF order.
-PERMUTED_QK = {"llama", "smollm3"}
+PERMUTED_QK = {"llama", "smollm3", "granitehybrid"}
 # Gemma files (llama.cpp's conventions): norms stored as 1 + w; the norm before the MLP is ffn_norm,
 # the ones after attention and the MLP have their own names; every `pattern`-th layer is full
 # attention, the others slide (llama.cpp's set_swa_pattern), with sliding layers' rope base 10000.
@@ -41,6 +43,15 @@ LFM2 = {"lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM"}
 _LFM2_LAYER_NAMES = {"shortconv.conv.weight": "conv.conv.weight", "shortconv.in_proj.weight": "conv.in_proj.weight",
                      "shortconv.out_proj.weight": "conv.out_proj.weight",
                      "exp_probs_b.bias": "mlp.experts.e_score_correction_bias"}
+# Granite 4.0-H files (llama.cpp's granitehybrid): the Mamba-2 mixers ssm_* (A stored as -exp(A_log),
+# in_proj whole: cut into its z, x, B, C and dt rows in the file's index), the shared MLP as *_shexp
+# beside experts or as the plain ffn_* without; each layer's kind from its head_count_kv entry (0: Mamba-2).
+GRANITE_HYBRID = "granitehybrid"
+_GRANITE_LAYER_NAMES = {"ssm_in.weight": "mamba.in_proj.weight", "ssm_conv1d.weight": "mamba.conv1d.weight",
+                        "ssm_conv1d.bias": "mamba.conv1d.bias", "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A_log",
+                        "ssm_d": "mamba.D", "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight",
+                        **{f"ffn_{part}{suffix}.weight": f"mlp.shared_mlp.{part}_proj.weight"
+                           for part in ("gate", "up", "down") for suffix in ("", "_shexp")}}
 # The architectures whose files end in an MTP head's layers that the model itself does not run
 # (nextn_predict_layers; the hybrids' are read as their MTP head, gguf_hybrid.py).
 MTP_LAST = {"glm4moe"}
@@ -73,6 +84,7 @@ _ARCH_LAYER_NAMES = {**{a: {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} for a in GEMMA
                      "gpt-oss": {**_LAYER_NAMES, **_GPT_OSS_LAYER_NAMES},
                      "glm4moe": {**_LAYER_NAMES, **_GLM_LAYER_NAMES},
                      **{a: {**_LAYER_NAMES, **_LFM2_LAYER_NAMES} for a in LFM2},
+                     GRANITE_HYBRID: {**_LAYER_NAMES, **_GRANITE_LAYER_NAMES},
                      **{a: {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES} for a in gguf_hybrid.ARCHITECTURES}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -81,7 +93,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM", "
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 **LFM2, **gguf_hybrid.ARCHITECTURES}
+                 GRANITE_HYBRID: "GraniteMoeHybridForCausalLM", **LFM2, **gguf_hybrid.ARCHITECTURES}
 LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -207,6 +219,32 @@ def lfm2_config(file, a: str, kwargs: dict) -> dict:
     return out
 
 
+def granite_hybrid_config(file, a: str, kwargs: dict) -> dict:
+    """A Granite 4.0-H file's settings: each layer's mixer, the Mamba-2 shapes, Granite's multipliers,
+    rotary only where the file asks for it (llama.cpp's rope.scaling.finetuned), the experts."""
+    kv = file.field(f"{a}.attention.head_count_kv")
+    layers, hidden = kwargs["num_hidden_layers"], kwargs["hidden_size"]
+    kinds = ["mamba" if n == 0 else "attention" for n in (kv if isinstance(kv, list) else [kv] * layers)]
+    heads, inner = int(file.field(f"{a}.ssm.time_step_rank")), int(file.field(f"{a}.ssm.inner_size"))
+    experts = int(file.field(f"{a}.expert_count", 0) or 0)
+    first = next((i for i, kind in enumerate(kinds) if kind == "mamba"), None)
+    out = dict(layer_types=kinds[:layers], mamba_n_heads=heads, mamba_d_head=inner // heads,
+               mamba_n_groups=int(file.field(f"{a}.ssm.group_count")),
+               mamba_d_state=int(file.field(f"{a}.ssm.state_size")), mamba_d_conv=int(file.field(f"{a}.ssm.conv_kernel")),
+               mamba_expand=inner / hidden, mamba_conv_bias=f"model.layers.{first}.mamba.conv1d.bias" in file.tensors,
+               mamba_proj_bias=False, num_local_experts=experts,
+               attention_multiplier=float(file.field(f"{a}.attention.scale", 0.0) or 0.0) or None,
+               embedding_multiplier=float(file.field(f"{a}.embedding_scale", 1.0)),
+               residual_multiplier=float(file.field(f"{a}.residual_scale", 1.0)),
+               logits_scaling=float(file.field(f"{a}.logit_scale", 1.0)),
+               position_embedding_type="rope" if file.field(f"{a}.rope.scaling.finetuned", False) else None)
+    # (the experts' width is feed_forward_length, read as intermediate_size; the shared MLP's its own)
+    out["shared_intermediate_size"] = int(file.field(f"{a}.expert_shared_feed_forward_length", kwargs["intermediate_size"]))
+    if experts:
+        out["num_experts_per_tok"] = int(file.field(f"{a}.expert_used_count"))
+    return out
+
+
 def is_mixtral(file) -> bool:
     """A llama file with experts (llama.cpp writes Mixtral as llama with ffn_*_exps tensors)."""
     return file.arch == "llama" and bool(file.field("llama.expert_count", 0))
@@ -233,6 +271,8 @@ def family_config(file, a: str, kwargs: dict) -> dict:
         kwargs.update(glm4moe_config(file, a, kwargs))
     if a in LFM2:
         kwargs.update(lfm2_config(file, a, kwargs))
+    if a == GRANITE_HYBRID:
+        kwargs.update(granite_hybrid_config(file, a, kwargs))
     if a == "smollm3":  # the file states no NoPE layers: llama.cpp takes every 4th (n_no_rope_layer_step)
         kwargs["no_rope_layer_interval"] = 4
     if a in gguf_hybrid.ARCHITECTURES:
@@ -253,6 +293,12 @@ def split_rows(file, name: str, info) -> list:
     any other as itself."""
     if file.arch in gguf_hybrid.ARCHITECTURES:
         return gguf_hybrid.split_rows(file, name, info)
+    if file.arch == GRANITE_HYBRID and name.endswith(".mamba.in_proj.weight"):
+        a = file.arch
+        heads, inner = int(file.field(f"{a}.ssm.time_step_rank")), int(file.field(f"{a}.ssm.inner_size"))
+        bc = int(file.field(f"{a}.ssm.group_count")) * int(file.field(f"{a}.ssm.state_size"))
+        return gguf_hybrid.row_parts(name.removesuffix("in_proj.weight") + "in_proj_", info,
+                                     {"z": inner, "x": inner, "B": bc, "C": bc, "dt": heads})
     if file.arch in LFM2 and name.endswith(".conv.in_proj.weight"):
         third = info.shape[0] // 3
         return gguf_hybrid.row_parts(name.removesuffix("in_proj.weight") + "in_proj_", info,
@@ -267,4 +313,6 @@ def stored_as_hf(arch: str, name: str, tensor):
         tensor = tensor - 1.0
     if arch in gguf_hybrid.ARCHITECTURES:
         tensor = gguf_hybrid.stored_as_hf(name, tensor)
+    if arch == GRANITE_HYBRID and name.endswith("mamba.A_log"):
+        tensor = torch.log(-tensor)  # stored as A = -exp(A_log)
     return tensor

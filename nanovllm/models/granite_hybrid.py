@@ -9,6 +9,7 @@ the logits divided by logits_scaling. config.layer_types (`mamba` / `linear_atte
 
 The C one-call decode step does not run this family (its embedding and logits are scaled, a start-up
 WARNING says so); its Mamba-2 layers' decode steps are one C call each (mamba2_decode)."""
+import re
 from collections.abc import Iterable
 
 import torch
@@ -140,7 +141,7 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
         bc = int(config.mamba_n_groups) * int(config.mamba_d_state)
         for name, tensor in weights:
             name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
-            name = name.replace(".shared_mlp.", ".mlp.shared_mlp.")
+            name = re.sub(r"(?<!\.mlp)\.shared_mlp\.", ".mlp.shared_mlp.", name)  # (a GGUF file's are ours already)
             if name.endswith(".mamba.in_proj.weight") or name.endswith(".mamba.in_proj.bias"):
                 base, kind = name.rsplit(".in_proj.", 1)
                 parts = tensor.split([inner, inner, bc, bc, tensor.shape[0] - 2 * inner - 2 * bc])

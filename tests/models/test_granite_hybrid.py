@@ -4,8 +4,13 @@ Mamba-2 layers beside attention, MoE blocks with the shared MLP, Granite's multi
 one and two 64-token SSD chunks, whole and chunked prefills (a chunk split across steps), a second
 pass, forced preemption, TP=2 (one group: B and C whole on each rank, the norm summed across them;
 two groups: split), the decode step in C and in torch. Each checked to fail with the SSM state or
-the conv state dropped between steps. The chunked scan against the one-token rule."""
+the conv state dropped between steps. The chunked scan against the one-token rule. llama.cpp's
+granitehybrid GGUF files."""
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,6 +149,71 @@ def test_chunked_scan_matches_the_one_token_rule(length):
                         for t in range(length)])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, ref_state[0], rtol=1e-4, atol=1e-4)
+
+
+def llamacpp_file(tmp_path: Path, hf: str, outtype: str) -> Path:
+    """hf written by llama.cpp's convert_hf_to_gguf.py as a granitehybrid file: its config's layer
+    types in the hub's names (mamba / attention, which the converter looks for), the vendored Qwen2
+    tokenizer for its vocabulary step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import llamacpp_build
+    from nanovllm.utils.cache import cache_root
+    llama = llamacpp_build.source_fetched(cache_root())
+    if llama is None:
+        pytest.skip("llama.cpp's converters are not fetched: run `python scripts/llamacpp_build.py --source` "
+                    "(the README's test command does)")
+    config = json.loads((Path(hf) / "config.json").read_text())
+    config["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in config["layer_types"]]
+    (Path(hf) / "config.json").write_text(json.dumps(config))
+    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / f"{outtype}-vocab")
+    out = tmp_path / f"{outtype}.gguf"
+    done = subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+                           "--outfile", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("experts, outtype", [(4, "f32"), (0, "f32"), (4, "q8_0")], ids=["moe", "dense", "moe-q8_0"])
+def test_llamacpp_gguf_files(tmp_path, experts, outtype):
+    """llama.cpp's granitehybrid files of a checkpoint (the Qwen2 vocabulary's size; no rotary, as
+    Granite 4.0-H has none): F32 files, with experts (the shared MLP as *_shexp) and without (as
+    ffn_*), give transformers' tokens and log-probabilities (1e-4); the Q8_0 file (its shared down
+    projection F16: 48 inputs are not whole blocks) transformers' log-probabilities within Q8_0's
+    rounding, teacher-forced on its tokens."""
+    import transformers
+    config = transformers.GraniteMoeHybridConfig(**{**SHAPE, "vocab_size": 151936, "position_embedding_type": None,
+                                                    "num_local_experts": experts})
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(4)
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+        for layer in model.model.layers:
+            if layer.mamba is not None:
+                layer.mamba.dt_bias.uniform_(-2.0, 0.5)
+                layer.mamba.A_log.uniform_(-1.0, 1.0)
+                layer.mamba.D.normal_(1.0, 0.3)
+                layer.mamba.conv1d.bias.normal_(0, 0.1)
+                layer.mamba.norm.weight.normal_(1, 0.1)
+    hf = str(tmp_path / "hf")
+    model.save_pretrained(hf)
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    refs = peft_greedy(hf, None, prompts, MAX_NEW)
+    with LLM(str(llamacpp_file(tmp_path, hf, outtype)), **FP32) as llm:
+        got = llm.llm_engine.config.hf_config
+        from nanovllm.models.granite_hybrid import granite_layer_kinds
+        assert granite_layer_kinds(got) == ["mamba", "attention"] * 2 and got.position_embedding_type is None
+        if outtype == "f32":
+            assert_like_peft(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "F32 file")
+            return
+        for prompt, (tokens, logprobs) in zip(prompts, refs):
+            out = llm.generate([prompt + tokens], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                               use_tqdm=False)[0]
+            ours = torch.tensor([entry[t] for entry, t in zip(out["prompt_logprobs"][len(prompt):], tokens)])
+            theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+            assert (ours - theirs).abs().max() < 0.05, (ours - theirs).abs()
 
 
 def test_bad_configs_are_named():
