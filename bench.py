@@ -48,6 +48,15 @@ GLM4_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_
 LFM2_BENCH = dict(hidden_size=1536, intermediate_size=6912, block_auto_adjust_ff_dim=False, num_hidden_layers=16,
                   num_attention_heads=24, num_key_value_heads=8, conv_L_cache=3, full_attn_idxs=[2, 5, 8, 10, 12, 14],
                   vocab_size=151936, max_position_embeddings=128000, norm_eps=1e-5, tie_word_embeddings=True)
+# Granite-4.0-H-350M's kind (Mamba-2 layers with attention at every 8th, no experts, no rotary,
+# Granite's multipliers) with the Qwen2 vocabulary the GGUF converter's tokenizer step knows.
+GRANITE_HYBRID_BENCH = dict(hidden_size=768, shared_intermediate_size=2048, intermediate_size=2048, num_local_experts=0,
+                            num_experts_per_tok=0, num_hidden_layers=32, num_attention_heads=12, num_key_value_heads=4,
+                            layer_types=["attention" if (i + 1) % 8 == 0 else "mamba" for i in range(32)],
+                            mamba_n_heads=48, mamba_d_head=32, mamba_expand=2, mamba_d_state=128, mamba_n_groups=1,
+                            mamba_d_conv=4, position_embedding_type=None, embedding_multiplier=12.0,
+                            attention_multiplier=0.0078125, residual_multiplier=0.246, logits_scaling=3.0,
+                            vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=True)
 RANDOM_MODELS = {"qwen3-moe": "a random Qwen3-MoE (24 layers, 64 experts, 8 active; 1.5B parameters, bf16)"}
 
 # GPT-OSS-20B's kind (24 layers of 32 experts, 4 active; sinks; windows of 128 on every other layer;
@@ -143,6 +152,21 @@ def random_glm4_moe_checkpoint() -> str:
 
 def random_lfm2_checkpoint() -> str:
     return random_checkpoint("lfm2-700m", "Lfm2", LFM2_BENCH)
+
+
+def random_granite_hybrid_checkpoint() -> str:
+    """GRANITE_HYBRID_BENCH's checkpoint, its config's layer types in the hub's names (mamba /
+    attention: llama.cpp's converter looks for them)."""
+    import json
+    path = random_checkpoint("granite-4.0-h-350m", "GraniteMoeHybrid", GRANITE_HYBRID_BENCH)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    if config["layer_types"] != GRANITE_HYBRID_BENCH["layer_types"]:
+        config["layer_types"] = GRANITE_HYBRID_BENCH["layer_types"]
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
+    return path
 
 
 def random_qwen3_moe_checkpoint() -> str:

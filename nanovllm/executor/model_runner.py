@@ -260,7 +260,7 @@ class ModelRunner(Executor):
         kernels = self.kernels
         return self.state_cache.allocate(budget, self.device,
                                          kernels.c_kernels if self.dtype == torch.float32 else None,
-                                         self.rank, triton=kernels.deltanet_triton)
+                                         self.rank, triton=kernels.state_triton)
 
     def state_batch(self, seqs: list[Sequence], num_new_tokens: list[int]):
         return self.state_cache.batch(seqs, num_new_tokens, self.to_device)

@@ -15,7 +15,8 @@ Prefill runs the recurrence in chunks (SSD): within a chunk, with c the running 
 
 and decode runs the one-token rule for the batch at once. A sequence's conv inputs (the last
 kernel - 1) and its S live in a state slot of its own (layers/sequence_state.py). Plain torch, fp32
-state and arithmetic; on a CPU the decode step is one C call (kernels/cpu_deltanet.c mamba2_decode).
+state and arithmetic; the decode step is one C call on a CPU (kernels/cpu_deltanet.c mamba2_decode),
+its state update a Triton kernel on a GPU (kernels/triton_deltanet.py mamba2_decode_step).
 
 Tensor parallelism splits the heads: each rank its heads' z, x, dt, A_log, D, dt_bias, their conv
 channels and norm weights, and out_proj's inputs. B and C split with the groups where the ranks
@@ -149,6 +150,7 @@ class Mamba2Mixer(SequenceStateLayer):
         self.c_kernels = None
         self.c_desc: Mamba2Layer | None = None
         self.c_parts: tuple | None = None  # the tensors c_desc points into
+        self.use_triton = False  # the decode step's state update in Triton, where the platform offers it (a GPU)
 
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """This rank's channels of the conv: its heads' x, and B and C (its groups', or whole)."""
@@ -175,7 +177,7 @@ class Mamba2Mixer(SequenceStateLayer):
     def attach_state(self, state: Mamba2State, c_kernels=None, use_triton: bool = False) -> None:
         """The slots this layer's steps read; with c_kernels (the CPU's), the decode step's C call
         (mamba2_decode) and its description of the layer."""
-        self.state, self.c_kernels, self.c_desc = state, c_kernels, None
+        self.state, self.c_kernels, self.c_desc, self.use_triton = state, c_kernels, None, use_triton
         if c_kernels is None or get_tp_size() > 1 and not self.split_groups:
             return  # (a group spanning the ranks: its norm sums across them, in torch)
         conv_bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(self.channels)
@@ -251,8 +253,12 @@ class Mamba2Mixer(SequenceStateLayer):
         conv, history = causal_conv_step(self.state.conv.index_select(0, slots), mixed, self.taps(), self.conv_bias())
         self.state.conv.index_copy_(0, slots, history)
         x, b, c = self.split(F.silu(conv))
+        A = -self.A_log.float().exp()
+        if self.use_triton:
+            from nanovllm.kernels.triton_deltanet import mamba2_decode_step
+            return mamba2_decode_step(self.state.ssm, slots, x, self.time_steps(dt), A, b, c, self.D)
         ssm = self.state.ssm.index_select(0, slots)
-        y = ssd_step(ssm, x, self.time_steps(dt), -self.A_log.float().exp(), b, c)
+        y = ssd_step(ssm, x, self.time_steps(dt), A, b, c)
         self.state.ssm.index_copy_(0, slots, ssm)
         return y + self.D.float()[:, None] * x
 

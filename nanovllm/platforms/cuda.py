@@ -77,7 +77,7 @@ class CudaPlatform(Platform):
         """Block-format and pre-quantized weights through the Triton weight-only kernels, dense
         experts through the Triton grouped kernel, linear-attention decode steps through the Triton
         delta-rule step, LoRA updates through the Triton BGMV kernels (the `cuda` extra)."""
-        return {"triton_weight_only": True, "fused_moe_triton": True, "deltanet_triton": True, "lora_triton": True}
+        return {"triton_weight_only": True, "fused_moe_triton": True, "state_triton": True, "lora_triton": True}
 
     def kv_cache_budget_bytes(self, device: torch.device, warmup: Callable[[], None], cpu_kvcache_bytes: int | None,
                               gpu_memory_utilization: float) -> int:

@@ -25,7 +25,7 @@ class LinearKernels:
     # or the Triton interpreter where NANOVLLM_TRITON_WEIGHT_ONLY=1 asks for them on a CPU).
     triton_weight_only: bool = False
     fused_moe_triton: bool = False        # dense experts run by the Triton grouped kernel (a GPU)
-    deltanet_triton: bool = False         # linear-attention decode steps in Triton (kernels/triton_deltanet.py; a GPU)
+    state_triton: bool = False            # state layers' decode steps in Triton (kernels/triton_deltanet.py; a GPU)
     lora_triton: bool = False             # LoRA updates by the Triton BGMV kernels (kernels/triton_lora.py; a GPU)
 
 
