@@ -67,7 +67,8 @@ class FusedDecode(StepRunner):
         self.modules = layers = parts.layers
         self.final_norm = parts.norm
         self.final_norm_weight = c.norm(parts.norm, "the final norm")
-        self.embed, self.lm_head = parts.embed, parts.head
+        self.embed_module, self.head_module = parts.embed, parts.head
+        self.embed_scale, self.logit_scale = parts.embed_scale, parts.logit_scale
         self.compute_logits = model.compute_logits
         described: list[CPart] = [describe(layer, c, f"layer {i}") for i, layer in enumerate(layers)]
         attention = [(i, part) for i, part in enumerate(described) if part.model_fields]
@@ -93,7 +94,7 @@ class FusedDecode(StepRunner):
         self.moes: list[MoeExperts] = [layer.moe.contents for layer in self.layers if layer.moe]
         self.max_position = described[first].max_position
         self.segments = segments(in_c)
-        embed, head = c.linear(self.embed, "the embedding"), c.linear(self.lm_head, "the head")
+        embed, head = c.linear(self.embed_module, "the embedding"), c.linear(self.head_module, "the head")
         self.linears: list[Linear] = [x for x in c.kept if isinstance(x, Linear)]
         self.embed_in_c, self.head_in_c = embed is not None, head is not None
         intermediate = max([d.down.k for d in self.layers if d.in_c] + [moe.shared_down.k for moe in self.moes],
@@ -101,6 +102,7 @@ class FusedDecode(StepRunner):
         self.desc = by_field(DecoderModel, dict(
             num_layers=len(described), hidden=parts.norm.weight.numel(), intermediate=intermediate, eps=c.eps.pop(),
             final_norm=self.final_norm_weight, layers=self.layers, embed=embed or Linear(), head=head or Linear(),
+            embed_scale=parts.embed_scale, residual_scale=parts.residual_scale, logit_scale=parts.logit_scale,
             **settings))
         bad = kernels.decode_check_model(ctypes.byref(self.desc))
         if bad >= 0:
@@ -112,11 +114,21 @@ class FusedDecode(StepRunner):
         # (A MoE router or shared-expert gate is a dense [E, H] / [1, H] matrix: too small to matter.)
         methods = [m.quant_method for layer in layers for m in layer.modules()
                    if hasattr(m, "quant_method") and not isinstance(m, ReplicatedLinear)]
-        methods += [self.embed.quant_method, self.lm_head.quant_method]
+        methods += [self.embed_module.quant_method, self.head_module.quant_method]
         if all(in_c) and self.head_in_c and all(method.c_only for method in methods):
             self.max_rows = cpu_kernels.ALL_ROWS
         self.lora_seen = -1  # LoRALayer.allocations when the adapters' C description was last made
         self.lora_mats = self.lora_width = None  # that description (None: some adapter matrix has none)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ids as the model scales them (outside the one call)."""
+        rows = self.embed_module(ids)
+        return rows if self.embed_scale == 1.0 else rows * self.embed_scale
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the final-normed hidden rows as the model scales them (outside the one call)."""
+        logits = self.head_module(hidden)
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
     def lora_matrices(self):
         """The adapter slots of each layer's qkv, o, gate_up and down as the one call reads them

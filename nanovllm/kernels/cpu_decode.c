@@ -27,11 +27,11 @@
 #include "cpu_kernels.h"
 
 /* resid (+)= x; y = weight * (resid / rms(resid)), one row of n. */
-static void add_rms_norm_row(const float *x, float *resid, int first, const float *weight, float eps, int64_t n,
-                             float *y) {
+static void add_rms_norm_row(const float *x, float *resid, int first, const float *weight, float eps, float scale,
+                             int64_t n, float *y) {
     float sq = 0.0f;
     for (int64_t i = 0; i < n; i++) {
-        const float r = first ? x[i] : resid[i] + x[i];
+        const float r = first ? x[i] : resid[i] + scale * x[i];
         resid[i] = r;
         sq += r * r;
     }
@@ -59,15 +59,19 @@ static void norm_rope_head(float *x, const float *norm, float eps, const float *
 }
 
 /* x [H] = the embedding row of token id, as fp32. */
-static void embed_row(const DecoderModel *m, int64_t id, float *x) { weight_types[m->embed.type].row_to_f32(&m->embed, id, x); }
+static void embed_row(const DecoderModel *m, int64_t id, float *x) {
+    weight_types[m->embed.type].row_to_f32(&m->embed, id, x);
+    if (m->embed_scale != 1.0f)
+        for (int64_t i = 0; i < m->hidden; i++) x[i] *= m->embed_scale;
+}
 
 /* ---- the phases of a layer: orphaned worksharing loops, run inside a parallel region ---------- */
 
-/* Rows b < B: resid (+)= x; y = norm(resid). */
-static void phase_add_norm(const float *x, float *resid, int first, const float *weight, float eps, int64_t B,
-                           int64_t H, float *y) {
+/* Rows b < B: resid (+)= scale x; y = norm(resid). */
+static void phase_add_norm(const float *x, float *resid, int first, const float *weight, float eps, float scale,
+                           int64_t B, int64_t H, float *y) {
 #pragma omp for
-    for (int64_t b = 0; b < B; b++) add_rms_norm_row(x + b * H, resid + b * H, first, weight, eps, H, y + b * H);
+    for (int64_t b = 0; b < B; b++) add_rms_norm_row(x + b * H, resid + b * H, first, weight, eps, scale, H, y + b * H);
 }
 
 /* Token b's query heads of KV heads [kv_first, kv_end) and those KV heads, in qkv [B, q | k | v]:
@@ -187,13 +191,24 @@ int64_t decode_check_model(const DecoderModel *m) {
         const DecoderLayer *L = &m->layers[l];
         const DeltaNetLayer *X = L->linear;
         const ShortConvLayer *S = L->short_conv;
+        const Mamba2Layer *M = L->mamba2;
         const int64_t H = m->hidden, Q = m->num_heads * m->head_dim, KV = m->num_kv_heads * m->head_dim;
         int64_t proj_out = (L->attn_gate ? 2 * Q : Q) + 2 * KV, o_in = Q;
         if (L->kv_group < 0) return l;
         /* a gated, linear or short-conv layer has no phases for run_layer: it runs in the one call only */
         if (!L->in_c) {
-            if (L->attn_gate || X != NULL || S != NULL) return l;
+            if (L->attn_gate || X != NULL || S != NULL || M != NULL) return l;
             continue;
+        }
+        if (M != NULL) {
+            if (M->conv_w == NULL || M->conv_b == NULL || M->conv_state == NULL || M->ssm == NULL || M->A_log == NULL ||
+                M->D == NULL || M->dt_bias == NULL || M->norm == NULL || M->heads <= 0 || M->p <= 0 || M->n <= 0 ||
+                M->groups <= 0 || M->heads % M->groups || M->heads_per_group * M->groups != M->heads || M->K < 2 ||
+                M->K > 8 || M->norm_width <= 0 || (M->heads * M->p) % M->norm_width || X != NULL || S != NULL ||
+                L->attn_gate)
+                return l;
+            proj_out = 2 * M->heads * M->p + M->heads + 2 * M->groups * M->n;
+            o_in = M->heads * M->p;
         }
         if (S != NULL) {
             if (S->conv_w == NULL || S->conv_state == NULL || S->C <= 0 || S->K < 2 || S->K > 8 || X != NULL ||
@@ -256,10 +271,16 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
     int64_t P = 0, Cmax = 0, G = 0, A = Q;
     for (int64_t l = first_layer; l < end_layer; l++) {
         const DecoderLayer *L = &m->layers[l];
-        const int stateful = L->linear != NULL || L->short_conv != NULL;
+        const int stateful = L->linear != NULL || L->short_conv != NULL || L->mamba2 != NULL;
         if (!L->in_c || (stateful && s[L->kv_group].state_slots == NULL)) return 3;
         if (stateful || L->attn_gate) P = linear_outputs(&L->qkv) > P ? linear_outputs(&L->qkv) : P;
         if (L->short_conv != NULL) A = L->short_conv->C > A ? L->short_conv->C : A;
+        if (L->mamba2 != NULL) {
+            const Mamba2Layer *M = L->mamba2;
+            const int64_t inner = M->heads * M->p, C = inner + 2 * M->groups * M->n;
+            A = inner > A ? inner : A;
+            Cmax = C > Cmax ? C : Cmax;
+        }
         if (L->attn_gate) G = Q;
         if (L->linear != NULL) {
             const DeltaNetLayer *X = L->linear;
@@ -318,13 +339,20 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                 const int64_t Il = L->down.k;
                 for (int64_t b = 0; b < B; b++)
                     add_rms_norm_row((l == first_layer ? first_in : hidden) + b * H, rs + b * H,
-                                     l == first_layer && !started, L->input_norm, m->eps, H, xn + b * H);
+                                     l == first_layer && !started, L->input_norm, m->eps, m->residual_scale, H,
+                                     xn + b * H);
                 if (L->linear != NULL) {  /* Gated DeltaNet: in_proj, conv + delta rule + gated norm, out_proj */
                     const DeltaNetLayer *X = L->linear;
                     const int64_t Pl = linear_outputs(&L->qkv);
                     linear_rows_for(&L->qkv, xn, H, B, proj, Pl);
                     phase_deltanet(X, proj, Pl, B, s[L->kv_group].state_slots, m->eps, attn, conv);
                     linear_rows_for(&L->o, attn, X->nv * X->dv, B, hidden, H);
+                } else if (L->mamba2 != NULL) {  /* Mamba-2: in_proj | bc_proj, conv + SSM + gated norm, out_proj */
+                    const Mamba2Layer *X = L->mamba2;
+                    const int64_t Pl = linear_outputs(&L->qkv);
+                    linear_rows_for(&L->qkv, xn, H, B, proj, Pl);
+                    phase_mamba2(X, proj, Pl, B, s[L->kv_group].state_slots, m->eps, attn, conv);
+                    linear_rows_for(&L->o, attn, X->heads * X->p, B, hidden, H);
                 } else if (L->short_conv != NULL) {  /* short convolution: in_proj, C * conv(B * x), out_proj */
                     const ShortConvLayer *X = L->short_conv;
                     linear_rows_for(&L->qkv, xn, H, B, proj, 3 * X->C);
@@ -344,7 +372,8 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     if (LORA(1)) phase_lora(LORA(1), attn, Q, B, lora->row_slots, lora_t, hidden, H);
                 }
                 for (int64_t b = 0; b < B; b++)
-                    add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, H, xn + b * H);
+                    add_rms_norm_row(hidden + b * H, rs + b * H, 0, L->post_norm, m->eps, m->residual_scale, H,
+                                     xn + b * H);
                 if (L->moe != NULL) {
                     /* sparse MoE: the router, the shared expert (its act per thread, as below), the experts */
                     const MoeExperts *X = L->moe;
@@ -368,8 +397,13 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
             }
             if (logits != NULL) {
                 for (int64_t b = 0; b < B; b++)
-                    add_rms_norm_row(hidden + b * H, rs + b * H, 0, m->final_norm, m->eps, H, xn + b * H);
+                    add_rms_norm_row(hidden + b * H, rs + b * H, 0, m->final_norm, m->eps, m->residual_scale, H,
+                                     xn + b * H);
                 linear_rows_for(&m->head, xn, H, B, logits, m->head.n);
+                if (m->logit_scale != 1.0f) {
+#pragma omp for schedule(static)
+                    for (int64_t i = 0; i < B * m->head.n; i++) logits[i] *= m->logit_scale;
+                }
             } else {
 #pragma omp single
                 memcpy(resid, rs, sizeof(float) * (size_t)(B * H));
@@ -387,7 +421,7 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
 void decode_add_rms_norm(const DecoderModel *m, const float *x, float *resid, int first, const float *weight,
                          int64_t num_seqs, float *y, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    phase_add_norm(x, resid, first, weight, m->eps, num_seqs, m->hidden, y);
+    phase_add_norm(x, resid, first, weight, m->eps, m->residual_scale, num_seqs, m->hidden, y);
 }
 
 /* Layer `layer`'s rotary + KV store + attention: qkv [num_seqs, q | k | v] (q and k rotated in
@@ -396,7 +430,8 @@ void decode_add_rms_norm(const DecoderModel *m, const float *x, float *resid, in
 int decode_attention_layer(const DecoderModel *m, int64_t layer, float *qkv, const DecodeStep *s, float *attn,
                            int num_threads) {
     const DecoderLayer *L = &m->layers[layer];
-    if (L->attn_gate || L->linear != NULL || L->short_conv != NULL) return 3;  /* those run in decode_layers only */
+    if (L->attn_gate || L->linear != NULL || L->short_conv != NULL || L->mamba2 != NULL)
+        return 3;  /* those run in decode_layers only */
     const DecodePlan plan = decode_plan(s->num_seqs, m->num_kv_heads, s->max_context, m->block_size, num_threads);
     const int64_t partial = decode_partial_floats(&plan, s->num_seqs, m->num_heads, m->head_dim);
     float *parts = NULL;

@@ -144,64 +144,69 @@ void phase_short_conv(const ShortConvLayer *X, const float *proj, int64_t B, con
 /* Mamba-2 channels per work item of the convolution. */
 #define MAMBA2_CONV_SPAN 256
 
-int mamba2_decode(const Mamba2Layer *X, const float *rows, int64_t stride, int64_t B, const int64_t *slots, float eps,
-                  float *out, float *scratch, int num_threads) {
+void phase_mamba2(const Mamba2Layer *X, const float *rows, int64_t stride, int64_t B, const int64_t *slots, float eps,
+                  float *out, float *scratch) {
     const int64_t H = X->heads, P = X->p, N = X->n, G = X->groups, K = X->K, inner = H * P;
     const int64_t C = inner + 2 * G * N, spans = (C + MAMBA2_CONV_SPAN - 1) / MAMBA2_CONV_SPAN;
     const int64_t norm_groups = inner / X->norm_width;
-#pragma omp parallel num_threads(num_threads)
-    {
+    /* channel c of the conv: x (row offset inner + c) for c < inner, then B and C (after dt) */
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * spans; item++) {
-            const int64_t b = item / spans, first = (item % spans) * MAMBA2_CONV_SPAN;
-            const int64_t end = first + MAMBA2_CONV_SPAN < C ? first + MAMBA2_CONV_SPAN : C;
-            const float *x = rows + b * stride;
-            float *state = X->conv_state + slots[b] * C * (K - 1), *y = scratch + b * C;
-            for (int64_t c = first; c < end; c++) {
-                float *h = state + c * (K - 1);
-                const float *w = X->conv_w + c * K;
-                float acc = X->conv_b[c] + x[c] * w[K - 1];
-                for (int64_t j = 0; j < K - 1; j++) acc += h[j] * w[j];
-                for (int64_t j = 0; j + 1 < K - 1; j++) h[j] = h[j + 1];
-                h[K - 2] = x[c];
-                y[c] = acc / (1.0f + sexp(-acc));
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * H; item++) {
-            const int64_t b = item / H, h = item % H, g = h / X->heads_per_group;
-            const float *conv = scratch + b * C, *xh = conv + h * P, *Bg = conv + inner + g * N;
-            const float *Cg = conv + inner + G * N + g * N;
-            /* dt = clamp(softplus(dt + dt_bias)), softplus linear past 20 as torch's */
-            const float raw = rows[b * stride + C + h] + X->dt_bias[h];
-            float dt = raw > 20.0f ? raw : log1pf(expf(raw));
-            dt = dt < X->dt_min ? X->dt_min : dt > X->dt_max ? X->dt_max : dt;
-            const float decay = expf(-dt * expf(X->A_log[h])), d = X->D[h];
-            float *S = X->ssm + (slots[b] * H + h) * P * N, *o = out + b * inner + h * P;
-            for (int64_t p = 0; p < P; p++) {
-                float *row = S + p * N, acc = 0.0f;
-                const float u = dt * xh[p];
-                for (int64_t n = 0; n < N; n++) {
-                    const float s = decay * row[n] + u * Bg[n];
-                    row[n] = s;
-                    acc += s * Cg[n];
-                }
-                o[p] = acc + d * xh[p];
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * norm_groups; item++) {
-            const int64_t b = item / norm_groups, first = (item % norm_groups) * X->norm_width;
-            float *o = out + b * inner + first;
-            const float *z = rows + b * stride + C + H + first;
-            float sq = 0.0f;
-            for (int64_t j = 0; j < X->norm_width; j++) {
-                o[j] *= z[j] / (1.0f + sexp(-z[j]));
-                sq += o[j] * o[j];
-            }
-            const float inv = 1.0f / sqrtf(sq / (float)X->norm_width + eps);
-            for (int64_t j = 0; j < X->norm_width; j++) o[j] *= inv * X->norm[first + j];
+    for (int64_t item = 0; item < B * spans; item++) {
+        const int64_t b = item / spans, first = (item % spans) * MAMBA2_CONV_SPAN;
+        const int64_t end = first + MAMBA2_CONV_SPAN < C ? first + MAMBA2_CONV_SPAN : C;
+        const float *row = rows + b * stride;
+        float *state = X->conv_state + slots[b] * C * (K - 1), *y = scratch + b * C;
+        for (int64_t c = first; c < end; c++) {
+            const float xc = c < inner ? row[inner + c] : row[2 * inner + H + (c - inner)];
+            float *h = state + c * (K - 1);
+            const float *w = X->conv_w + c * K;
+            float acc = X->conv_b[c] + xc * w[K - 1];
+            for (int64_t j = 0; j < K - 1; j++) acc += h[j] * w[j];
+            for (int64_t j = 0; j + 1 < K - 1; j++) h[j] = h[j + 1];
+            h[K - 2] = xc;
+            y[c] = acc / (1.0f + sexp(-acc));
         }
     }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * H; item++) {
+        const int64_t b = item / H, h = item % H, g = h / X->heads_per_group;
+        const float *conv = scratch + b * C, *xh = conv + h * P, *Bg = conv + inner + g * N;
+        const float *Cg = conv + inner + G * N + g * N;
+        /* dt = clamp(softplus(dt + dt_bias)), softplus linear past 20 as torch's */
+        const float raw = rows[b * stride + 2 * inner + h] + X->dt_bias[h];
+        float dt = raw > 20.0f ? raw : log1pf(expf(raw));
+        dt = dt < X->dt_min ? X->dt_min : dt > X->dt_max ? X->dt_max : dt;
+        const float decay = expf(-dt * expf(X->A_log[h])), d = X->D[h];
+        float *S = X->ssm + (slots[b] * H + h) * P * N, *o = out + b * inner + h * P;
+        for (int64_t p = 0; p < P; p++) {
+            float *srow = S + p * N, acc = 0.0f;
+            const float u = dt * xh[p];
+            for (int64_t n = 0; n < N; n++) {
+                const float v = decay * srow[n] + u * Bg[n];
+                srow[n] = v;
+                acc += v * Cg[n];
+            }
+            o[p] = acc + d * xh[p];
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * norm_groups; item++) {
+        const int64_t b = item / norm_groups, first = (item % norm_groups) * X->norm_width;
+        float *o = out + b * inner + first;
+        const float *z = rows + b * stride + first;
+        float sq = 0.0f;
+        for (int64_t j = 0; j < X->norm_width; j++) {
+            o[j] *= z[j] / (1.0f + sexp(-z[j]));
+            sq += o[j] * o[j];
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)X->norm_width + eps);
+        for (int64_t j = 0; j < X->norm_width; j++) o[j] *= inv * X->norm[first + j];
+    }
+}
+
+int mamba2_decode(const Mamba2Layer *X, const float *rows, int64_t stride, int64_t B, const int64_t *slots, float eps,
+                  float *out, float *scratch, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    phase_mamba2(X, rows, stride, B, slots, eps, out, scratch);
     return 0;
 }

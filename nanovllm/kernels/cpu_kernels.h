@@ -10,7 +10,7 @@
 
 /* Bumped whenever a structure below or an exported signature changes: kernels/cpu_kernels.py
  * refuses a library whose version or structure sizes differ from its own. */
-#define NANOVLLM_ABI_VERSION 22
+#define NANOVLLM_ABI_VERSION 23
 
 /* A weight matrix as the kernels stream it: n rows of row_bytes bytes, each holding k weights in
  * the format weight_types[type] describes, plus that format's side data (scales; NULL for dense
@@ -208,8 +208,9 @@ typedef struct {
 void phase_short_conv(const ShortConvLayer *X, const float *proj, int64_t B, const int64_t *slots, float *out);
 
 /* ---- Mamba-2's decode step (cpu_deltanet.c) ----------------------------------------------------- */
-/* A Mamba-2 layer (layers/mamba2.py): each row [x (heads P) | B (groups N) | C (groups N) | dt (heads)
- * | z (heads P)]; the conv runs over x, B and C (C_ch = heads P + 2 groups N channels). */
+/* A Mamba-2 layer (layers/mamba2.py): its in_proj and bc_proj (the layer's qkv Linear, chained) give
+ * each row [z (heads P) | x (heads P) | dt (heads) | B (groups N) | C (groups N)]; the conv runs over
+ * x, B and C (C_ch = heads P + 2 groups N channels); out_proj is the layer's o Linear. */
 typedef struct {
     const float *conv_w, *conv_b;   /* [C_ch, K], [C_ch] */
     float *conv_state;              /* [slots, C_ch, K - 1]: the last K - 1 inputs of each sequence */
@@ -220,8 +221,12 @@ typedef struct {
     int64_t norm_width;             /* the channels of each of the norm's groups */
     float dt_min, dt_max;           /* the time step's clamp */
 } Mamba2Layer;
-/* out [B, heads P] = the gated-normed Mamba-2 outputs of rows [B, stride] (one token of each
- * sequence, state slot slots[b]), the states updated in place; scratch: B * C_ch floats. Returns 0. */
+/* Orphaned worksharing loops: out [B, heads P] = the gated-normed Mamba-2 outputs of rows [B,
+ * stride] (one token of each sequence, state slot slots[b]), the states updated in place; scratch:
+ * B * C_ch floats, shared. */
+void phase_mamba2(const Mamba2Layer *X, const float *rows, int64_t stride, int64_t B, const int64_t *slots, float eps,
+                  float *out, float *scratch);
+/* phase_mamba2 in a parallel region of its own. Returns 0. */
 int mamba2_decode(const Mamba2Layer *X, const float *rows, int64_t stride, int64_t B, const int64_t *slots, float eps,
                   float *out, float *scratch, int num_threads);
 
@@ -278,6 +283,8 @@ typedef struct {
     int64_t no_rope;                     /* 1: a NoPE layer (SmolLM3's): q and k are not rotated */
     /* non-NULL: a short-convolution layer (LFM2; qkv its in_proj, o its out_proj; no KV cache) */
     const ShortConvLayer *short_conv;
+    /* non-NULL: a Mamba-2 layer (Granite 4.0-H; qkv its in_proj chained with bc_proj, o its out_proj) */
+    const Mamba2Layer *mamba2;
 } DecoderLayer;
 
 typedef struct {
@@ -290,6 +297,9 @@ typedef struct {
     const DecoderLayer *layers;
     Linear embed;            /* [vocab, hidden]; data NULL: the lookup runs outside */
     Linear head;             /* [vocab, hidden] (the embedding table itself when tied); data NULL: outside */
+    /* Granite's multipliers (1 elsewhere): the embedding rows times embed_scale, each layer's branch
+     * outputs times residual_scale as they join the stream, the logits times logit_scale. */
+    float embed_scale, residual_scale, logit_scale;
 } DecoderModel;
 
 /* One decode step's batch, as the torch decode path gets it: one per KV group (a model whose layers

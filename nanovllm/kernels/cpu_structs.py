@@ -47,7 +47,7 @@ class DecoderLayer(ctypes.Structure):
                 ("k_cache", c_void_p), ("v_cache", c_void_p), ("in_c", c_int64), ("moe", ctypes.POINTER(MoeExperts)),
                 ("window", c_int64), ("sinks", c_void_p), ("kv_group", c_int64), ("attn_gate", c_int64),
                 ("linear", ctypes.POINTER(DeltaNetLayer)), ("no_rope", c_int64),
-                ("short_conv", ctypes.POINTER(ShortConvLayer))]
+                ("short_conv", ctypes.POINTER(ShortConvLayer)), ("mamba2", ctypes.POINTER(Mamba2Layer))]
 
 
 class DecoderModel(ctypes.Structure):
@@ -55,7 +55,8 @@ class DecoderModel(ctypes.Structure):
                 ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("kv_type", c_int64),
                 ("eps", c_float),
                 ("scale", c_float), ("rotary_dim", c_int64), ("cos_sin", c_void_p), ("final_norm", c_void_p),
-                ("layers", ctypes.POINTER(DecoderLayer)), ("embed", Linear), ("head", Linear)]
+                ("layers", ctypes.POINTER(DecoderLayer)), ("embed", Linear), ("head", Linear),
+                ("embed_scale", c_float), ("residual_scale", c_float), ("logit_scale", c_float)]
 
 
 class DecodeStep(ctypes.Structure):
@@ -80,7 +81,7 @@ class LoraStep(ctypes.Structure):
     _fields_ = [("mats", ctypes.POINTER(LoraMatrix)), ("row_slots", c_void_p), ("width", c_int64)]
 
 
-ABI_VERSION = 22  # cpu_kernels.h, NANOVLLM_ABI_VERSION
+ABI_VERSION = 23  # cpu_kernels.h, NANOVLLM_ABI_VERSION
 STRUCTS = (Linear, MoeExperts, DeltaNetLayer, ShortConvLayer, Mamba2Layer, DecoderLayer, DecoderModel, DecodeStep, LoraMatrix, LoraStep)
 
 

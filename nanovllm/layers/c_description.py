@@ -118,11 +118,16 @@ class CPart:
 
 @dataclass
 class CModel:
-    """A causal LM as the C step walks it: its layers in order, the final norm, embedding and head."""
+    """A causal LM as the C step walks it: its layers in order, the final norm, embedding and head;
+    Granite's multipliers (the embedding rows times embed_scale, each branch times residual_scale as
+    it joins the stream, the logits times logit_scale)."""
     layers: list
     norm: nn.Module
     embed: nn.Module
     head: nn.Module
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
 
 def pointer(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel import get_tp_rank, get_tp_size
-from nanovllm.kernels.cpu_structs import Mamba2Layer
+from nanovllm.kernels.cpu_structs import Linear, Mamba2Layer
+from nanovllm.layers.c_description import CDescriber, CPart, NotInC, describes
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear, StackedColumnParallelLinear
 from nanovllm.layers.sequence_state import SequenceStateLayer, causal_conv, causal_conv_step
 from nanovllm.utils.context import get_context
@@ -198,12 +199,13 @@ class Mamba2Mixer(SequenceStateLayer):
         return self.bc_groups if self.split_groups else 1
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        z, x, dt = self.in_proj(hidden_states).float().split([self.inner, self.inner, self.heads], dim=-1)
+        proj = self.in_proj(hidden_states).float()
         bc = self.bc_proj(hidden_states).float()
         batch = get_context().state
         if batch is not None and not get_context().is_prefill and self.c_desc is not None:
-            y = self.run_decode_c(torch.cat((x, bc, dt, z), dim=-1), batch.slots)
+            y = self.run_decode_c(torch.cat((proj, bc), dim=-1), batch.slots)
             return self.out_proj(y.to(hidden_states.dtype))
+        z, x, dt = proj.split([self.inner, self.inner, self.heads], dim=-1)
         mixed = torch.cat((x, bc), dim=-1)
         if batch is None:  # outside the engine's steps: the rows are one sequence
             y = self.run_sequence(mixed, dt, None, None)
@@ -273,7 +275,7 @@ class Mamba2Mixer(SequenceStateLayer):
         return (g * torch.rsqrt(sq / width + self.eps)).flatten(-2) * self.norm.weight.float()
 
     def run_decode_c(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each sequence from its rows [B, x | B C | dt | z] through the C kernel: the
+        """One token of each sequence from its rows [B, z | x | dt | B C] through the C kernel: the
         gated-normed outputs [B, inner] (fp32), the states updated."""
         rows = rows.contiguous()
         slots = slots.to(torch.int64).contiguous()
@@ -283,3 +285,23 @@ class Mamba2Mixer(SequenceStateLayer):
                                      slots.data_ptr(), ctypes.c_float(self.eps), out.data_ptr(), scratch.data_ptr(),
                                      torch.get_num_threads())
         return out
+
+
+@describes(Mamba2Mixer)
+def _c_mamba2(mixer: Mamba2Mixer, c: CDescriber) -> CPart:
+    """Its state, conv and SSM parameters as attach_state described them; in_proj with bc_proj
+    chained after it (one matrix of rows [z | x | dt | B | C]) and out_proj in the places of an
+    attention layer's qkv and o; the one C call only (no phases of its own)."""
+    if mixer.c_desc is None:
+        raise NotInC("it has no C description (no state slots for the C kernels, or a group spanning the ranks)")
+    c.eps.add(mixer.eps)
+    proj, bc = c.linear(mixer.in_proj, "its in_proj"), c.linear(mixer.bc_proj, "its bc_proj")
+    o = c.linear(mixer.out_proj, "its out_proj")
+    if proj is not None and bc is not None:
+        last = proj
+        while last.next:
+            last = Linear.from_address(last.next)
+        last.next = ctypes.addressof(bc)  # (c keeps bc alive)
+    in_c = proj is not None and bc is not None and o is not None
+    return CPart({"qkv": proj if in_c else Linear(), "o": o or Linear(), "mamba2": ctypes.pointer(mixer.c_desc)},
+                 in_c=in_c, one_call_only=True)

@@ -7,22 +7,24 @@ embedding_multiplier, each branch's output times residual_multiplier before it j
 the logits divided by logits_scaling. config.layer_types (`mamba` / `linear_attention`,
 `attention` / `full_attention`) says which mixer a layer has.
 
-The C one-call decode step does not run this family (its embedding and logits are scaled, a start-up
-WARNING says so); its Mamba-2 layers' decode steps are one C call each (mamba2_decode)."""
+The C one-call decode step runs every layer (the Mamba-2 mixer a layer kind of it, phase_mamba2 in
+kernels/cpu_deltanet.c) with the multipliers (DecoderModel's embed_scale, residual_scale,
+logit_scale); where it cannot, each Mamba-2 layer's decode step is one C call (mamba2_decode)."""
 import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from nanovllm.layers.c_description import CDescriber, CModel, CPart, describe, describes
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.mamba2 import Mamba2Mixer
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.layers.quantization.base import QuantizationConfig
-from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope
-from nanovllm.models.moe_block import expert_stacked_params
+from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope, pre_norm_layer_part
+from nanovllm.models.moe_block import describe_experts_block, expert_stacked_params
 
 MAMBA, ATTENTION = "mamba", "attention"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
@@ -168,3 +170,25 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
                     yield base + "down_proj.weight", tensor
             else:
                 yield name, tensor
+
+
+# ---- how these blocks describe themselves to the CPU's C decode step (layers/c_description.py) ----
+@describes(GraniteMoeBlock)
+def _c_block(block: GraniteMoeBlock, c: CDescriber) -> CPart:
+    """Its router, experts and ungated shared MLP in the one call; the shared MLP alone as a dense MLP."""
+    if block.experts is None:
+        return describe(block.shared_mlp, c, "its shared MLP")
+    return describe_experts_block(block, block.experts, block.gate, block.shared_mlp, None, c)
+
+
+@describes(GraniteHybridLayer)
+def _c_layer(layer: GraniteHybridLayer, c: CDescriber) -> CPart:
+    return pre_norm_layer_part(layer, layer.mamba if layer.kind == MAMBA else layer.self_attn, c)
+
+
+@describes(GraniteMoeHybridForCausalLM)
+def _c_model(model: GraniteMoeHybridForCausalLM, c: CDescriber) -> CModel:
+    """Its layers, final norm, embedding and head, with Granite's multipliers."""
+    inner = model.model
+    return CModel(list(inner.layers), inner.norm, inner.embed_tokens, model.lm_head, inner.embedding_multiplier,
+                  inner.layers[0].residual_multiplier, 1.0 / model.logits_scaling)

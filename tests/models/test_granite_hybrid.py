@@ -3,7 +3,7 @@ transformers (fp32, its torch SSD fallback; greedy tokens and log-probabilities 
 Mamba-2 layers beside attention, MoE blocks with the shared MLP, Granite's multipliers; prompts past
 one and two 64-token SSD chunks, whole and chunked prefills (a chunk split across steps), a second
 pass, forced preemption, TP=2 (one group: B and C whole on each rank, the norm summed across them;
-two groups: split), the decode step in C and in torch. Each checked to fail with the SSM state or
+two groups: split), the decode step in the C one call, in a C call per Mamba-2 layer, in torch. Each checked to fail with the SSM state or
 the conv state dropped between steps. The chunked scan against the one-token rule. llama.cpp's
 granitehybrid GGUF files."""
 import json
@@ -63,30 +63,44 @@ def mixers(llm):
 
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=40, max_num_seqs=2)], ids=["whole", "chunked"])
 def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch):
-    """The Mamba-2 decode steps in C (their calls counted), a second pass of the same prompts."""
+    """The decode steps in the C one call (every layer: the Mamba-2 mixers, attention, the MoE block
+    or shared MLP, Granite's multipliers; its calls counted), a second pass of the same prompts."""
+    from nanovllm.executor.cpu_decode import FusedDecode
     path, refs = checkpoint
     with LLM(path, **FP32, **engine) as llm:
-        layers = mixers(llm)
-        assert len(layers) == 2 and all(m.c_desc is not None for m in layers)
-        kernels = layers[0].c_kernels
+        fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
+        assert fused is not None and fused.hybrid and fused.one_call_layers == 4
+        assert [bool(layer.mamba2) for layer in fused.layers] == [True, False, True, False]
+        assert fused.desc.embed_scale == 12.0 and fused.desc.logit_scale == 0.25
         calls = []
-        real = kernels.mamba2_decode
-        monkeypatch.setattr(kernels, "mamba2_decode", lambda *args: calls.append(1) or real(*args))
+        real = fused.kernels.decode_layers
+        monkeypatch.setattr(fused.kernels, "decode_layers", lambda *args: calls.append(1) or real(*args))
         for attempt in ("first", "second"):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{attempt} pass")
-        assert len(calls) >= 2 * 2 * (MAX_NEW - 1)
+        assert len(calls) >= 2 * (MAX_NEW - 1)
 
 
-def test_the_torch_decode_matches_too(checkpoint):
+@pytest.mark.parametrize("where", ["c", "torch"])
+def test_the_eager_decode_matches_too(checkpoint, where, monkeypatch):
+    """With the one call set aside: each Mamba-2 layer's decode step one C call (mamba2_decode, its
+    calls counted), or the torch step."""
     path, refs = checkpoint
     with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
-        for m in mixers(llm):
-            m.c_desc = None
-        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "torch decode")
+        llm.llm_engine.model_runner.step_runners = []
+        layers = mixers(llm)
+        calls = []
+        if where == "torch":
+            for m in layers:
+                m.c_desc = None
+        else:
+            real = layers[0].c_kernels.mamba2_decode
+            monkeypatch.setattr(layers[0].c_kernels, "mamba2_decode", lambda *args: calls.append(1) or real(*args))
+        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{where} decode")
+        assert len(calls) >= (2 * (MAX_NEW - 1) if where == "c" else 0)
 
 
 @pytest.mark.parametrize("which", ["ssm", "conv"])
-@pytest.mark.parametrize("where", ["c", "torch"])
+@pytest.mark.parametrize("where", ["one call", "torch"])
 def test_each_state_matters(checkpoint, which, where, monkeypatch):
     """The SSM states, or the conv states, zeroed before each step: not transformers' answers."""
     from nanovllm.engine.llm_engine import LLMEngine
@@ -94,6 +108,7 @@ def test_each_state_matters(checkpoint, which, where, monkeypatch):
     with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
         layers = mixers(llm)
         if where == "torch":
+            llm.llm_engine.model_runner.step_runners = []
             for m in layers:
                 m.c_desc = None
         states = [getattr(m.state, which) for m in layers]
