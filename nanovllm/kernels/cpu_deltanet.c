@@ -178,10 +178,18 @@ void phase_mamba2(const Mamba2Layer *X, const float *rows, int64_t stride, int64
         dt = dt < X->dt_min ? X->dt_min : dt > X->dt_max ? X->dt_max : dt;
         const float decay = expf(-dt * expf(X->A_log[h])), d = X->D[h];
         float *S = X->ssm + (slots[b] * H + h) * P * N, *o = out + b * inner + h * P;
-        for (int64_t p = 0; p < P; p++) {
-            float *srow = S + p * N, acc = 0.0f;
+        for (int64_t p = 0; p < P; p++) {  /* a row of the state: decayed, added u B, read by C */
+            float *srow = S + p * N;
             const float u = dt * xh[p];
-            for (int64_t n = 0; n < N; n++) {
+            vf acc8 = {0};
+            int64_t n = 0;
+            for (; n + VL <= N; n += VL) {
+                const vf v = decay * load_f32(srow + n) + u * load_f32(Bg + n);
+                store_f32(srow + n, v);
+                acc8 += v * load_f32(Cg + n);
+            }
+            float acc = hsum(acc8);
+            for (; n < N; n++) {
                 const float v = decay * srow[n] + u * Bg[n];
                 srow[n] = v;
                 acc += v * Cg[n];
