@@ -202,7 +202,7 @@ int64_t decode_check_model(const DecoderModel *m) {
         }
         if (M != NULL) {
             if (M->conv_w == NULL || M->conv_b == NULL || M->conv_state == NULL || M->ssm == NULL || M->A_log == NULL ||
-                M->D == NULL || M->dt_bias == NULL || M->norm == NULL || M->heads <= 0 || M->p <= 0 || M->n <= 0 ||
+                M->D == NULL || M->dt_bias == NULL || M->heads <= 0 || M->p <= 0 || M->n <= 0 ||
                 M->groups <= 0 || M->heads % M->groups || M->heads_per_group * M->groups != M->heads || M->K < 2 ||
                 M->K > 8 || M->norm_width <= 0 || (M->heads * M->p) % M->norm_width || X != NULL || S != NULL ||
                 L->attn_gate)

@@ -202,13 +202,16 @@ void phase_mamba2(const Mamba2Layer *X, const float *rows, int64_t stride, int64
         const int64_t b = item / norm_groups, first = (item % norm_groups) * X->norm_width;
         float *o = out + b * inner + first;
         const float *z = rows + b * stride + first;
+        const int gate_first = X->norm != NULL && !X->norm_before_gate;
         float sq = 0.0f;
         for (int64_t j = 0; j < X->norm_width; j++) {
-            o[j] *= z[j] / (1.0f + sexp(-z[j]));
+            if (gate_first || X->norm == NULL) o[j] *= z[j] / (1.0f + sexp(-z[j]));
             sq += o[j] * o[j];
         }
+        if (X->norm == NULL) continue;
         const float inv = 1.0f / sqrtf(sq / (float)X->norm_width + eps);
-        for (int64_t j = 0; j < X->norm_width; j++) o[j] *= inv * X->norm[first + j];
+        for (int64_t j = 0; j < X->norm_width; j++)
+            o[j] *= inv * X->norm[first + j] * (gate_first ? 1.0f : z[j] / (1.0f + sexp(-z[j])));
     }
 }
 

@@ -385,6 +385,7 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(Mamba2Layer, A_log), FIELD(Mamba2Layer, D), FIELD(Mamba2Layer, dt_bias), FIELD(Mamba2Layer, norm),
     FIELD(Mamba2Layer, heads), FIELD(Mamba2Layer, p), FIELD(Mamba2Layer, n), FIELD(Mamba2Layer, groups),
     FIELD(Mamba2Layer, heads_per_group), FIELD(Mamba2Layer, K), FIELD(Mamba2Layer, norm_width),
+    FIELD(Mamba2Layer, norm_before_gate),
     FIELD(Mamba2Layer, dt_min), FIELD(Mamba2Layer, dt_max),
     FIELD(DecoderLayer, input_norm), FIELD(DecoderLayer, post_norm), FIELD(DecoderLayer, q_norm),
     FIELD(DecoderLayer, k_norm), FIELD(DecoderLayer, qkv), FIELD(DecoderLayer, o), FIELD(DecoderLayer, gate_up),

@@ -216,9 +216,10 @@ typedef struct {
     float *conv_state;              /* [slots, C_ch, K - 1]: the last K - 1 inputs of each sequence */
     float *ssm;                     /* [slots, heads, P, N]: each sequence's state, fp32 */
     const float *A_log, *D, *dt_bias; /* [heads] */
-    const float *norm;              /* [heads P]: the gated RMSNorm's weight */
+    const float *norm;              /* [heads P]: the gated RMSNorm's weight; NULL: no norm, y silu(z) */
     int64_t heads, p, n, groups, heads_per_group, K;
     int64_t norm_width;             /* the channels of each of the norm's groups */
+    int64_t norm_before_gate;       /* 1: norm(y) w silu(z) (Falcon-H1's option), 0: norm(y silu(z)) w */
     float dt_min, dt_max;           /* the time step's clamp */
 } Mamba2Layer;
 /* Orphaned worksharing loops: out [B, heads P] = the gated-normed Mamba-2 outputs of rows [B,

@@ -6,7 +6,8 @@ head h keeps a P x N state S that every token decays and adds to:
     dt = clamp(softplus(dt + dt_bias), limit)      a = dt * A,  A = -exp(A_log)
     S <- exp(a) S + dt x B^T        y = S C + D x
 
-and the output is RMS-normed per group after the gate (norm(y * silu(z)) * w), then out_proj.
+and the output is RMS-normed per group after the gate (norm(y * silu(z)) * w; Falcon-H1: before it,
+or no norm), then out_proj.
 
 Prefill runs the recurrence in chunks (SSD): within a chunk, with c the running sum of a,
 
@@ -71,6 +72,18 @@ def ssd_chunked(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch
     return y.transpose(1, 2).reshape(n * chunk, heads, p)[:length]
 
 
+def in_proj_parts(name: str, tensor: torch.Tensor, inner: int, bc: int):
+    """A checkpoint's whole Mamba-2 in_proj (weight or bias; rows z, x, B, C, dt) as the parts the
+    mixer loads apart: (name of in_proj_z / _x / _B / _C / _dt, rows) pairs."""
+    base, kind = name.rsplit(".in_proj.", 1)
+    parts = tensor.split([inner, inner, bc, bc, tensor.shape[0] - 2 * inner - 2 * bc])
+    return [(f"{base}.in_proj_{part}.{kind}", rows) for part, rows in zip(("z", "x", "B", "C", "dt"), parts)]
+
+
+def is_in_proj(name: str) -> bool:
+    return name.endswith(".mamba.in_proj.weight") or name.endswith(".mamba.in_proj.bias")
+
+
 class Mamba2State:
     """One Mamba-2 layer's slots: conv [slots, channels, kernel - 1] and ssm [slots, heads, P, N], fp32."""
 
@@ -95,7 +108,8 @@ class ReplicatedStackedLinear(StackedColumnParallelLinear):
 class Mamba2Mixer(SequenceStateLayer):
     """Checkpoint names (after the model's loader cuts in_proj into its parts): in_proj_z, in_proj_x,
     in_proj_dt (in_proj here, shards 0-2), in_proj_B, in_proj_C (bc_proj, shards 0-1), conv1d.weight
-    [I + 2 G N, 1, K] and conv1d.bias, A_log, D, dt_bias [heads], norm.weight [I], out_proj."""
+    [I + 2 G N, 1, K] and conv1d.bias, A_log, D, dt_bias [heads], norm.weight [I] (where
+    mamba_rms_norm), out_proj."""
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
@@ -103,10 +117,10 @@ class Mamba2Mixer(SequenceStateLayer):
         hidden = config.hidden_size
         heads, self.groups = int(config.mamba_n_heads), int(config.mamba_n_groups)
         self.p, self.n, self.kernel = int(config.mamba_d_head), int(config.mamba_d_state), int(config.mamba_d_conv)
-        inner = int(config.mamba_expand * hidden)
+        inner = int(getattr(config, "mamba_d_ssm", None) or config.mamba_expand * hidden)
         if heads * self.p != inner:
-            raise ValueError(f"mamba_n_heads x mamba_d_head ({heads} x {self.p}) must equal mamba_expand x "
-                             f"hidden_size ({inner})")
+            raise ValueError(f"mamba_n_heads x mamba_d_head ({heads} x {self.p}) must equal the inner size ({inner}: "
+                             "mamba_d_ssm, else mamba_expand x hidden_size)")
         if heads % self.groups:
             raise ValueError(f"mamba_n_groups ({self.groups}) must divide mamba_n_heads ({heads})")
         if heads % tp:
@@ -141,12 +155,18 @@ class Mamba2Mixer(SequenceStateLayer):
         for name in ("A_log", "D", "dt_bias"):
             setattr(self, name, nn.Parameter(torch.empty(self.heads), requires_grad=False))
             getattr(self, name).weight_loader = self._load_per_head
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.empty(self.inner), requires_grad=False)
-        self.norm.weight.weight_loader = self._load_per_head
+        # the output: norm(y silu(z)) (Granite), norm(y) silu(z) (mamba_norm_before_gate), or y silu(z)
+        # without a norm (Falcon-H1's mamba_rms_norm false)
+        self.has_norm = bool(getattr(config, "mamba_rms_norm", True))
+        self.norm_before_gate = self.has_norm and bool(getattr(config, "mamba_norm_before_gate", False))
+        self.norm = None
+        if self.has_norm:
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(torch.empty(self.inner), requires_grad=False)
+            self.norm.weight.weight_loader = self._load_per_head
         self.eps = float(config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(inner, hidden, bias=bias, quant_config=quant_config,
-                                          prefix=f"{prefix}.out_proj")
+        self.out_proj = RowParallelLinear(inner, hidden, bias=bool(getattr(config, "projectors_bias", bias)),
+                                          quant_config=quant_config, prefix=f"{prefix}.out_proj")
         self.state: Mamba2State | None = None
         self.c_kernels = None
         self.c_desc: Mamba2Layer | None = None
@@ -182,11 +202,13 @@ class Mamba2Mixer(SequenceStateLayer):
         if c_kernels is None or get_tp_size() > 1 and not self.split_groups:
             return  # (a group spanning the ranks: its norm sums across them, in torch)
         conv_bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(self.channels)
+        norm = self.norm.weight.float() if self.has_norm else None
         self.c_parts = (self.taps().contiguous(), conv_bias.float().contiguous(), state.conv, state.ssm,
-                        self.A_log.float(), self.D.float(), self.dt_bias.float(), self.norm.weight.float())
-        self.c_desc = Mamba2Layer(*(t.data_ptr() for t in self.c_parts), self.heads, self.p, self.n,
-                                  self.bc_groups, self.heads_per_group, self.kernel, self.inner // self.norm_groups(),
-                                  self.dt_min, self.dt_max)
+                        self.A_log.float(), self.D.float(), self.dt_bias.float(), norm)
+        self.c_desc = Mamba2Layer(*(0 if t is None else t.data_ptr() for t in self.c_parts), self.heads, self.p,
+                                  self.n, self.bc_groups, self.heads_per_group, self.kernel,
+                                  self.inner // self.norm_groups(), int(self.norm_before_gate), self.dt_min,
+                                  self.dt_max)
 
     def taps(self) -> torch.Tensor:
         return self.conv1d.weight.squeeze(1).float()  # [channels, kernel]
@@ -265,14 +287,18 @@ class Mamba2Mixer(SequenceStateLayer):
         return y + self.D.float()[:, None] * x
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMS-norm of y * silu(z) over each group's channels, times the weight (fp32)."""
-        g = (y * F.silu(z)).unflatten(-1, (self.norm_groups(), -1))
+        """The output (fp32): RMS-norm over each group's channels of y * silu(z), times the weight; or
+        the norm of y, times the weight and silu(z) (norm_before_gate); or y * silu(z) (no norm)."""
+        if not self.has_norm:
+            return y * F.silu(z)
+        g = (y if self.norm_before_gate else y * F.silu(z)).unflatten(-1, (self.norm_groups(), -1))
         sq = g.pow(2).sum(-1, keepdim=True)
         width = g.shape[-1]
         if get_tp_size() > 1 and not self.split_groups:  # the one group spans the ranks
             dist.all_reduce(sq)
             width *= get_tp_size()
-        return (g * torch.rsqrt(sq / width + self.eps)).flatten(-2) * self.norm.weight.float()
+        out = (g * torch.rsqrt(sq / width + self.eps)).flatten(-2) * self.norm.weight.float()
+        return out * F.silu(z) if self.norm_before_gate else out
 
     def run_decode_c(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token of each sequence from its rows [B, z | x | dt | B C] through the C kernel: the

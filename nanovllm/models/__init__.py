@@ -14,6 +14,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": "nanovllm.models.glm4_moe:Glm4MoeForCausalLM",
     "Lfm2ForCausalLM": "nanovllm.models.lfm2:Lfm2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "nanovllm.models.granite_hybrid:GraniteMoeHybridForCausalLM",
+    "FalconH1ForCausalLM": "nanovllm.models.falcon_h1:FalconH1ForCausalLM",
     "Lfm2MoeForCausalLM": "nanovllm.models.lfm2:Lfm2MoeForCausalLM",
     "Gemma2ForCausalLM": "nanovllm.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "nanovllm.models.gemma:Gemma3ForCausalLM",

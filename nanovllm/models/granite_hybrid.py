@@ -20,7 +20,7 @@ from nanovllm.layers.c_description import CDescriber, CModel, CPart, describe, d
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.layers.mamba2 import Mamba2Mixer
+from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope, pre_norm_layer_part
@@ -144,11 +144,8 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
         for name, tensor in weights:
             name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
             name = re.sub(r"(?<!\.mlp)\.shared_mlp\.", ".mlp.shared_mlp.", name)  # (a GGUF file's are ours already)
-            if name.endswith(".mamba.in_proj.weight") or name.endswith(".mamba.in_proj.bias"):
-                base, kind = name.rsplit(".in_proj.", 1)
-                parts = tensor.split([inner, inner, bc, bc, tensor.shape[0] - 2 * inner - 2 * bc])
-                for part, rows in zip(("z", "x", "B", "C", "dt"), parts):
-                    yield f"{base}.in_proj_{part}.{kind}", rows
+            if is_in_proj(name):
+                yield from in_proj_parts(name, tensor, inner, bc)
             elif name.endswith(".input_linear.weight"):  # gate rows then up rows
                 gate, up = tensor.chunk(2, dim=-2)
                 base = name[: -len("input_linear.weight")]
