@@ -72,6 +72,11 @@ def ssd_chunked(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch
     return y.transpose(1, 2).reshape(n * chunk, heads, p)[:length]
 
 
+def mamba2_inner(config) -> int:
+    """The mixer's inner size: mamba_d_ssm (Falcon-H1), else mamba_expand x hidden_size."""
+    return int(getattr(config, "mamba_d_ssm", None) or config.mamba_expand * config.hidden_size)
+
+
 def in_proj_parts(name: str, tensor: torch.Tensor, inner: int, bc: int):
     """A checkpoint's whole Mamba-2 in_proj (weight or bias; rows z, x, B, C, dt) as the parts the
     mixer loads apart: (name of in_proj_z / _x / _B / _C / _dt, rows) pairs."""
@@ -117,7 +122,7 @@ class Mamba2Mixer(SequenceStateLayer):
         hidden = config.hidden_size
         heads, self.groups = int(config.mamba_n_heads), int(config.mamba_n_groups)
         self.p, self.n, self.kernel = int(config.mamba_d_head), int(config.mamba_d_state), int(config.mamba_d_conv)
-        inner = int(getattr(config, "mamba_d_ssm", None) or config.mamba_expand * hidden)
+        inner = mamba2_inner(config)
         if heads * self.p != inner:
             raise ValueError(f"mamba_n_heads x mamba_d_head ({heads} x {self.p}) must equal the inner size ({inner}: "
                              "mamba_d_ssm, else mamba_expand x hidden_size)")

@@ -46,12 +46,16 @@ _LFM2_LAYER_NAMES = {"shortconv.conv.weight": "conv.conv.weight", "shortconv.in_
 # Granite 4.0-H files (llama.cpp's granitehybrid): the Mamba-2 mixers ssm_* (A stored as -exp(A_log),
 # in_proj whole: cut into its z, x, B, C and dt rows in the file's index), the shared MLP as *_shexp
 # beside experts or as the plain ffn_* without; each layer's kind from its head_count_kv entry (0: Mamba-2).
-GRANITE_HYBRID = "granitehybrid"
-_GRANITE_LAYER_NAMES = {"ssm_in.weight": "mamba.in_proj.weight", "ssm_conv1d.weight": "mamba.conv1d.weight",
-                        "ssm_conv1d.bias": "mamba.conv1d.bias", "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A_log",
-                        "ssm_d": "mamba.D", "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight",
-                        **{f"ffn_{part}{suffix}.weight": f"mlp.shared_mlp.{part}_proj.weight"
-                           for part in ("gate", "up", "down") for suffix in ("", "_shexp")}}
+# Falcon-H1 files (falcon-h1): a Mamba-2 mixer and attention in every layer, the muP multipliers
+# folded into the weights by the converter; its mixer's norm where ssm_norm is given (after the gate,
+# as llama.cpp runs it).
+GRANITE_HYBRID, FALCON_H1 = "granitehybrid", "falcon-h1"
+MAMBA2_ARCHS = (GRANITE_HYBRID, FALCON_H1)
+_MAMBA2_LAYER_NAMES = {"ssm_in.weight": "mamba.in_proj.weight", "ssm_conv1d.weight": "mamba.conv1d.weight",
+                       "ssm_conv1d.bias": "mamba.conv1d.bias", "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A_log",
+                       "ssm_d": "mamba.D", "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight"}
+_GRANITE_LAYER_NAMES = {**_MAMBA2_LAYER_NAMES, **{f"ffn_{part}{suffix}.weight": f"mlp.shared_mlp.{part}_proj.weight"
+                                                  for part in ("gate", "up", "down") for suffix in ("", "_shexp")}}
 # The architectures whose files end in an MTP head's layers that the model itself does not run
 # (nextn_predict_layers; the hybrids' are read as their MTP head, gguf_hybrid.py).
 MTP_LAST = {"glm4moe"}
@@ -85,6 +89,8 @@ _ARCH_LAYER_NAMES = {**{a: {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} for a in GEMMA
                      "glm4moe": {**_LAYER_NAMES, **_GLM_LAYER_NAMES},
                      **{a: {**_LAYER_NAMES, **_LFM2_LAYER_NAMES} for a in LFM2},
                      GRANITE_HYBRID: {**_LAYER_NAMES, **_GRANITE_LAYER_NAMES},
+                     FALCON_H1: {**_LAYER_NAMES, **_MAMBA2_LAYER_NAMES,
+                                 "ffn_norm": "post_attention_layernorm.weight"},  # (no .weight in its files)
                      **{a: {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES} for a in gguf_hybrid.ARCHITECTURES}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -93,7 +99,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM", "
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 GRANITE_HYBRID: "GraniteMoeHybridForCausalLM", **LFM2, **gguf_hybrid.ARCHITECTURES}
+                 GRANITE_HYBRID: "GraniteMoeHybridForCausalLM", FALCON_H1: "FalconH1ForCausalLM", **LFM2,
+                 **gguf_hybrid.ARCHITECTURES}
 LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -219,20 +226,26 @@ def lfm2_config(file, a: str, kwargs: dict) -> dict:
     return out
 
 
+def mamba2_config(file, a: str, first: int | None) -> dict:
+    """A file's Mamba-2 shapes (ssm.*; first: a Mamba-2 layer's index, for its optional tensors)."""
+    heads, inner = int(file.field(f"{a}.ssm.time_step_rank")), int(file.field(f"{a}.ssm.inner_size"))
+    layer = f"model.layers.{first}.mamba"
+    return dict(mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_d_ssm=inner,
+                mamba_n_groups=int(file.field(f"{a}.ssm.group_count")), mamba_d_state=int(file.field(f"{a}.ssm.state_size")),
+                mamba_d_conv=int(file.field(f"{a}.ssm.conv_kernel")), mamba_conv_bias=f"{layer}.conv1d.bias" in file.tensors,
+                mamba_proj_bias=False, projectors_bias=f"{layer}.out_proj.bias" in file.tensors,
+                mamba_rms_norm=f"{layer}.norm.weight" in file.tensors, mamba_norm_before_gate=False)
+
+
 def granite_hybrid_config(file, a: str, kwargs: dict) -> dict:
     """A Granite 4.0-H file's settings: each layer's mixer, the Mamba-2 shapes, Granite's multipliers,
     rotary only where the file asks for it (llama.cpp's rope.scaling.finetuned), the experts."""
     kv = file.field(f"{a}.attention.head_count_kv")
-    layers, hidden = kwargs["num_hidden_layers"], kwargs["hidden_size"]
+    layers = kwargs["num_hidden_layers"]
     kinds = ["mamba" if n == 0 else "attention" for n in (kv if isinstance(kv, list) else [kv] * layers)]
-    heads, inner = int(file.field(f"{a}.ssm.time_step_rank")), int(file.field(f"{a}.ssm.inner_size"))
     experts = int(file.field(f"{a}.expert_count", 0) or 0)
     first = next((i for i, kind in enumerate(kinds) if kind == "mamba"), None)
-    out = dict(layer_types=kinds[:layers], mamba_n_heads=heads, mamba_d_head=inner // heads,
-               mamba_n_groups=int(file.field(f"{a}.ssm.group_count")),
-               mamba_d_state=int(file.field(f"{a}.ssm.state_size")), mamba_d_conv=int(file.field(f"{a}.ssm.conv_kernel")),
-               mamba_expand=inner / hidden, mamba_conv_bias=f"model.layers.{first}.mamba.conv1d.bias" in file.tensors,
-               mamba_proj_bias=False, num_local_experts=experts,
+    out = dict(layer_types=kinds[:layers], **mamba2_config(file, a, first), num_local_experts=experts,
                attention_multiplier=float(file.field(f"{a}.attention.scale", 0.0) or 0.0) or None,
                embedding_multiplier=float(file.field(f"{a}.embedding_scale", 1.0)),
                residual_multiplier=float(file.field(f"{a}.residual_scale", 1.0)),
@@ -273,6 +286,8 @@ def family_config(file, a: str, kwargs: dict) -> dict:
         kwargs.update(lfm2_config(file, a, kwargs))
     if a == GRANITE_HYBRID:
         kwargs.update(granite_hybrid_config(file, a, kwargs))
+    if a == FALCON_H1:
+        kwargs.update(mamba2_config(file, a, 0))
     if a == "smollm3":  # the file states no NoPE layers: llama.cpp takes every 4th (n_no_rope_layer_step)
         kwargs["no_rope_layer_interval"] = 4
     if a in gguf_hybrid.ARCHITECTURES:
@@ -293,7 +308,7 @@ def split_rows(file, name: str, info) -> list:
     any other as itself."""
     if file.arch in gguf_hybrid.ARCHITECTURES:
         return gguf_hybrid.split_rows(file, name, info)
-    if file.arch == GRANITE_HYBRID and name.endswith(".mamba.in_proj.weight"):
+    if file.arch in MAMBA2_ARCHS and name.endswith(".mamba.in_proj.weight"):
         a = file.arch
         heads, inner = int(file.field(f"{a}.ssm.time_step_rank")), int(file.field(f"{a}.ssm.inner_size"))
         bc = int(file.field(f"{a}.ssm.group_count")) * int(file.field(f"{a}.ssm.state_size"))
@@ -313,6 +328,6 @@ def stored_as_hf(arch: str, name: str, tensor):
         tensor = tensor - 1.0
     if arch in gguf_hybrid.ARCHITECTURES:
         tensor = gguf_hybrid.stored_as_hf(name, tensor)
-    if arch == GRANITE_HYBRID and name.endswith("mamba.A_log"):
+    if arch in MAMBA2_ARCHS and name.endswith("mamba.A_log"):
         tensor = torch.log(-tensor)  # stored as A = -exp(A_log)
     return tensor

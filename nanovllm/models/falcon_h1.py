@@ -17,7 +17,7 @@ from torch import nn
 
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj
+from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj, mamba2_inner
 from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope
 from nanovllm.models.granite_hybrid import GraniteMoeHybridForCausalLM
@@ -62,12 +62,16 @@ class FalconH1Model(nn.Module):
         return hidden_states
 
 
+MULTIPLIERS = ("embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier", "attention_out_multiplier",
+               "key_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")
+
+
 def falcon_scales(config, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A checkpoint tensor with the multiplier of its weight folded in (the tensor itself where none)."""
     get = lambda key, default=1.0: getattr(config, key, default)  # noqa: E731
     attn_in = get("attention_in_multiplier")
     if is_in_proj(name):
-        inner = int(get("mamba_d_ssm", None) or config.mamba_expand * config.hidden_size)
+        inner = mamba2_inner(config)
         bc = int(config.mamba_n_groups) * int(config.mamba_d_state)
         sizes = [inner, inner, bc, bc, tensor.shape[0] - 2 * inner - 2 * bc]
         rows = torch.tensor([m for m, n in zip(get("ssm_multipliers", [1.0] * 5), sizes) for _ in range(n)])
@@ -104,12 +108,14 @@ class FalconH1ForCausalLM(DecoderForCausalLM):
         """The multipliers folded into a float checkpoint's weights (falcon_scales); names as ours,
         in_proj cut into its z, x, B, C and dt rows."""
         config = self.config
-        inner = int(getattr(config, "mamba_d_ssm", None) or config.mamba_expand * config.hidden_size)
+        inner = mamba2_inner(config)
         bc = int(config.mamba_n_groups) * int(config.mamba_d_state)
+        folds = any(getattr(config, key, 1.0) not in (1.0, None) for key in MULTIPLIERS) or any(
+            m != 1.0 for key in ("ssm_multipliers", "mlp_multipliers") for m in getattr(config, key, None) or [])
         for name, tensor in weights:
-            if tensor.is_floating_point():
+            if folds and tensor.is_floating_point():
                 tensor = falcon_scales(config, name, tensor)
-            elif any(name.endswith(s) for s in (".weight", ".bias")):
+            elif folds and any(name.endswith(s) for s in (".weight", ".bias")):
                 raise ValueError(f"{name}: a Falcon-H1 checkpoint's multipliers fold into float weights only, got "
                                  f"{tensor.dtype}")
             name = name.replace(".feed_forward.", ".mlp.").replace(".pre_ff_layernorm.", ".post_attention_layernorm.")

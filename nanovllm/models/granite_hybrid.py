@@ -20,7 +20,7 @@ from nanovllm.layers.c_description import CDescriber, CModel, CPart, describe, d
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj
+from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj, mamba2_inner
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope, pre_norm_layer_part
@@ -139,7 +139,7 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
         over the ranks on its own, or B and C whole); the shared MLP's and each expert's input_linear
         into gate and up rows; the router as the MoE block's gate."""
         config = self.config
-        inner = int(config.mamba_expand * config.hidden_size)
+        inner = mamba2_inner(config)
         bc = int(config.mamba_n_groups) * int(config.mamba_d_state)
         for name, tensor in weights:
             name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")

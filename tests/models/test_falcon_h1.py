@@ -3,8 +3,12 @@ log-probabilities within 1e-4): a Mamba-2 mixer and attention side by side in ev
 multiplier away from 1 (folded into the weights at load), the mixer's output ungated-normed (no
 norm) or normed before the gate with two groups; prompts past two SSD chunks, whole and chunked
 prefills, a second pass, forced preemption, TP=2; each Mamba-2 decode step one C call (counted) and
-the torch step. Checked to fail with the multipliers left unfolded, and with the SSM state dropped."""
+the torch step. Checked to fail with the multipliers left unfolded, and with the SSM state dropped.
+llama.cpp's falcon-h1 GGUF file (the multipliers folded by its converter)."""
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +129,43 @@ def test_tied_embeddings_with_two_scales_are_refused(tmp_path):
     path = make(str(tmp_path), tie_word_embeddings=True)
     with pytest.raises(ValueError, match="tied embeddings and embedding_multiplier != lm_head_multiplier"):
         LLM(path, **FP32)
+
+
+def test_llamacpp_gguf_file(tmp_path):
+    """llama.cpp's converter's F32 falcon-h1 file of a checkpoint without the mixer norm (as
+    Falcon-H1's configs have it; the converter folds every multiplier into the weights, and the file
+    states none): transformers' tokens and log-probabilities (1e-4)."""
+    import transformers
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import llamacpp_build
+    from nanovllm.utils.cache import cache_root
+    llama = llamacpp_build.source_fetched(cache_root())
+    if llama is None:
+        pytest.skip("llama.cpp's converters are not fetched: run `python scripts/llamacpp_build.py --source` "
+                    "(the README's test command does)")
+    config = transformers.FalconH1Config(**{**SHAPE, "vocab_size": 151936, **VARIANTS["no-norm"]})
+    config.architectures = ["FalconH1ForCausalLM"]
+    torch.manual_seed(4)
+    model = transformers.FalconH1ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+        for layer in model.model.layers:
+            layer.mamba.dt_bias.uniform_(-2.0, 0.5)
+            layer.mamba.A_log.uniform_(-1.0, 1.0)
+            layer.mamba.D.normal_(1.0, 0.3)
+            layer.mamba.conv1d.bias.normal_(0, 0.1)
+    hf = str(tmp_path / "hf")
+    model.save_pretrained(hf)
+    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / "vocab")
+    out = tmp_path / "f32.gguf"
+    done = subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                           "--outfile", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    refs = peft_greedy(hf, None, prompts, MAX_NEW)
+    with LLM(str(out), **FP32) as llm:
+        got = llm.llm_engine.config.hf_config
+        assert got.mamba_d_ssm == 96 and not got.mamba_rms_norm and got.num_hidden_layers == 3
+        assert_like_peft(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "F32 file")

@@ -205,7 +205,7 @@ def test_bad_files_and_options(tmp_path):
     with pytest.raises(ValueError, match="GGUF"):
         LLM(str(empty))
     gpt2 = write_tiny(tmp_path / "gpt2.gguf", "gpt2", {})
-    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: \['gemma2', 'gemma3', 'glm4moe', 'gpt-oss', 'granitehybrid', 'lfm2', 'lfm2moe', 'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'smollm3'\]"):
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: \['falcon-h1', 'gemma2', 'gemma3', 'glm4moe', 'gpt-oss', 'granitehybrid', 'lfm2', 'lfm2moe', 'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'smollm3'\]"):
         LLM(str(gpt2))
     with pytest.raises(ValueError, match="quantization='q8_0' cannot apply to a GGUF file"):
         LLM(str(good), quantization="q8_0")
