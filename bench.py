@@ -57,6 +57,12 @@ GRANITE_HYBRID_BENCH = dict(hidden_size=768, shared_intermediate_size=2048, inte
                             mamba_d_conv=4, position_embedding_type=None, embedding_multiplier=12.0,
                             attention_multiplier=0.0078125, residual_multiplier=0.246, logits_scaling=3.0,
                             vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=True)
+# Falcon-H1-0.5B's shape (36 layers, each a Mamba-2 mixer of 24 heads x 64 x 128 beside attention
+# of 8 heads; no mixer norm) with the Qwen2 vocabulary; the multipliers at 1 (a converter folds them).
+FALCON_H1_BENCH = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=36, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64,
+                       mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_rms_norm=False,
+                       vocab_size=151936, max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=False)
 RANDOM_MODELS = {"qwen3-moe": "a random Qwen3-MoE (24 layers, 64 experts, 8 active; 1.5B parameters, bf16)"}
 
 # GPT-OSS-20B's kind (24 layers of 32 experts, 4 active; sinks; windows of 128 on every other layer;
@@ -167,6 +173,10 @@ def random_granite_hybrid_checkpoint() -> str:
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2)
     return path
+
+
+def random_falcon_h1_checkpoint() -> str:
+    return random_checkpoint("falcon-h1-0.5b", "FalconH1", FALCON_H1_BENCH)
 
 
 def random_qwen3_moe_checkpoint() -> str:
