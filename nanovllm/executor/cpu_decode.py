@@ -144,7 +144,7 @@ class FusedDecode(StepRunner):
         for i, (layer, phases, desc) in enumerate(zip(self.modules, self.phases, self.layers)):
             if not desc.in_c:
                 continue
-            plain = not (desc.attn_gate or desc.linear or desc.short_conv or desc.moe)
+            plain = not (desc.attn_gate or desc.linear or desc.short_conv or desc.mamba2 or desc.moe)
             seats = [phases.qkv, phases.o, phases.gate_up, phases.down] if plain else []
             for j, module in enumerate(seats):
                 if module is None or module.lora is None or not module.lora.allocated:

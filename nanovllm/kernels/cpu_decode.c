@@ -201,14 +201,19 @@ int64_t decode_check_model(const DecoderModel *m) {
             continue;
         }
         if (M != NULL) {
+            const int64_t inner = M->heads * M->p;
             if (M->conv_w == NULL || M->conv_b == NULL || M->conv_state == NULL || M->ssm == NULL || M->A_log == NULL ||
                 M->D == NULL || M->dt_bias == NULL || M->heads <= 0 || M->p <= 0 || M->n <= 0 ||
                 M->groups <= 0 || M->heads % M->groups || M->heads_per_group * M->groups != M->heads || M->K < 2 ||
-                M->K > 8 || M->norm_width <= 0 || (M->heads * M->p) % M->norm_width || X != NULL || S != NULL ||
-                L->attn_gate)
+                M->K > 8 || M->norm_width <= 0 || inner % M->norm_width || X != NULL || S != NULL ||
+                L->attn_gate || !linear_is_valid(&M->proj) || !linear_is_valid(&M->out) || M->proj.k != H ||
+                linear_outputs(&M->proj) != 2 * inner + M->heads + 2 * M->groups * M->n || M->out.k != inner ||
+                linear_outputs(&M->out) != H)
                 return l;
-            proj_out = 2 * M->heads * M->p + M->heads + 2 * M->groups * M->n;
-            o_in = M->heads * M->p;
+            if (L->qkv.data == NULL) {  /* the layer's only mixer: no attention matrices to check */
+                proj_out = 0;
+                o_in = 0;
+            }
         }
         if (S != NULL) {
             if (S->conv_w == NULL || S->conv_state == NULL || S->C <= 0 || S->K < 2 || S->K > 8 || X != NULL ||
@@ -225,8 +230,8 @@ int64_t decode_check_model(const DecoderModel *m) {
             proj_out = 2 * X->nk * X->dk + X->nv * X->dv + X->nv * X->dv + 2 * X->nv;
             o_in = X->nv * X->dv;
         }
-        if (!(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && L->qkv.k == H && linear_outputs(&L->qkv) == proj_out &&
-              L->o.k == o_in && linear_outputs(&L->o) == H))
+        if (proj_out > 0 && !(linear_is_valid(&L->qkv) && linear_is_valid(&L->o) && L->qkv.k == H &&
+                              linear_outputs(&L->qkv) == proj_out && L->o.k == o_in && linear_outputs(&L->o) == H))
             return l;
         if (L->moe != NULL ? !(moe_is_valid(L->moe) && L->moe->hidden == H && L->moe->router.data != NULL &&
                                (L->moe->shared_down.data == NULL || L->moe->shared_down.k <= m->intermediate))
@@ -268,18 +273,21 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
     /* Per row: the projections of gated and linear layers (proj), the linear layers' convolved
      * channels (conv), the gated layers' gates (gate); the attention output, the widest of Q and the
      * linear layers' values. */
-    int64_t P = 0, Cmax = 0, G = 0, A = Q;
+    int64_t P = 0, Cmax = 0, G = 0, A = Q, side = 0;
     for (int64_t l = first_layer; l < end_layer; l++) {
         const DecoderLayer *L = &m->layers[l];
         const int stateful = L->linear != NULL || L->short_conv != NULL || L->mamba2 != NULL;
         if (!L->in_c || (stateful && s[L->kv_group].state_slots == NULL)) return 3;
-        if (stateful || L->attn_gate) P = linear_outputs(&L->qkv) > P ? linear_outputs(&L->qkv) : P;
+        if (L->linear != NULL || L->short_conv != NULL || L->attn_gate)
+            P = linear_outputs(&L->qkv) > P ? linear_outputs(&L->qkv) : P;
         if (L->short_conv != NULL) A = L->short_conv->C > A ? L->short_conv->C : A;
         if (L->mamba2 != NULL) {
             const Mamba2Layer *M = L->mamba2;
             const int64_t inner = M->heads * M->p, C = inner + 2 * M->groups * M->n;
+            P = linear_outputs(&M->proj) > P ? linear_outputs(&M->proj) : P;
             A = inner > A ? inner : A;
             Cmax = C > Cmax ? C : Cmax;
+            if (L->qkv.data != NULL) side = H;  /* attention beside it: its output summed in */
         }
         if (L->attn_gate) G = Q;
         if (L->linear != NULL) {
@@ -304,12 +312,12 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
     const DecodePlan plan = decode_plan(B, NKV, s->max_context, m->block_size, num_threads);
     const int64_t partial = decode_partial_floats(&plan, B, NH, D);
     const int64_t lora_width = lora != NULL ? lora->width : 0;
-    const int64_t per_row = QKV + A + 2 * I + P + Cmax + G + lora_width;
+    const int64_t per_row = QKV + A + 2 * I + P + Cmax + G + lora_width + side;
     float *buf = malloc(sizeof(float) * (size_t)(B * per_row + moe_total + partial));
     if (buf == NULL) return 1;
     float *qkv = buf, *attn = qkv + B * QKV, *gu = attn + B * A, *proj = gu + B * 2 * I, *conv = proj + B * P;
-    float *gate = conv + B * Cmax, *lora_t = gate + B * G;
-    float *router_logits = lora_t + B * lora_width, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
+    float *gate = conv + B * Cmax, *lora_t = gate + B * G, *beside = lora_t + B * lora_width;
+    float *router_logits = beside + B * side, *shared_y = router_logits + B * experts, *shared_gate = shared_y + B * H;
     float *moe_scratch = shared_gate + B, *parts = buf + B * per_row + moe_total;
     int failed = 0;
     const int64_t failures = kernel_failures();
@@ -349,10 +357,17 @@ int decode_layers(const DecoderModel *m, const DecodeStep *s, const int64_t *ids
                     linear_rows_for(&L->o, attn, X->nv * X->dv, B, hidden, H);
                 } else if (L->mamba2 != NULL) {  /* Mamba-2: in_proj | bc_proj, conv + SSM + gated norm, out_proj */
                     const Mamba2Layer *X = L->mamba2;
-                    const int64_t Pl = linear_outputs(&L->qkv);
-                    linear_rows_for(&L->qkv, xn, H, B, proj, Pl);
+                    const int64_t Pl = linear_outputs(&X->proj);
+                    linear_rows_for(&X->proj, xn, H, B, proj, Pl);
                     phase_mamba2(X, proj, Pl, B, s[L->kv_group].state_slots, m->eps, attn, conv);
-                    linear_rows_for(&L->o, attn, X->heads * X->p, B, hidden, H);
+                    linear_rows_for(&X->out, attn, X->heads * X->p, B, hidden, H);
+                    if (L->qkv.data != NULL) {  /* attention beside it on the same input (Falcon-H1) */
+                        linear_rows_for(&L->qkv, xn, H, B, qkv, QKV);
+                        phase_rope_attention(m, L, qkv, s + L->kv_group, &plan, attn, scratch, parts);
+                        linear_rows_for(&L->o, attn, Q, B, beside, H);
+#pragma omp for schedule(static)
+                        for (int64_t i = 0; i < B * H; i++) hidden[i] += beside[i];
+                    }
                 } else if (L->short_conv != NULL) {  /* short convolution: in_proj, C * conv(B * x), out_proj */
                     const ShortConvLayer *X = L->short_conv;
                     linear_rows_for(&L->qkv, xn, H, B, proj, 3 * X->C);

@@ -381,7 +381,7 @@ static const struct { const char *structure, *field; int64_t offset; } fields[] 
     FIELD(DeltaNetLayer, K), FIELD(DeltaNetLayer, tiled),
     FIELD(ShortConvLayer, conv_w), FIELD(ShortConvLayer, conv_bias), FIELD(ShortConvLayer, conv_state),
     FIELD(ShortConvLayer, C), FIELD(ShortConvLayer, K),
-    FIELD(Mamba2Layer, conv_w), FIELD(Mamba2Layer, conv_b), FIELD(Mamba2Layer, conv_state), FIELD(Mamba2Layer, ssm),
+    FIELD(Mamba2Layer, proj), FIELD(Mamba2Layer, out), FIELD(Mamba2Layer, conv_w), FIELD(Mamba2Layer, conv_b), FIELD(Mamba2Layer, conv_state), FIELD(Mamba2Layer, ssm),
     FIELD(Mamba2Layer, A_log), FIELD(Mamba2Layer, D), FIELD(Mamba2Layer, dt_bias), FIELD(Mamba2Layer, norm),
     FIELD(Mamba2Layer, heads), FIELD(Mamba2Layer, p), FIELD(Mamba2Layer, n), FIELD(Mamba2Layer, groups),
     FIELD(Mamba2Layer, heads_per_group), FIELD(Mamba2Layer, K), FIELD(Mamba2Layer, norm_width),

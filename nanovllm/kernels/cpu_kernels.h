@@ -208,10 +208,11 @@ typedef struct {
 void phase_short_conv(const ShortConvLayer *X, const float *proj, int64_t B, const int64_t *slots, float *out);
 
 /* ---- Mamba-2's decode step (cpu_deltanet.c) ----------------------------------------------------- */
-/* A Mamba-2 layer (layers/mamba2.py): its in_proj and bc_proj (the layer's qkv Linear, chained) give
- * each row [z (heads P) | x (heads P) | dt (heads) | B (groups N) | C (groups N)]; the conv runs over
- * x, B and C (C_ch = heads P + 2 groups N channels); out_proj is the layer's o Linear. */
+/* A Mamba-2 mixer (layers/mamba2.py): proj, its in_proj with bc_proj chained after it, gives each row
+ * [z (heads P) | x (heads P) | dt (heads) | B (groups N) | C (groups N)]; the conv runs over x, B and
+ * C (C_ch = heads P + 2 groups N channels); out is its out_proj. */
 typedef struct {
+    Linear proj, out;               /* data NULL: not described (the mixer's own call, mamba2_decode) */
     const float *conv_w, *conv_b;   /* [C_ch, K], [C_ch] */
     float *conv_state;              /* [slots, C_ch, K - 1]: the last K - 1 inputs of each sequence */
     float *ssm;                     /* [slots, heads, P, N]: each sequence's state, fp32 */
@@ -284,7 +285,8 @@ typedef struct {
     int64_t no_rope;                     /* 1: a NoPE layer (SmolLM3's): q and k are not rotated */
     /* non-NULL: a short-convolution layer (LFM2; qkv its in_proj, o its out_proj; no KV cache) */
     const ShortConvLayer *short_conv;
-    /* non-NULL: a Mamba-2 layer (Granite 4.0-H; qkv its in_proj chained with bc_proj, o its out_proj) */
+    /* non-NULL: a Mamba-2 mixer (its own proj and out matrices); with qkv / o data, attention runs beside
+     * it on the same input and their outputs are summed (Falcon-H1), else it is the layer's mixer */
     const Mamba2Layer *mamba2;
 } DecoderLayer;
 

@@ -35,7 +35,7 @@ class ShortConvLayer(ctypes.Structure):
 
 
 class Mamba2Layer(ctypes.Structure):
-    _fields_ = [("conv_w", c_void_p), ("conv_b", c_void_p), ("conv_state", c_void_p), ("ssm", c_void_p),
+    _fields_ = [("proj", Linear), ("out", Linear), ("conv_w", c_void_p), ("conv_b", c_void_p), ("conv_state", c_void_p), ("ssm", c_void_p),
                 ("A_log", c_void_p), ("D", c_void_p), ("dt_bias", c_void_p), ("norm", c_void_p), ("heads", c_int64),
                 ("p", c_int64), ("n", c_int64), ("groups", c_int64), ("heads_per_group", c_int64), ("K", c_int64),
                 ("norm_width", c_int64), ("norm_before_gate", c_int64), ("dt_min", c_float), ("dt_max", c_float)]

@@ -210,8 +210,9 @@ class Mamba2Mixer(SequenceStateLayer):
         norm = self.norm.weight.float() if self.has_norm else None
         self.c_parts = (self.taps().contiguous(), conv_bias.float().contiguous(), state.conv, state.ssm,
                         self.A_log.float(), self.D.float(), self.dt_bias.float(), norm)
-        self.c_desc = Mamba2Layer(*(0 if t is None else t.data_ptr() for t in self.c_parts), self.heads, self.p,
-                                  self.n, self.bc_groups, self.heads_per_group, self.kernel,
+        # (its matrices, proj and out, are filled in by its C describer for the one-call step)
+        self.c_desc = Mamba2Layer(Linear(), Linear(), *(0 if t is None else t.data_ptr() for t in self.c_parts),
+                                  self.heads, self.p, self.n, self.bc_groups, self.heads_per_group, self.kernel,
                                   self.inner // self.norm_groups(), int(self.norm_before_gate), self.dt_min,
                                   self.dt_max)
 
@@ -320,19 +321,20 @@ class Mamba2Mixer(SequenceStateLayer):
 
 @describes(Mamba2Mixer)
 def _c_mamba2(mixer: Mamba2Mixer, c: CDescriber) -> CPart:
-    """Its state, conv and SSM parameters as attach_state described them; in_proj with bc_proj
-    chained after it (one matrix of rows [z | x | dt | B | C]) and out_proj in the places of an
-    attention layer's qkv and o; the one C call only (no phases of its own)."""
+    """Its state, conv and SSM parameters as attach_state described them, with its matrices: in_proj
+    with bc_proj chained after it (one matrix of rows [z | x | dt | B | C]) and out_proj; the one C
+    call only (no phases of its own). The layer's qkv and o stay its attention's, where it has one
+    beside the mixer (Falcon-H1)."""
     if mixer.c_desc is None:
         raise NotInC("it has no C description (no state slots for the C kernels, or a group spanning the ranks)")
     c.eps.add(mixer.eps)
     proj, bc = c.linear(mixer.in_proj, "its in_proj"), c.linear(mixer.bc_proj, "its bc_proj")
-    o = c.linear(mixer.out_proj, "its out_proj")
-    if proj is not None and bc is not None:
+    out = c.linear(mixer.out_proj, "its out_proj")
+    in_c = proj is not None and bc is not None and out is not None
+    if in_c:
         last = proj
         while last.next:
             last = Linear.from_address(last.next)
         last.next = ctypes.addressof(bc)  # (c keeps bc alive)
-    in_c = proj is not None and bc is not None and o is not None
-    return CPart({"qkv": proj if in_c else Linear(), "o": o or Linear(), "mamba2": ctypes.pointer(mixer.c_desc)},
-                 in_c=in_c, one_call_only=True)
+        mixer.c_desc.proj, mixer.c_desc.out = proj, out  # copies: their chains stay the originals'
+    return CPart({"mamba2": ctypes.pointer(mixer.c_desc)}, in_c=in_c, one_call_only=True)

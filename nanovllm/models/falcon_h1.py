@@ -8,18 +8,20 @@ load, as llama.cpp's converter folds them into its files: the embedding table (e
 the LM head (lm_head_multiplier), in_proj's z, x, B, C and dt rows (ssm_multipliers, times
 ssm_in_multiplier), out_proj (ssm_out_multiplier), q, k and v (attention_in_multiplier; k also
 key_multiplier), o_proj (attention_out_multiplier), gate_proj and down_proj (mlp_multipliers). The
-model then runs as a plain parallel hybrid. Its decode steps run the torch forward, each Mamba-2
-mixer's step one C call (the C one-call step takes one mixer per layer; a start-up WARNING says so)."""
+model then runs as a plain parallel hybrid (a GGUF file's weights hold them already: its config
+states none). Its decode steps run in the C one call, which sums a layer's mixer and attention
+outputs (DecoderLayer.mamba2 beside the layer's attention matrices)."""
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from nanovllm.layers.c_description import CDescriber, CPart, describe, describes
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj, mamba2_inner
 from nanovllm.layers.quantization.base import QuantizationConfig
-from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope
+from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope, pre_norm_layer_part
 from nanovllm.models.granite_hybrid import GraniteMoeHybridForCausalLM
 
 
@@ -42,6 +44,13 @@ class FalconH1Layer(nn.Module):
         hidden_states = self.mamba(hidden_states) + self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+@describes(FalconH1Layer)
+def _c_layer(layer: FalconH1Layer, c: CDescriber) -> CPart:
+    """Its attention in the layer's seats, the Mamba-2 mixer beside it (its own matrices): the C one
+    call sums their outputs."""
+    return pre_norm_layer_part(layer, layer.self_attn, c).merged(describe(layer.mamba, c, "its Mamba-2 mixer"))
 
 
 class FalconH1Model(nn.Module):

@@ -2,8 +2,8 @@
 log-probabilities within 1e-4): a Mamba-2 mixer and attention side by side in every layer, every muP
 multiplier away from 1 (folded into the weights at load), the mixer's output ungated-normed (no
 norm) or normed before the gate with two groups; prompts past two SSD chunks, whole and chunked
-prefills, a second pass, forced preemption, TP=2; each Mamba-2 decode step one C call (counted) and
-the torch step. Checked to fail with the multipliers left unfolded, and with the SSM state dropped.
+prefills, a second pass, forced preemption, TP=2; the decode steps in the C one call (counted), or
+each mixer's step one C call, or the torch step. Checked to fail with the multipliers left unfolded, and with the SSM state dropped.
 llama.cpp's falcon-h1 GGUF file (the multipliers folded by its converter)."""
 import random
 import subprocess
@@ -59,23 +59,38 @@ def mixers(llm):
 
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=40, max_num_seqs=2)], ids=["whole", "chunked"])
 def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch):
+    """The decode steps in the C one call (each layer's mixer and attention side by side, their
+    outputs summed; its calls counted), a second pass of the same prompts."""
+    from nanovllm.executor.cpu_decode import FusedDecode
     path, refs = checkpoint
     with LLM(path, **FP32, **engine) as llm:
-        layers = mixers(llm)
-        assert len(layers) == 3 and all(m.c_desc is not None for m in layers)
-        calls, real = [], layers[0].c_kernels.mamba2_decode
-        monkeypatch.setattr(layers[0].c_kernels, "mamba2_decode", lambda *args: calls.append(1) or real(*args))
+        fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
+        assert fused is not None and fused.hybrid and fused.one_call_layers == 3
+        assert all(layer.mamba2 and layer.qkv.data for layer in fused.layers)
+        calls = []
+        real = fused.kernels.decode_layers
+        monkeypatch.setattr(fused.kernels, "decode_layers", lambda *args: calls.append(1) or real(*args))
         for attempt in ("first", "second"):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{attempt} pass")
-        assert len(calls) >= 2 * 3 * (MAX_NEW - 1)
+        assert len(calls) >= 2 * (MAX_NEW - 1)
 
 
-def test_the_torch_decode_matches_too(checkpoint):
+@pytest.mark.parametrize("where", ["c", "torch"])
+def test_the_eager_decode_matches_too(checkpoint, where, monkeypatch):
+    """With the one call set aside: each mixer's decode step one C call (counted), or the torch step."""
     path, refs = checkpoint
     with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
-        for m in mixers(llm):
-            m.c_desc = None
-        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "torch decode")
+        llm.llm_engine.model_runner.step_runners = []
+        layers = mixers(llm)
+        calls = []
+        if where == "torch":
+            for m in layers:
+                m.c_desc = None
+        else:
+            real = layers[0].c_kernels.mamba2_decode
+            monkeypatch.setattr(layers[0].c_kernels, "mamba2_decode", lambda *args: calls.append(1) or real(*args))
+        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{where} decode")
+        assert len(calls) >= (3 * (MAX_NEW - 1) if where == "c" else 0)
 
 
 def test_the_multipliers_matter(checkpoint, monkeypatch):
