@@ -162,7 +162,47 @@ def layer_ropes(config) -> list[RotaryEmbedding]:
     return [ropes[kind if per_kind else None] for kind in kinds]
 
 
-class DecoderLayer(nn.Module):
+class PreNormLayer(nn.Module):
+    """A pre-norm layer: input_layernorm, the layer's mixer (mix: attention, or a hybrid's linear
+    attention, convolution or Mamba-2 mixer), post_attention_layernorm, mlp; the residual stream
+    carried by the fused add-and-norm. branch_scale: each branch's multiplier as it joins the stream
+    (Granite's residual_multiplier; 1 elsewhere)."""
+
+    branch_scale = 1.0
+
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.mix(positions, hidden_states)
+        if self.branch_scale != 1.0:
+            hidden_states = hidden_states * self.branch_scale
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return (hidden_states if self.branch_scale == 1.0 else hidden_states * self.branch_scale), residual
+
+
+class LayerStack(nn.Module):
+    """The model body: embed_tokens, the layers (each (positions, hidden, residual) -> (hidden,
+    residual)), the final norm. embed: a family's own embedding (a scale) where it has one."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DecoderLayer(PreNormLayer):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, use_qk_norm: bool,
                  rotary_emb: RotaryEmbedding | None = None, quant_config: QuantizationConfig | None = None,
                  prefix: str = "", make_mlp: MakeMLP = gated_mlp):
@@ -174,18 +214,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(positions, hidden_states)
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(LayerStack):
     layer_class: type[nn.Module] = DecoderLayer  # a family's own layer (Gemma 3's four norms)
     norm_class: type[RMSNorm] = RMSNorm
 
@@ -201,17 +234,6 @@ class DecoderModel(nn.Module):
                                                      quant_config, f"{prefix}.layers.{i}", make_mlp)
                                     for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 class DecoderForCausalLM(nn.Module):
@@ -322,6 +344,6 @@ def _c_causal_lm(model: DecoderForCausalLM, c: CDescriber) -> CModel:
     if type(model).compute_logits is not DecoderForCausalLM.compute_logits:
         raise NotInC(f"{name}'s logits are not its head's alone (its own compute_logits: a soft cap, a scale)")
     inner = model.model
-    if getattr(type(inner), "embed", DecoderModel.embed) is not DecoderModel.embed:
+    if getattr(type(inner), "embed", LayerStack.embed) is not LayerStack.embed:
         raise NotInC(f"{name}'s embedding is not the table's rows (its own embed: a scale)")
     return CModel(list(inner.layers), inner.norm, inner.embed_tokens, model.lm_head)

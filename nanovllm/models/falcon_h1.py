@@ -21,11 +21,12 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj, mamba2_inner
 from nanovllm.layers.quantization.base import QuantizationConfig
-from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope, pre_norm_layer_part
+from nanovllm.models.decoder import (DecoderAttention, DecoderForCausalLM, GatedMLP, LayerStack, PreNormLayer, build_rope,
+                                     pre_norm_layer_part)
 from nanovllm.models.granite_hybrid import GraniteMoeHybridForCausalLM
 
 
-class FalconH1Layer(nn.Module):
+class FalconH1Layer(PreNormLayer):
     def __init__(self, config, rope, quant_config, prefix: str):
         super().__init__()
         self.mamba = Mamba2Mixer(config, quant_config, f"{prefix}.mamba")
@@ -35,15 +36,8 @@ class FalconH1Layer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.mamba(hidden_states) + self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.mamba(hidden_states) + self.self_attn(positions, hidden_states)
 
 
 @describes(FalconH1Layer)
@@ -53,7 +47,7 @@ def _c_layer(layer: FalconH1Layer, c: CDescriber) -> CPart:
     return pre_norm_layer_part(layer, layer.self_attn, c).merged(describe(layer.mamba, c, "its Mamba-2 mixer"))
 
 
-class FalconH1Model(nn.Module):
+class FalconH1Model(LayerStack):
     def __init__(self, config, quant_config: QuantizationConfig | None, prefix: str = "model"):
         super().__init__()
         rope = build_rope(config)
@@ -62,13 +56,6 @@ class FalconH1Model(nn.Module):
         self.layers = nn.ModuleList(FalconH1Layer(config, rope, quant_config, f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 MULTIPLIERS = ("embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier", "attention_out_multiplier",

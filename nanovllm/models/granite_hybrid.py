@@ -23,7 +23,8 @@ from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.mamba2 import Mamba2Mixer, in_proj_parts, is_in_proj, mamba2_inner
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.layers.quantization.base import QuantizationConfig
-from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope, pre_norm_layer_part
+from nanovllm.models.decoder import (DecoderAttention, DecoderForCausalLM, GatedMLP, LayerStack, PreNormLayer, build_rope,
+                                     pre_norm_layer_part)
 from nanovllm.models.moe_block import describe_experts_block, expert_stacked_params
 
 MAMBA, ATTENTION = "mamba", "attention"
@@ -59,11 +60,11 @@ class GraniteMoeBlock(nn.Module):
         return y if self.experts is None else y + self.experts(x, self.gate(x))
 
 
-class GraniteHybridLayer(nn.Module):
+class GraniteHybridLayer(PreNormLayer):
     def __init__(self, config, kind: str, rope, quant_config, prefix: str):
         super().__init__()
         self.kind = kind
-        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        self.branch_scale = float(getattr(config, "residual_multiplier", 1.0))
         if kind == MAMBA:
             self.mamba = Mamba2Mixer(config, quant_config, f"{prefix}.mamba")
         else:
@@ -75,21 +76,11 @@ class GraniteHybridLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.kind == MAMBA:
-            hidden_states = self.mamba(hidden_states)
-        else:
-            hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states * self.residual_multiplier, residual)
-        return self.mlp(hidden_states) * self.residual_multiplier, residual
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.mamba(hidden_states) if self.kind == MAMBA else self.self_attn(positions, hidden_states)
 
 
-class GraniteHybridModel(nn.Module):
+class GraniteHybridModel(LayerStack):
     def __init__(self, config, quant_config: QuantizationConfig | None, prefix: str = "model"):
         super().__init__()
         rope = build_rope(config)
@@ -100,12 +91,8 @@ class GraniteHybridModel(nn.Module):
                                     for i, kind in enumerate(granite_layer_kinds(config)))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids) * self.embedding_multiplier, None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
 
 class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
@@ -188,4 +175,4 @@ def _c_model(model: GraniteMoeHybridForCausalLM, c: CDescriber) -> CModel:
     """Its layers, final norm, embedding and head, with Granite's multipliers."""
     inner = model.model
     return CModel(list(inner.layers), inner.norm, inner.embed_tokens, model.lm_head, inner.embedding_multiplier,
-                  inner.layers[0].residual_multiplier, 1.0 / model.logits_scaling)
+                  inner.layers[0].branch_scale, 1.0 / model.logits_scaling)

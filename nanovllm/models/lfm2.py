@@ -21,7 +21,8 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.short_conv import ShortConv
-from nanovllm.models.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, build_rope, pre_norm_layer_part
+from nanovllm.models.decoder import (DecoderAttention, DecoderForCausalLM, GatedMLP, LayerStack, PreNormLayer, build_rope,
+                                     pre_norm_layer_part)
 from nanovllm.models.glm4_moe import Glm4MoeBlock
 from nanovllm.models.moe_block import expert_stacked_params
 
@@ -56,7 +57,7 @@ def lfm2_mlp_size(config) -> int:
     return size
 
 
-class Lfm2Layer(nn.Module):
+class Lfm2Layer(PreNormLayer):
     def __init__(self, config, layer_idx: int, kind: str, rope, quant_config, prefix: str, make_mlp):
         super().__init__()
         self.kind = kind
@@ -68,18 +69,8 @@ class Lfm2Layer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.kind == CONV:
-            hidden_states = self.conv(hidden_states)
-        else:
-            hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.conv(hidden_states) if self.kind == CONV else self.self_attn(positions, hidden_states)
 
 
 @describes(Lfm2Layer)
@@ -87,7 +78,7 @@ def _c_layer(layer: Lfm2Layer, c: CDescriber) -> CPart:
     return pre_norm_layer_part(layer, layer.conv if layer.kind == CONV else layer.self_attn, c)
 
 
-class Lfm2Model(nn.Module):
+class Lfm2Model(LayerStack):
     def __init__(self, config, quant_config: QuantizationConfig | None, make_mlp, prefix: str = "model"):
         super().__init__()
         rope = build_rope(config)
@@ -96,13 +87,6 @@ class Lfm2Model(nn.Module):
         self.layers = nn.ModuleList(Lfm2Layer(config, i, kind, rope, quant_config, f"{prefix}.layers.{i}", make_mlp)
                                     for i, kind in enumerate(lfm2_layer_types(config)))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 # checkpoint name parts -> ours (in order; the experts' before the dense MLP's)

@@ -19,8 +19,8 @@ from nanovllm.layers.quantization.base import QuantizationConfig
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.loader.weights import load_weights
 from nanovllm.layers.c_description import CDescriber, CPart, describes
-from nanovllm.models.decoder import (DecoderForCausalLM, attention_part, build_rope, gated_mlp, head_dim_of,
-                                     pre_norm_layer_part)
+from nanovllm.models.decoder import (DecoderForCausalLM, LayerStack, PreNormLayer, attention_part, build_rope,
+                                     gated_mlp, head_dim_of, pre_norm_layer_part)
 from nanovllm.models.qwen_moe import MoeMixin
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -75,7 +75,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(o * torch.sigmoid(gate.flatten(1, -1)))
 
 
-class HybridLayer(nn.Module):
+class HybridLayer(PreNormLayer):
     def __init__(self, config, layer_idx: int, kind: str, rotary_emb, quant_config, prefix: str, make_mlp):
         super().__init__()
         self.kind = kind
@@ -87,18 +87,8 @@ class HybridLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.kind == LINEAR:
-            hidden_states = self.linear_attn(hidden_states)
-        else:
-            hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.linear_attn(hidden_states) if self.kind == LINEAR else self.self_attn(positions, hidden_states)
 
 
 @describes(GatedAttention)
@@ -111,7 +101,7 @@ def _c_hybrid_layer(layer: HybridLayer, c: CDescriber) -> CPart:
     return pre_norm_layer_part(layer, layer.linear_attn if layer.kind == LINEAR else layer.self_attn, c)
 
 
-class HybridModel(nn.Module):
+class HybridModel(LayerStack):
     def __init__(self, config, quant_config: QuantizationConfig | None, make_mlp, prefix: str = "model"):
         super().__init__()
         kinds = hybrid_layer_types(config)
@@ -121,13 +111,6 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(HybridLayer(config, i, kind, rope, quant_config, f"{prefix}.layers.{i}", make_mlp)
                                     for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
