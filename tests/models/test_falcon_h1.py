@@ -3,12 +3,10 @@ log-probabilities within 1e-4): a Mamba-2 mixer and attention side by side in ev
 multiplier away from 1 (folded into the weights at load), the mixer's output ungated-normed (no
 norm) or normed before the gate with two groups; prompts past two SSD chunks, whole and chunked
 prefills, a second pass, forced preemption, TP=2; the decode steps in the C one call (counted), or
-each mixer's step one C call, or the torch step. Checked to fail with the multipliers left unfolded, and with the SSM state dropped.
-llama.cpp's falcon-h1 GGUF file (the multipliers folded by its converter)."""
+each mixer's step one C call, or the torch step. Checked to fail with the multipliers left unfolded,
+and with the SSM state dropped. llama.cpp's falcon-h1 GGUF file (the multipliers folded by its
+converter)."""
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +14,10 @@ import torch
 from helpers import save_decisive
 from lora_adapters import assert_like_peft, peft_greedy
 from nanovllm import LLM, SamplingParams
+from state_models import (FP32, check_eager_mamba2_decode, counted, generate, llamacpp_file, mixers,
+                          zeroed_before_each_step)
 
 VOCAB, MAX_NEW = 256, 10
-FP32 = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, cpu_kvcache_bytes=8 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 9, 70, 150)]
@@ -52,11 +51,6 @@ def checkpoint(request, tmp_path_factory):
     return path, peft_greedy(path, None, PROMPTS, MAX_NEW)
 
 
-def mixers(llm):
-    from nanovllm.layers.mamba2 import Mamba2Mixer
-    return [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
-
-
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=40, max_num_seqs=2)], ids=["whole", "chunked"])
 def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch):
     """The decode steps in the C one call (each layer's mixer and attention side by side, their
@@ -67,9 +61,7 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch)
         fused = llm.llm_engine.model_runner.step_runner(FusedDecode)
         assert fused is not None and fused.hybrid and fused.one_call_layers == 3
         assert all(layer.mamba2 and layer.qkv.data for layer in fused.layers)
-        calls = []
-        real = fused.kernels.decode_layers
-        monkeypatch.setattr(fused.kernels, "decode_layers", lambda *args: calls.append(1) or real(*args))
+        calls = counted(monkeypatch, fused.kernels, "decode_layers")
         for attempt in ("first", "second"):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{attempt} pass")
         assert len(calls) >= 2 * (MAX_NEW - 1)
@@ -78,19 +70,7 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch)
 @pytest.mark.parametrize("where", ["c", "torch"])
 def test_the_eager_decode_matches_too(checkpoint, where, monkeypatch):
     """With the one call set aside: each mixer's decode step one C call (counted), or the torch step."""
-    path, refs = checkpoint
-    with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
-        llm.llm_engine.model_runner.step_runners = []
-        layers = mixers(llm)
-        calls = []
-        if where == "torch":
-            for m in layers:
-                m.c_desc = None
-        else:
-            real = layers[0].c_kernels.mamba2_decode
-            monkeypatch.setattr(layers[0].c_kernels, "mamba2_decode", lambda *args: calls.append(1) or real(*args))
-        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{where} decode")
-        assert len(calls) >= (3 * (MAX_NEW - 1) if where == "c" else 0)
+    check_eager_mamba2_decode(*checkpoint, PROMPTS, GREEDY, where, monkeypatch)
 
 
 def test_the_multipliers_matter(checkpoint, monkeypatch):
@@ -104,20 +84,11 @@ def test_the_multipliers_matter(checkpoint, monkeypatch):
 
 
 def test_the_ssm_state_matters(checkpoint, monkeypatch):
-    from nanovllm.engine.llm_engine import LLMEngine
     path, refs = checkpoint
     with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
-        states = [m.state.ssm for m in mixers(llm)]
-        real = LLMEngine.step
-        monkeypatch.setattr(LLMEngine, "step", lambda self: [s.zero_() for s in states] and real(self))
+        zeroed_before_each_step(monkeypatch, [m.state.ssm for m in mixers(llm)])
         with pytest.raises(AssertionError):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "no ssm state")
-
-
-def generate(path: str, batch, **engine) -> tuple[list[list[int]], int]:
-    with LLM(path, **{**FP32, **engine}) as llm:
-        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-        return [o["token_ids"] for o in outs], llm.llm_engine.scheduler.num_preemptions
 
 
 def test_preemption_and_tp2(checkpoint):
@@ -127,16 +98,17 @@ def test_preemption_and_tp2(checkpoint):
     path, _ = checkpoint
     rng = random.Random(1)
     batch = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(4)]
-    want, _ = generate(path, batch)
+    want, _ = generate(path, batch, MAX_NEW)
     with LLM(path, **FP32) as llm:
         slot = sum(m.slot_bytes() for m in mixers(llm))
     # 4 state slots, and 49 blocks of 16 tokens of the three attention layers (K and V, 2 heads of
     # 16, fp32): 8 blocks each at admission, 9 by the end
-    got, preempted = generate(path, batch, max_num_seqs=4, cpu_kvcache_bytes=4 * slot + 33 * (3 * 2 * 16 * 2 * 16 * 4))
+    got, preempted = generate(path, batch, MAX_NEW, max_num_seqs=4,
+                              cpu_kvcache_bytes=4 * slot + 33 * (3 * 2 * 16 * 2 * 16 * 4))
     assert preempted > 0 and got == want
     engine = dict(max_num_batched_tokens=40, max_num_seqs=2)
-    want, _ = generate(path, PROMPTS, **engine)
-    got, _ = generate(path, PROMPTS, tensor_parallel_size=2, **engine)
+    want, _ = generate(path, PROMPTS, MAX_NEW, **engine)
+    got, _ = generate(path, PROMPTS, MAX_NEW, tensor_parallel_size=2, **engine)
     assert got == want
 
 
@@ -151,13 +123,6 @@ def test_llamacpp_gguf_file(tmp_path):
     Falcon-H1's configs have it; the converter folds every multiplier into the weights, and the file
     states none): transformers' tokens and log-probabilities (1e-4)."""
     import transformers
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import llamacpp_build
-    from nanovllm.utils.cache import cache_root
-    llama = llamacpp_build.source_fetched(cache_root())
-    if llama is None:
-        pytest.skip("llama.cpp's converters are not fetched: run `python scripts/llamacpp_build.py --source` "
-                    "(the README's test command does)")
     config = transformers.FalconH1Config(**{**SHAPE, "vocab_size": 151936, **VARIANTS["no-norm"]})
     config.architectures = ["FalconH1ForCausalLM"]
     torch.manual_seed(4)
@@ -173,11 +138,7 @@ def test_llamacpp_gguf_file(tmp_path):
             layer.mamba.conv1d.bias.normal_(0, 0.1)
     hf = str(tmp_path / "hf")
     model.save_pretrained(hf)
-    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / "vocab")
-    out = tmp_path / "f32.gguf"
-    done = subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                           "--outfile", str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = llamacpp_file(tmp_path, hf, "f32")
     prompts = [PROMPTS[1], PROMPTS[2]]
     refs = peft_greedy(hf, None, prompts, MAX_NEW)
     with LLM(str(out), **FP32) as llm:

@@ -3,13 +3,11 @@ transformers (fp32, its torch SSD fallback; greedy tokens and log-probabilities 
 Mamba-2 layers beside attention, MoE blocks with the shared MLP, Granite's multipliers; prompts past
 one and two 64-token SSD chunks, whole and chunked prefills (a chunk split across steps), a second
 pass, forced preemption, TP=2 (one group: B and C whole on each rank, the norm summed across them;
-two groups: split), the decode step in the C one call, in a C call per Mamba-2 layer, in torch. Each checked to fail with the SSM state or
-the conv state dropped between steps. The chunked scan against the one-token rule. llama.cpp's
-granitehybrid GGUF files."""
+two groups: split), the decode step in the C one call, in a C call per Mamba-2 layer, in torch.
+Each checked to fail with the SSM state or the conv state dropped between steps. The chunked scan
+against the one-token rule. llama.cpp's granitehybrid GGUF files."""
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,10 @@ import torch
 from helpers import save_decisive
 from lora_adapters import assert_like_peft, peft_greedy
 from nanovllm import LLM, SamplingParams
+from state_models import (FP32, check_eager_mamba2_decode, counted, generate, llamacpp_file, mixers, without_one_call,
+                          zeroed_before_each_step)
 
 VOCAB, MAX_NEW = 256, 10
-FP32 = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, cpu_kvcache_bytes=8 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 9, 70, 150)]  # past one and two chunks
@@ -56,9 +55,6 @@ def checkpoint(request, tmp_path_factory):
     return path, peft_greedy(path, None, PROMPTS, MAX_NEW)
 
 
-def mixers(llm):
-    from nanovllm.layers.mamba2 import Mamba2Mixer
-    return [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
 
 
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=40, max_num_seqs=2)], ids=["whole", "chunked"])
@@ -72,9 +68,7 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch)
         assert fused is not None and fused.hybrid and fused.one_call_layers == 4
         assert [bool(layer.mamba2) for layer in fused.layers] == [True, False, True, False]
         assert fused.desc.embed_scale == 12.0 and fused.desc.logit_scale == 0.25
-        calls = []
-        real = fused.kernels.decode_layers
-        monkeypatch.setattr(fused.kernels, "decode_layers", lambda *args: calls.append(1) or real(*args))
+        calls = counted(monkeypatch, fused.kernels, "decode_layers")
         for attempt in ("first", "second"):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{attempt} pass")
         assert len(calls) >= 2 * (MAX_NEW - 1)
@@ -82,58 +76,36 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch)
 
 @pytest.mark.parametrize("where", ["c", "torch"])
 def test_the_eager_decode_matches_too(checkpoint, where, monkeypatch):
-    """With the one call set aside: each Mamba-2 layer's decode step one C call (mamba2_decode, its
-    calls counted), or the torch step."""
-    path, refs = checkpoint
-    with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
-        llm.llm_engine.model_runner.step_runners = []
-        layers = mixers(llm)
-        calls = []
-        if where == "torch":
-            for m in layers:
-                m.c_desc = None
-        else:
-            real = layers[0].c_kernels.mamba2_decode
-            monkeypatch.setattr(layers[0].c_kernels, "mamba2_decode", lambda *args: calls.append(1) or real(*args))
-        assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{where} decode")
-        assert len(calls) >= (2 * (MAX_NEW - 1) if where == "c" else 0)
+    check_eager_mamba2_decode(*checkpoint, PROMPTS, GREEDY, where, monkeypatch)
 
 
 @pytest.mark.parametrize("which", ["ssm", "conv"])
 @pytest.mark.parametrize("where", ["one call", "torch"])
 def test_each_state_matters(checkpoint, which, where, monkeypatch):
     """The SSM states, or the conv states, zeroed before each step: not transformers' answers."""
-    from nanovllm.engine.llm_engine import LLMEngine
     path, refs = checkpoint
     with LLM(path, **FP32, max_num_batched_tokens=40, max_num_seqs=2) as llm:
         layers = mixers(llm)
         if where == "torch":
-            llm.llm_engine.model_runner.step_runners = []
+            without_one_call(llm)
             for m in layers:
                 m.c_desc = None
-        states = [getattr(m.state, which) for m in layers]
-        real = LLMEngine.step
-        monkeypatch.setattr(LLMEngine, "step", lambda self: [s.zero_() for s in states] and real(self))
+        zeroed_before_each_step(monkeypatch, [getattr(m.state, which) for m in layers])
         with pytest.raises(AssertionError):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"no {which} state")
-
-
-def generate(path: str, batch, **engine) -> tuple[list[list[int]], int]:
-    with LLM(path, **{**FP32, **engine}) as llm:
-        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-        return [o["token_ids"] for o in outs], llm.llm_engine.scheduler.num_preemptions
 
 
 def test_preemption_recomputes_the_state(checkpoint):
     path, _ = checkpoint
     rng = random.Random(1)
     batch = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(4)]
-    want, _ = generate(path, batch)
+    want, _ = generate(path, batch, MAX_NEW)
     with LLM(path, **FP32) as llm:
         slot = sum(m.slot_bytes() for m in mixers(llm))
     # 4 state slots, and 33 blocks of 16 tokens of the two attention layers (K and V, 2 heads of 16,
     # fp32): 8 blocks each at admission, 9 by the end
-    got, preempted = generate(path, batch, max_num_seqs=4, cpu_kvcache_bytes=4 * slot + 33 * (2 * 2 * 16 * 2 * 16 * 4))
+    got, preempted = generate(path, batch, MAX_NEW, max_num_seqs=4,
+                              cpu_kvcache_bytes=4 * slot + 33 * (2 * 2 * 16 * 2 * 16 * 4))
     assert preempted > 0
     assert got == want
 
@@ -143,8 +115,8 @@ def test_tp2_matches_tp1(checkpoint):
     norm weights) and half the attention heads: one rank's tokens, chunked and mixed."""
     path, _ = checkpoint
     engine = dict(max_num_batched_tokens=40, max_num_seqs=2)
-    want, _ = generate(path, PROMPTS, **engine)
-    got, _ = generate(path, PROMPTS, tensor_parallel_size=2, **engine)
+    want, _ = generate(path, PROMPTS, MAX_NEW, **engine)
+    got, _ = generate(path, PROMPTS, MAX_NEW, tensor_parallel_size=2, **engine)
     assert got == want
 
 
@@ -166,26 +138,13 @@ def test_chunked_scan_matches_the_one_token_rule(length):
     torch.testing.assert_close(state, ref_state[0], rtol=1e-4, atol=1e-4)
 
 
-def llamacpp_file(tmp_path: Path, hf: str, outtype: str) -> Path:
-    """hf written by llama.cpp's convert_hf_to_gguf.py as a granitehybrid file: its config's layer
-    types in the hub's names (mamba / attention, which the converter looks for), the vendored Qwen2
-    tokenizer for its vocabulary step."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import llamacpp_build
-    from nanovllm.utils.cache import cache_root
-    llama = llamacpp_build.source_fetched(cache_root())
-    if llama is None:
-        pytest.skip("llama.cpp's converters are not fetched: run `python scripts/llamacpp_build.py --source` "
-                    "(the README's test command does)")
+def granite_file(tmp_path: Path, hf: str, outtype: str) -> Path:
+    """hf as llama.cpp's converter writes a granitehybrid file: its config's layer types in the hub's
+    names first (mamba / attention, which the converter looks for)."""
     config = json.loads((Path(hf) / "config.json").read_text())
     config["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in config["layer_types"]]
     (Path(hf) / "config.json").write_text(json.dumps(config))
-    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / f"{outtype}-vocab")
-    out = tmp_path / f"{outtype}.gguf"
-    done = subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
-                           "--outfile", str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+    return llamacpp_file(tmp_path, hf, outtype)
 
 
 @pytest.mark.parametrize("experts, outtype", [(4, "f32"), (0, "f32"), (4, "q8_0")], ids=["moe", "dense", "moe-q8_0"])
@@ -216,7 +175,7 @@ def test_llamacpp_gguf_files(tmp_path, experts, outtype):
     model.save_pretrained(hf)
     prompts = [PROMPTS[1], PROMPTS[2]]
     refs = peft_greedy(hf, None, prompts, MAX_NEW)
-    with LLM(str(llamacpp_file(tmp_path, hf, outtype)), **FP32) as llm:
+    with LLM(str(granite_file(tmp_path, hf, outtype)), **FP32) as llm:
         got = llm.llm_engine.config.hf_config
         from nanovllm.models.granite_hybrid import granite_layer_kinds
         assert granite_layer_kinds(got) == ["mamba", "attention"] * 2 and got.position_embedding_type is None

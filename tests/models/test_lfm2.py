@@ -5,8 +5,6 @@ prefills (a prompt's convolution split across steps), a second pass, forced pree
 C one-call decode step and the torch one. Each is checked to fail with the convolution's state
 dropped between steps or the router's bias left out. llama.cpp's lfm2 / lfm2moe GGUF files."""
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,9 @@ import torch
 from helpers import save_decisive
 from lora_adapters import assert_like_peft, peft_greedy
 from nanovllm import LLM, SamplingParams
+from state_models import FP32, counted, generate, llamacpp_file, modules_of, without_one_call, zeroed_before_each_step
 
 VOCAB, MAX_NEW = 256, 12
-FP32 = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, cpu_kvcache_bytes=8 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
 PROMPTS = [[3 + (13 * i + 7 * n) % 250 for i in range(n)] for n in (1, 9, 23, 45)]
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -52,7 +50,7 @@ def checkpoint(request, tmp_path_factory):
 
 def short_convs(llm):
     from nanovllm.layers.short_conv import ShortConv
-    return [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, ShortConv)]
+    return modules_of(llm, ShortConv)
 
 
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=4)], ids=["whole", "chunked"])
@@ -66,9 +64,7 @@ def test_greedy_and_logprobs_match_transformers(checkpoint, engine, monkeypatch)
         assert [bool(layer.short_conv) for layer in fused.layers] == [True, False, True, False]
         if family == "lfm2":  # the adjusted width: int(2 * 96 / 3) = 64, a multiple of 32
             assert llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.input_size == 64
-        calls = []
-        real = fused.kernels.decode_layers
-        monkeypatch.setattr(fused.kernels, "decode_layers", lambda *args: calls.append(1) or real(*args))
+        calls = counted(monkeypatch, fused.kernels, "decode_layers")
         for attempt in ("first", "second"):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, f"{attempt} pass")
         assert len(calls) >= 2 * (MAX_NEW - 1)
@@ -87,7 +83,7 @@ def test_the_torch_steps_match_too(checkpoint):
     """With the C step set aside, the short convolution's torch decode (every sequence's state at once)."""
     _, path, refs = checkpoint
     with LLM(path, **FP32, max_num_batched_tokens=16, max_num_seqs=4) as llm:
-        llm.llm_engine.model_runner.step_runners = []
+        without_one_call(llm)
         assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "torch steps")
 
 
@@ -95,14 +91,11 @@ def test_the_torch_steps_match_too(checkpoint):
 def test_the_convolution_state_matters(checkpoint, where, monkeypatch):
     """Every state slot zeroed before each step (the taps then see only this step's inputs): not
     transformers' answers, with the decode steps in C or in torch."""
-    from nanovllm.engine.llm_engine import LLMEngine
     _, path, refs = checkpoint
     with LLM(path, **FP32, max_num_batched_tokens=16, max_num_seqs=4) as llm:
         if where == "torch":
-            llm.llm_engine.model_runner.step_runners = []
-        states = [conv.state for conv in short_convs(llm)]
-        real = LLMEngine.step
-        monkeypatch.setattr(LLMEngine, "step", lambda self: [s.zero_() for s in states] and real(self))
+            without_one_call(llm)
+        zeroed_before_each_step(monkeypatch, [conv.state for conv in short_convs(llm)])
         with pytest.raises(AssertionError):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "no state")
 
@@ -121,23 +114,18 @@ def test_the_expert_bias_matters(tmp_path):
             assert_like_peft(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs, "no expert bias")
 
 
-def generate(path: str, batch, **engine) -> tuple[list[list[int]], int]:
-    with LLM(path, **{**FP32, **engine}) as llm:
-        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-        return [o["token_ids"] for o in outs], llm.llm_engine.scheduler.num_preemptions
-
-
 def test_preemption_recomputes_the_state(checkpoint):
     """A cache too small for all four at once: sequences preempted and recomputed from their tokens
     (their state slots freed and taken again from zero) give the same tokens."""
     _, path, _ = checkpoint
     rng = random.Random(1)
     batch = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(4)]
-    want, _ = generate(path, batch)
+    want, _ = generate(path, batch, MAX_NEW)
     # 4 slots of 2 conv layers' 64 channels x 2 inputs (fp32), and 33 blocks of 16 tokens of the two
     # attention layers (K and V, 2 heads of 16): 8 blocks each at admission, 9 by the end
     slot = 2 * 64 * 2 * 4
-    got, preempted = generate(path, batch, max_num_seqs=4, cpu_kvcache_bytes=4 * slot + 33 * (2 * 2 * 16 * 2 * 16 * 4))
+    got, preempted = generate(path, batch, MAX_NEW, max_num_seqs=4,
+                              cpu_kvcache_bytes=4 * slot + 33 * (2 * 2 * 16 * 2 * 16 * 4))
     assert preempted > 0
     assert got == want
 
@@ -147,27 +135,9 @@ def test_tp2_matches_tp1(checkpoint):
     out_proj inputs) and half the attention heads: the tokens of one rank, chunked and mixed."""
     _, path, _ = checkpoint
     engine = dict(max_num_batched_tokens=16, max_num_seqs=2)
-    want, _ = generate(path, PROMPTS, **engine)
-    got, _ = generate(path, PROMPTS, tensor_parallel_size=2, **engine)
+    want, _ = generate(path, PROMPTS, MAX_NEW, **engine)
+    got, _ = generate(path, PROMPTS, MAX_NEW, tensor_parallel_size=2, **engine)
     assert got == want
-
-
-def llamacpp_file(tmp_path: Path, outtype: str, hf: str) -> Path:
-    """hf written by llama.cpp's convert_hf_to_gguf.py (its vocabulary step gets the vendored Qwen2
-    tokenizer: llamacpp_build.with_qwen2_tokenizer)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import llamacpp_build
-    from nanovllm.utils.cache import cache_root
-    llama = llamacpp_build.source_fetched(cache_root())
-    if llama is None:
-        pytest.skip("llama.cpp's converters are not fetched: run `python scripts/llamacpp_build.py --source` "
-                    "(the README's test command does)")
-    folder = llamacpp_build.with_qwen2_tokenizer(hf, llama, tmp_path / f"{outtype}-vocab")
-    out = tmp_path / f"{outtype}.gguf"
-    done = subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
-                           "--outfile", str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
 
 
 def q8_0_rounded(model, gguf_path: Path) -> None:
@@ -182,7 +152,8 @@ def q8_0_rounded(model, gguf_path: Path) -> None:
             if p.dim() >= 2 and p.shape[-1] % 32 == 0 and (router_q8 or ".feed_forward.gate." not in name):
                 rows = p.detach().reshape(-1, p.shape[-1]).numpy()
                 blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).reshape(p.shape))
+                rounded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(rounded).reshape(p.shape))
 
 
 @pytest.mark.parametrize("family, outtype", [("lfm2", "f32"), ("lfm2_moe", "q8_0")])
@@ -199,7 +170,7 @@ def test_llamacpp_gguf_files(tmp_path, family, outtype):
                 p.normal_(0, 0.1)
     hf = str(tmp_path / "hf")
     model.save_pretrained(hf)
-    path = llamacpp_file(tmp_path, outtype, hf)
+    path = llamacpp_file(tmp_path, hf, outtype)
     if outtype == "q8_0":
         q8_0_rounded(model, path)
         hf = str(tmp_path / "hf-q8")
