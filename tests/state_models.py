@@ -1,15 +1,47 @@
 """What the tests of the families with state layers share (LFM2, Granite 4.0-H, Falcon-H1: tests/models):
 the engine settings, greedy generation with its preemption count, call counting, the states zeroed
 before each step, the C one call set aside, and llama.cpp's converter writing a checkpoint's file."""
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from helpers import save_decisive
 from nanovllm import LLM, SamplingParams
 
 FP32 = dict(dtype="float32", kv_cache_dtype="float32", kvcache_block_size=16, cpu_kvcache_bytes=8 << 20)
+
+# A tiny Granite 4.0-H (tests/models/test_granite_hybrid.py; the Triton Mamba-2 step's engine test):
+# two Mamba-2 layers (8 heads of 16 x 16, one group) and two attention layers, MoE with the shared
+# MLP, every Granite multiplier away from 1.
+GRANITE_VOCAB = 256
+_rng = random.Random(0)
+GRANITE_PROMPTS = [[_rng.randrange(3, GRANITE_VOCAB) for _ in range(n)] for n in (1, 9, 70, 150)]  # past two chunks
+GRANITE_SHAPE = dict(vocab_size=GRANITE_VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                     num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8,
+                     mamba_n_groups=1, mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
+                     mamba_chunk_size=64, position_embedding_type="rope", embedding_multiplier=12.0, logits_scaling=4.0,
+                     residual_multiplier=0.22, attention_multiplier=0.0078125, max_position_embeddings=512,
+                     eos_token_id=1, bos_token_id=2, pad_token_id=0)
+
+
+def make_granite(path: str, **overrides) -> str:
+    import transformers
+    config = transformers.GraniteMoeHybridConfig(**{**GRANITE_SHAPE, **overrides})
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(3)
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    with torch.no_grad():  # time steps of a useful size (softplus(dt + dt_bias) near 0.1-1), decays of A
+        for layer in model.model.layers:
+            if layer.mamba is not None:
+                layer.mamba.dt_bias.uniform_(-2.0, 0.5)
+                layer.mamba.A_log.uniform_(-1.0, 1.0)
+                layer.mamba.D.normal_(1.0, 0.3)
+    return save_decisive(model, path, GRANITE_VOCAB)
 
 
 def generate(path: str, batch, max_new: int, **engine) -> tuple[list[list[int]], int]:

@@ -62,7 +62,7 @@ class LLMEngine:
                                    spec.disable_by_batch_size if spec else 0, tier)
         self.connector = TierConnector(tier, self.scheduler, runner) if tier is not None else None
         if runner.num_state_slots and config.enable_prefix_caching:
-            logger.info("prefix caching is off: this model's state layers (linear attention, short convolutions) keep "
+            logger.info("prefix caching is off: this model's state layers (linear attention, convolutions, Mamba-2) keep "
                         "a state per sequence, not per block")
         if config.speculative_config is not None:
             from nanovllm.spec_decode.build import build_speculator

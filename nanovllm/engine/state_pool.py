@@ -1,5 +1,6 @@
 """StatePool: the state layers' slots (layers/sequence_state.py: linear attention, short
-convolutions), one per sequence holding blocks; the KV cache manager admits a sequence only with a free one."""
+convolutions, Mamba-2), one per sequence holding blocks; the KV cache manager admits a sequence only
+with a free one."""
 
 
 class StatePool:

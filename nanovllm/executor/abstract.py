@@ -24,7 +24,7 @@ class Executor(ABC):
 
     # ---- what the cache holds (the scheduler's block tables, the start-up line) -----------------
     kv_groups: "list[KVGroup]"  # the layers' KV groups (engine/kv_groups.py): one block table each
-    num_state_slots: int  # slots of the state layers (linear attention, short convolutions; 0 without)
+    num_state_slots: int  # slots of the state layers (linear attention, convolutions, Mamba-2; 0 without)
     # What keeps a faster step path (the CPU's C step) off some steps, for the start-up summary's WARNING.
     step_notes: list[str]
     weight_bytes: int  # the bytes this rank holds its weights in, each tensor once (the start-up summary)

@@ -1,4 +1,4 @@
-"""The state layers' slots (layers/sequence_state.py: Gated DeltaNet, short convolutions) beside
+"""The state layers' slots (layers/sequence_state.py: Gated DeltaNet, convolutions, Mamba-2) beside
 the paged KV cache: one slot per sequence the scheduler admits (the KVCacheManager hands them out),
 each holding every state layer's state; ModelRunner allocates them from its memory budget and
 builds each step's StateBatch."""
@@ -21,7 +21,7 @@ class StateCache:
         self.layers = [m for m in model.modules() if isinstance(m, SequenceStateLayer)]
         if self.layers and config.speculative_config is not None:
             raise ValueError("speculative decoding is not supported for models with state layers (linear "
-                             "attention, short convolutions: a rejected proposal would have to roll their state back)")
+                             "attention, convolutions, Mamba-2: a rejected proposal would have to roll their state back)")
         self.config = config
         self.num_slots = 0
 
@@ -43,7 +43,8 @@ class StateCache:
             raise ValueError(f"not even one sequence-state slot ({per_slot} bytes) fits half the memory "
                              f"budget ({budget} bytes); raise cpu_kvcache_bytes / gpu_memory_utilization")
         if slots < self.config.max_num_seqs and rank == 0:
-            logger.info("sequence state (linear attention, short convolutions) for %d sequences at once (max_num_seqs %d): half the KV budget",
+            logger.info("sequence state (linear attention, convolutions, Mamba-2) for %d sequences at once "
+                        "(max_num_seqs %d): half the KV budget",
                         slots, self.config.max_num_seqs)
         for layer in self.layers:
             layer.attach_state(layer.new_state(slots, device), c_kernels, triton)

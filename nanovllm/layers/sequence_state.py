@@ -1,5 +1,5 @@
 """Layers that keep a fixed-size state per sequence instead of a KV cache (the hybrids' Gated
-DeltaNet, LFM2's short convolutions): what each describes of itself to the state cache
+DeltaNet, LFM2's short convolutions, Mamba-2 mixers): what each describes of itself to the state cache
 (executor/state_cache.py), and the batch view of a step they read (Context.state). A sequence's
 state lives in a slot of its own, handed out by the KV cache manager (engine/state_pool.py) when
 the sequence is admitted; its first step starts from zero state, so a reused slot never leaks."""

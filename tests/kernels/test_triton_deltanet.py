@@ -87,9 +87,10 @@ def test_mamba2_step_matches_torch(heads, p, n):
     slots = torch.tensor([3, 0, 4])
     batch = len(slots)
     state = torch.randn(5, heads, p, n, generator=g)
-    x, B, C = torch.randn(batch, heads, p, generator=g), torch.randn(batch, heads, n, generator=g), \
-        torch.randn(batch, heads, n, generator=g)
-    dt, A, D = torch.rand(batch, heads, generator=g), -torch.rand(heads, generator=g) * 2, torch.randn(heads, generator=g)
+    x = torch.randn(batch, heads, p, generator=g)
+    B, C = torch.randn(batch, heads, n, generator=g), torch.randn(batch, heads, n, generator=g)
+    dt, A = torch.rand(batch, heads, generator=g), -torch.rand(heads, generator=g) * 2
+    D = torch.randn(heads, generator=g)
     want_state = state.clone()
     rows = want_state[slots]
     want = ssd_step(rows, x, dt, A, B, C) + D[:, None] * x
@@ -104,10 +105,7 @@ def test_mamba2_step_matches_torch(heads, p, n):
 def test_granite_engine_decodes_through_the_mamba2_kernel(tmp_path):
     """A tiny Granite 4.0-H's decode steps with its Mamba-2 layers' state update on the Triton step
     (the C kernel set aside): the torch path's greedy tokens."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-    from test_granite_hybrid import PROMPTS, make
+    from state_models import GRANITE_PROMPTS as PROMPTS, make_granite as make
     from nanovllm import LLM, SamplingParams
     import nanovllm.kernels.triton_deltanet as module
     path = make(str(tmp_path / "granite"))

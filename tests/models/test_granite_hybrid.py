@@ -13,40 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import save_decisive
 from lora_adapters import assert_like_peft, peft_greedy
 from nanovllm import LLM, SamplingParams
-from state_models import (FP32, check_eager_mamba2_decode, counted, generate, llamacpp_file, mixers, without_one_call,
+from state_models import (FP32, GRANITE_PROMPTS as PROMPTS, GRANITE_SHAPE as SHAPE, check_eager_mamba2_decode, counted,
+                          generate, llamacpp_file, make_granite as make, mixers, without_one_call,
                           zeroed_before_each_step)
 
 VOCAB, MAX_NEW = 256, 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
-_rng = random.Random(0)
-PROMPTS = [[_rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 9, 70, 150)]  # past one and two chunks
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-             layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8, mamba_n_groups=1,
-             mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
-             position_embedding_type="rope", embedding_multiplier=12.0, logits_scaling=4.0, residual_multiplier=0.22,
-             attention_multiplier=0.0078125, max_position_embeddings=512, eos_token_id=1, bos_token_id=2,
-             pad_token_id=0)
-
-
-def make(path: str, **overrides) -> str:
-    import transformers
-    config = transformers.GraniteMoeHybridConfig(**{**SHAPE, **overrides})
-    config.architectures = ["GraniteMoeHybridForCausalLM"]
-    torch.manual_seed(3)
-    model = transformers.GraniteMoeHybridForCausalLM(config)
-    with torch.no_grad():  # time steps of a useful size (softplus(dt + dt_bias) near 0.1-1), decays of A
-        for layer in model.model.layers:
-            if layer.mamba is not None:
-                layer.mamba.dt_bias.uniform_(-2.0, 0.5)
-                layer.mamba.A_log.uniform_(-1.0, 1.0)
-                layer.mamba.D.normal_(1.0, 0.3)
-    return save_decisive(model, path, VOCAB)
-
-
 @pytest.fixture(scope="module", params=["groups1", "groups2"])
 def checkpoint(request, tmp_path_factory):
     extra = dict(mamba_n_groups=2) if request.param == "groups2" else dict(num_local_experts=0,
