@@ -48,6 +48,13 @@ GLM4_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_
 LFM2_BENCH = dict(hidden_size=1536, intermediate_size=6912, block_auto_adjust_ff_dim=False, num_hidden_layers=16,
                   num_attention_heads=24, num_key_value_heads=8, conv_L_cache=3, full_attn_idxs=[2, 5, 8, 10, 12, 14],
                   vocab_size=151936, max_position_embeddings=128000, norm_eps=1e-5, tie_word_embeddings=True)
+# LFM2-8B-A1B's kind (its layer pattern: 6 attention layers among 16 here, the first 2 dense, then 32
+# experts of which 4 a token under the biased sigmoid router) at a size this bench's machines hold.
+LFM2_MOE_BENCH = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=512, num_experts=32,
+                      num_experts_per_tok=4, num_dense_layers=2, num_hidden_layers=16, num_attention_heads=12,
+                      num_key_value_heads=4, conv_L_cache=3,
+                      layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+                      vocab_size=151936, max_position_embeddings=128000, norm_eps=1e-5, tie_word_embeddings=True)
 # Granite-4.0-H-350M's kind (Mamba-2 layers with attention at every 8th, no experts, no rotary,
 # Granite's multipliers) with the Qwen2 vocabulary the GGUF converter's tokenizer step knows.
 GRANITE_HYBRID_BENCH = dict(hidden_size=768, shared_intermediate_size=2048, intermediate_size=2048, num_local_experts=0,
@@ -158,6 +165,10 @@ def random_glm4_moe_checkpoint() -> str:
 
 def random_lfm2_checkpoint() -> str:
     return random_checkpoint("lfm2-700m", "Lfm2", LFM2_BENCH)
+
+
+def random_lfm2_moe_checkpoint() -> str:
+    return random_checkpoint("lfm2-moe", "Lfm2Moe", LFM2_MOE_BENCH)
 
 
 def random_granite_hybrid_checkpoint() -> str:

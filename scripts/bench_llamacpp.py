@@ -66,7 +66,8 @@ for _preset in MORE_QUANTS:
 OUR_DTYPES = {"ours": "float32", "ours_bf16": "bfloat16"}
 FILE_ROWS = tuple(llamacpp_build.PRESETS)
 RSS_COLUMNS = ("after load", "after the largest batch")
-MODELS = ("default", "qwen3", "qwen3-moe", "gpt-oss", "qwen3.5", "smollm3", "glm4.5", "lfm2", "granite4h", "falcon-h1")
+MODELS = ("default", "qwen3", "qwen3-moe", "gpt-oss", "qwen3.5", "smollm3", "glm4.5", "lfm2", "lfm2-moe", "granite4h",
+          "falcon-h1")
 
 
 def model_folder(name: str) -> str:
@@ -89,6 +90,8 @@ def model_folder(name: str) -> str:
         return bench.random_glm4_moe_checkpoint()
     if name == "lfm2":
         return bench.random_lfm2_checkpoint()
+    if name == "lfm2-moe":
+        return bench.random_lfm2_moe_checkpoint()
     if name == "granite4h":
         return bench.random_granite_hybrid_checkpoint()
     if name == "falcon-h1":
@@ -390,8 +393,8 @@ def parse_args() -> argparse.Namespace:
                    "GPT-OSS shape in MXFP4: 24 layers, 32 experts, 4 active, hidden 1024; with --formats mxfp4), qwen3.5 "
                    "(random, Qwen3.5-0.8B's hybrid shape: 18 Gated DeltaNet and 6 full-attention layers), smollm3 (random, "
                    "SmolLM3's NoPE layers at Qwen3-0.6B's size), glm4.5 (random, GLM-4.5-Air's kind at qwen3-moe's size), "
-                   "lfm2 (random, LFM2-700M's shape), granite4h (random, Granite-4.0-H-350M's kind), falcon-h1 "
-                   "(random, Falcon-H1-0.5B's shape)")
+                   "lfm2 (random, LFM2-700M's shape), lfm2-moe (random, LFM2-8B-A1B's kind, smaller), granite4h "
+                   "(random, Granite-4.0-H-350M's kind), falcon-h1 (random, Falcon-H1-0.5B's shape)")
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--threads", type=int, default=cores, help="default: every core")
