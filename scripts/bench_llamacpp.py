@@ -66,8 +66,13 @@ for _preset in MORE_QUANTS:
 OUR_DTYPES = {"ours": "float32", "ours_bf16": "bfloat16"}
 FILE_ROWS = tuple(llamacpp_build.PRESETS)
 RSS_COLUMNS = ("after load", "after the largest batch")
-MODELS = ("default", "qwen3", "qwen3-moe", "gpt-oss", "qwen3.5", "smollm3", "glm4.5", "lfm2", "lfm2-moe", "granite4h",
-          "falcon-h1")
+# The --models names of bench.py's random checkpoints, each its builder there (built once, cached).
+RANDOM_BUILDERS = {"qwen3": "random_qwen3_checkpoint", "qwen3-moe": "random_qwen3_moe_checkpoint",
+                 "gpt-oss": "random_gpt_oss_mxfp4_checkpoint", "qwen3.5": "random_qwen3_5_checkpoint",
+                 "smollm3": "random_smollm3_checkpoint", "glm4.5": "random_glm4_moe_checkpoint",
+                 "lfm2": "random_lfm2_checkpoint", "lfm2-moe": "random_lfm2_moe_checkpoint",
+                 "granite4h": "random_granite_hybrid_checkpoint", "falcon-h1": "random_falcon_h1_checkpoint"}
+MODELS = ("default", *RANDOM_BUILDERS)
 
 
 def model_folder(name: str) -> str:
@@ -75,28 +80,10 @@ def model_folder(name: str) -> str:
     if name == "default":
         from nanovllm.utils.default_model import default_model_path
         return default_model_path()
+    if name not in RANDOM_BUILDERS:
+        raise ValueError(f"--models takes {', '.join(MODELS)}, got {name!r}")
     import bench  # the repo root's bench.py owns the random checkpoints
-    if name == "qwen3":
-        return bench.random_qwen3_checkpoint()
-    if name == "qwen3-moe":
-        return bench.random_qwen3_moe_checkpoint()
-    if name == "gpt-oss":
-        return bench.random_gpt_oss_mxfp4_checkpoint()
-    if name == "qwen3.5":
-        return bench.random_qwen3_5_checkpoint()
-    if name == "smollm3":
-        return bench.random_smollm3_checkpoint()
-    if name == "glm4.5":
-        return bench.random_glm4_moe_checkpoint()
-    if name == "lfm2":
-        return bench.random_lfm2_checkpoint()
-    if name == "lfm2-moe":
-        return bench.random_lfm2_moe_checkpoint()
-    if name == "granite4h":
-        return bench.random_granite_hybrid_checkpoint()
-    if name == "falcon-h1":
-        return bench.random_falcon_h1_checkpoint()
-    raise ValueError(f"--models takes {', '.join(MODELS)}, got {name!r}")
+    return getattr(bench, RANDOM_BUILDERS[name])()
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------------

@@ -203,15 +203,20 @@ def glm4moe_config(file, a: str, kwargs: dict) -> dict:
                 partial_rotary_factor=rotary / kwargs["head_dim"])
 
 
+def layer_kinds(file, a: str, layers: int, stateful: str, attention: str) -> list[str]:
+    """Each layer's kind where a file gives its KV heads per layer (LFM2's, Granite 4.0-H's): a 0 entry
+    is a layer without attention (stateful), any other an attention layer."""
+    kv = file.field(f"{a}.attention.head_count_kv")
+    return [stateful if n == 0 else attention for n in (kv if isinstance(kv, list) else [kv] * layers)][:layers]
+
+
 def lfm2_config(file, a: str, kwargs: dict) -> dict:
     """An LFM2 file's settings: each layer's kind, the convolution's taps, LFM2-MoE's experts (a
     sigmoid router with the bias in its choice, renormalized; expert_weights_scale where given)."""
     if file.field(f"{a}.attention.sliding_window", 0):
         raise ValueError(f"{file.path!r}: an {a} file with sliding-window attention layers is not supported")
-    kv = file.field(f"{a}.attention.head_count_kv")
-    layers = kwargs["num_hidden_layers"]
-    kinds = ["conv" if n == 0 else "full_attention" for n in (kv if isinstance(kv, list) else [kv] * layers)]
-    out = dict(layer_types=kinds[:layers], conv_L_cache=int(file.field(f"{a}.shortconv.l_cache")),
+    kinds = layer_kinds(file, a, kwargs["num_hidden_layers"], "conv", "full_attention")
+    out = dict(layer_types=kinds, conv_L_cache=int(file.field(f"{a}.shortconv.l_cache")),
                block_auto_adjust_ff_dim=False, norm_eps=kwargs["rms_norm_eps"])
     if a == "lfm2moe":
         gating = file.field(f"{a}.expert_gating_func", 2)
@@ -240,12 +245,10 @@ def mamba2_config(file, a: str, first: int | None) -> dict:
 def granite_hybrid_config(file, a: str, kwargs: dict) -> dict:
     """A Granite 4.0-H file's settings: each layer's mixer, the Mamba-2 shapes, Granite's multipliers,
     rotary only where the file asks for it (llama.cpp's rope.scaling.finetuned), the experts."""
-    kv = file.field(f"{a}.attention.head_count_kv")
-    layers = kwargs["num_hidden_layers"]
-    kinds = ["mamba" if n == 0 else "attention" for n in (kv if isinstance(kv, list) else [kv] * layers)]
+    kinds = layer_kinds(file, a, kwargs["num_hidden_layers"], "mamba", "attention")
     experts = int(file.field(f"{a}.expert_count", 0) or 0)
     first = next((i for i, kind in enumerate(kinds) if kind == "mamba"), None)
-    out = dict(layer_types=kinds[:layers], **mamba2_config(file, a, first), num_local_experts=experts,
+    out = dict(layer_types=kinds, **mamba2_config(file, a, first), num_local_experts=experts,
                attention_multiplier=float(file.field(f"{a}.attention.scale", 0.0) or 0.0) or None,
                embedding_multiplier=float(file.field(f"{a}.embedding_scale", 1.0)),
                residual_multiplier=float(file.field(f"{a}.residual_scale", 1.0)),

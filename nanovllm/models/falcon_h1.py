@@ -70,7 +70,7 @@ def falcon_scales(config, name: str, tensor: torch.Tensor) -> torch.Tensor:
         inner = mamba2_inner(config)
         bc = int(config.mamba_n_groups) * int(config.mamba_d_state)
         sizes = [inner, inner, bc, bc, tensor.shape[0] - 2 * inner - 2 * bc]
-        rows = torch.tensor([m for m, n in zip(get("ssm_multipliers", [1.0] * 5), sizes) for _ in range(n)])
+        rows = torch.tensor(get("ssm_multipliers", [1.0] * 5)).repeat_interleave(torch.tensor(sizes))
         return tensor * (rows.view(-1, *[1] * (tensor.dim() - 1)) * get("ssm_in_multiplier")).to(tensor.dtype)
     scale = {".mamba.out_proj.": get("ssm_out_multiplier"), ".self_attn.q_proj.": attn_in,
              ".self_attn.k_proj.": attn_in * get("key_multiplier"), ".self_attn.v_proj.": attn_in,
